@@ -1,0 +1,405 @@
+"""Typed configuration: TOML sections, `--section.key value` overrides, validation in one place.
+
+Every check of a config happens in `validate()`, before any process group exists. A bad
+value raises `ConfigError`, whose message is one line naming the key, the value and the fix;
+the CLI prints it and exits with code 2.
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fivefold.models.presets import PRESETS, ModelConfig, preset
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem: one line, naming the key and the fix."""
+
+
+@dataclass
+class ModelSection:
+    preset: str = "tiny"
+    hf_path: str = ""  # a local Hugging Face checkpoint directory (config.json + safetensors)
+    # Any ModelConfig field may be overridden here (hidden_size, num_layers, ...).
+    overrides: dict = field(default_factory=dict)
+
+    def resolve(self) -> ModelConfig:
+        """The model shape: the preset (or the HF config.json) with the overrides applied."""
+        if self.hf_path:
+            from fivefold.models.hf_config import model_config_from_hf
+
+            base = model_config_from_hf(Path(self.hf_path) / "config.json")
+        else:
+            base = preset(self.preset)
+        return base.replace(**self.overrides) if self.overrides else base
+
+
+@dataclass
+class ParallelSection:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0  # 0: plain DP; 1, 2, 3: ZeRO stages
+    offload: bool = False  # fp32 master weights and optimizer states on CPU
+    sp: bool = False  # sequence parallelism (needs tp > 1)
+    mbs: int = 1  # micro-batch size, in sequences
+    schedule: str = "1f1b"  # afab | 1f1b | interleaved | zb | dualpipev
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules)
+    bucket_mb: float = 25.0  # gradient bucket size for DP reduction, in MB
+    timeout_s: float = 300.0  # a collective waiting longer than this fails the run
+    backend: str = "auto"  # auto | gloo | nccl
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+@dataclass
+class TrainSection:
+    steps: int = 300
+    gbs: int = 16  # global batch, in sequences
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 30
+    lr_schedule: str = "cosine"  # cosine | linear | wsd | constant
+    decay_fraction: float = 0.2  # wsd: the share of steps spent decaying
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    recompute: str = "none"  # none | selective | full
+    seed: int = 1234
+    deterministic: bool = False
+    device: str = "auto"  # auto | cpu | cuda
+    eval_every: int = 100  # 0 disables validation
+    eval_batches: int = 4
+    compile: bool = False
+
+
+@dataclass
+class DataSection:
+    path: str = ""  # a token file from `fivefold prepare`; empty: the bundled corpus
+    val_fraction: float = 0.05
+    tokenizer: str = "byte"  # byte, or the path of a tokenizer.json
+
+
+@dataclass
+class CheckpointSection:
+    dir: str = "runs/default/checkpoints"
+    every: int = 100  # 0: only at the end
+    keep: int = 2
+    resume: str = ""  # "", "latest", or a checkpoint directory
+
+
+@dataclass
+class LogSection:
+    dir: str = "runs/default"
+    every: int = 10
+    progress: bool = True
+    tensorboard: bool = True
+    ledger: bool = False  # print a per-step summary of the communication ledger
+    peak_tflops: float = 0.0  # 0: take the device's peak from the hardware table
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    data: DataSection = field(default_factory=DataSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log: LogSection = field(default_factory=LogSection)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["model"] = {"preset": self.model.preset, "hf_path": self.model.hf_path,
+                        **self.model.overrides}
+        return out
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+# Values that later dimensions will implement; until then they are refused with this word.
+NOT_AVAILABLE: dict[str, str] = {
+    "parallel.cp": "context parallelism is not available yet; set parallel.cp = 1",
+    "parallel.ep": "expert parallelism is not available yet; set parallel.ep = 1",
+}
+
+
+def _section_class(name: str):
+    return {
+        "model": ModelSection, "parallel": ParallelSection, "train": TrainSection,
+        "data": DataSection, "checkpoint": CheckpointSection, "log": LogSection,
+    }[name]
+
+
+def _suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _coerce(key: str, value, typ):
+    """Convert a TOML or command-line value to the field's type, or raise ConfigError."""
+    if isinstance(typ, str):
+        typ = eval(typ, {"dict": dict, "float": float, "int": int, "str": str, "bool": bool,
+                         "None": type(None)})
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value is None or value == "none":
+            return None
+        typ = args[0]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key} = {value!r} is not a boolean; use true or false")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r} is not an integer; give a whole number")
+        try:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} = {value!r} is not an integer; give a whole number") from None
+    if typ is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r} is not a number; give a number such as 3e-4")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"{key} = {value!r} is not a number; give a number such as 3e-4") from None
+    if typ is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r} is not a string; quote it")
+        return str(value)
+    if typ is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} = {value!r} is not a table")
+        return value
+    return value
+
+
+def _model_override(key: str, value):
+    from fivefold.models.presets import MODEL_FIELDS
+
+    if key not in MODEL_FIELDS or key == "name":
+        allowed = ["preset", "hf_path", *MODEL_FIELDS]
+        raise ConfigError(f"unknown key model.{key}{_suggest(key, allowed)}; "
+                          f"model takes preset, hf_path or a model field")
+    return _coerce(f"model.{key}", value, MODEL_FIELDS[key].type)
+
+
+def set_value(cfg: Config, dotted: str, value) -> None:
+    """Set `section.key` on cfg from a TOML or command-line value, with type checks."""
+    if "." not in dotted:
+        raise ConfigError(f"override '{dotted}' needs the form --section.key value; "
+                          f"sections: {', '.join(SECTIONS)}")
+    section, key = dotted.split(".", 1)
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown section '{section}'{_suggest(section, SECTIONS)}; "
+                          f"sections: {', '.join(SECTIONS)}")
+    obj = getattr(cfg, section)
+    if section == "model" and key not in ("preset", "hf_path"):
+        obj.overrides[key] = _model_override(key, value)
+        return
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    if key not in fields or key == "overrides":
+        names = [n for n in fields if n != "overrides"]
+        raise ConfigError(f"unknown key {section}.{key}{_suggest(key, names)}; "
+                          f"{section} takes: {', '.join(names)}")
+    setattr(obj, key, _coerce(dotted, value, fields[key].type))
+
+
+def from_dict(data: dict, cfg: Config | None = None) -> Config:
+    cfg = cfg or Config()
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section [{section}]{_suggest(section, SECTIONS)}; "
+                              f"sections: {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"'{section}' must be a [section] table, not a value")
+        for key, value in values.items():
+            set_value(cfg, f"{section}.{key}", value)
+    return cfg
+
+
+def load(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (optional), apply `--section.key value` overrides, validate."""
+    cfg = Config()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist; give the path of a .toml file")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p} is not valid TOML ({e}); fix the syntax") from None
+        from_dict(data, cfg)
+    apply_overrides(cfg, overrides or [])
+    validate(cfg)
+    return cfg
+
+
+def apply_overrides(cfg: Config, args: list[str]) -> None:
+    """Apply ['--train.lr', '1e-3', '--parallel.dp=2', ...] to cfg."""
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}'; overrides look like --train.lr 1e-3")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {arg} has no value; write {arg} VALUE")
+            key, value = arg[2:], args[i + 1]
+            i += 2
+        set_value(cfg, key, value)
+
+
+def _choice(key: str, value: str, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} = '{value}' is not one of {', '.join(choices)}"
+                          f"{_suggest(value, choices)}")
+
+
+def _positive(key: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key} = {value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def validate(cfg: Config) -> None:
+    """Every check of a config, in one place. Raises ConfigError with a one-line fix."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
+    if not m.hf_path and m.preset.lower() not in PRESETS:
+        raise ConfigError(f"model.preset = '{m.preset}' is unknown{_suggest(m.preset, PRESETS)};"
+                          f" known presets: {', '.join(PRESETS)}")
+    if m.hf_path and not (Path(m.hf_path) / "config.json").is_file():
+        raise ConfigError(f"model.hf_path = '{m.hf_path}' has no config.json; give a Hugging "
+                          f"Face checkpoint directory")
+    mc = m.resolve()
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "max_seq_len"):
+        _positive(f"model.{name}", getattr(mc, name))
+    if mc.num_heads % mc.num_kv_heads:
+        raise ConfigError(f"model.num_heads = {mc.num_heads} is not a multiple of "
+                          f"model.num_kv_heads = {mc.num_kv_heads}; pick kv heads dividing it")
+    if mc.head_dim is None and mc.hidden_size % mc.num_heads:
+        raise ConfigError(f"model.hidden_size = {mc.hidden_size} is not divisible by "
+                          f"model.num_heads = {mc.num_heads}; set model.head_dim or change them")
+    if mc.dim_per_head % 2:
+        raise ConfigError(f"head dimension {mc.dim_per_head} is odd; RoPE needs an even one")
+    _choice("model.mlp", mc.mlp, ("swiglu", "gelu"))
+    _choice("model.norm", mc.norm, ("rmsnorm", "layernorm"))
+
+    for name in ("dp", "tp", "pp", "cp", "ep", "mbs", "virtual_stages"):
+        _positive(f"parallel.{name}", getattr(par, name))
+    for key, why in NOT_AVAILABLE.items():
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) != 1:
+            raise ConfigError(f"{key} = {getattr(getattr(cfg, section), name)}: {why}")
+    if par.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero = {par.zero} is not a ZeRO stage; use 0, 1, 2 or 3")
+    _choice("parallel.schedule", par.schedule, ("afab", "1f1b", "interleaved", "zb", "dualpipev"))
+    _choice("parallel.backend", par.backend, ("auto", "gloo", "nccl"))
+    if par.sp and par.tp == 1:
+        raise ConfigError("parallel.sp = true needs parallel.tp > 1; set parallel.tp or sp=false")
+    if par.tp > 1:
+        if mc.num_heads % par.tp:
+            raise ConfigError(f"parallel.tp = {par.tp} does not divide model.num_heads = "
+                              f"{mc.num_heads}; pick a tp that divides the heads")
+        if mc.intermediate_size % par.tp:
+            raise ConfigError(f"parallel.tp = {par.tp} does not divide model.intermediate_size ="
+                              f" {mc.intermediate_size}; pick a tp that divides it")
+        if mc.num_kv_heads % par.tp and par.tp % mc.num_kv_heads:
+            raise ConfigError(f"parallel.tp = {par.tp} and model.num_kv_heads = "
+                              f"{mc.num_kv_heads}: one must divide the other")
+    if par.sp and tr.seq_len % par.tp:
+        raise ConfigError(f"train.seq_len = {tr.seq_len} is not divisible by parallel.tp = "
+                          f"{par.tp}, which sequence parallelism needs")
+    if par.pp > 1 and par.pp * par.virtual_stages > mc.num_layers:
+        raise ConfigError(f"parallel.pp × virtual_stages = {par.pp * par.virtual_stages} is more "
+                          f"stages than model.num_layers = {mc.num_layers}; lower pp")
+    if par.virtual_stages > 1 and par.schedule not in ("interleaved",):
+        raise ConfigError(f"parallel.virtual_stages = {par.virtual_stages} needs "
+                          f"parallel.schedule = 'interleaved'")
+    if par.bucket_mb <= 0:
+        raise ConfigError(f"parallel.bucket_mb = {par.bucket_mb} must be > 0")
+
+    _positive("train.steps", tr.steps)
+    _positive("train.gbs", tr.gbs)
+    _positive("train.seq_len", tr.seq_len)
+    if tr.seq_len > mc.max_seq_len:
+        raise ConfigError(f"train.seq_len = {tr.seq_len} exceeds model.max_seq_len = "
+                          f"{mc.max_seq_len}; lower seq_len or raise max_seq_len")
+    if tr.gbs % (par.mbs * par.dp):
+        raise ConfigError(f"train.gbs = {tr.gbs} is not divisible by parallel.mbs × parallel.dp ="
+                          f" {par.mbs * par.dp}; make gbs a multiple of it")
+    num_micro = tr.gbs // (par.mbs * par.dp)
+    if par.pp > 1 and par.schedule == "interleaved" and num_micro % par.pp:
+        raise ConfigError(f"interleaved schedule needs micro-batches ({num_micro}) to be a "
+                          f"multiple of parallel.pp = {par.pp}; change gbs or mbs")
+    if par.pp > 1 and par.schedule == "dualpipev" and num_micro < 2 * par.pp:
+        raise ConfigError(f"dualpipev needs at least 2·pp = {2 * par.pp} micro-batches, got "
+                          f"{num_micro}; raise gbs or lower mbs")
+    if tr.lr <= 0:
+        raise ConfigError(f"train.lr = {tr.lr} must be > 0")
+    if tr.min_lr < 0 or tr.min_lr > tr.lr:
+        raise ConfigError(f"train.min_lr = {tr.min_lr} must lie in [0, train.lr = {tr.lr}]")
+    _positive("train.warmup_steps", tr.warmup_steps, allow_zero=True)
+    if tr.warmup_steps > tr.steps:
+        raise ConfigError(f"train.warmup_steps = {tr.warmup_steps} exceeds train.steps = "
+                          f"{tr.steps}; lower the warmup")
+    _choice("train.lr_schedule", tr.lr_schedule, ("cosine", "linear", "wsd", "constant"))
+    if not 0 <= tr.decay_fraction <= 1:
+        raise ConfigError(f"train.decay_fraction = {tr.decay_fraction} must lie in [0, 1]")
+    _choice("train.precision", tr.precision, ("auto", "fp32", "bf16", "fp16"))
+    _choice("train.recompute", tr.recompute, ("none", "selective", "full"))
+    _choice("train.device", tr.device, ("auto", "cpu", "cuda"))
+    if not 0 <= tr.beta1 < 1 or not 0 <= tr.beta2 < 1:
+        raise ConfigError("train.beta1 and train.beta2 must lie in [0, 1)")
+    _positive("train.grad_clip", tr.grad_clip, allow_zero=True)
+    _positive("train.weight_decay", tr.weight_decay, allow_zero=True)
+    _positive("train.eval_every", tr.eval_every, allow_zero=True)
+
+    d = cfg.data
+    if d.path and not Path(d.path).exists():
+        raise ConfigError(f"data.path = '{d.path}' does not exist; run `fivefold prepare` to make "
+                          f"a token file, or leave data.path empty for the bundled corpus")
+    if not 0 <= d.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction = {d.val_fraction} must lie in [0, 1)")
+    if d.tokenizer != "byte" and not Path(d.tokenizer).is_file():
+        raise ConfigError(f"data.tokenizer = '{d.tokenizer}' is neither 'byte' nor a "
+                          f"tokenizer.json file")
+    ck = cfg.checkpoint
+    _positive("checkpoint.every", ck.every, allow_zero=True)
+    _positive("checkpoint.keep", ck.keep)
+    if ck.resume not in ("", "latest") and not Path(ck.resume).is_dir():
+        raise ConfigError(f"checkpoint.resume = '{ck.resume}' is not a checkpoint directory; "
+                          f"use 'latest' or a path under checkpoint.dir")
+    _positive("log.every", cfg.log.every)

@@ -1,0 +1,1 @@
+"""Plain PyTorch models. They know nothing of parallelism."""
