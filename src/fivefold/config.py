@@ -76,7 +76,7 @@ class TrainSection:
     seq_len: int = 128
     lr: float = 3e-3
     min_lr: float = 3e-4
-    warmup_steps: int = 30
+    warmup_steps: int = 30  # capped at 10% of train.steps
     lr_schedule: str = "cosine"  # cosine | linear | wsd | constant
     decay_fraction: float = 0.2  # wsd: the share of steps spent decaying
     weight_decay: float = 0.1
@@ -372,9 +372,6 @@ def validate(cfg: Config) -> None:
     if tr.min_lr < 0 or tr.min_lr > tr.lr:
         raise ConfigError(f"train.min_lr = {tr.min_lr} must lie in [0, train.lr = {tr.lr}]")
     _positive("train.warmup_steps", tr.warmup_steps, allow_zero=True)
-    if tr.warmup_steps > tr.steps:
-        raise ConfigError(f"train.warmup_steps = {tr.warmup_steps} exceeds train.steps = "
-                          f"{tr.steps}; lower the warmup")
     _choice("train.lr_schedule", tr.lr_schedule, ("cosine", "linear", "wsd", "constant"))
     if not 0 <= tr.decay_fraction <= 1:
         raise ConfigError(f"train.decay_fraction = {tr.decay_fraction} must lie in [0, 1]")

@@ -1,0 +1,94 @@
+"""fivefold train | plan | prepare | generate | convert | schedule
+
+Every subcommand turns a bad input into one line on stderr and exit code 2, before anything
+is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fivefold.config import ConfigError
+
+USAGE = """usage: fivefold COMMAND [options]
+
+commands:
+  train      train a model (default: the tiny model on the bundled corpus)
+             fivefold train [--config FILE.toml] [--section.key VALUE ...]
+  plan       predict memory, time and MFU of a layout, or search for the best one
+  prepare    turn text/jsonl/parquet files into a token file for training
+  generate   sample text from a checkpoint or a Hugging Face directory
+  convert    export a checkpoint to Hugging Face format
+  schedule   draw the timeline of a pipeline schedule as a PNG
+
+Run `fivefold COMMAND --help` for a command's options."""
+
+
+def train_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fivefold train",
+        description="Train with the layout of the [parallel] section; any config key can be "
+                    "overridden as --section.key VALUE (e.g. --train.steps 50 --parallel.dp 2)."
+                    " Launch several processes with torchrun for a parallel layout.")
+    parser.add_argument("--config", help="a TOML file with [model], [parallel], [train], "
+                                         "[data], [checkpoint] and [log] sections")
+    args, overrides = parser.parse_known_args(argv)
+    from fivefold import config
+
+    cfg = config.load(args.config, overrides)
+    from fivefold.parallel.mesh import ParallelDims, init_distributed
+
+    rank, world = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
+    if world != cfg.parallel.world_size:
+        raise ConfigError(
+            f"{world} process(es) launched but parallel.dp·tp·pp·cp = {cfg.parallel.world_size};"
+            f" launch with torchrun --nproc-per-node {cfg.parallel.world_size} or change the "
+            f"layout")
+    dims = ParallelDims.from_config(cfg.parallel, rank)
+    from fivefold.train.loop import run
+
+    run(cfg, dims)
+    return 0
+
+
+def _subcommand(name: str):
+    if name == "train":
+        return train_main
+    if name == "plan":
+        from fivefold.plan.cli_entry import main
+    elif name == "prepare":
+        from fivefold.data.prepare import main
+    elif name == "generate":
+        from fivefold.train.generate import main
+    elif name == "convert":
+        from fivefold.models.convert import main
+    elif name == "schedule":
+        from fivefold.parallel.pipeline.draw import main
+    else:
+        return None
+    return main
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command = _subcommand(argv[0])
+    if command is None:
+        print(f"error: unknown command '{argv[0]}'; commands: train, plan, prepare, generate, "
+              f"convert, schedule", file=sys.stderr)
+        return 2
+    try:
+        return command(argv[1:]) or 0
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

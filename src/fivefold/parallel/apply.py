@@ -1,0 +1,61 @@
+"""parallelize(): the one place that fixes the order in which dimensions transform the model.
+
+    tensor (+ sequence) parallel -> context parallel -> expert parallel -> recomputation
+    -> pipeline split -> materialise weights -> data parallel / ZeRO (the optimizer side)
+
+The model arrives built on the meta device, so no rank ever allocates more than its share:
+each transformation edits modules and tags parameters, and `materialize` then draws each
+local tensor from its logical name (see models/init.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fivefold.models.init import materialize
+from fivefold.parallel.mesh import ParallelDims
+from fivefold.parallel.recompute import apply_recompute
+
+
+@dataclass
+class ParallelModel:
+    """This rank's share of the model: its chunks (one, or several for virtual pipeline stages)."""
+
+    chunks: list[nn.Module]
+    dims: ParallelDims
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        seen, out = set(), []
+        for chunk in self.chunks:
+            for name, p in chunk.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((name, p))
+        return out
+
+    def train(self, mode: bool = True) -> None:
+        for c in self.chunks:
+            c.train(mode)
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
+                dtype: torch.dtype) -> ParallelModel:
+    """Apply every configured dimension to a meta-built model, then materialise it."""
+    par, model_cfg = cfg.parallel, cfg.model.resolve()
+    if par.tp > 1:
+        from fivefold.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, dims, sp=par.sp)
+    apply_recompute(model, cfg.train.recompute)
+    if par.pp > 1:
+        from fivefold.parallel.pipeline.stages import split_stages
+
+        chunks = split_stages(model, dims, cfg)
+    else:
+        chunks = [model]
+    for chunk in chunks:
+        materialize(chunk, model_cfg, cfg.train.seed, device, dtype)
+    return ParallelModel(chunks, dims)

@@ -1,0 +1,1 @@
+"""Training: the trainer, optimizer, precision, checkpoints, metrics and generation."""

@@ -1,0 +1,151 @@
+"""Checkpoints that do not depend on the layout that wrote them.
+
+A checkpoint is a torch.distributed.checkpoint (DCP) directory holding one *logical* tensor
+per name — the full, unsplit tensor the single-device model would have — for the weights
+(`model/NAME`), the fp32 master weights and Adam moments (`optim/NAME/master`, ...), plus the
+trainer's small state (step, data position, loss scaler). Every rank contributes the logical
+tensors of its own parameters; DCP writes each key once (its save planner drops duplicates),
+and on load each rank reads back only the keys it needs and cuts its own shard. So a run
+saved at dp 4 with ZeRO-3 resumes at dp 2, at tp 2 or at pp 2: resharding is slicing.
+
+Writes are atomic: everything goes into `step_N.tmp`, and only when every rank has finished
+is it renamed to `step_N` and the `latest` pointer replaced. A crash mid-save leaves the last
+good checkpoint untouched; the leftover `.tmp` directory is removed by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from fivefold.config import ConfigError
+
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+              "num_kv_heads", "head_dim", "tie_embeddings", "qkv_bias", "mlp", "norm")
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def resolve(root: str, resume: str) -> Path | None:
+    """The checkpoint to resume from: 'latest' reads the pointer file; a path is itself."""
+    if not resume:
+        return None
+    if resume != "latest":
+        return Path(resume)
+    pointer = Path(root) / "latest"
+    if not pointer.is_file():
+        return None  # nothing saved yet: start fresh
+    path = Path(root) / pointer.read_text().strip()
+    if not (path / "meta.json").is_file():
+        raise ConfigError(f"checkpoint {path} named by {pointer} is incomplete; point "
+                          f"checkpoint.resume at an older step_* directory")
+    return path
+
+
+def read_meta(path: Path) -> dict:
+    meta_file = Path(path) / "meta.json"
+    if not meta_file.is_file():
+        raise ConfigError(f"checkpoint.resume = '{path}' has no meta.json; it is not a fivefold "
+                          f"checkpoint (or its save did not finish)")
+    return json.loads(meta_file.read_text())
+
+
+def check_model_shape(meta: dict, model_cfg, path: Path) -> None:
+    saved = meta["model"]
+    for key in SHAPE_KEYS:
+        if key in saved and saved[key] != getattr(model_cfg, key):
+            raise ConfigError(
+                f"checkpoint {path} holds a model with {key} = {saved[key]}, but the config "
+                f"asks for {getattr(model_cfg, key)}; use the checkpoint's model settings or "
+                f"a different checkpoint.dir")
+
+
+def save(root: str, step: int, tensors: dict[str, torch.Tensor], trainer_state: dict,
+         meta: dict, keep: int) -> Path:
+    """Write one checkpoint atomically; keep the newest `keep`. Every rank calls this."""
+    root_path = Path(root)
+    final = step_dir(root_path, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if _rank() == 0:
+        root_path.mkdir(parents=True, exist_ok=True)
+        for stale in root_path.glob("step_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    with warnings.catch_warnings():  # DCP warns that a single process saves without a group
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"tensors": tensors, "trainer": trainer_state}, checkpoint_id=str(tmp))
+    torch.save(torch.get_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+    _barrier()
+    if _rank() == 0:
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer_tmp = root_path / "latest.tmp"
+        pointer_tmp.write_text(final.name)
+        os.replace(pointer_tmp, root_path / "latest")
+        done = sorted(p for p in root_path.glob("step_*") if not p.name.endswith(".tmp"))
+        for old in done[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load(path: Path, tensors: dict[str, torch.Tensor], trainer_state: dict) -> None:
+    """Fill `tensors` (logical shapes, keys this rank needs) and `trainer_state` in place."""
+    state = {"tensors": tensors, "trainer": trainer_state}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(path))
+    trainer_state.update(state["trainer"])
+    rng = Path(path) / f"rng_rank{_rank()}.pt"
+    if rng.is_file():
+        torch.set_rng_state(torch.load(rng))
+
+
+def load_model_for_inference(path: str):
+    """(model, model_cfg, tokenizer_spec) from a checkpoint directory, on CPU in fp32.
+
+    `path` may be a step_* directory or a checkpoint root holding a `latest` pointer.
+    """
+    from fivefold.models.init import build_meta
+    from fivefold.models.presets import ModelConfig
+
+    p = Path(path)
+    if (p / "latest").is_file():
+        p = p / (p / "latest").read_text().strip()
+    meta = read_meta(p)
+    model_cfg = ModelConfig(**meta["model"])
+    model = build_meta(model_cfg)
+    model.to_empty(device="cpu")
+    tensors = {f"model/{n}": torch.empty_like(t, dtype=torch.float32)
+               for n, t in model.state_dict().items()}
+    load(p, tensors, {})
+    with torch.no_grad():
+        for name, param in model.state_dict().items():
+            param.copy_(tensors[f"model/{name}"])
+    from fivefold.models.llama import Rotary, rope_inv_freq
+
+    for module in model.modules():
+        if isinstance(module, Rotary):
+            module.inv_freq = rope_inv_freq(module.cfg)
+    return model.eval(), model_cfg, meta.get("tokenizer", "byte")

@@ -1,0 +1,104 @@
+"""The training run: steps, progress display, validation, checkpoints, final summary."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from fivefold.config import Config
+from fivefold.parallel.mesh import ParallelDims
+from fivefold.train.metrics import MetricsWriter
+from fivefold.train.trainer import Trainer
+
+
+def _fmt(rec: dict) -> str:
+    mem = rec["memory_bytes"] / 2**30
+    mfu = f"{100 * rec['mfu']:.1f}%" if rec.get("mfu") is not None else "n/a"
+    skip = " (skipped, fp16 overflow)" if rec.get("skipped") else ""
+    return (f"step {rec['step']:>6}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
+            f"grad_norm {rec['grad_norm']:.3f}  tok/s {rec['tokens_per_s']:,.0f}  mfu {mfu}  "
+            f"mem {mem:.2f} GiB{skip}")
+
+
+class Progress:
+    """A rich progress bar on a terminal; plain log lines every `log.every` steps otherwise."""
+
+    def __init__(self, total: int, start: int, enabled: bool, every: int):
+        self.enabled, self.every = enabled, every
+        self.bar = None
+        if enabled and sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+            from rich.progress import TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                TimeRemainingColumn(), TextColumn("{task.description}"))
+            self.task = self.bar.add_task("", total=total, completed=start)
+            self.bar.start()
+
+    def update(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(self.task, completed=rec["step"], description=(
+                f"loss {rec['loss']:.4f} lr {rec['lr']:.1e} gn {rec['grad_norm']:.2f} "
+                f"tok/s {rec['tokens_per_s']:,.0f}"))
+            if rec["step"] % self.every == 0:
+                self.bar.console.log(_fmt(rec))
+        elif rec["step"] % self.every == 0 or rec["step"] == 1:
+            print(_fmt(rec), flush=True)
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.console.log(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def run(cfg: Config, dims: ParallelDims | None = None) -> list[dict]:
+    """Train for `train.steps` steps (from a checkpoint if asked); return the step records."""
+    trainer = Trainer(cfg, dims)
+    log = trainer.is_logger
+    writer = MetricsWriter(cfg.log.dir, cfg.log.tensorboard, enabled=log,
+                           resume=trainer.resumed_from is not None)
+    progress = Progress(cfg.train.steps, trainer.step, cfg.log.progress and log, cfg.log.every)
+    if trainer.resumed_from:
+        progress.message(f"resumed from {trainer.resumed_from} at step {trainer.step}")
+    elif log:
+        n = trainer.model_cfg.num_params()
+        progress.message(f"model {trainer.model_cfg.name}: {n / 1e6:.2f}M parameters, "
+                         f"{trainer.precision}, device {trainer.device}, layout dp={cfg.parallel.dp}"
+                         f" tp={cfg.parallel.tp} pp={cfg.parallel.pp} zero={cfg.parallel.zero}")
+    records = []
+    started = time.perf_counter()
+    try:
+        while trainer.step < cfg.train.steps:
+            rec = trainer.train_step()
+            records.append(rec)
+            writer.write(rec)
+            progress.update(rec)
+            if cfg.log.ledger and log:
+                progress.message(trainer.dims.ledger.summary())
+            ev = cfg.train.eval_every
+            if trainer.val_loader is not None and ev and (
+                    trainer.step % ev == 0 or trainer.step == cfg.train.steps):
+                val = trainer.evaluate()
+                writer.write(val)
+                progress.message(f"step {val['step']:>6}  val_loss {val['val_loss']:.4f}  "
+                                 f"perplexity {val['val_perplexity']:.2f}")
+            every = cfg.checkpoint.every
+            if (every and trainer.step % every == 0) or trainer.step == cfg.train.steps:
+                trainer.save_checkpoint()
+    finally:
+        progress.close()
+        writer.close()
+    if log and records:
+        first, last = records[0]["loss"], records[-1]["loss"]
+        print(f"done: {len(records)} steps in {time.perf_counter() - started:.1f} s, loss "
+              f"{first:.4f} -> {last:.4f}; checkpoint in {cfg.checkpoint.dir}", flush=True)
+    return records

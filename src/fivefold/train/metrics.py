@@ -1,0 +1,101 @@
+"""Step metrics: model FLOPs and MFU, memory, the JSONL file, TensorBoard and the progress line."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from fivefold.models.presets import ModelConfig
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs per trained token: 6·N + 12·L·(heads·head_dim)·s.
+
+    6·N counts the forward (2 FLOPs per multiply-add) and backward (twice the forward) matmuls
+    over N parameters (Kaplan et al. 2020, §2.1); the second term is self-attention's QK^T and
+    AV matmuls over a window of s tokens (PaLM, Chowdhery et al. 2022, appendix B), without the
+    causal halving, as PaLM and Megatron count it. N counts the weights that take part in a
+    matmul: the input embedding is a lookup, so it is excluded unless it is tied to the output
+    head. Recomputation does not change model FLOPs (it is hardware FLOPs).
+    """
+    counts = cfg.param_counts()
+    matmul_params = counts["layers"] + counts["final_norm"] + (
+        counts["embedding"] if cfg.tie_embeddings else counts["head"])
+    return 6.0 * matmul_params + 12.0 * cfg.num_layers * cfg.q_size * seq_len
+
+
+def device_peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | None:
+    """Dense bf16 peak of the device in FLOP/s, from the planner's hardware catalog."""
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    from fivefold.plan.hardware import peak_for_device_name
+
+    return peak_for_device_name(torch.cuda.get_device_name(device))
+
+
+def memory_bytes(device: torch.device) -> int:
+    """CUDA peak allocated bytes, or the process's resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class MetricsWriter:
+    """Writes one JSON line per step (and per validation), and TensorBoard scalars."""
+
+    def __init__(self, log_dir: str, tensorboard: bool, enabled: bool = True, resume: bool = False):
+        self.enabled = enabled
+        self.path = Path(log_dir) / "metrics.jsonl"
+        self.tb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a" if resume else "w")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional
+                self.tb = None
+            else:
+                self.tb = SummaryWriter(str(Path(log_dir) / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            step = record["step"]
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and value == value:
+                    self.tb.add_scalar(f"{record.get('kind', 'train')}/{key}", value, step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.tb is not None:
+                self.tb.close()
+
+
+class Throughput:
+    """Tokens per second and MFU over the last step."""
+
+    def __init__(self, flops_per_token: float, peak_flops: float | None, num_gpus: int):
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops
+        self.num_devices = num_gpus
+        self.start = time.perf_counter()
+
+    def lap(self, tokens: int) -> tuple[float, float | None, float]:
+        now = time.perf_counter()
+        elapsed, self.start = now - self.start, now
+        tps = tokens / elapsed
+        mfu = tps * self.flops_per_token / (self.peak * self.num_devices) if self.peak else None
+        return tps, mfu, elapsed

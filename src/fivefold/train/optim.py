@@ -1,0 +1,199 @@
+"""Learning-rate schedules, AdamW parameter groups, and the optimizer with master weights.
+
+`MasterWeightOptimizer` is the single-replica optimizer (no data parallelism, or plain data
+parallelism whose gradients were already summed): it keeps fp32 master weights when the model
+computes in bf16/fp16, unscales fp16 gradients, computes the exact global gradient norm across
+tensor- and pipeline-parallel ranks, clips, steps AdamW and copies the result back into the
+model. The ZeRO optimizers in `parallel/zero.py` keep the same interface.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fivefold.parallel import comm
+
+
+def lr_at(step: int, tr) -> float:
+    """Learning rate for optimizer step `step` (0-based) under train config `tr`.
+
+    Linear warmup (train.warmup_steps, at most a tenth of the run) up to lr, then: cosine (Loshchilov & Hutter 2017) or linear decay
+    to min_lr over the remaining steps, or WSD — warmup, stable at lr, then a linear decay over
+    the last `decay_fraction` of the steps (Hu et al. 2024, MiniCPM) — or constant.
+    """
+    warmup = min(tr.warmup_steps, tr.steps // 10)
+    if warmup and step < warmup:
+        return tr.lr * (step + 1) / warmup
+    if tr.lr_schedule == "constant":
+        return tr.lr
+    total = max(tr.steps - warmup, 1)
+    progress = min((step - warmup) / total, 1.0)
+    if tr.lr_schedule == "cosine":
+        return tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1 + math.cos(math.pi * progress))
+    if tr.lr_schedule == "linear":
+        return tr.lr + (tr.min_lr - tr.lr) * progress
+    decay_steps = max(int(round(tr.steps * tr.decay_fraction)), 1)
+    decay_start = tr.steps - decay_steps
+    if step < decay_start:
+        return tr.lr
+    return tr.lr + (tr.min_lr - tr.lr) * min((step - decay_start + 1) / decay_steps, 1.0)
+
+
+def decays(name: str, param: torch.Tensor) -> bool:
+    """Weight decay applies to matrices, not to norm weights or biases."""
+    return param.ndim >= 2 and "norm" not in name
+
+
+def norm_share(param: torch.Tensor, tp_size: int) -> float:
+    """The share of this parameter's squared gradient norm that this rank contributes.
+
+    Tensor-parallel shards (`_tp_sharded`) are disjoint pieces: each counts fully. A tensor
+    replicated on r ranks (norm weights on every tp rank, a key/value head shared by
+    `_tp_replicas` ranks, an embedding tied across pipeline stages) counts 1/r on each, so the
+    sum over ranks counts it once. Dividing by a power of two is exact in floating point.
+    """
+    replicas = getattr(param, "_tp_replicas", None)
+    if replicas is None:
+        replicas = 1 if getattr(param, "_tp_sharded", False) else tp_size
+    return 1.0 / (replicas * getattr(param, "_pp_replicas", 1))
+
+
+@dataclass
+class StepStats:
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+
+
+def adamw(groups, tr, device: torch.device) -> torch.optim.AdamW:
+    kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps, **kwargs)
+
+
+class MasterWeightOptimizer:
+    """AdamW over fp32 master weights (or over the parameters themselves in fp32)."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], tr, dims, scaler):
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.dims, self.tr, self.scaler = dims, tr, scaler
+        self.mixed = self.params[0].dtype != torch.float32
+        if self.mixed:
+            self.master = [p.detach().float().clone() for p in self.params]
+        else:
+            self.master = self.params
+        groups = [
+            {"params": [m for n, p, m in zip(self.names, self.params, self.master)
+                        if decays(n, p)], "weight_decay": tr.weight_decay},
+            {"params": [m for n, p, m in zip(self.names, self.params, self.master)
+                        if not decays(n, p)], "weight_decay": 0.0},
+        ]
+        self.optimizer = adamw([g for g in groups if g["params"]], tr, self.params[0].device)
+        self.shares = [norm_share(p, dims.tp) for p in self.params]
+
+    # --- the interface the trainer uses -------------------------------------------------
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def prepare_backward(self, final_microbatch: bool) -> None:
+        """Nothing to do without data parallelism (ZeRO and DP reduce on the final one)."""
+
+    def finish_grad_sync(self) -> None:
+        """Nothing to wait for without data parallelism."""
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+
+    def global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """sqrt of the sum of squares over every logical element, each counted once."""
+        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+        for g, share in zip(grads, self.shares):
+            sq += g.float().pow(2).sum() * share
+        for name in ("tp", "pp"):
+            comm.all_reduce(sq, self.dims[name])
+        return sq.sqrt()
+
+    def step(self, lr: float) -> StepStats:
+        grads = self._grads()
+        if self.mixed:
+            for m, g in zip(self.master, grads):
+                m.grad = g.float()
+        else:
+            for p, g in zip(self.params, grads):
+                p.grad = g
+        master_grads = [m.grad for m in self.master]
+        if self.scaler.enabled:
+            inv = 1.0 / self.scaler.scale
+            torch._foreach_mul_(master_grads, inv)
+        norm = self.global_grad_norm(master_grads)
+        found_inf = not bool(torch.isfinite(norm))
+        if self.scaler.enabled:
+            flag = torch.tensor([float(found_inf)], device=norm.device)
+            comm.all_reduce(flag, self.dims["world"], op="max")
+            found_inf = bool(flag.item())
+        scale = self.scaler.scale
+        self.scaler.update(found_inf)
+        if found_inf and self.scaler.enabled:
+            return StepStats(float("nan"), True, scale)
+        if self.tr.grad_clip > 0:
+            coef = torch.clamp(self.tr.grad_clip / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(master_grads, coef)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        if self.mixed:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.master)
+            for m in self.master:
+                m.grad = None
+        return StepStats(float(norm), False, scale)
+
+    # --- checkpoints and accounting -----------------------------------------------------
+    def param_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per parameter (by name, in its local tensor-parallel shape): the model's weight
+        ("param", in the compute dtype), fp32 "master", "exp_avg" and "exp_avg_sq"."""
+        out = {}
+        for name, p, master in zip(self.names, self.params, self.master):
+            state = self.optimizer.state.get(master, {})
+            entry = {"param": p.detach(), "master": master.detach()}
+            for key in ("exp_avg", "exp_avg_sq"):
+                entry[key] = state[key] if key in state else torch.zeros_like(master)
+            out[name] = entry
+        return out
+
+    def step_count(self) -> int:
+        for state in self.optimizer.state.values():
+            return int(state["step"])
+        return 0
+
+    def load_param_states(self, states: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        with torch.no_grad():
+            for name, p, master in zip(self.names, self.params, self.master):
+                master.copy_(states[name]["master"])
+                if self.mixed:
+                    p.copy_(states[name]["param"])
+                if step > 0:
+                    self.optimizer.state[master] = {
+                        "step": torch.tensor(float(step)),
+                        "exp_avg": states[name]["exp_avg"].to(master).clone(),
+                        "exp_avg_sq": states[name]["exp_avg_sq"].to(master).clone(),
+                    }
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes held per rank, counted from the tensors' storages."""
+        def size(ts):
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        states = [s for st in self.optimizer.state.values() for k, s in st.items()
+                  if k in ("exp_avg", "exp_avg_sq")]
+        return {
+            "params": size(self.params),
+            "grads": size([p.grad for p in self.params if p.grad is not None]),
+            "master": size(self.master) if self.mixed else 0,
+            "optimizer": size(states),
+        }

@@ -1,0 +1,230 @@
+"""The trainer: it orchestrates; the parallel modules do the work.
+
+One step:
+    micro-batches of this rank  ->  forward/backward of each (loss / tokens of the global batch)
+    -> gradient reduction finishes (DP/ZeRO)  ->  clip + optimizer step  ->  metrics
+
+The loss of each micro-batch is its summed token cross-entropy divided by the number of
+target tokens in the whole global batch, so accumulation and data parallelism add up to the
+same gradient as one big batch, and every data-parallel reduction is a plain sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from fivefold.config import Config, ConfigError
+from fivefold.models.init import build_meta
+from fivefold.parallel import comm
+from fivefold.parallel.apply import ParallelModel, parallelize
+from fivefold.parallel.mesh import ParallelDims
+from fivefold.train import checkpoint as ckpt
+from fivefold.train.metrics import (MetricsWriter, Throughput, device_peak_flops,
+                                    flops_per_token, memory_bytes)
+from fivefold.train.optim import MasterWeightOptimizer, lr_at
+from fivefold.train.precision import DTYPES, LossScaler, resolve_precision
+
+
+def pick_device(spec: str) -> torch.device:
+    if spec == "cuda" or (spec == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device = 'cuda' but no GPU is visible; use 'cpu' or 'auto'")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def ledger_paused(dims: ParallelDims):
+    """Metrics reductions are not part of the training step's communication."""
+    was, dims.ledger.enabled = dims.ledger.enabled, False
+    try:
+        yield
+    finally:
+        dims.ledger.enabled = was
+
+
+def build_optimizer(model: ParallelModel, dims: ParallelDims, cfg: Config, scaler):
+    named = model.named_parameters()
+    if dims["dp_cp"].size > 1 or cfg.parallel.zero > 0:
+        from fivefold.parallel.zero import build_data_parallel_optimizer
+
+        return build_data_parallel_optimizer(model, named, dims, cfg, scaler)
+    return MasterWeightOptimizer(named, cfg.train, dims, scaler)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, dims: ParallelDims | None = None, quiet: bool = False):
+        self.cfg, self.dims = cfg, dims or ParallelDims.single()
+        tr = cfg.train
+        self.device = pick_device(tr.device)
+        self.precision = resolve_precision(tr.precision, self.device)
+        self.dtype = DTYPES[self.precision]
+        self.model_cfg = cfg.model.resolve()
+        self.is_logger = self.dims.rank == 0 and not quiet
+        if tr.deterministic:
+            torch.use_deterministic_algorithms(True)
+        torch.manual_seed(tr.seed)
+
+        self.data = self._open_data()
+        self.model = parallelize(build_meta(self.model_cfg), self.dims, cfg, self.device,
+                                 self.dtype)
+        if cfg.model.hf_path:
+            self._load_hf_weights()
+        self.scaler = LossScaler(enabled=self.precision == "fp16")
+        self.optimizer = build_optimizer(self.model, self.dims, cfg, self.scaler)
+        self.pipeline = None
+        if cfg.parallel.pp > 1:
+            from fivefold.parallel.pipeline.runtime import PipelineRunner
+
+            self.pipeline = PipelineRunner(self.model, self.dims, cfg, self.optimizer)
+        self.step = 0
+        self.throughput = Throughput(flops_per_token(self.model_cfg, tr.seq_len),
+                                     device_peak_flops(self.device, cfg.log.peak_tflops),
+                                     self.dims.world_size)
+        self.resumed_from = None
+        resume = ckpt.resolve(cfg.checkpoint.dir, cfg.checkpoint.resume)
+        if resume is not None:
+            self.load_checkpoint(resume)
+
+    # --- set-up -----------------------------------------------------------------------
+    def _open_data(self):
+        from fivefold.data.loader import BatchLoader, TokenDataset, default_corpus_tokens
+
+        d, tr, par = self.cfg.data, self.cfg.train, self.cfg.parallel
+        path = d.path or default_corpus_tokens(d.tokenizer)
+        ds = TokenDataset.open(path)
+        if ds.vocab_size > self.model_cfg.vocab_size:
+            raise ConfigError(
+                f"the tokenizer of {path} has {ds.vocab_size} tokens but model.vocab_size = "
+                f"{self.model_cfg.vocab_size}; set model.vocab_size >= {ds.vocab_size}")
+        self.tokenizer_spec = getattr(ds, "tokenizer", d.tokenizer)
+        dp_rank = self.dims.dp_rank
+        common = dict(seq_len=tr.seq_len, gbs=tr.gbs, mbs=par.mbs, dp_rank=dp_rank, dp=par.dp,
+                      seed=tr.seed, val_fraction=d.val_fraction)
+        self.loader = BatchLoader(ds, split="train", **common)
+        self.val_loader = BatchLoader(ds, split="val", **common) if d.val_fraction > 0 else None
+        return ds
+
+    def _load_hf_weights(self) -> None:
+        from fivefold.models.hf import iter_hf_tensors
+
+        self.load_logical_weights(dict(iter_hf_tensors(self.cfg.model.hf_path)))
+
+    def load_logical_weights(self, full: dict[str, torch.Tensor]) -> None:
+        from fivefold.parallel.shards import local_piece
+
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(local_piece(p, full[name]).to(p.dtype))
+
+    # --- one step ---------------------------------------------------------------------
+    def forward_backward(self, micro_batches, num_tokens: int) -> torch.Tensor:
+        """Run every micro-batch; returns this rank's summed loss (0 off the last stage)."""
+        if self.pipeline is not None:
+            return self.pipeline.run(micro_batches, num_tokens, self.scaler.scale)
+        model = self.model.chunks[0]
+        total = torch.zeros((), device=self.device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            self.optimizer.prepare_backward(final_microbatch=i == len(micro_batches) - 1)
+            loss_sum = model(inputs.to(self.device), targets.to(self.device))
+            (loss_sum * (self.scaler.scale / num_tokens)).backward()
+            total += loss_sum.detach()
+        return total
+
+    def global_loss(self, local_sum: torch.Tensor, num_tokens: int) -> float:
+        """Mean loss per target token of the global batch, known on every rank."""
+        with ledger_paused(self.dims):
+            total = local_sum.detach().clone().float()
+            comm.all_reduce(total, self.dims["dp_cp"])
+            if self.cfg.parallel.pp > 1:
+                comm.broadcast(total, self.dims.pp - 1, self.dims["pp"])
+        return float(total) / num_tokens
+
+    def train_step(self) -> dict:
+        self.model.train()
+        self.dims.ledger.reset()
+        micro_batches = self.loader.next_batch()
+        num_tokens = self.loader.num_target_tokens
+        self.optimizer.zero_grad()
+        loss_sum = self.forward_backward(micro_batches, num_tokens)
+        self.optimizer.finish_grad_sync()
+        lr = lr_at(self.step, self.cfg.train)
+        stats = self.optimizer.step(lr)
+        loss = self.global_loss(loss_sum, num_tokens)
+        self.step += 1
+        tokens = self.cfg.train.gbs * self.cfg.train.seq_len
+        tps, mfu, elapsed = self.throughput.lap(tokens)
+        return {"kind": "train", "step": self.step, "loss": loss, "lr": lr,
+                "grad_norm": stats.grad_norm, "skipped": stats.skipped,
+                "loss_scale": stats.loss_scale, "tokens": tokens, "tokens_per_s": tps,
+                "step_time_s": elapsed, "mfu": mfu, "memory_bytes": memory_bytes(self.device)}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Validation loss and perplexity over `train.eval_batches` held-out global batches."""
+        import math
+
+        self.model.train(False)
+        self.val_loader.reset()
+        total, count = 0.0, 0
+        for _ in range(self.cfg.train.eval_batches):
+            micro_batches = self.val_loader.next_batch()
+            num_tokens = self.val_loader.num_target_tokens
+            if self.pipeline is not None:
+                local = self.pipeline.forward_only(micro_batches)
+            else:
+                local = sum(self.model.chunks[0](x.to(self.device), y.to(self.device))
+                            for x, y in micro_batches)
+            total += self.global_loss(torch.as_tensor(local, device=self.device), 1)
+            count += num_tokens
+        loss = total / count
+        return {"kind": "val", "step": self.step, "val_loss": loss,
+                "val_perplexity": math.exp(min(loss, 50.0))}
+
+    # --- checkpoints ------------------------------------------------------------------
+    def logical_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of this rank under its logical name, gathered to its full shape."""
+        from fivefold.parallel.shards import full_tensor
+
+        out = {}
+        states = self.optimizer.param_states()
+        for name, p in self.model.named_parameters():
+            for key, value in states[name].items():
+                key_name = f"model/{name}" if key == "param" else f"optim/{name}/{key}"
+                out[key_name] = full_tensor(p, value, self.dims)
+        return out
+
+    def trainer_state(self) -> dict:
+        return {"step": self.step, "optim_step": self.optimizer.step_count(),
+                "loader": self.loader.state_dict(), "scaler": self.scaler.state_dict()}
+
+    def save_checkpoint(self) -> None:
+        cfg = self.cfg
+        meta = {"step": self.step, "model": dataclasses.asdict(self.model_cfg),
+                "config": cfg.to_dict(), "tokenizer": self.tokenizer_spec,
+                "precision": self.precision}
+        ckpt.save(cfg.checkpoint.dir, self.step, self.logical_tensors(), self.trainer_state(),
+                  meta, cfg.checkpoint.keep)
+
+    def load_checkpoint(self, path) -> None:
+        from fivefold.parallel.shards import local_piece
+
+        meta = ckpt.read_meta(path)
+        ckpt.check_model_shape(meta, self.model_cfg, path)
+        tensors = {k: torch.empty_like(v) for k, v in self.logical_tensors().items()}
+        state = {"step": 0, "optim_step": 0, "loader": self.loader.state_dict(),
+                 "scaler": self.scaler.state_dict()}
+        ckpt.load(path, tensors, state)
+        states = {}
+        for name, p in self.model.named_parameters():
+            states[name] = {"param": local_piece(p, tensors[f"model/{name}"])}
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                states[name][key] = local_piece(p, tensors[f"optim/{name}/{key}"])
+        self.optimizer.load_param_states(states, state["optim_step"])
+        self.loader.load_state_dict(state["loader"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.step = state["step"]
+        self.resumed_from = str(path)
