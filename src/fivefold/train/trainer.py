@@ -100,7 +100,7 @@ class Trainer:
             raise ConfigError(
                 f"the tokenizer of {path} has {ds.vocab_size} tokens but model.vocab_size = "
                 f"{self.model_cfg.vocab_size}; set model.vocab_size >= {ds.vocab_size}")
-        self.tokenizer_spec = getattr(ds, "tokenizer", d.tokenizer)
+        self.tokenizer_spec = ds.tokenizer_spec
         dp_rank = self.dims.dp_rank
         common = dict(seq_len=tr.seq_len, gbs=tr.gbs, mbs=par.mbs, dp_rank=dp_rank, dp=par.dp,
                       seed=tr.seed, val_fraction=d.val_fraction)

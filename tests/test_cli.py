@@ -1,0 +1,159 @@
+"""The command line: bad input gives one line and exit code 2; the main job runs end to end."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from common import small_config
+from fivefold.cli import main
+from fivefold.data.prepare import prepare
+from fivefold.train.trainer import Trainer
+
+SMALL = ["--model.hidden_size", "32", "--model.intermediate_size", "64", "--model.num_layers",
+         "2", "--train.seq_len", "32", "--train.gbs", "4", "--train.steps", "3",
+         "--train.eval_every", "0", "--log.progress", "false", "--log.tensorboard", "false"]
+
+
+def run_cli(args, capsys):
+    code = main(args)
+    captured = capsys.readouterr()
+    return code, captured.err
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    """A token file, a corrupt one, an empty text file and a checkpoint of another model."""
+    text = tmp_path / "text.txt"
+    text.write_text("It was the best of times, it was the worst of times. " * 40)
+    prepare([str(text)], str(tmp_path / "tokens.bin"))
+    corrupt = tmp_path / "corrupt.bin"
+    corrupt.write_bytes((tmp_path / "tokens.bin").read_bytes()[:-7])
+    (tmp_path / "corrupt.bin.json").write_text((tmp_path / "tokens.bin.json").read_text())
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bad.toml").write_text("[train\nsteps = 3\n")
+    other = small_config(tmp_path, "--model.hidden_size", "64",
+                         "--checkpoint.dir", str(tmp_path / "other"))
+    t = Trainer(other, quiet=True)
+    t.train_step()
+    t.save_checkpoint()
+    return tmp_path
+
+
+def bad_inputs(w: Path):
+    ck = ["--checkpoint.dir", str(w / "ck"), "--log.dir", str(w / "log")]
+    return {
+        "unknown key": (["train", "--train.lrr", "1e-3"], "did you mean 'lr'"),
+        "unknown section": (["train", "--trian.lr", "1e-3"], "did you mean 'train'"),
+        "wrong type": (["train", "--train.steps", "many"], "train.steps"),
+        "gbs vs mbs": (["train", "--train.gbs", "6", "--parallel.mbs", "4"], "train.gbs = 6"),
+        "missing data": (["train", "--data.path", str(w / "nope.bin")], "data.path"),
+        "empty corpus": (["prepare", str(w / "empty.txt"), "-o", str(w / "e.bin")], "empty"),
+        "corrupt tokens": (["train", "--data.path", str(w / "corrupt.bin"), *SMALL, *ck],
+                           "corrupt.bin"),
+        "vocab too small": (["train", "--model.vocab_size", "100", *SMALL, *ck], "vocab_size"),
+        "other model's checkpoint": (
+            ["train", *SMALL, "--checkpoint.dir", str(w / "other"), "--checkpoint.resume",
+             "latest", "--log.dir", str(w / "log")], "hidden_size = 64"),
+        "bad choice": (["train", "--train.precision", "fp8"], "train.precision"),
+        "missing config": (["train", "--config", str(w / "none.toml")], "none.toml"),
+        "bad toml": (["train", "--config", str(w / "bad.toml")], "not valid TOML"),
+        "negative lr": (["train", "--train.lr", "-1"], "train.lr"),
+        "seq_len too long": (["train", "--train.seq_len", "4096"], "max_seq_len"),
+        "tp vs heads": (["train", "--parallel.tp", "3"], "parallel.tp = 3"),
+        "sp without tp": (["train", "--parallel.sp", "true"], "parallel.sp"),
+        "unknown preset": (["train", "--model.preset", "llama-9b"], "model.preset"),
+        "kv heads": (["train", "--model.num_kv_heads", "3"], "num_kv_heads"),
+        "resume path": (["train", "--checkpoint.resume", str(w / "nowhere")], "checkpoint.resume"),
+        "not launched": (["train", "--parallel.dp", "2", *SMALL, *ck], "torchrun"),
+        "unknown command": (["trian"], "unknown command"),
+    }
+
+
+def test_bad_inputs_give_one_line_and_exit_2(workdir, capsys):
+    cases = bad_inputs(workdir)
+    assert len(cases) >= 15
+    before = sorted(p.name for p in (workdir / "other").rglob("*"))
+    for name, (args, expected) in cases.items():
+        code, err = run_cli(args, capsys)
+        lines = err.strip().splitlines()
+        assert code == 2, (name, err)
+        assert len(lines) == 1 and "error: " in lines[0], (name, err)
+        assert expected in lines[0], (name, lines[0])
+    # Nothing written: no checkpoint or log directory appeared, the old checkpoint is intact.
+    assert not (workdir / "ck").exists() and not (workdir / "log").exists()
+    assert sorted(p.name for p in (workdir / "other").rglob("*")) == before
+
+
+def test_bad_input_in_a_real_process_has_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "fivefold.cli", "train", "--train.gbs", "5",
+                           "--parallel.mbs", "2"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: train.gbs = 5 is not divisible by parallel.mbs × parallel.dp = 2; make gbs a "
+        "multiple of it"]
+    assert "Traceback" not in proc.stderr and not any(tmp_path.iterdir())
+
+
+KILLER = textwrap.dedent("""
+    import os, signal, sys
+    import fivefold.train.checkpoint as ck
+    from fivefold import config
+    from fivefold.train.loop import run
+    real_save = ck.dcp.save
+    def save_then_die(state, checkpoint_id):
+        real_save(state, checkpoint_id=checkpoint_id)
+        if state["trainer"]["step"] == 4:  # die after writing the data, before the rename
+            os.kill(os.getpid(), signal.SIGKILL)
+    ck.dcp.save = save_then_die
+    run(config.load(None, sys.argv[1:]))
+""")
+
+
+def test_sigkill_during_save_leaves_previous_checkpoint_usable(tmp_path):
+    args = [*SMALL[:-12], "--train.seq_len", "32", "--train.gbs", "4", "--train.eval_every", "0",
+            "--log.progress", "false", "--log.tensorboard", "false", "--train.device", "cpu",
+            "--train.steps", "6", "--train.warmup_steps", "0", "--checkpoint.every", "2",
+            "--checkpoint.dir", str(tmp_path / "ck"), "--log.dir", str(tmp_path / "log")]
+    proc = subprocess.run([sys.executable, "-c", KILLER, *args], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert (tmp_path / "ck" / "latest").read_text() == "step_00000002"
+    assert (tmp_path / "ck" / "step_00000004.tmp").is_dir()  # the interrupted save
+
+    from fivefold import config
+
+    resumed = Trainer(config.load(None, [*args, "--checkpoint.resume", "latest"]), quiet=True)
+    assert resumed.step == 2
+    after = [resumed.train_step()["loss"] for _ in range(4)]
+    straight = Trainer(config.load(None, args), quiet=True)
+    losses = [straight.train_step()["loss"] for _ in range(6)]
+    assert after == losses[2:]
+    resumed.save_checkpoint()  # the next save clears the leftover .tmp
+    assert not (tmp_path / "ck" / "step_00000004.tmp").exists()
+
+
+def test_train_then_generate_end_to_end(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    train = subprocess.run(
+        [sys.executable, "-m", "fivefold.cli", "train", *SMALL, "--train.steps", "6",
+         "--train.eval_every", "3", "--checkpoint.dir", str(tmp_path / "ck"),
+         "--log.dir", str(tmp_path / "log"), "--log.every", "1"],
+        capture_output=True, text=True, env=env)
+    assert train.returncode == 0, train.stderr
+    records = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").open()]
+    steps = [r for r in records if r["kind"] == "train"]
+    vals = [r for r in records if r["kind"] == "val"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6] and [r["step"] for r in vals] == [3, 6]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "memory_bytes"):
+        assert key in steps[0]
+    gen = subprocess.run(
+        [sys.executable, "-m", "fivefold.cli", "generate", "--checkpoint", str(tmp_path / "ck"),
+         "--prompt", "It was", "--max-new-tokens", "20", "--greedy"],
+        capture_output=True, text=True, env=env)
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("It was") and len(gen.stdout) > len("It was")
