@@ -141,7 +141,8 @@ def test_train_then_generate_end_to_end(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     train = subprocess.run(
         [sys.executable, "-m", "fivefold.cli", "train", *SMALL, "--train.steps", "6",
-         "--train.eval_every", "3", "--checkpoint.dir", str(tmp_path / "ck"),
+         "--train.eval_every", "3", "--log.tensorboard", "true", "--log.progress", "true",
+         "--checkpoint.dir", str(tmp_path / "ck"),
          "--log.dir", str(tmp_path / "log"), "--log.every", "1"],
         capture_output=True, text=True, env=env)
     assert train.returncode == 0, train.stderr
@@ -151,6 +152,8 @@ def test_train_then_generate_end_to_end(tmp_path):
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6] and [r["step"] for r in vals] == [3, 6]
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "memory_bytes"):
         assert key in steps[0]
+    assert list((tmp_path / "log" / "tensorboard").glob("events.out.tfevents.*"))
+    assert "val_loss" in train.stdout and "step      6" in train.stdout
     gen = subprocess.run(
         [sys.executable, "-m", "fivefold.cli", "generate", "--checkpoint", str(tmp_path / "ck"),
          "--prompt", "It was", "--max-new-tokens", "20", "--greedy"],

@@ -91,7 +91,6 @@ class TrainSection:
     device: str = "auto"  # auto | cpu | cuda
     eval_every: int = 100  # 0 disables validation
     eval_batches: int = 4
-    compile: bool = False
 
 
 @dataclass
