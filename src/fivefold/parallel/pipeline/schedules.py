@@ -1,0 +1,514 @@
+"""Pipeline schedules as data: for every pipeline rank, the ordered list of actions it runs.
+
+No torch here. The same lists drive the executor, give the planner its bubble and in-flight
+activation counts (`check.py`) and draw the timeline (`draw.py`).
+
+Vocabulary
+----------
+A model of S = pp * virtual_stages *stages* is cut over pp ranks; each rank holds
+`virtual_stages` of them, its *chunks* 0..v-1 (`Schedule.stage_of(rank, chunk)`):
+  - layout "loop" (AFAB, 1F1B, interleaved, ZB-H1): stage = chunk * pp + rank, so stage s
+    lives on rank s % pp (Megatron's interleaving);
+  - layout "v" (DualPipeV): rank r holds stage r (chunk 0) and stage 2*pp-1-r (chunk 1),
+    so the data goes down the ranks and comes back up, and the loss is on rank 0.
+
+Actions (`Action(kind, microbatch, chunk, peer)`; chunk is always the *acting* rank's chunk):
+  F       forward of `microbatch` through `chunk`; keeps what backward needs.
+  B       backward through `chunk`. In a schedule with `split_backward=False` this is the
+          full backward (input and weight gradients). With `split_backward=True` it computes
+          only the gradient of the chunk's input and keeps what W needs.
+  W       weight gradients of `chunk` for `microbatch` (split schedules only); frees the rest.
+  SEND_F  send the output activation of (microbatch, chunk) to rank `peer` (next stage).
+  RECV_F  receive the input activation of (microbatch, chunk) from rank `peer` (previous stage).
+  SEND_B  send the gradient of the input of (microbatch, chunk) to `peer` (previous stage).
+  RECV_B  receive the gradient of the output of (microbatch, chunk) from `peer` (next stage).
+When two consecutive stages live on the same rank (pp == 1, or the bottom of DualPipeV's V)
+the tensor is handed over in memory and no communication action appears.
+
+The execution contract (what the executor must do; `check.py` proves a schedule safe under it)
+------------------------------------------------------------------------------------------
+1. Run each rank's list strictly in order.
+2. A maximal run of adjacent communication actions is one *batch*: pass all its ops to one
+   `torch.distributed.batch_isend_irecv` call, in list order, and wait for all of them before
+   going on. A batch never contains compute; compute never runs while a batch is open.
+3. Between any ordered pair of ranks (a -> b), the k-th SEND on a with peer b is matched by
+   the k-th RECV on b with peer a (p2p ops on a pair match in posting order; NCCL ignores
+   tags). The schedules guarantee that the two agree on kind, micro-batch and stage, and
+   that both tensors have the same shape, so the executor needs no tags.
+4. A RECV is always in a batch *before* the compute that consumes it, so once a batch is
+   waited the tensors it received are ready. A SEND is always after the compute that
+   produced its tensor.
+5. Deadlock freedom assumes the worst case: a batch completes only when every op in it has
+   its counterpart posted by the peer (no eager buffering of sends). `check.simulate`
+   replays the lists under exactly that rule.
+
+Sources: GPipe (Huang et al. 2019) for AFAB; PipeDream-Flush / 1F1B (Narayanan et al. 2021,
+"Memory-Efficient Pipeline-Parallel DNN Training"); interleaved 1F1B (Narayanan et al. 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters using Megatron-LM");
+ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"); DualPipeV (DeepSeek-V3 report
+and the deepseek-ai/DualPipe repository, the "V" cut-in-half variant).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
+SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+COMPUTE_KINDS = (FORWARD, BACKWARD, WEIGHT)
+COMM_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    microbatch: int
+    chunk: int = 0
+    peer: int | None = None
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind in COMM_KINDS
+
+    def __str__(self) -> str:
+        text = f"{self.kind}{self.microbatch}.{self.chunk}"
+        return text if self.peer is None else f"{text}@{self.peer}"
+
+
+# Computes run back to back with no communication between them (see `_with_communication`).
+Group = Action | tuple[Action, ...]
+
+
+@dataclass
+class Schedule:
+    name: str
+    pp: int
+    num_microbatches: int
+    virtual_stages: int
+    actions: list[list[Action]]
+    split_backward: bool = False
+    layout: str = "loop"
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def stage_of(self, rank: int, chunk: int) -> int:
+        return _stage_of(self.layout, self.pp, rank, chunk)
+
+    def rank_of(self, stage: int) -> int:
+        return _rank_and_chunk(self.layout, self.pp, stage)[0]
+
+    def chunk_of(self, stage: int) -> int:
+        return _rank_and_chunk(self.layout, self.pp, stage)[1]
+
+    def compute_actions(self, rank: int) -> list[Action]:
+        return [action for action in self.actions[rank] if not action.is_comm]
+
+    def steps(self, rank: int) -> list[Action | tuple[Action, ...]]:
+        """The rank's list as the executor runs it: a compute Action or a batch (tuple)."""
+        steps: list[Action | tuple[Action, ...]] = []
+        batch: list[Action] = []
+        for action in self.actions[rank]:
+            if action.is_comm:
+                batch.append(action)
+                continue
+            if batch:
+                steps.append(tuple(batch))
+                batch = []
+            steps.append(action)
+        if batch:
+            steps.append(tuple(batch))
+        return steps
+
+
+def _stage_of(layout: str, pp: int, rank: int, chunk: int) -> int:
+    if layout == "v":
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+def _rank_and_chunk(layout: str, pp: int, stage: int) -> tuple[int, int]:
+    if layout == "v":
+        return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
+    return stage % pp, stage // pp
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def _check_common(pp: int, num_microbatches: int) -> None:
+    if pp < 1:
+        raise ValueError(f"pp must be at least 1, got {pp}: set pp to 1 or more")
+    if num_microbatches < 1:
+        raise ValueError(
+            f"num_microbatches must be at least 1, got {num_microbatches}: "
+            "raise the global batch or lower the micro-batch size"
+        )
+
+
+# ---------------------------------------------------------------------------- compute orders
+
+
+def _afab_order(pp: int, num_microbatches: int, rank: int) -> list[Action]:
+    # GPipe: every forward, then every backward; all m micro-batches are stored at the peak.
+    forwards = [Action(FORWARD, mb) for mb in range(num_microbatches)]
+    return forwards + [Action(BACKWARD, mb) for mb in range(num_microbatches)]
+
+
+def _one_f_one_b_order(pp: int, num_microbatches: int, rank: int) -> list[Action]:
+    # PipeDream-Flush: rank r runs pp-r-1 warm-up forwards, then alternates one forward and
+    # one backward, then drains; at most min(m, pp-r) micro-batches are stored at once.
+    warmup = min(pp - rank - 1, num_microbatches)
+    order = [Action(FORWARD, mb) for mb in range(warmup)]
+    for steady in range(num_microbatches - warmup):
+        order += [Action(FORWARD, warmup + steady), Action(BACKWARD, steady)]
+    order += [Action(BACKWARD, mb) for mb in range(num_microbatches - warmup, num_microbatches)]
+    return order
+
+
+def _interleaved_order(pp: int, num_microbatches: int, virtual: int, rank: int) -> list[Group]:
+    # Megatron-LM's interleaved 1F1B: the k-th forward on a rank takes groups of pp
+    # micro-batches through chunk 0, then the same group through chunk 1, ...; backwards walk
+    # the chunks in reverse. Warm-up is 2(pp-r-1) + (v-1)pp chunk-forwards (Narayanan et al.
+    # 2021, sec. 2.2; Megatron `forward_backward_pipelining_with_interleaving`).
+    total = num_microbatches * virtual
+    group = pp * virtual
+
+    def action(kind: str, k: int) -> Action:
+        chunk = (k % group) // pp
+        if kind == BACKWARD:
+            chunk = virtual - 1 - chunk
+        return Action(kind, (k // group) * pp + k % pp, chunk)
+
+    warmup = min(total, 2 * (pp - rank - 1) + (virtual - 1) * pp)
+    order: list[Group] = [action(FORWARD, k) for k in range(warmup)]
+    # Each steady F is paired with the next B so that one batch carries both sends and both
+    # receives (Megatron's send_forward_backward_recv_forward_backward).
+    order += [(action(FORWARD, warmup + k), action(BACKWARD, k)) for k in range(total - warmup)]
+    order += [action(BACKWARD, k) for k in range(total - warmup, total)]
+    return order
+
+
+def _zero_bubble_h1_orders(pp: int, num_microbatches: int) -> list[list[Action]]:
+    """ZB-H1: 1F1B's order of F and B, with each W placed by list scheduling in unit time.
+
+    Qi et al. 2023 (sec. 2.1) keep 1F1B's warm-up and order and only move W: it is off the
+    critical path (no other stage waits for it), so it can fill what would be idle time.
+    In unit time (the paper's T_F = T_B = T_W) each rank, whenever free, runs the next F or B
+    of its 1F1B order if that is ready, else its oldest pending W, else waits. An F must also
+    wait (doing a W instead) while pp micro-batches are stored until their W: rank 0's 1F1B
+    peak, so the peak memory over all ranks stays 1F1B's.
+    """
+    finished: set[tuple[str, int, int]] = set()  # (kind, microbatch, rank), done by `time`
+    one_f_one_b_orders = [deque(_one_f_one_b_order(pp, num_microbatches, r)) for r in range(pp)]
+    orders: list[list[Action]] = [[] for _ in range(pp)]
+    pending_weights: list[deque[int]] = [deque() for _ in range(pp)]
+    stored_until_weight = [0] * pp
+    while any(one_f_one_b_orders) or any(pending_weights):
+        ran_now = []
+        for rank in range(pp):
+            upcoming = one_f_one_b_orders[rank][0] if one_f_one_b_orders[rank] else None
+            if upcoming is not None and upcoming.kind == FORWARD:
+                ready = rank == 0 or (FORWARD, upcoming.microbatch, rank - 1) in finished
+                ready = ready and stored_until_weight[rank] < pp
+            elif upcoming is not None:
+                ready = rank == pp - 1 or (BACKWARD, upcoming.microbatch, rank + 1) in finished
+            if upcoming is not None and ready:
+                chosen = one_f_one_b_orders[rank].popleft()
+                if chosen.kind == FORWARD:
+                    stored_until_weight[rank] += 1
+                else:
+                    pending_weights[rank].append(chosen.microbatch)
+            elif pending_weights[rank]:
+                chosen = Action(WEIGHT, pending_weights[rank].popleft())
+                stored_until_weight[rank] -= 1
+            else:
+                continue
+            orders[rank].append(chosen)
+            ran_now.append((chosen.kind, chosen.microbatch, rank))
+        finished.update(ran_now)  # visible from the next time step on
+    return orders
+
+
+def _dualpipe_v_order(pp: int, num_microbatches: int, rank: int) -> list[Action]:
+    # The eight phases of DualPipeV (deepseek-ai/DualPipe, dualpipev.py), written as a
+    # sequence. Chunk 0 runs down the V, chunk 1 back up. Where DualPipeV overlaps the forward
+    # of one micro-batch with the backward of another we list F then B. Backwards marked
+    # `deferred` keep their W in a FIFO that later "W" phases pop (zero-bubble style);
+    # the others are a full backward, written as B immediately followed by its W.
+    order: list[Action] = []
+    next_forward, next_backward = [0, 0], [0, 0]
+    deferred: deque[Action] = deque()
+
+    def forward(chunk: int) -> None:
+        order.append(Action(FORWARD, next_forward[chunk], chunk))
+        next_forward[chunk] += 1
+
+    def backward(chunk: int, defer_weight: bool = False) -> None:
+        mb = next_backward[chunk]
+        next_backward[chunk] += 1
+        order.append(Action(BACKWARD, mb, chunk))
+        (deferred.append if defer_weight else order.append)(Action(WEIGHT, mb, chunk))
+
+    def weight() -> None:
+        order.append(deferred.popleft())
+
+    below = pp - rank - 1  # ranks below this one in the V
+    for _ in range(2 * below):
+        forward(0)
+    for _ in range(rank + 1):
+        forward(0)
+        forward(1)
+    for _ in range(below):
+        backward(1, defer_weight=True)
+        weight()
+        forward(1)
+    for _ in range(num_microbatches - 2 * pp + rank + 1):
+        forward(0)
+        backward(1)
+        forward(1)
+        backward(0)
+    for _ in range(below):
+        backward(1)
+        forward(1)
+        backward(0)
+    # Drain: the second half of these backwards defer their W to fill the tail.
+    defer = False
+    for step in range(rank + 1):
+        if step == (rank + 1) // 2 and rank % 2 == 1:
+            defer = True
+        backward(1, defer_weight=defer)
+        if step == (rank + 1) // 2 and rank % 2 == 0:
+            defer = True
+        backward(0, defer_weight=defer)
+    for _ in range(below):
+        weight()
+        backward(0, defer_weight=True)
+    while deferred:
+        weight()
+    return order
+
+
+# ---------------------------------------------------------------------------- communication
+
+
+def _with_communication(
+    name: str,
+    pp: int,
+    num_microbatches: int,
+    virtual: int,
+    compute: list[list[Group]],
+    split_backward: bool = False,
+    layout: str = "loop",
+) -> Schedule:
+    """Insert the sends and receives that `compute` implies, following the contract above.
+
+    `compute` holds each rank's computes, single or grouped in tuples; communication goes
+    only in the *gaps* between groups (gap k comes before group k). Under the contract a
+    send waits until its receiver posts the receive, so a transfer costs no time only if
+    both sides post it while idle anyway. We therefore replay the compute in unit time with
+    free transfers (`_ideal_gaps`) and put each transfer in the earliest sender gap (after
+    the producer) and receiver gap (before the consumer) whose idle windows overlap: the
+    two ranks meet there. Where no window overlaps, the send goes right after its producer
+    and the receive in the first gap that ends after the tensor exists. Pair traffic matches
+    in posting order, so a receive then moves up where needed to keep the sender's order.
+    Grouping an F with the next B (Megatron's interleaved steady state) puts both sends
+    and both receives in one batch, as Megatron's send_forward_backward_recv_forward_backward.
+    """
+    groups = [[g if isinstance(g, tuple) else (g,) for g in order] for order in compute]
+    schedule = Schedule(name, pp, num_microbatches, virtual, [], split_backward, layout)
+    windows = _ideal_gaps(schedule, groups)
+    last_stage = schedule.num_stages - 1
+    produced: dict[tuple[str, int, int], tuple[int, int]] = {}  # (kind, mb, stage) -> rank, group
+    for rank, order in enumerate(groups):
+        for position, group in enumerate(order):
+            for action in group:
+                produced[
+                    (action.kind, action.microbatch, schedule.stage_of(rank, action.chunk))
+                ] = (rank, position)
+    by_pair: dict[tuple[int, int], list[tuple[int, int, Action, Action, int]]] = defaultdict(list)
+    for rank, order in enumerate(groups):
+        for position, action in [(pos, a) for pos, group in enumerate(order) for a in group]:
+            stage = schedule.stage_of(rank, action.chunk)
+            source_stage = stage - 1 if action.kind == FORWARD else stage + 1
+            if action.kind == WEIGHT or not 0 <= source_stage <= last_stage:
+                continue
+            source, made_in = produced[(action.kind, action.microbatch, source_stage)]
+            if source == rank:
+                continue  # same rank: handed over in memory
+            send_gap, recv_gap = _meeting_gaps(
+                windows[source], made_in + 1, windows[rank], position
+            )
+            kind = (SEND_F, RECV_F) if action.kind == FORWARD else (SEND_B, RECV_B)
+            send = Action(kind[0], action.microbatch, schedule.chunk_of(source_stage), rank)
+            recv = Action(kind[1], action.microbatch, action.chunk, source)
+            by_pair[(source, rank)].append((send_gap, made_in, send, recv, recv_gap))
+    sends: list[dict[int, list[Action]]] = [defaultdict(list) for _ in range(pp)]
+    recvs: list[dict[int, list[Action]]] = [defaultdict(list) for _ in range(pp)]
+    for (source, destination), transfers in by_pair.items():
+        transfers.sort(key=lambda t: (t[0], t[1]))  # the order the sender posts them
+        recv_gap = len(groups[destination])
+        for send_gap, _, send, recv, wanted_gap in reversed(transfers):
+            recv_gap = min(recv_gap, wanted_gap)
+            recvs[destination][recv_gap].insert(0, recv)
+        for send_gap, _, send, _, _ in transfers:
+            sends[source][send_gap].append(send)
+    for rank, order in enumerate(groups):
+        actions: list[Action] = []
+        for gap in range(len(order) + 1):
+            actions += sends[rank].get(gap, []) + recvs[rank].get(gap, [])
+            actions += order[gap] if gap < len(order) else ()
+        schedule.actions.append(actions)
+    return schedule
+
+
+def _ideal_gaps(schedule: Schedule, groups: list[list[tuple[Action, ...]]]) -> list[list[tuple]]:
+    """Per rank, per gap, the idle window (arrive, leave) when transfers are free and every
+    F, B (input part) and W costs 1; an unsplit B costs 2. The last gap never closes."""
+    ends: dict[tuple[str, int, int], float] = {}
+    clock, position = [0.0] * schedule.pp, [0] * schedule.pp
+    windows: list[list[tuple]] = [[] for _ in range(schedule.pp)]
+    last_stage, progress = schedule.num_stages - 1, True
+    while progress:
+        progress = False
+        for rank, order in enumerate(groups):
+            while position[rank] < len(order):
+                needed = []
+                for action in order[position[rank]]:
+                    stage = schedule.stage_of(rank, action.chunk)
+                    if action.kind == FORWARD and stage > 0:
+                        needed.append((FORWARD, action.microbatch, stage - 1))
+                    elif action.kind == BACKWARD and stage < last_stage:
+                        needed.append((BACKWARD, action.microbatch, stage + 1))
+                local = {
+                    (a.kind, a.microbatch, schedule.stage_of(rank, a.chunk))
+                    for a in order[position[rank]]
+                }
+                needed = [key for key in needed if key not in local]
+                if any(key not in ends for key in needed):
+                    break
+                start = max([clock[rank]] + [ends[key] for key in needed])
+                windows[rank].append((clock[rank], start))
+                for action in order[position[rank]]:
+                    unit = 2.0 if action.kind == BACKWARD and not schedule.split_backward else 1.0
+                    start += unit
+                    ends[
+                        (action.kind, action.microbatch, schedule.stage_of(rank, action.chunk))
+                    ] = start
+                clock[rank], position[rank], progress = start, position[rank] + 1, True
+    for rank, order in enumerate(groups):
+        if position[rank] < len(order):
+            raise ValueError(
+                f"{schedule.name}: rank {rank} waits forever at {order[position[rank]]}"
+            )
+        windows[rank].append((clock[rank], float("inf")))
+    return windows
+
+
+def _meeting_gaps(
+    sender: list[tuple], first_send_gap: int, receiver: list[tuple], last_recv_gap: int
+) -> tuple[int, int]:
+    best = None
+    for send_gap in range(first_send_gap, len(sender)):
+        send_arrive, send_leave = sender[send_gap]
+        for recv_gap in range(last_recv_gap + 1):
+            recv_arrive, recv_leave = receiver[recv_gap]
+            if send_arrive <= recv_leave and recv_arrive <= send_leave:
+                meet = max(send_arrive, recv_arrive)
+                if best is None or meet < best[0]:
+                    best = (meet, send_gap, recv_gap)
+        if best is not None and send_arrive > best[0]:
+            break
+    if best is not None:
+        return best[1], best[2]
+    made_at = sender[first_send_gap][0]
+    recv_gap = next(
+        (k for k in range(last_recv_gap + 1) if receiver[k][1] >= made_at), last_recv_gap
+    )
+    return first_send_gap, recv_gap
+
+
+# ---------------------------------------------------------------------------- schedules
+
+
+def afab(pp: int, num_microbatches: int) -> Schedule:
+    """All-forward-all-backward (GPipe): bubble (pp-1)/(m+pp-1), stores all m micro-batches."""
+    _check_common(pp, num_microbatches)
+    compute = [_afab_order(pp, num_microbatches, rank) for rank in range(pp)]
+    return _with_communication("afab", pp, num_microbatches, 1, compute)
+
+
+def one_f_one_b(pp: int, num_microbatches: int) -> Schedule:
+    """1F1B (PipeDream-Flush): AFAB's bubble, but rank r stores only min(m, pp-r)."""
+    _check_common(pp, num_microbatches)
+    compute = [_one_f_one_b_order(pp, num_microbatches, rank) for rank in range(pp)]
+    return _with_communication("1f1b", pp, num_microbatches, 1, compute)
+
+
+def interleaved_1f1b(pp: int, num_microbatches: int, virtual_stages: int) -> Schedule:
+    """Megatron's interleaved 1F1B: v chunks per rank, bubble (pp-1)/(v*m+pp-1)."""
+    _check_common(pp, num_microbatches)
+    if virtual_stages < 2:
+        raise ValueError(
+            f"interleaved 1F1B needs virtual_stages >= 2, got {virtual_stages}: "
+            "use --virtual 2 or more, or the plain 1f1b schedule"
+        )
+    if num_microbatches < pp or num_microbatches % pp:
+        raise ValueError(
+            f"interleaved 1F1B needs num_microbatches to be a multiple of pp={pp} (and at "
+            f"least pp), got {num_microbatches}: use {max(pp, -(-num_microbatches // pp) * pp)}"
+        )
+    compute = [_interleaved_order(pp, num_microbatches, virtual_stages, rank) for rank in range(pp)]
+    return _with_communication("interleaved", pp, num_microbatches, virtual_stages, compute)
+
+
+def zero_bubble_h1(pp: int, num_microbatches: int) -> Schedule:
+    """ZB-H1: backward split into B and W; W fills the bubbles, peak memory stays 1F1B's."""
+    _check_common(pp, num_microbatches)
+    compute = _zero_bubble_h1_orders(pp, num_microbatches)
+    return _with_communication("zb-h1", pp, num_microbatches, 1, compute, split_backward=True)
+
+
+def dualpipe_v(pp: int, num_microbatches: int) -> Schedule:
+    """DualPipeV: two chunks per rank laid out as a V; needs m >= 2*pp."""
+    _check_common(pp, num_microbatches)
+    if num_microbatches < 2 * pp:
+        raise ValueError(
+            f"DualPipeV needs num_microbatches >= 2*pp = {2 * pp}, got {num_microbatches}: "
+            f"use at least {2 * pp} micro-batches"
+        )
+    compute = [_dualpipe_v_order(pp, num_microbatches, rank) for rank in range(pp)]
+    return _with_communication(
+        "dualpipev", pp, num_microbatches, 2, compute, split_backward=True, layout="v"
+    )
+
+
+SCHEDULE_NAMES = ("afab", "1f1b", "interleaved", "zb-h1", "dualpipev")
+
+
+def build_schedule(name: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """One door for the CLI, planner and executor: a schedule by name."""
+    key = name.lower().replace("_", "-")
+    key = {
+        "gpipe": "afab",
+        "zbh1": "zb-h1",
+        "zb": "zb-h1",
+        "interleaved-1f1b": "interleaved",
+        "dualpipe-v": "dualpipev",
+    }.get(key, key)
+    if key not in SCHEDULE_NAMES:
+        raise ValueError(
+            f"unknown pipeline schedule {name!r}: use one of {', '.join(SCHEDULE_NAMES)}"
+        )
+    if key == "interleaved":
+        return interleaved_1f1b(pp, num_microbatches, virtual_stages)
+    expected_virtual = 2 if key == "dualpipev" else 1
+    if virtual_stages not in (1, expected_virtual):
+        raise ValueError(
+            f"schedule {key!r} has {expected_virtual} chunk(s) per rank, got virtual_stages="
+            f"{virtual_stages}: drop --virtual or use the interleaved schedule"
+        )
+    builders = {"afab": afab, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1, "dualpipev": dualpipe_v}
+    return builders[key](pp, num_microbatches)
