@@ -63,8 +63,8 @@ def resolve(root: str, resume: str) -> Path | None:
 def read_meta(path: Path) -> dict:
     meta_file = Path(path) / "meta.json"
     if not meta_file.is_file():
-        raise ConfigError(f"checkpoint.resume = '{path}' has no meta.json; it is not a fivefold "
-                          f"checkpoint (or its save did not finish)")
+        raise ConfigError(f"{path} has no meta.json: it is not a fivefold checkpoint (or its "
+                          f"save did not finish); give a step_* directory or a checkpoint.dir")
     return json.loads(meta_file.read_text())
 
 

@@ -1,0 +1,123 @@
+"""`fivefold convert`: move weights between Hugging Face directories and fivefold checkpoints.
+
+    fivefold convert --hf DIR --to-hf OUT [--max-shard-size 2GB] [--dtype bf16]
+        re-write a Hugging Face model (reshard, change dtype); tokenizer files come along
+    fivefold convert --checkpoint DIR --to-hf OUT
+        export a fivefold training checkpoint for transformers, vLLM, llama.cpp ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from fivefold.config import ConfigError
+
+# Files of a Hugging Face model directory that are not weights and travel unchanged.
+COMPANION_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "chat_template.jinja")
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+DTYPES = ("keep", "fp32", "bf16", "fp16")
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '64KiB' or a plain byte count -> bytes (GB = 10**9, GiB = 2**30)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"--max-shard-size {text!r} is not a size; write e.g. 5GB or 500MB")
+    number, unit = float(m.group(1)), m.group(2).upper().rstrip("B")
+    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    size = int(number * scale)
+    if size <= 0:
+        raise ConfigError(f"--max-shard-size {text!r} must be positive")
+    return size
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
+
+
+def hf_to_hf(src: str | Path, outdir: str | Path, max_shard_bytes: int,
+             dtype: str = "keep") -> Path:
+    """Load a Hugging Face model with fivefold and write it again (round trip, reshard)."""
+    import torch
+
+    from fivefold.models.hf import load_hf, save_hf
+
+    src = Path(src)
+    source_config = json.loads((src / "config.json").read_text()) if (
+        src / "config.json").is_file() else {}
+    # Load in the stored dtype unless asked otherwise, so a bf16 model stays bf16.
+    stored = getattr(torch, str(source_config.get("torch_dtype") or source_config.get("dtype")),
+                     None)
+    stored = stored if isinstance(stored, torch.dtype) else torch.float32
+    model = load_hf(src, dtype=_torch_dtype(dtype) or stored)
+    token_ids = {k: source_config[k] for k in TOKEN_ID_KEYS if k in source_config}
+    companions = [src / name for name in COMPANION_FILES if (src / name).is_file()]
+    return save_hf(model, model.cfg, outdir, max_shard_bytes=max_shard_bytes,
+                   extra_config=token_ids, extra_files=companions)
+
+
+def export_checkpoint_to_hf(checkpoint_dir: str | Path, outdir: str | Path,
+                            max_shard_bytes: int | None = None, dtype: str = "keep") -> Path:
+    """Write a fivefold training checkpoint as a Hugging Face model directory.
+
+    A tokenizer.json the run used is copied alongside; byte-level runs have no tokenizer file.
+    """
+    from fivefold.models.hf import DEFAULT_MAX_SHARD_BYTES, save_hf
+    from fivefold.train.checkpoint import load_model_for_inference
+
+    model, model_cfg, tokenizer_spec = load_model_for_inference(str(checkpoint_dir))
+    if _torch_dtype(dtype) is not None:
+        model = model.to(_torch_dtype(dtype))
+    if isinstance(tokenizer_spec, dict):
+        tokenizer_spec = tokenizer_spec.get("path") or "byte"
+    extra = []
+    if tokenizer_spec and tokenizer_spec != "byte" and Path(tokenizer_spec).is_file():
+        extra.append(Path(tokenizer_spec))
+    return save_hf(model, model_cfg, outdir,
+                   max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, extra_files=extra)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fivefold convert",
+                                description="Convert between Hugging Face and fivefold formats.")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf", help="a Hugging Face model directory to read")
+    source.add_argument("--checkpoint", help="a fivefold checkpoint directory to read")
+    source.add_argument("--from-hf", help="a Hugging Face model to turn into a checkpoint")
+    p.add_argument("--to-hf", help="write a Hugging Face model directory here")
+    p.add_argument("--to", help="write a fivefold checkpoint here (with --from-hf)")
+    p.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
+    p.add_argument("--dtype", default="keep", choices=DTYPES)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse has printed its usage line
+        return int(e.code or 0)
+    try:
+        if args.from_hf:
+            raise ConfigError("--from-hf --to CHECKPOINT is not available yet; point "
+                              "model.hf_path at the directory to train from it")
+        if not args.to_hf:
+            raise ConfigError("give --to-hf OUTDIR: the Hugging Face directory to write")
+        shard = parse_size(args.max_shard_size)
+        if args.hf:
+            out = hf_to_hf(args.hf, args.to_hf, shard, args.dtype)
+        else:
+            out = export_checkpoint_to_hf(args.checkpoint, args.to_hf, shard, args.dtype)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
