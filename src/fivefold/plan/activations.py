@@ -1,0 +1,178 @@
+"""Activation memory: the bytes autograd saves for backward, per micro-batch, per rank.
+
+The model is built term by term from the tensors a plain PyTorch Llama (RMSNorm, RoPE, GQA,
+SwiGLU, scaled_dot_product_attention) saves, so that it can be compared one-to-one with
+`torch.autograd.graph.saved_tensors_hooks`. With a GPT-3 configuration (GeLU MLP, LayerNorm,
+math attention, dropout, 2-byte activations) the terms add up to Korthikanti et al. (2022)
+eq. 1, sbh(34 + 5as/h), and its Table 2 variants; the norms' fp32 statistics are the only
+extra (`norm_stats`, 4 or 8 bytes per token, which the paper leaves out).
+
+Notation: T = tokens of the micro-batch on this rank = mbs·seq_len/cp, h = hidden size,
+q = heads·head_dim, kv = this rank's kv heads·head_dim, f = MLP width, B = dtype bytes.
+Sharding: "tp" tensors live in the tensor-parallel region (divided by tp); "seq" tensors live
+in the sequence region (divided by tp only with sequence parallelism, else replicated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fivefold.models.presets import ModelConfig
+
+INDEX_BYTES = 8  # int64 token ids and targets
+STAT_BYTES = 4  # fp32 norm statistics and softmax log-sum-exp
+
+
+@dataclass
+class ActivationBytes:
+    """Saved-for-backward bytes of one micro-batch on one rank."""
+
+    layer_terms: dict[str, float]  # one transformer layer, by saved tensor
+    layer: float  # sum of layer_terms
+    outside_terms: dict[str, float] = field(default_factory=dict)  # embedding, head, loss
+    loss_backward: float = 0.0  # transient during the loss backward (not saved), last stage
+
+    @property
+    def embedding(self) -> float:
+        return self.outside_terms.get("embedding", 0.0)
+
+    @property
+    def final_norm(self) -> float:
+        return self.outside_terms.get("final_norm", 0.0)
+
+    @property
+    def logits(self) -> float:
+        return self.outside_terms.get("head_input", 0.0) + self.outside_terms.get("logits", 0.0)
+
+    @property
+    def loss(self) -> float:
+        return self.outside_terms.get("loss", 0.0)
+
+
+def kv_heads_per_rank(model: ModelConfig, tp: int) -> int:
+    """GQA under TP: kv heads are split when tp ≤ kv heads, else each rank keeps one copy."""
+    return max(model.num_kv_heads // tp, 1)
+
+
+def activation_bytes_per_microbatch(
+    model: ModelConfig,
+    mbs: int,
+    seq_len: int,
+    *,
+    tp: int = 1,
+    sp: bool = False,
+    cp: int = 1,
+    recompute: str = "none",
+    dtype_bytes: int = 2,
+    flash: bool = True,
+    dropout: bool = False,
+) -> ActivationBytes:
+    """Bytes one micro-batch leaves saved for backward on one rank, per layer and outside.
+
+    Per layer, with recompute = "none" (each term is one saved tensor):
+      attention (seq region): norm input T·h·B; norm statistics T·4 (RMSNorm rstd; LayerNorm
+        mean and rstd, 8); QKV-projection input T·h·B (wq, wk, wv share it).
+      attention (tp region): q T·q·B; k, v T·kv·B each (RoPE by cos/sin saves no batch
+        tensor). Flash attention saves its output T·q·B and log-sum-exp T·heads/hd·4, i.e.
+        O(s) (Dao 2022). Math attention saves q, k and v expanded to all heads (3·T·q·B) and
+        the softmax output heads·b·s²/cp·B, O(s²) (the s² term of Korthikanti eq. 1). Then the
+        output-projection input T·q·B (a reshaped copy of the attention output).
+      dropout (Korthikanti): attention-probability mask (1 byte) and dropout output (B) on the
+        s² scores, and a 1-byte mask after each of the two projections back to h.
+      MLP (seq region): norm input, statistics, MLP input as above.
+      MLP (tp region): SwiGLU saves gate input, SiLU output, up output and the product
+        (4·T·f·B: silu(g) and u are multiplied, the product is w2's input). GeLU (GPT) saves the
+        GeLU input and fc2 input (2·T·f·B; 16·sbh for f = 4h, as in Korthikanti).
+      MoE (tp region, per routed copy, k per token): router probabilities T·E·4, the dispatched
+        tokens T·k·h·B, the expert SwiGLU 4·T·k·f_e·B and the expert outputs T·k·h·B.
+    recompute = "selective": the attention core (SDPA, or ring attention under CP) runs again
+      in backward; its inputs q, k, v (unexpanded) stay saved, its output/lse or scores do not
+      (Korthikanti §5, "selective activation recomputation").
+    recompute = "full": only each layer's input T·h·B is kept (seq region; Korthikanti's 2sbh).
+
+    Outside the layers: embedding = token ids T·8 (+ a 1-byte dropout mask T·h); final_norm =
+    its input and statistics; head_input = the output projection's input T·h·B; logits = the
+    fp32 log-softmax the cross-entropy saves, T·V/tp·4 (vocab-parallel under TP; Korthikanti's
+    4sbV/t); loss = targets T·8. `loss_backward` is the transient of the loss backward: the fp32
+    gradient of the log-softmax and its cast to the logits dtype, T·V/tp·(4 + B).
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full, not {recompute!r}")
+    h, d, B = model.hidden_size, model.dim_per_head, dtype_bytes
+    tokens = mbs * seq_len / cp
+    seq_div = tp if sp else 1
+    q = model.num_heads * d / tp
+    kv = kv_heads_per_rank(model, tp) * d
+    heads = model.num_heads / tp
+    stats = STAT_BYTES * (2 if model.norm == "layernorm" else 1)
+    seq_tensor = tokens * h * B / seq_div  # one [T, h] tensor in the sequence region
+
+    terms: dict[str, float] = {}
+    if recompute == "full":
+        terms["layer_input"] = seq_tensor
+        return _finish(model, terms, tokens, tp, seq_div, B, dropout)
+
+    terms["attn_norm_input"] = seq_tensor
+    terms["norm_stats"] = 2 * tokens * stats / seq_div
+    terms["qkv_input"] = seq_tensor
+    if recompute == "selective" or flash:
+        terms["q"] = tokens * q * B
+        terms["k"] = tokens * kv * B
+        terms["v"] = tokens * kv * B
+    else:  # math attention saves k and v repeated to all query heads
+        terms["q"] = terms["k"] = terms["v"] = tokens * q * B
+    if recompute == "none":
+        if flash:
+            terms["attn_core"] = tokens * q * B + tokens * heads * STAT_BYTES
+        else:
+            # scores per rank: (s/cp) queries × s keys per head, for b sequences
+            scores = mbs * heads * (seq_len / cp) * seq_len
+            terms["attn_core"] = scores * B + (scores * (1 + B) if dropout else 0)
+    terms["attn_out"] = tokens * q * B
+    terms["mlp_norm_input"] = seq_tensor
+    terms["mlp_input"] = seq_tensor
+    if dropout:
+        terms["dropout_masks"] = 2 * tokens * h / seq_div
+    if model.num_experts:
+        k, fe = model.experts_top_k, model.moe_intermediate_size / tp
+        terms["router"] = tokens * model.num_experts * STAT_BYTES
+        terms["mlp_hidden"] = tokens * k * (2 * h * B + 4 * fe * B)
+    elif model.mlp == "swiglu":
+        terms["mlp_hidden"] = 4 * tokens * model.intermediate_size / tp * B
+    else:
+        terms["mlp_hidden"] = 2 * tokens * model.intermediate_size / tp * B
+    return _finish(model, terms, tokens, tp, seq_div, B, dropout)
+
+
+def _finish(model, terms, tokens, tp, seq_div, B, dropout) -> ActivationBytes:
+    h = model.hidden_size
+    stats = STAT_BYTES * (2 if model.norm == "layernorm" else 1)
+    outside = {
+        "embedding": tokens * INDEX_BYTES + (tokens * h / seq_div if dropout else 0),
+        "final_norm": tokens * h * B / seq_div + tokens * stats / seq_div,
+        "head_input": tokens * h * B / seq_div,
+        "logits": tokens * model.vocab_size / tp * 4,
+        "loss": tokens * INDEX_BYTES,
+    }
+    return ActivationBytes(
+        layer_terms=terms,
+        layer=sum(terms.values()),
+        outside_terms=outside,
+        loss_backward=tokens * model.vocab_size / tp * (4 + B),
+    )
+
+
+def recompute_working_set(model: ModelConfig, mbs: int, seq_len: int, *, tp: int = 1,
+                          sp: bool = False, cp: int = 1, recompute: str = "none",
+                          dtype_bytes: int = 2, flash: bool = True,
+                          dropout: bool = False) -> float:
+    """Transient bytes while one layer is recomputed in backward: under full recompute a whole
+    layer's activations come back for one micro-batch; under selective, its attention core."""
+    kwargs = {"tp": tp, "sp": sp, "cp": cp, "dtype_bytes": dtype_bytes, "flash": flash, "dropout": dropout}
+    if recompute == "full":
+        return activation_bytes_per_microbatch(model, mbs, seq_len, recompute="none",
+                                               **kwargs).layer
+    if recompute == "selective":
+        full = activation_bytes_per_microbatch(model, mbs, seq_len, recompute="none", **kwargs)
+        return full.layer_terms.get("attn_core", 0.0)
+    return 0.0

@@ -1,0 +1,209 @@
+"""`fivefold plan`: explain one layout, rank a search space, or check a training config.
+
+    fivefold plan --model llama-3.1-8b --gpus 8 --seq-len 8192 --gbs 128
+    fivefold plan --model llama-3.1-70b --gpus 64 --layout tp=8,pp=2,zero=1,recompute=selective
+    fivefold plan --config train.toml            # fits? before launch (exit 1 if not)
+    fivefold plan ... --json out.json --plot plots/
+
+Errors are one line on stderr with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from fivefold.config import ConfigError
+from fivefold.plan.evaluate import plan_layout
+from fivefold.plan.hardware import CATALOG, get_hardware, parse_overrides
+from fivefold.plan.inputs import (
+    parse_layout,
+    read_training_config,
+    resolve_model,
+    training_plan_inputs,
+)
+from fivefold.plan.layout import Workload, check_layout
+from fivefold.plan.report import (
+    describe_workload,
+    format_explain,
+    format_search,
+    search_to_dict,
+    workload_to_dict,
+)
+from fivefold.plan.search import SearchSpace, search, suggest_fix
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="fivefold plan",
+        description="Predict memory, communication, step time and MFU of a training layout, "
+                    "or search for the fastest layouts that fit.")
+    src = ap.add_argument_group("what to plan")
+    src.add_argument("--model", help="a preset name, a Hugging Face config.json (or its "
+                     "directory), or a training .toml (its [model] section)")
+    src.add_argument("--config", help="a training .toml: check that its layout fits "
+                     "(add --search to rank alternatives on the same GPUs)")
+    src.add_argument("--layout", help="explain one layout, e.g. tp=8,pp=2,zero=1,mbs=1,"
+                     "recompute=selective,schedule=1f1b (dp follows from --gpus)")
+    src.add_argument("--search", action="store_true", help="with --config: search instead")
+    src.add_argument("--space", default="", help="restrict the search, e.g. 'tp=4,8 pp=1,2 "
+                     "zero=1,3 recompute=selective schedule=1f1b,interleaved uneven_pp=true'")
+    src.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    hw = ap.add_argument_group("hardware")
+    hw.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(CATALOG)}")
+    hw.add_argument("--gpus", type=int, default=8, help="number of GPUs (default 8)")
+    hw.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a hardware figure or assumption, e.g. memory_gib=94, "
+                    "inter_node_gbps=100, gpus_per_node=4, matmul_efficiency=0.6")
+    hw.add_argument("--list-gpus", action="store_true", help="print the catalog and exit")
+    tr = ap.add_argument_group("training shape")
+    tr.add_argument("--seq-len", type=int, default=4096)
+    batch = tr.add_mutually_exclusive_group()
+    batch.add_argument("--gbs", type=int, help="global batch in sequences")
+    batch.add_argument("--gbs-tokens", type=float, help="global batch in tokens (e.g. 4e6)")
+    tr.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    tr.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd",
+                                                             "adamw8bit"))
+    tr.add_argument("--grad-dtype-bytes", type=int, choices=(2, 4),
+                    help="4: fp32 gradients (Megatron's 18 bytes/param)")
+    tr.add_argument("--fp32-grad-accum", action="store_true",
+                    help="a separate fp32 accumulation buffer (nanotron's 20 bytes/param)")
+    tr.add_argument("--math-attention", action="store_true",
+                    help="attention saves its s×s scores (no flash attention)")
+    tr.add_argument("--dropout", action="store_true", help="count dropout masks (GPT-3 style)")
+    tr.add_argument("--causal-flops", action="store_true",
+                    help="count half the attention FLOPs in MFU (Megatron ≥ 2025)")
+    tr.add_argument("--grad-sync", default="step", choices=("step", "microbatch"),
+                    help="ZeRO-2/3 reduce-scatter once per step (default) or per micro-batch")
+    out = ap.add_argument_group("output")
+    out.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                     help="write JSON (to stdout without a PATH)")
+    out.add_argument("--plot", metavar="DIR", help="write memory.png and time.png into DIR")
+    return ap
+
+
+def _workload_options(args) -> dict:
+    return {"optimizer": args.optimizer, "grad_dtype_bytes": args.grad_dtype_bytes,
+                "fp32_grad_accum": args.fp32_grad_accum, "flash": not args.math_attention,
+                "dropout": args.dropout, "causal_flops": args.causal_flops, "grad_sync": args.grad_sync}
+
+
+def _emit_json(args, payload: dict) -> None:
+    text = json.dumps(payload, indent=2, default=float)
+    if args.json == "-":
+        print(text)
+    else:
+        Path(args.json).write_text(text + "\n")
+
+
+def _plots(args, plans, title: str) -> list[Path]:
+    from fivefold.plan.plots import plot_memory, plot_time
+
+    directory = Path(args.plot)
+    return [plot_memory(plans, directory / "memory.png", title),
+            plot_time(plans, directory / "time.png", title)]
+
+
+def _check(work, layout, hw, strict: bool = False) -> None:
+    problems = check_layout(work, layout, hw.gpus_per_node, strict)
+    if problems:
+        raise ConfigError(f"layout {layout.short()}: {problems[0]}")
+
+
+def run(argv: list[str]) -> int:
+    args, extra = build_parser().parse_known_args(argv)
+    if args.list_gpus:
+        for name, h in CATALOG.items():
+            print(f"{name:<10} {h.memory_gib:>5g} GiB  bf16 {h.bf16_tflops:>7g} TF  fp8 "
+                  f"{h.fp8_tflops:>7g} TF  HBM {h.hbm_tbps:g} TB/s  intra {h.intra_node_gbps:g}"
+                  f" GB/s  inter {h.inter_node_gbps:g} GB/s  {h.gpus_per_node}/node")
+        return 0
+    if extra and not args.config:
+        raise ConfigError(f"unexpected argument {extra[0]!r}; see fivefold plan --help")
+    hw, assume = get_hardware(args.gpu, parse_overrides(args.hw))
+    options = _workload_options(args)
+    if args.config:
+        cfg = read_training_config(args.config, extra)
+        work, layout = training_plan_inputs(cfg, **options)
+        num_gpus = layout.world_size
+        if args.search:
+            return _search(args, work, num_gpus, hw, assume)
+        return _config_check(args, work, layout, num_gpus, hw, assume)
+    if not args.model:
+        raise ConfigError("give --model (a preset, config.json or .toml) or --config train.toml")
+    model = resolve_model(args.model)
+    if args.seq_len < 1 or args.gpus < 1:
+        raise ConfigError("--seq-len and --gpus must be >= 1")
+    if args.gbs_tokens:
+        gbs = max(1, round(args.gbs_tokens / args.seq_len))
+    else:
+        gbs = args.gbs or max(args.gpus, round(4e6 / args.seq_len))
+    work = Workload(model=model, seq_len=args.seq_len, gbs=gbs, precision=args.precision,
+                    **options)
+    if args.layout:
+        layout = parse_layout(args.layout, args.gpus)
+        if layout.world_size != args.gpus:
+            raise ConfigError(f"--layout uses {layout.world_size} GPUs but --gpus is {args.gpus}")
+        _check(work, layout, hw)
+        plan = plan_layout(work, layout, hw, assume)
+        if args.json:
+            _emit_json(args, {"workload": workload_to_dict(work), "layouts": [plan.to_dict()]})
+        if args.json != "-":
+            print(describe_workload(work, hw, args.gpus))
+            print(format_explain(plan, work))
+        if args.plot:
+            _plots(args, [plan], layout.short())
+        return 0
+    return _search(args, work, args.gpus, hw, assume)
+
+
+def _search(args, work, num_gpus, hw, assume) -> int:
+    space = SearchSpace.parse(args.space)
+    result = search(work, num_gpus, hw, assume, space, top=max(args.top, 1))
+    if args.json:
+        _emit_json(args, search_to_dict(result, work, hw, assume))
+    if args.json != "-":
+        print(format_search(result, work, hw, args.top))
+    if args.plot and result.top:
+        plans = result.top[:args.top] + result.faster_but_too_big
+        _plots(args, plans, f"{work.model.name} on {num_gpus} × {hw.name}")
+    return 0 if result.top else 1
+
+
+def _config_check(args, work, layout, num_gpus, hw, assume) -> int:
+    """'fits: 61.2 of 80 GiB' or 'does not fit: … ; try …' before launch."""
+    _check(work, layout, hw)
+    plan = plan_layout(work, layout, hw, assume)
+    line = plan.why
+    if not plan.fits:
+        fix = suggest_fix(work, layout, num_gpus, hw, assume)
+        line += f"; try {fix}" if fix else "; no layout of these GPUs fits: add GPUs"
+    if args.json:
+        _emit_json(args, {"workload": workload_to_dict(work), "layouts": [plan.to_dict()],
+                          "summary": line})
+    if args.json != "-":
+        print(line)
+        print(describe_workload(work, hw, num_gpus))
+        print(format_explain(plan, work))
+    if args.plot:
+        _plots(args, [plan], layout.short())
+    return 0 if plan.fits else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `fivefold plan`; returns the exit code (2 for a bad input)."""
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `fivefold plan ... | head`: the reader left, nothing is wrong
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (replaces a closed pipe for exit)
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

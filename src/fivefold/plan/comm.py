@@ -1,0 +1,191 @@
+"""Communication per step and per rank: every collective a layout issues, in the engine's
+ledger convention, and the bytes each one puts on the wire.
+
+Ledger convention (what `parallel/comm.py` records): bytes = the full logical tensor. An
+all_reduce counts the tensor; a reduce_scatter its full (unsharded) input; an all_gather its
+full (gathered) output; send/recv the message (send on the sender, recv on the receiver); an
+all_to_all its input. Wire bytes per rank use ring algorithms: all-reduce 2(n−1)/n, all-gather
+and reduce-scatter (n−1)/n, all-to-all (n−1)/n of the ledger bytes (Patarasuk & Yuan 2009;
+NCCL's bus-bandwidth convention), point-to-point 1.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from fivefold.plan.activations import kv_heads_per_rank
+from fivefold.plan.layout import Layout, Workload, num_chunks, rank_chunks, stage
+from fivefold.plan.memory import bytes_per_param, rank_param_counts
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of call a rank makes, with how often per step."""
+
+    group: str  # the engine's group name: dp, dp_cp, tp, pp, cp, ep, edp, embed
+    op: str  # all_reduce | reduce_scatter | all_gather | send | recv | all_to_all
+    dtype_bytes: int
+    elements: float  # elements of one call's logical tensor
+    calls: float  # calls per step
+    group_size: int
+    phase: str  # fwd | bwd (per micro-batch, on the critical path) | grad (end of backward)
+    #             | step (after the optimizer)
+    note: str = ""
+
+    @property
+    def bytes(self) -> float:
+        """Ledger bytes per step: the logical tensor size times the calls."""
+        return self.elements * self.dtype_bytes * self.calls
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes this rank sends over its link per step under ring algorithms."""
+        n = self.group_size
+        factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
+                  "all_gather": (n - 1) / n, "all_to_all": (n - 1) / n}.get(self.op, 1.0)
+        return self.bytes * factor
+
+
+def dp_group_name(layout: Layout) -> str:
+    """Gradients are summed over dp×cp: each cp rank saw another slice of the same sequences.
+    The engine's mesh names that group dp_cp whatever cp is (parallel/mesh.py)."""
+    return "dp_cp"
+
+
+def chunk_owner(layout: Layout, chunk: int) -> int:
+    p = layout.pp
+    if layout.schedule == "dualpipev" and p > 1:
+        return chunk if chunk < p else 2 * p - 1 - chunk
+    return chunk % p
+
+
+def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collective]:
+    """Every collective pipeline rank `pp_rank` issues in one optimizer step.
+
+    Choices, stated because the ledger will be compared with the engine's:
+    - DP/ZeRO run once per step, after the last micro-batch (no sync during accumulation):
+      ZeRO-0 one all_reduce of all this rank's gradient elements; ZeRO-1/2 one reduce_scatter
+      of the gradients plus one all_gather of the updated parameters (param dtype); ZeRO-3
+      gathers the parameters per micro-batch twice (forward, and again in backward) and
+      reduce-scatters the gradients once per step, or per micro-batch when
+      `work.grad_sync == "microbatch"` (ZeRO-2 likewise).
+    - Gradients travel in the grad dtype, or fp32 with a separate fp32 accumulation buffer.
+      ZeRO ≥ 1 adds one all_reduce of a single fp32 (the squared norm of the gradient
+      shards). The engine pads buckets to a multiple of dp·cp; the planner does not.
+    - TP per layer per micro-batch: 4 all_reduces of b·(s/cp)·h without SP (2 forward, 2
+      backward; Shoeybi et al. 2019), 4 all_gathers + 4 reduce_scatters with SP (Korthikanti
+      §4.2.2). Full recompute repeats the forward ones. Vocab-parallel embedding and loss add,
+      per micro-batch: one all_reduce (SP: reduce_scatter) after the embedding, the head's
+      input all_reduce in backward (SP: all_gather forward + reduce_scatter backward) and three
+      all_reduces of b·s/cp fp32 in the cross-entropy (max, sum of exps, target logit).
+    - PP: per micro-batch and chunk boundary, one activation send forward and one gradient send
+      backward of b·(s/cp)·h (÷tp with SP), and the matching recvs (Narayanan 2021 §3.2).
+    - CP (ring attention): per layer per micro-batch, cp−1 sends of this rank's K and V forward;
+      in backward K,V again plus dK,dV (2×); recomputing the attention core repeats the forward.
+    - EP: per MoE layer per micro-batch, all_to_all dispatch and combine of b·(s/cp)·k·h, in
+      forward and backward (4; full recompute adds 2).
+    - Tied embeddings with pp > 1: one all_reduce of the embedding gradient between the first
+      and last stage per step (Megatron's embedding group).
+    """
+    mc, lay, B = work.model, layout, work.dtype_bytes
+    m = work.num_microbatches(lay)
+    h = mc.hidden_size
+    tokens = lay.mbs * work.seq_len / lay.cp  # tokens of one micro-batch on this rank
+    chunks = rank_chunks(lay, pp_rank)
+    layers = stage(mc, lay, pp_rank)[0]
+    bpp = bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes)
+    grad_bytes = 4 if work.fp32_grad_accum else bpp.grad
+    params = rank_param_counts(mc, lay, pp_rank)
+    out: list[Collective] = []
+
+    def add(group, op, dtype, elements, calls, size, phase, note=""):
+        if size > 1 and calls > 0 and elements > 0:
+            out.append(Collective(group, op, dtype, elements, calls, size, phase, note))
+
+    # --- data parallel / ZeRO over dp×cp (experts over dp·cp/ep) ---
+    for group, n, elems in ((dp_group_name(lay), lay.dp * lay.cp, params["dense"]),
+                            ("edp", lay.dp * lay.cp // lay.ep, params["expert"])):
+        rs_calls = m if (lay.zero >= 2 and work.grad_sync == "microbatch") else 1
+        if lay.zero == 0:
+            add(group, "all_reduce", grad_bytes, elems, 1, n, "grad", "gradients")
+        elif lay.zero in (1, 2):
+            add(group, "reduce_scatter", grad_bytes, elems, rs_calls, n, "grad", "gradients")
+            add(group, "all_gather", bpp.param, elems, 1, n, "step", "updated parameters")
+        else:
+            add(group, "all_gather", bpp.param, elems, m, n, "fwd", "parameters (forward)")
+            add(group, "all_gather", bpp.param, elems, m, n, "bwd", "parameters (backward)")
+            add(group, "reduce_scatter", grad_bytes, elems, rs_calls, n, "grad", "gradients")
+    if lay.zero >= 1:  # the squared norm of the gradient shards, for clipping (fp32 scalar)
+        add(dp_group_name(lay), "all_reduce", 4, 1, 1, lay.dp * lay.cp, "step", "grad norm")
+
+    # --- tensor (+ sequence) parallel ---
+    t = lay.tp
+    fwd_repeat = 2 if lay.recompute == "full" else 1
+    act = tokens * h
+    if lay.sp:
+        add("tp", "all_gather", B, act, 2 * layers * m * fwd_repeat, t, "fwd", "layers")
+        add("tp", "reduce_scatter", B, act, 2 * layers * m * fwd_repeat, t, "fwd", "layers")
+        add("tp", "all_gather", B, act, 2 * layers * m, t, "bwd", "layers")
+        add("tp", "reduce_scatter", B, act, 2 * layers * m, t, "bwd", "layers")
+    else:
+        add("tp", "all_reduce", B, act, 2 * layers * m * fwd_repeat, t, "fwd", "layers")
+        add("tp", "all_reduce", B, act, 2 * layers * m, t, "bwd", "layers")
+    if 0 in chunks:
+        add("tp", "reduce_scatter" if lay.sp else "all_reduce", B, act, m, t, "fwd", "embedding")
+    if num_chunks(lay) - 1 in chunks:
+        if lay.sp:
+            add("tp", "all_gather", B, act, m, t, "fwd", "head")
+            add("tp", "reduce_scatter", B, act, m, t, "bwd", "head")
+        else:
+            add("tp", "all_reduce", B, act, m, t, "bwd", "head")
+        add("tp", "all_reduce", 4, tokens, 3 * m, t, "fwd", "loss")
+
+    # --- pipeline: count this rank's chunk boundaries that cross to another rank ---
+    msg = tokens * h / (t if lay.sp else 1)
+    last = num_chunks(lay) - 1
+    sends_out = sum(1 for c in chunks if c < last and chunk_owner(lay, c + 1) != pp_rank)
+    recv_in = sum(1 for c in chunks if c > 0 and chunk_owner(lay, c - 1) != pp_rank)
+    add("pp", "send", B, msg, sends_out * m, lay.pp, "fwd", "activations")
+    add("pp", "recv", B, msg, recv_in * m, lay.pp, "fwd", "activations")
+    add("pp", "send", B, msg, recv_in * m, lay.pp, "bwd", "gradients")
+    add("pp", "recv", B, msg, sends_out * m, lay.pp, "bwd", "gradients")
+
+    # --- context parallel: ring attention passes K and V around cp ranks ---
+    if lay.cp > 1:
+        kv = 2 * tokens * kv_heads_per_rank(mc, t) * mc.dim_per_head
+        core_fwd = 2 if lay.recompute in ("selective", "full") else 1
+        steps = (lay.cp - 1) * layers * m
+        for op in ("send", "recv"):
+            add("cp", op, B, kv, steps * core_fwd, lay.cp, "fwd", "K,V")
+            add("cp", op, B, kv, 2 * steps, lay.cp, "bwd", "K,V and dK,dV")
+
+    # --- expert parallel: dispatch + combine ---
+    if lay.ep > 1 and mc.num_experts:
+        routed = tokens * mc.experts_top_k * h
+        add("ep", "all_to_all", B, routed, 2 * layers * m * fwd_repeat, lay.ep, "fwd", "tokens")
+        add("ep", "all_to_all", B, routed, 2 * layers * m, lay.ep, "bwd", "tokens")
+
+    # --- tied embeddings split across the first and last stage ---
+    if mc.tie_embeddings and lay.pp > 1 and (0 in chunks or last in chunks):
+        add("embed", "all_reduce", grad_bytes, mc.vocab_size * h / t, 1, 2, "grad",
+            "tied embedding")
+    return out
+
+
+def ledger_volume(work: Workload, layout: Layout, pp_rank: int = 0) -> dict[str, dict[str, float]]:
+    """Ledger bytes per step on one rank of pipeline stage `pp_rank`: {group: {op: bytes}}, in
+    the engine's convention (full logical tensors; see `collectives` for every choice)."""
+    vol: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for c in collectives(work, layout, pp_rank):
+        vol[c.group][c.op] += c.bytes
+    return {g: dict(ops) for g, ops in vol.items()}
+
+
+def wire_volume(work: Workload, layout: Layout, pp_rank: int = 0) -> dict[str, float]:
+    """Bytes per step this rank sends on the wire, by group (ring algorithms)."""
+    vol: dict[str, float] = defaultdict(float)
+    for c in collectives(work, layout, pp_rank):
+        if c.op != "recv":
+            vol[c.group] += c.wire_bytes
+    return dict(vol)

@@ -1,0 +1,125 @@
+"""One layout, fully explained: memory items, FLOPs, communication, time, MFU, fits or not."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fivefold.plan.comm import ledger_volume, wire_volume
+from fivefold.plan.flops import hardware_flops_per_token, model_flops_per_token
+from fivefold.plan.hardware import GIB, Assumptions, Hardware
+from fivefold.plan.layout import Layout, Workload, bubble_ratio
+from fivefold.plan.memory import MEMORY_ITEMS, bytes_per_param, peak_memory
+from fivefold.plan.timing import StepTime, step_time
+
+
+@dataclass
+class LayoutPlan:
+    """Everything the planner predicts for one layout."""
+
+    layout: Layout
+    num_microbatches: int
+    memory: dict[str, float]  # bytes on the most-loaded rank, by item
+    memory_rank: int  # the pipeline rank that is most loaded
+    cpu_bytes: float  # offloaded optimizer states per GPU, in host memory
+    memory_limit: float
+    bytes_per_param: str
+    model_flops: float  # per step, all GPUs (what MFU counts)
+    hardware_flops: float  # per step, with recomputation
+    ledger: dict[str, dict[str, float]]  # per step on a rank of stage 0, engine convention
+    wire: dict[str, float]  # bytes on the wire per step on that rank, by group
+    time: StepTime
+    tokens_per_step: int
+    peak_flops: float
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_total <= self.memory_limit
+
+    @property
+    def largest_item(self) -> tuple[str, float]:
+        return max(self.memory.items(), key=lambda kv: kv[1])
+
+    @property
+    def why(self) -> str:
+        """'fits: 61.2 of 80 GiB' or 'does not fit: 94.1 of 80 GiB (activations 60.3 GiB)'."""
+        total, limit = self.memory_total / GIB, self.memory_limit / GIB
+        if self.fits:
+            return f"fits: {total:.1f} of {limit:.0f} GiB"
+        name, value = self.largest_item
+        return f"does not fit: {total:.1f} of {limit:.0f} GiB ({name} {value / GIB:.1f} GiB)"
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_step / self.time.total / self.world_size
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.time.total * self.world_size * self.peak_flops)
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_flops / (self.time.total * self.world_size * self.peak_flops)
+
+    def to_dict(self) -> dict:
+        """JSON-ready: the layout, every memory item in bytes, FLOPs, communication bytes per
+        dimension, step time and its parts, tokens/s per GPU, MFU, fits and why."""
+        return {
+            "layout": dataclasses.asdict(self.layout),
+            "layout_short": self.layout.short(),
+            "world_size": self.world_size,
+            "num_microbatches": self.num_microbatches,
+            "memory_bytes": {k: self.memory[k] for k in MEMORY_ITEMS},
+            "memory_total_bytes": self.memory_total,
+            "memory_limit_bytes": self.memory_limit,
+            "memory_rank": self.memory_rank,
+            "cpu_offload_bytes": self.cpu_bytes,
+            "bytes_per_param": self.bytes_per_param,
+            "fits": self.fits,
+            "why": self.why,
+            "model_flops_per_step": self.model_flops,
+            "hardware_flops_per_step": self.hardware_flops,
+            "comm_ledger_bytes_per_step": self.ledger,
+            "comm_wire_bytes_per_step": self.wire,
+            "step_time_s": self.time.total,
+            "step_time_parts_s": self.time.parts(),
+            "recompute_time_s": self.time.recompute,
+            "bubble_ratio": bubble_ratio(self.layout, self.num_microbatches),
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+        }
+
+
+def plan_layout(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions) -> LayoutPlan:
+    """Predict memory, FLOPs, communication and time for one (valid) layout."""
+    m = work.num_microbatches(layout)
+    rank, items, cpu = peak_memory(work, layout, assume)
+    bpp = bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes,
+                          work.fp32_grad_accum)
+    tokens = work.tokens_per_step
+    return LayoutPlan(
+        layout=layout,
+        num_microbatches=m,
+        memory=items,
+        memory_rank=rank,
+        cpu_bytes=cpu,
+        memory_limit=hw.memory_bytes,
+        bytes_per_param=bpp.describe(layout.zero, layout.dp * layout.cp),
+        model_flops=model_flops_per_token(work.model, work.seq_len, work.causal_flops) * tokens,
+        hardware_flops=hardware_flops_per_token(work.model, work.seq_len, layout.recompute,
+                                                work.causal_flops) * tokens,
+        ledger=ledger_volume(work, layout, 0),
+        wire=wire_volume(work, layout, 0),
+        time=step_time(work, layout, hw, assume),
+        tokens_per_step=tokens,
+        peak_flops=hw.peak_flops(work.precision),
+    )

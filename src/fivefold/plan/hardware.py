@@ -1,0 +1,154 @@
+"""Accelerator catalog and the modelling assumptions the planner's clock runs on.
+
+Every figure is a default: `get_hardware(name, {"memory_gib": 94, ...})` overrides any field
+of `Hardware` or `Assumptions` by name. Peaks are *dense* (no 2:4 sparsity) vendor figures;
+bandwidths are per GPU and per direction, in GB/s (1e9 bytes/s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+
+from fivefold.config import ConfigError
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator model and the node it sits in."""
+
+    name: str
+    memory_gib: float  # usable HBM as the driver reports it (nvidia-smi total / 1024)
+    bf16_tflops: float  # dense bf16/fp16 tensor-core peak
+    fp8_tflops: float  # dense fp8 peak; 0 where the device has none
+    fp32_tflops: float  # non-tensor-core fp32 peak (what plain fp32 training gets)
+    hbm_tbps: float  # HBM bandwidth, TB/s
+    intra_node_gbps: float  # NVLink / xGMI per GPU, one direction
+    inter_node_gbps: float  # NIC bandwidth per GPU, one direction (8×400 Gb/s → 50)
+    gpus_per_node: int = 8
+    host_link_gbps: float = 32.0  # PCIe to the host, one direction (offload traffic)
+    # Share of the bf16 peak that large GEMMs reach on this part (cuBLAS/hipBLASLt measured
+    # figures are 0.7-0.85 for 8k×8k×8k bf16; end-to-end training sees less).
+    matmul_efficiency: float = 0.75
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GIB
+
+    def peak_flops(self, precision: str) -> float:
+        """Dense peak FLOP/s for the precision the GEMMs run in."""
+        tflops = {"fp32": self.fp32_tflops, "bf16": self.bf16_tflops, "fp16": self.bf16_tflops,
+                  "fp8": self.fp8_tflops}[precision]
+        if tflops <= 0:
+            raise ConfigError(f"{self.name} has no {precision} tensor cores; pick another "
+                              f"precision or override with --hw {precision}_tflops=...")
+        return tflops * 1e12
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """How achieved speed relates to the peaks. Defaults are deliberately plain; override them
+    when a measurement says otherwise (each is a field name `--hw` accepts)."""
+
+    attention_efficiency: float = 0.60  # flash attention vs. the GEMM efficiency
+    # Kernel launches, synchronisation, data loading, stragglers: a share added to compute.
+    compute_overhead: float = 0.10
+    bandwidth_efficiency: float = 0.80  # NCCL bus bandwidth / link bandwidth
+    hbm_efficiency: float = 0.80  # elementwise kernels and the optimizer step vs. HBM peak
+    intra_latency_us: float = 10.0  # per collective step inside a node
+    inter_latency_us: float = 25.0  # per collective step across nodes
+    cpu_adam_gbps: float = 100.0  # host memory bandwidth per node for an offloaded step
+    tp_overlap: float = 0.0  # share of TP/SP communication hidden behind GEMMs (async TP)
+    context_gib: float = 1.5  # CUDA context, cuBLAS workspace, NCCL buffers
+    fragmentation: float = 0.05  # allocator reserve over what tensors allocate
+
+
+# Sources: NVIDIA A100/H100/H200/B200/L40S and AMD MI300X/MI325X data sheets (dense peaks);
+# node networks as in DGX A100 (8×200 Gb/s), DGX H100/H200/B200 (8×400 Gb/s).
+CATALOG: dict[str, Hardware] = {
+    "a100-40gb": Hardware("a100-40gb", 40, 312, 0, 19.5, 1.555, 300, 25, host_link_gbps=25,
+                          matmul_efficiency=0.80),
+    "a100-80gb": Hardware("a100-80gb", 80, 312, 0, 19.5, 2.039, 300, 25, host_link_gbps=25,
+                          matmul_efficiency=0.80),
+    "h100-sxm": Hardware("h100-sxm", 80, 989.4, 1978.9, 67, 3.35, 450, 50, host_link_gbps=50,
+                         matmul_efficiency=0.70),
+    "h100-pcie": Hardware("h100-pcie", 80, 756.5, 1513, 51, 2.0, 50, 25, host_link_gbps=50,
+                          matmul_efficiency=0.70),
+    "h200": Hardware("h200", 140, 989.4, 1978.9, 67, 4.8, 450, 50, host_link_gbps=50,
+                     matmul_efficiency=0.70),
+    "b200": Hardware("b200", 179, 2250, 4500, 75, 8.0, 900, 50, host_link_gbps=50,
+                     matmul_efficiency=0.70),
+    "mi300x": Hardware("mi300x", 192, 1307.4, 2614.9, 163.4, 5.3, 448, 50, host_link_gbps=50,
+                       matmul_efficiency=0.60),
+    "mi325x": Hardware("mi325x", 256, 1307.4, 2614.9, 163.4, 6.0, 448, 50, host_link_gbps=50,
+                       matmul_efficiency=0.60),
+    "l40s": Hardware("l40s", 48, 362, 733, 91.6, 0.864, 25, 12.5, host_link_gbps=25,
+                     matmul_efficiency=0.70),
+}
+ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "mi300": "mi300x"}
+
+_HW_FIELDS = {f.name: f for f in dataclasses.fields(Hardware)}
+_ASSUME_FIELDS = {f.name: f for f in dataclasses.fields(Assumptions)}
+
+
+def _coerce(key: str, value, typ):
+    try:
+        if typ in (int, "int"):
+            return int(value)
+        if typ in (float, "float"):
+            return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--hw {key}={value!r} is not a number; give e.g. {key}=80") from None
+    return value
+
+
+def get_hardware(name: str, overrides: dict | None = None) -> tuple[Hardware, Assumptions]:
+    """The catalog entry `name` (or an alias) with `overrides` applied to either dataclass."""
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in CATALOG:
+        close = difflib.get_close_matches(key, list(CATALOG) + list(ALIASES), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"unknown GPU '{name}'{hint}; known: {', '.join(CATALOG)}")
+    hw, assume = CATALOG[key], Assumptions()
+    hw_changes, assume_changes = {}, {}
+    for k, v in (overrides or {}).items():
+        if k in _HW_FIELDS and k != "name":
+            hw_changes[k] = _coerce(k, v, _HW_FIELDS[k].type)
+        elif k in _ASSUME_FIELDS:
+            assume_changes[k] = _coerce(k, v, _ASSUME_FIELDS[k].type)
+        else:
+            names = [n for n in _HW_FIELDS if n != "name"] + list(_ASSUME_FIELDS)
+            close = difflib.get_close_matches(k, names, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"--hw {k}: unknown hardware field{hint}; fields: "
+                              f"{', '.join(names)}")
+    if hw_changes.get("gpus_per_node", 1) < 1:
+        raise ConfigError("--hw gpus_per_node must be >= 1")
+    return dataclasses.replace(hw, **hw_changes), dataclasses.replace(assume, **assume_changes)
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """['memory_gib=94', 'inter_node_gbps=100'] → dict; also accepts comma-joined items."""
+    out = {}
+    for item in items:
+        for part in item.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if "=" not in part:
+                raise ConfigError(f"--hw {part!r} needs the form key=value, e.g. memory_gib=94")
+            k, v = part.split("=", 1)
+            out[k.strip()] = v.strip()
+    return out
+
+
+def group_bandwidth(hw: Hardware, group_size: int, stride: int) -> tuple[float, bool]:
+    """Bytes/s per GPU for a group of `group_size` ranks spaced `stride` apart in the rank grid,
+    and whether it crosses nodes. Ranks are laid out tp fastest, then cp, pp, dp (picotron's
+    grid), so a group stays inside a node when stride·size ≤ GPUs per node."""
+    inside = stride * group_size <= hw.gpus_per_node
+    gbps = hw.intra_node_gbps if inside else hw.inter_node_gbps
+    return gbps * 1e9, not inside

@@ -1,0 +1,167 @@
+"""Where a plan's inputs come from: a preset, a Hugging Face config.json, or a training TOML.
+
+No torch and no engine module is imported: a config.json is read as plain JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from fivefold import config as fconfig
+from fivefold.config import ConfigError
+from fivefold.models.presets import MODEL_FIELDS, ModelConfig, preset
+from fivefold.plan.layout import Layout, Workload
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+def model_from_hf_config(path: str | Path) -> ModelConfig:
+    """A ModelConfig from a Hugging Face config.json (Llama, Mistral, Qwen2, Mixtral, GPT-2
+    style). Unknown keys are ignored; missing essentials are an error naming the key."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist; give a config.json or its directory")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e})") from None
+
+    def get(*keys, default=None):
+        for k in keys:
+            if k in cfg and cfg[k] is not None:
+                return cfg[k]
+        if default is None:
+            raise ConfigError(f"{path} has none of {', '.join(keys)}; is it a decoder config?")
+        return default
+
+    gpt_style = cfg.get("model_type") in ("gpt2", "gpt_neox", "gptj", "opt") or "n_embd" in cfg
+    hidden = int(get("hidden_size", "n_embd", "d_model"))
+    heads = int(get("num_attention_heads", "n_head"))
+    experts = int(get("num_local_experts", "num_experts", "n_routed_experts", default=0))
+    return ModelConfig(
+        name=str(cfg.get("_name_or_path") or path.parent.name or "hf-model"),
+        vocab_size=int(get("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(get("intermediate_size", "n_inner", "ffn_dim",
+                                  default=4 * hidden)),
+        num_layers=int(get("num_hidden_layers", "n_layer", "num_layers")),
+        num_heads=heads,
+        num_kv_heads=int(get("num_key_value_heads", default=heads)),
+        head_dim=cfg.get("head_dim"),
+        max_seq_len=int(get("max_position_embeddings", "n_positions", "n_ctx", default=2048)),
+        rope_theta=float(get("rope_theta", default=10000.0)),
+        rope_scaling=cfg.get("rope_scaling"),
+        norm_eps=float(get("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps",
+                           default=1e-5)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", gpt_style)),
+        qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2") or gpt_style),
+        mlp="gelu" if gpt_style else "swiglu",
+        norm="layernorm" if gpt_style else "rmsnorm",
+        num_experts=experts,
+        experts_top_k=int(get("num_experts_per_tok", "top_k", default=2)) if experts else 0,
+        moe_intermediate_size=int(get("moe_intermediate_size", "intermediate_size",
+                                      default=4 * hidden)) if experts else 0,
+    )
+
+
+def _apply_model_overrides(model: ModelConfig, overrides: dict) -> ModelConfig:
+    unknown = [k for k in overrides if k not in MODEL_FIELDS]
+    if unknown:
+        raise ConfigError(f"unknown model field '{unknown[0]}'; fields: {', '.join(MODEL_FIELDS)}")
+    return model.replace(**overrides) if overrides else model
+
+
+def resolve_model(spec: str) -> ModelConfig:
+    """A preset name, a config.json (or its directory), or a training TOML's [model]."""
+    p = Path(spec)
+    if p.suffix == ".toml":
+        cfg = read_training_config(p)
+        return training_model(cfg)
+    if p.suffix == ".json" or p.is_dir():
+        return model_from_hf_config(p)
+    try:
+        return preset(spec)
+    except KeyError as e:
+        raise ConfigError(str(e).strip("\"'") + "; or give a config.json / .toml path") from None
+
+
+def read_training_config(path: str | Path, overrides: list[str] | None = None) -> fconfig.Config:
+    """Parse a training TOML with its `--section.key value` overrides. Only the type checks run
+    here, not the full launch validation: a plan may precede the data files and may use
+    dimensions the engine does not offer yet (the planner checks the layout itself)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist; give the path of a .toml file")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {p} is not valid TOML ({e}); fix the syntax") from None
+    cfg = fconfig.from_dict(data)
+    fconfig.apply_overrides(cfg, overrides or [])
+    return cfg
+
+
+def training_model(cfg: fconfig.Config) -> ModelConfig:
+    m = cfg.model
+    if m.hf_path:
+        return _apply_model_overrides(model_from_hf_config(m.hf_path), m.overrides)
+    try:
+        base = preset(m.preset)
+    except KeyError as e:
+        raise ConfigError(f"model.preset: {str(e).strip(chr(34) + chr(39))}") from None
+    return _apply_model_overrides(base, m.overrides)
+
+
+def training_plan_inputs(cfg: fconfig.Config, **workload_options) -> tuple[Workload, Layout]:
+    """The workload and layout a training config describes ('auto' precision plans as bf16,
+    what it resolves to on a GPU)."""
+    par, tr = cfg.parallel, cfg.train
+    precision = "bf16" if tr.precision == "auto" else tr.precision
+    work = Workload(model=training_model(cfg), seq_len=tr.seq_len, gbs=tr.gbs,
+                    precision=precision, bucket_mb=par.bucket_mb, **workload_options)
+    layout = Layout(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero,
+                    mbs=par.mbs, recompute=tr.recompute, schedule=par.schedule,
+                    virtual_stages=par.virtual_stages, sp=par.sp, offload=par.offload)
+    return work, layout
+
+
+def parse_layout(text: str, num_gpus: int | None = None) -> Layout:
+    """'dp=8,tp=8,pp=2,zero=1,mbs=1,recompute=selective,schedule=1f1b,sp=true' → Layout.
+    dp may be left out when the number of GPUs is known."""
+    values: dict = {}
+    fields = {"dp", "tp", "pp", "cp", "ep", "zero", "mbs", "virtual_stages", "recompute",
+              "schedule", "sp", "offload", "v"}
+    for item in text.replace(" ", ",").split(","):
+        if not item:
+            continue
+        if "=" not in item:
+            raise ConfigError(f"--layout item {item!r} needs the form key=value, e.g. tp=8")
+        key, value = item.split("=", 1)
+        key = "virtual_stages" if key == "v" else key
+        if key not in fields:
+            raise ConfigError(f"--layout key {key!r} is unknown; use {', '.join(sorted(fields))}")
+        if key in ("recompute", "schedule"):
+            values[key] = value
+        elif key in ("sp", "offload"):
+            values[key] = value.lower() in ("1", "true", "yes", "on")
+        else:
+            try:
+                values[key] = int(value)
+            except ValueError:
+                raise ConfigError(f"--layout {key}={value!r} must be a whole number") from None
+    if "sp" not in values and values.get("tp", 1) > 1:
+        values["sp"] = True
+    layout = Layout(**values)
+    if "dp" not in values and num_gpus:
+        rest = layout.tp * layout.pp * layout.cp
+        if num_gpus % rest:
+            raise ConfigError(f"--gpus {num_gpus} is not divisible by tp·pp·cp = {rest}")
+        layout = layout.replace(dp=num_gpus // rest)
+    return layout

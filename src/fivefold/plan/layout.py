@@ -1,0 +1,282 @@
+"""What is planned: the workload (model + training shape) and one layout of the GPUs.
+
+Also the pipeline facts every other module needs: which layers a pipeline rank holds, how many
+micro-batches of activations it keeps alive, and the bubble of each schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+from fivefold.models.presets import ModelConfig
+
+SCHEDULES = ("afab", "1f1b", "interleaved", "zb", "dualpipev")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("fp32", "bf16", "fp16")
+# Optimizer state bytes per parameter (fp32 moments): Adam m+v 8, SGD momentum 4, 8-bit Adam 2.
+OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "adamw8bit": 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to place the training on dp·tp·pp·cp GPUs (ep is carved out of dp·cp)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    mbs: int = 1
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sp: bool = False
+    offload: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def short(self) -> str:
+        sched = ""
+        if self.pp > 1:
+            sched = f"({self.schedule}{'×' + str(self.virtual_stages) if self.virtual_stages > 1 else ''})"
+        parts = [f"dp{self.dp}", f"tp{self.tp}{'+sp' if self.sp else ''}", f"pp{self.pp}{sched}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        parts += [f"z{self.zero}{'+off' if self.offload else ''}", f"mbs{self.mbs}",
+                  {"none": "rc-none", "selective": "rc-sel", "full": "rc-full"}[self.recompute]]
+        return " ".join(parts)
+
+    def replace(self, **changes) -> Layout:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and the training shape, independent of the layout."""
+
+    model: ModelConfig
+    seq_len: int
+    gbs: int  # global batch in sequences
+    precision: str = "bf16"  # fp32 | bf16 | fp16
+    optimizer: str = "adamw"
+    grad_dtype_bytes: int | None = None  # None: the param dtype; 4 gives Megatron's 18 B/param
+    fp32_grad_accum: bool = False  # a separate fp32 accumulation buffer (nanotron: 20 B/param)
+    flash: bool = True  # flash attention (O(s) saved) or math attention (O(s²) saved)
+    dropout: bool = False  # dropout masks (GPT-3/Korthikanti); Llama trains without dropout
+    causal_flops: bool = False  # halve attention FLOPs (Megatron ≥ 2025) or not (PaLM, Narayanan)
+    grad_sync: str = "step"  # ZeRO-2/3 gradient reduce-scatter once per "step" or "microbatch"
+    bucket_mb: float = 25.0
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes of an activation / a model parameter in the forward pass."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.gbs * self.seq_len
+
+    def num_microbatches(self, layout: Layout) -> int:
+        return self.gbs // (layout.dp * layout.mbs)
+
+
+# ----------------------------------------------------------------------------------------
+# Pipeline placement
+
+
+def num_chunks(layout: Layout) -> int:
+    """Model chunks along the pipeline: pp·v for interleaved, 2·pp for DualPipeV (V shape)."""
+    if layout.schedule == "dualpipev" and layout.pp > 1:
+        return 2 * layout.pp
+    if layout.schedule == "interleaved":
+        return layout.pp * layout.virtual_stages
+    return layout.pp
+
+
+@functools.lru_cache(maxsize=4096)
+def chunk_layer_counts(num_layers: int, chunks: int) -> tuple[int, ...]:
+    """Layers per chunk, as even as possible. Leftover layers go to the middle chunks first,
+    sparing the first (embedding) and last (output head) chunks, as Llama 3 did for 405B
+    (126 layers on 16 stages; Dubey et al. 2024, §3.3.2)."""
+    base, extra = divmod(num_layers, chunks)
+    counts = [base] * chunks
+    order = sorted(range(chunks), key=lambda i: (i in (0, chunks - 1), abs(i - (chunks - 1) / 2)))
+    for i in order[:extra]:
+        counts[i] += 1
+    return tuple(counts)
+
+
+def rank_chunks(layout: Layout, rank: int) -> tuple[int, ...]:
+    """Chunk indices pipeline rank `rank` holds (interleaved: r, r+p, …; DualPipeV: r, 2p-1-r)."""
+    return _rank_chunks(layout.pp, layout.schedule, layout.virtual_stages, rank)
+
+
+@functools.lru_cache(maxsize=65536)
+def _rank_chunks(pp: int, schedule: str, virtual_stages: int, rank: int) -> tuple[int, ...]:
+    if schedule == "dualpipev" and pp > 1:
+        return (rank, 2 * pp - 1 - rank)
+    per_rank = virtual_stages if schedule == "interleaved" else 1
+    return tuple(rank + k * pp for k in range(per_rank))
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage(num_layers: int, pp: int, schedule: str, virtual_stages: int,
+           rank: int) -> tuple[int, bool, bool]:
+    """(layers, holds the embedding, holds the head) of one pipeline rank."""
+    layout = Layout(pp=pp, schedule=schedule, virtual_stages=virtual_stages)
+    chunks = num_chunks(layout)
+    counts = chunk_layer_counts(num_layers, chunks)
+    mine = _rank_chunks(pp, schedule, virtual_stages, rank)
+    return sum(counts[c] for c in mine), 0 in mine, chunks - 1 in mine
+
+
+def stage(model: ModelConfig, layout: Layout, rank: int) -> tuple[int, bool, bool]:
+    return _stage(model.num_layers, layout.pp, layout.schedule, layout.virtual_stages, rank)
+
+
+def layers_on_rank(model: ModelConfig, layout: Layout, rank: int) -> int:
+    return stage(model, layout, rank)[0]
+
+
+def holds_embedding(layout: Layout, rank: int) -> bool:
+    return 0 in rank_chunks(layout, rank)
+
+
+def holds_head(layout: Layout, rank: int) -> bool:
+    return num_chunks(layout) - 1 in rank_chunks(layout, rank)
+
+
+def inflight_microbatches(layout: Layout, num_microbatches: int, rank: int) -> float:
+    """Micro-batches' worth of this rank's activations alive at its peak (in units of all
+    the rank's layers for one micro-batch).
+
+    AFAB (GPipe) keeps all m; 1F1B keeps min(m, p − r) on rank r (Narayanan et al. 2021 §2.2);
+    ZB-H1 keeps what 1F1B keeps (Qi et al. 2023); interleaved follows Megatron's warm-up count
+    (p − r − 1)·2 + (v − 1)·p + 1 chunk-micro-batches, which on rank 0 is
+    p·(1 + (p − 1)/(p·v)) micro-batches (Korthikanti et al. 2022 §4.2.3); DualPipe keeps p + 1
+    (DeepSeek-V3 Table 2), taken here for every rank.
+    """
+    p, m, v = layout.pp, num_microbatches, layout.virtual_stages
+    if p == 1:
+        return 1.0
+    if layout.schedule == "afab":
+        return float(m)
+    if layout.schedule in ("1f1b", "zb"):
+        return float(min(m, p - rank))
+    if layout.schedule == "interleaved":
+        chunk_mbs = min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)
+        return chunk_mbs / v
+    return float(min(m, p + 1))  # dualpipev
+
+
+def bubble_ratio(layout: Layout, num_microbatches: int) -> float:
+    """Pipeline bubble time as a fraction of the ideal compute time m·(t_f + t_b).
+
+    AFAB and 1F1B: (p − 1)/m, i.e. (p − 1)/(m + p − 1) of the step (Narayanan 2021 §2.2.1).
+    Interleaved: (p − 1)/(v·m) (Narayanan 2021 §2.2.2).
+    ZB-H1: one third of 1F1B's, (p − 1)/(3m) (Qi et al. 2023, with F = B = W).
+    DualPipeV: (p/2 − 1)(F&B + B − 3W) from DeepSeek-V3 Table 2, with chunk times F = B = W =
+    a sixth of a stage's F+B+W and F&B = F+B+W, giving (p − 2)/(12m).
+    """
+    p, m = layout.pp, num_microbatches
+    if p == 1:
+        return 0.0
+    if layout.schedule == "interleaved":
+        return (p - 1) / (layout.virtual_stages * m)
+    if layout.schedule == "zb":
+        return (p - 1) / (3 * m)
+    if layout.schedule == "dualpipev":
+        return (p - 2) / (12 * m)
+    return (p - 1) / m
+
+
+def critical_ranks(model: ModelConfig, layout: Layout) -> tuple[int, ...]:
+    """Pipeline ranks that can be the most loaded: the first (embedding, most activations),
+    the last (output head, logits) and the one holding the most layers."""
+    return _critical_ranks(model.num_layers, layout.pp, layout.schedule, layout.virtual_stages)
+
+
+@functools.lru_cache(maxsize=16384)
+def _critical_ranks(num_layers: int, pp: int, schedule: str, v: int) -> tuple[int, ...]:
+    heaviest = max(range(pp), key=lambda r: _stage(num_layers, pp, schedule, v, r)[0])
+    return tuple(sorted({0, pp - 1, heaviest}))
+
+
+def check_layout(work: Workload, layout: Layout, gpus_per_node: int | None = None,
+                 strict_layers: bool = False) -> list[str]:
+    """Every constraint a layout must meet; each problem is one line with the fix."""
+    mc, lay = work.model, layout
+    bad: list[str] = []
+    for name in ("dp", "tp", "pp", "cp", "ep", "mbs", "virtual_stages"):
+        if getattr(lay, name) < 1:
+            bad.append(f"{name} = {getattr(lay, name)} must be >= 1")
+    if bad:
+        return bad
+    if lay.zero not in (0, 1, 2, 3):
+        bad.append(f"zero = {lay.zero} is not a ZeRO stage; use 0, 1, 2 or 3")
+    if lay.recompute not in RECOMPUTE:
+        bad.append(f"recompute = '{lay.recompute}' is not one of {', '.join(RECOMPUTE)}")
+    if lay.schedule not in SCHEDULES:
+        bad.append(f"schedule = '{lay.schedule}' is not one of {', '.join(SCHEDULES)}")
+    if gpus_per_node and lay.tp > gpus_per_node:
+        bad.append(f"tp = {lay.tp} spans nodes ({gpus_per_node} GPUs each); keep tp within a node")
+    if mc.num_heads % lay.tp:
+        bad.append(f"tp = {lay.tp} does not divide num_heads = {mc.num_heads}")
+    if mc.num_kv_heads % lay.tp and lay.tp % mc.num_kv_heads:
+        bad.append(f"tp = {lay.tp} and num_kv_heads = {mc.num_kv_heads}: one must divide the other")
+    ffn = mc.moe_intermediate_size if mc.num_experts else mc.intermediate_size
+    if ffn % lay.tp:
+        bad.append(f"tp = {lay.tp} does not divide the MLP width {ffn}")
+    if lay.sp and lay.tp == 1:
+        bad.append("sp needs tp > 1")
+    if lay.sp and work.seq_len % (lay.tp * lay.cp):
+        bad.append(f"seq_len = {work.seq_len} is not divisible by tp·cp = {lay.tp * lay.cp} (SP)")
+    if lay.cp > 1 and work.seq_len % (2 * lay.cp):
+        bad.append(f"seq_len = {work.seq_len} is not divisible by 2·cp = {2 * lay.cp} (zig-zag)")
+    if lay.ep > 1:
+        if not mc.num_experts:
+            bad.append(f"ep = {lay.ep} needs a mixture-of-experts model")
+        elif mc.num_experts % lay.ep:
+            bad.append(f"ep = {lay.ep} does not divide num_experts = {mc.num_experts}")
+        if (lay.dp * lay.cp) % lay.ep:
+            bad.append(f"ep = {lay.ep} does not divide dp·cp = {lay.dp * lay.cp}")
+    if work.gbs % (lay.dp * lay.mbs):
+        bad.append(f"gbs = {work.gbs} is not divisible by dp·mbs = {lay.dp * lay.mbs}")
+        return bad
+    m = work.num_microbatches(lay)
+    chunks = num_chunks(lay)
+    if lay.pp > 1 and chunks > mc.num_layers:
+        bad.append(f"pp·chunks = {chunks} is more than num_layers = {mc.num_layers}")
+    if strict_layers and mc.num_layers % chunks:
+        bad.append(f"num_layers = {mc.num_layers} is not divisible by {chunks} pipeline chunks")
+    if lay.virtual_stages > 1 and lay.schedule != "interleaved":
+        bad.append(f"virtual_stages = {lay.virtual_stages} needs schedule = interleaved")
+    if lay.pp > 1 and lay.schedule == "interleaved" and m % lay.pp:
+        bad.append(f"interleaved needs micro-batches ({m}) to be a multiple of pp = {lay.pp}")
+    if lay.pp > 1 and lay.schedule == "dualpipev" and m < 2 * lay.pp:
+        bad.append(f"dualpipev needs at least 2·pp = {2 * lay.pp} micro-batches, got {m}")
+    if lay.pp > 1 and lay.schedule == "zb" and m < lay.pp:
+        bad.append(f"zb needs at least pp = {lay.pp} micro-batches, got {m}")
+    if lay.offload and lay.zero == 0:
+        bad.append("offload needs zero >= 1 (the sharded optimizer is what moves to the CPU)")
+    if work.precision not in PRECISIONS:
+        bad.append(f"precision = '{work.precision}' is not one of {', '.join(PRECISIONS)}")
+    if work.optimizer not in OPTIMIZER_BYTES:
+        bad.append(f"optimizer = '{work.optimizer}' is not one of {', '.join(OPTIMIZER_BYTES)}")
+    return bad
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def log2_ceil(n: int) -> int:
+    return max(1, math.ceil(math.log2(n))) if n > 1 else 0

@@ -1,0 +1,250 @@
+"""Memory per GPU: model states (with the bytes-per-parameter layout explicit), activations,
+logits, communication buffers and framework overhead, itemised on the most-loaded rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.models.presets import ModelConfig
+from fivefold.plan.activations import (
+    ActivationBytes,
+    activation_bytes_per_microbatch,
+    kv_heads_per_rank,
+    recompute_working_set,
+)
+from fivefold.plan.hardware import GIB, Assumptions
+from fivefold.plan.layout import (
+    OPTIMIZER_BYTES,
+    Layout,
+    Workload,
+    critical_ranks,
+    inflight_microbatches,
+    stage,
+)
+
+# Order of the items in reports and stacked bars.
+MEMORY_ITEMS = ("params", "grads", "master", "optimizer", "grad_accum", "grad_buffer",
+                "activations", "logits_loss", "comm_buffers", "overhead")
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    """The model-state layout, bytes per parameter before any sharding."""
+
+    param: int
+    grad: int
+    master: int
+    optimizer: int
+    grad_accum: int = 0  # a separate fp32 accumulation buffer
+
+    @property
+    def total(self) -> int:
+        return self.param + self.grad + self.master + self.optimizer + self.grad_accum
+
+    def describe(self, zero: int = 0, shards: int = 1) -> str:
+        """'2 param + 2 grad + 4 master + 8 optimizer = 16 B/param; ZeRO-1 over 64: 4.19'."""
+        parts = [f"{self.param} param", f"{self.grad} grad"]
+        if self.master:
+            parts.append(f"{self.master} master")
+        parts.append(f"{self.optimizer} optimizer")
+        if self.grad_accum:
+            parts.append(f"{self.grad_accum} fp32 grad accum")
+        text = " + ".join(parts) + f" = {self.total} B/param"
+        if zero and shards > 1:
+            text += f"; ZeRO-{zero} over {shards}: {self.sharded(zero, shards):.3g} B/param"
+        return text
+
+    def sharded(self, zero: int, shards: int) -> float:
+        """Bytes per parameter held on one rank under ZeRO stage `zero` over `shards` ranks
+        (Rajbhandari et al. 2020 §5: P_os shards master+optimizer, P_g also grads, P_p params)."""
+        n = shards
+        opt = (self.master + self.optimizer) / (n if zero >= 1 else 1)
+        grad = (self.grad + self.grad_accum) / (n if zero >= 2 else 1)
+        param = self.param / (n if zero >= 3 else 1)
+        return param + grad + opt
+
+
+def bytes_per_param(precision: str = "bf16", optimizer: str = "adamw",
+                    grad_dtype_bytes: int | None = None,
+                    fp32_grad_accum: bool = False) -> BytesPerParam:
+    """Mixed precision (bf16/fp16): 2 param + 2 grad + 4 fp32 master + 8 Adam = 16 (ZeRO paper,
+    Ultra-Scale Playbook); grad_dtype_bytes=4 gives Megatron's 18; fp32_grad_accum adds a 4-byte
+    buffer, nanotron's 20. fp32: 4 + 4 + 0 + 8 = 16."""
+    opt = OPTIMIZER_BYTES[optimizer]
+    if precision == "fp32":
+        return BytesPerParam(4, grad_dtype_bytes or 4, 0, opt, 4 if fp32_grad_accum else 0)
+    return BytesPerParam(2, grad_dtype_bytes or 2, 4, opt, 4 if fp32_grad_accum else 0)
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Model-state bytes on one rank. `cpu` is what offload moved to host memory."""
+
+    params: float
+    grads: float
+    master: float
+    optimizer: float
+    grad_accum: float
+    cpu: float
+    num_params: float  # parameter elements this rank holds before ZeRO sharding
+    layout: BytesPerParam
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.master + self.optimizer + self.grad_accum
+
+
+def shard_model_states(num_params: float, bpp: BytesPerParam, zero: int, shards: int,
+                       offload: bool = False, num_expert_params: float = 0.0,
+                       expert_shards: int = 1) -> ModelStates:
+    """Apply ZeRO to `num_params` dense and `num_expert_params` expert elements (experts shard
+    over the expert-data-parallel group, dp·cp/ep). Offload moves master + optimizer to CPU."""
+    def part(per: float, stage: int) -> float:
+        return (per * num_params / (shards if zero >= stage else 1)
+                + per * num_expert_params / (expert_shards if zero >= stage else 1))
+
+    master, optim = part(bpp.master, 1), part(bpp.optimizer, 1)
+    return ModelStates(
+        params=part(bpp.param, 3), grads=part(bpp.grad, 2),
+        master=0.0 if offload else master, optimizer=0.0 if offload else optim,
+        grad_accum=part(bpp.grad_accum, 2), cpu=master + optim if offload else 0.0,
+        num_params=num_params + num_expert_params, layout=bpp,
+    )
+
+
+def layer_param_counts(model: ModelConfig, tp: int = 1, ep: int = 1) -> dict[str, float]:
+    """Parameters of one transformer layer on one tp (and ep) rank: 'dense' (incl. replicated
+    norms and router) and 'expert'. Matches ModelConfig.param_counts() at tp = ep = 1."""
+    h, d = model.hidden_size, model.dim_per_head
+    q = model.num_heads * d / tp
+    kv = kv_heads_per_rank(model, tp) * d
+    attn = 2 * h * q + 2 * h * kv + ((q + 2 * kv) if model.qkv_bias else 0)
+    norms = 2 * (1 if model.norm == "rmsnorm" else 2) * h
+    if model.num_experts:
+        expert = model.num_experts / ep * 3 * h * model.moe_intermediate_size / tp
+        return {"dense": attn + norms + h * model.num_experts, "expert": expert}
+    f = model.intermediate_size / tp
+    mlp = 3 * h * f if model.mlp == "swiglu" else 2 * h * f + f + h
+    return {"dense": attn + mlp + norms, "expert": 0.0}
+
+
+def rank_param_counts(model: ModelConfig, layout: Layout, rank: int = 0) -> dict[str, float]:
+    """Parameter elements pipeline rank `rank` holds (one tp rank): its layers, the embedding
+    on the first chunk, final norm + output head on the last (a tied head is a second copy
+    when it sits on another rank, as in Megatron)."""
+    layers, embed, head = stage(model, layout, rank)
+    per_layer = layer_param_counts(model, layout.tp, layout.ep)
+    dense, expert = layers * per_layer["dense"], layers * per_layer["expert"]
+    vocab = model.vocab_size * model.hidden_size / layout.tp
+    if embed:
+        dense += vocab
+    if head:
+        dense += (1 if model.norm == "rmsnorm" else 2) * model.hidden_size
+        if not (model.tie_embeddings and embed):
+            dense += vocab
+    return {"dense": dense, "expert": expert}
+
+
+def model_state_bytes(model: ModelConfig, *, tp: int = 1, pp: int = 1, dp: int = 1,
+                      cp: int = 1, ep: int = 1, zero: int = 0, offload: bool = False,
+                      precision: str = "bf16", optimizer: str = "adamw",
+                      grad_dtype_bytes: int | None = None, fp32_grad_accum: bool = False,
+                      pp_rank: int = 0, schedule: str = "1f1b",
+                      virtual_stages: int = 1) -> ModelStates:
+    """Model-state bytes held by one rank between steps (pipeline rank `pp_rank`): its share of
+    parameters, gradients, fp32 master weights and optimizer moments. ZeRO shards over the
+    dp×cp group (cp ranks hold the same weights); expert states over dp·cp/ep."""
+    layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, offload=offload,
+                    schedule=schedule, virtual_stages=virtual_stages)
+    counts = rank_param_counts(model, layout, pp_rank)
+    bpp = bytes_per_param(precision, optimizer, grad_dtype_bytes, fp32_grad_accum)
+    return shard_model_states(counts["dense"], bpp, zero, dp * cp, offload,
+                              counts["expert"], max(dp * cp // ep, 1))
+
+
+def comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
+    """Transient buffers of the collectives: two DP buckets; ZeRO-3's gathered layer (current +
+    prefetched params, one layer of full grads before its reduce-scatter); PP receive buffers
+    for an activation and a gradient; CP's double-buffered K/V chunk; EP's dispatch buffers."""
+    mc, B = work.model, work.dtype_bytes
+    bpp = bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes)
+    tokens = layout.mbs * work.seq_len / layout.cp
+    total = 0.0
+    if layout.dp * layout.cp > 1:
+        if layout.zero == 3:
+            per_layer = sum(layer_param_counts(mc, layout.tp, layout.ep).values())
+            total += per_layer * (2 * bpp.param + bpp.grad)
+        else:
+            total += 2 * work.bucket_mb * 1e6
+    if layout.pp > 1:
+        total += 2 * tokens * mc.hidden_size * B / (layout.tp if layout.sp else 1)
+    if layout.cp > 1:
+        total += 2 * 2 * tokens * kv_heads_per_rank(mc, layout.tp) * mc.dim_per_head * B
+    if layout.ep > 1:
+        total += 2 * tokens * mc.experts_top_k * mc.hidden_size * B
+    return total
+
+
+def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int = 0,
+                 act: ActivationBytes | None = None) -> tuple[dict[str, float], float]:
+    """Itemised bytes on pipeline rank `rank` at its peak, and the CPU bytes of offload."""
+    mc, m = work.model, work.num_microbatches(layout)
+    counts = rank_param_counts(mc, layout, rank)
+    bpp = bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes,
+                          work.fp32_grad_accum)
+    shards = layout.dp * layout.cp
+    states = shard_model_states(counts["dense"], bpp, layout.zero, shards, layout.offload,
+                                counts["expert"], max(shards // layout.ep, 1))
+    act = act or _activations(work, layout)
+    layers, embed, head = stage(mc, layout, rank)
+    inflight = inflight_microbatches(layout, m, rank)
+    activations = act.layer * layers * inflight + _working_set(work, layout)
+    if embed:
+        activations += act.embedding * inflight
+    logits_loss = 0.0
+    if head:
+        # AFAB runs every forward before any backward, so all m logits are alive at once.
+        live = m if (layout.schedule == "afab" and layout.pp > 1) else 1
+        logits_loss = (act.final_norm + act.logits + act.loss) * live + act.loss_backward
+    grad_buffer = 0.0
+    if layout.zero >= 2 and shards > 1 and work.grad_sync == "step" and m > 1:
+        # Reduce-scattered once per step, ZeRO-2/3 gradients accumulate whole in .grad over
+        # the micro-batches before the last (parallel/data.py); with one micro-batch only a
+        # bucket at a time is whole (in comm_buffers).
+        grad_buffer = states.num_params * bpp.grad
+    items = {
+        "params": states.params, "grads": states.grads, "master": states.master,
+        "optimizer": states.optimizer, "grad_accum": states.grad_accum,
+        "grad_buffer": grad_buffer, "activations": activations, "logits_loss": logits_loss,
+        "comm_buffers": comm_buffer_bytes(work, layout, rank),
+    }
+    items["overhead"] = assume.context_gib * GIB + assume.fragmentation * sum(items.values())
+    return items, states.cpu
+
+
+def _act_kwargs(work: Workload, layout: Layout) -> dict:
+    return {"tp": layout.tp, "sp": layout.sp, "cp": layout.cp, "recompute": layout.recompute,
+                "dtype_bytes": work.dtype_bytes, "flash": work.flash, "dropout": work.dropout}
+
+
+def _activations(work: Workload, layout: Layout) -> ActivationBytes:
+    return activation_bytes_per_microbatch(work.model, layout.mbs, work.seq_len,
+                                           **_act_kwargs(work, layout))
+
+
+def _working_set(work: Workload, layout: Layout) -> float:
+    return recompute_working_set(work.model, layout.mbs, work.seq_len,
+                                 **_act_kwargs(work, layout))
+
+
+def peak_memory(work: Workload, layout: Layout,
+                assume: Assumptions) -> tuple[int, dict[str, float], float]:
+    """(pipeline rank, items, cpu bytes) of the most-loaded rank."""
+    act = _activations(work, layout)
+    best = None
+    for rank in critical_ranks(work.model, layout):
+        items, cpu = memory_items(work, layout, assume, rank, act)
+        total = sum(items.values())
+        if best is None or total > best[0]:
+            best = (total, rank, items, cpu)
+    return best[1], best[2], best[3]

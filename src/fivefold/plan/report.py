@@ -1,0 +1,151 @@
+"""Terminal tables, the explanation of one layout, why alternatives lost, and JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fivefold.plan.evaluate import LayoutPlan
+from fivefold.plan.hardware import GIB, Assumptions, Hardware
+from fivefold.plan.layout import Workload, bubble_ratio
+from fivefold.plan.memory import MEMORY_ITEMS
+from fivefold.plan.search import SearchResult
+
+TIME_LABELS = {"compute": "compute", "tp_comm": "TP comm", "cp_comm": "CP comm",
+               "ep_comm": "EP comm", "pp_comm": "PP comm", "bubble": "bubble",
+               "dp_comm": "DP comm", "optimizer": "optimizer"}
+MEMORY_LABELS = {"params": "parameters", "grads": "gradients", "master": "master weights",
+                 "optimizer": "optimizer states", "grad_accum": "fp32 grad accumulation",
+                 "grad_buffer": "unsharded grads (step sync)", "activations": "activations",
+                 "logits_loss": "logits and loss", "comm_buffers": "communication buffers",
+                 "overhead": "framework overhead"}
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.1f}"
+
+
+def _bytes(x: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def describe_workload(work: Workload, hw: Hardware, num_gpus: int) -> str:
+    mc = work.model
+    return (f"{mc.name}: {mc.num_params() / 1e9:.2f}B params, seq_len {work.seq_len}, "
+            f"gbs {work.gbs} seqs ({work.tokens_per_step / 1e6:.2f}M tokens), "
+            f"{work.precision}, {work.optimizer}, "
+            f"{'flash' if work.flash else 'math'} attention — {num_gpus} × {hw.name} "
+            f"({hw.memory_gib:g} GiB, {hw.gpus_per_node}/node)")
+
+
+def format_table(plans: list[LayoutPlan]) -> str:
+    """One row per layout: the layout, memory, step time, tokens/s per GPU, MFU, and where the
+    time goes beyond compute."""
+    header = (f"{'#':>3}  {'layout':<44} {'m':>4} {'memory GiB':>11} {'step s':>8} "
+              f"{'tok/s/GPU':>10} {'MFU':>6} {'bubble':>7} {'comm':>6}")
+    lines = [header, "-" * len(header)]
+    for i, p in enumerate(plans, 1):
+        t = p.time
+        comm = t.tp_comm + t.cp_comm + t.ep_comm + t.pp_comm + t.dp_comm
+        mem = f"{_gib(p.memory_total)}/{p.memory_limit / GIB:.0f}"
+        lines.append(f"{i:>3}  {p.layout.short():<44} {p.num_microbatches:>4} {mem:>11} "
+                     f"{t.total:>8.3f} {p.tokens_per_s_per_gpu:>10,.0f} {p.mfu:>6.1%} "
+                     f"{t.bubble / t.total:>7.1%} {comm / t.total:>6.1%}")
+    return "\n".join(lines)
+
+
+def format_explain(plan: LayoutPlan, work: Workload) -> str:
+    """Every number of one layout, itemised."""
+    p, lay = plan, plan.layout
+    lines = [(f"layout: {lay.short()}  ({p.world_size} GPUs, {p.num_microbatches} micro-batches"
+             f" of {lay.mbs}, bubble {bubble_ratio(lay, p.num_microbatches):.1%} of compute)"),
+             p.why, "",
+             f"memory on the most-loaded rank (pipeline rank {p.memory_rank}), GiB:"]
+    for key in MEMORY_ITEMS:
+        if p.memory[key]:
+            lines.append(f"  {MEMORY_LABELS[key]:<30} {_gib(p.memory[key]):>8}")
+    lines.append(f"  {'total':<30} {_gib(p.memory_total):>8}  of {p.memory_limit / GIB:g}")
+    if p.cpu_bytes:
+        lines.append(f"  {'host memory (offload)':<30} {_gib(p.cpu_bytes):>8}")
+    lines += [f"  bytes/param: {p.bytes_per_param}", "",
+              (f"FLOPs per step: model {p.model_flops:.3e}, hardware {p.hardware_flops:.3e}"
+              f" (recompute {lay.recompute})"), "",
+              ("communication per step on a rank of stage 0 (ledger = logical tensors; wire = "
+              "ring bytes sent):")]
+    for group, ops in sorted(p.ledger.items()):
+        ledger = ", ".join(f"{op} {_bytes(b)}" for op, b in sorted(ops.items()))
+        lines.append(f"  {group:<6} {ledger}; wire {_bytes(p.wire.get(group, 0.0))}")
+    if not p.ledger:
+        lines.append("  none (a single GPU)")
+    lines += ["", f"step time {p.time.total:.3f} s:"]
+    for key, value in p.time.parts().items():
+        if value:
+            lines.append(f"  {TIME_LABELS[key]:<12} {value:>9.3f} s  {value / p.time.total:>6.1%}")
+    if p.time.recompute:
+        lines.append(f"  (recomputation inside compute: {p.time.recompute:.3f} s)")
+    lines += ["", (f"throughput: {p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
+              f"{p.tokens_per_step / p.time.total:,.0f} tokens/s in all; "
+              f"MFU {p.mfu:.1%}, HFU {p.hfu:.1%}")]
+    return "\n".join(lines)
+
+
+def _time_deltas(alt: LayoutPlan, best: LayoutPlan) -> str:
+    """The parts where `alt` spends more time than `best`, largest first."""
+    a, b = alt.time.parts(), best.time.parts()
+    deltas = sorted(((a[k] - b[k], k) for k in a), reverse=True)
+    shown = [f"{TIME_LABELS[k]} +{d:.3g} s" for d, k in deltas if d > 1e-3 * best.time.total]
+    return ", ".join(shown[:2]) or "same parts, rounding"
+
+
+def explain_losses(result: SearchResult, count: int = 4) -> list[str]:
+    """Why the leading alternatives lost to the best layout, one line each."""
+    if not result.top:
+        return []
+    best = result.top[0]
+    lines = []
+    for p in result.faster_but_too_big:
+        gain = best.time.total / p.time.total - 1
+        lines.append(f"{p.layout.short()}: {gain:.1%} faster, but {p.why}")
+    for p in result.top[1:1 + count]:
+        slower = p.time.total / best.time.total - 1
+        if slower < 1e-9:
+            lines.append(f"{p.layout.short()}: ties ({_gib(p.memory_total)} GiB)")
+        else:
+            lines.append(f"{p.layout.short()}: {slower:.1%} slower — {_time_deltas(p, best)}")
+    return lines
+
+
+def format_search(result: SearchResult, work: Workload, hw: Hardware, top: int = 10) -> str:
+    head = describe_workload(work, hw, result.num_gpus)
+    stats = (f"{result.considered:,} layouts meet the constraints; {result.planned:,} planned, "
+             f"{result.dropped:,} do not fit, {result.bounded_out:,} cannot beat the shown ones "
+             f"(bound); {result.elapsed_s:.2f} s")
+    if not result.top:
+        return f"{head}\n{stats}\nno layout fits; try more GPUs, recompute, ZeRO-3 or offload"
+    out = [head, stats, "", format_table(result.top[:top]), "", "why the others lost:"]
+    out += [f"  {line}" for line in explain_losses(result)]
+    return "\n".join(out)
+
+
+def search_to_dict(result: SearchResult, work: Workload, hw: Hardware,
+                   assume: Assumptions) -> dict:
+    return {
+        "workload": workload_to_dict(work),
+        "hardware": dataclasses.asdict(hw),
+        "assumptions": dataclasses.asdict(assume),
+        "num_gpus": result.num_gpus,
+        "search": {"considered": result.considered, "planned": result.planned,
+                   "dropped_not_fitting": result.dropped, "bounded_out": result.bounded_out,
+                   "elapsed_s": result.elapsed_s},
+        "layouts": [p.to_dict() for p in result.top],
+        "faster_but_do_not_fit": [p.to_dict() for p in result.faster_but_too_big],
+        "why_others_lost": explain_losses(result),
+    }
+
+
+def workload_to_dict(work: Workload) -> dict:
+    out = dataclasses.asdict(work)
+    out["model"]["num_params"] = work.model.num_params()
+    return out

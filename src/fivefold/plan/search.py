@@ -1,0 +1,282 @@
+"""Search: enumerate dp × tp × pp × cp × ep × zero × mbs × recompute × schedule, drop what
+breaks a constraint or does not fit, rank the rest by predicted throughput.
+
+Speed comes from a bound, not from approximation: every layout first gets a lower bound on
+its step time (its pipeline's compute, m·(t_f + t_b)·(1 + bubble), which every other part
+only adds to). Layouts are then planned exactly in order of that bound, and the search stops
+when the bound passes the step time of the last layout it must show. A layout whose recompute
+sibling with less recomputation already fits is skipped too: it holds more FLOPs for nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+
+from fivefold.config import ConfigError
+from fivefold.plan.evaluate import LayoutPlan, plan_layout
+from fivefold.plan.hardware import Assumptions, Hardware
+from fivefold.plan.layout import (
+    RECOMPUTE,
+    SCHEDULES,
+    Layout,
+    Workload,
+    bubble_ratio,
+    check_layout,
+    critical_ranks,
+    stage,
+)
+from fivefold.plan.memory import memory_items, peak_memory
+from fivefold.plan.timing import rank_compute
+
+SPACE_KEYS = ("tp", "pp", "cp", "ep", "zero", "mbs", "recompute", "schedule",
+              "virtual_stages", "sp", "offload")
+
+
+@dataclass
+class SearchSpace:
+    """Choices per dimension; None means every value the constraints allow."""
+
+    tp: tuple | None = None
+    pp: tuple | None = None
+    cp: tuple | None = None
+    ep: tuple | None = None
+    zero: tuple = (0, 1, 2, 3)
+    mbs: tuple | None = None
+    recompute: tuple = RECOMPUTE
+    schedule: tuple = SCHEDULES
+    virtual_stages: tuple = (2, 4, 8)
+    sp: tuple = (True,)  # with tp > 1; SP halves nothing in time and saves memory
+    offload: tuple = (False,)
+    max_mbs: int = 16
+    min_cp_tokens: int = 1024  # keep at least this many tokens per cp rank
+    strict_layers: bool = True  # num_layers divisible by the pipeline chunks
+
+    @classmethod
+    def parse(cls, text: str) -> SearchSpace:
+        """'tp=2,4,8 pp=1,2 zero=1,3 recompute=selective uneven_pp=true' → SearchSpace."""
+        space = cls()
+        for item in text.replace(";", " ").split():
+            if "=" not in item:
+                raise ConfigError(f"--space item {item!r} needs the form key=v1,v2")
+            key, values = item.split("=", 1)
+            vals = [v for v in values.split(",") if v]
+            if key == "uneven_pp":
+                space.strict_layers = vals[0].lower() not in ("1", "true", "yes")
+                continue
+            if key in ("max_mbs", "min_cp_tokens"):
+                setattr(space, key, int(vals[0]))
+                continue
+            if key not in SPACE_KEYS:
+                raise ConfigError(f"--space key {key!r} is unknown; use {', '.join(SPACE_KEYS)}")
+            if key in ("recompute", "schedule"):
+                allowed = RECOMPUTE if key == "recompute" else SCHEDULES
+                bad = [v for v in vals if v not in allowed]
+                if bad:
+                    raise ConfigError(f"--space {key}={bad[0]} is not one of {', '.join(allowed)}")
+                setattr(space, key, tuple(vals))
+            elif key in ("sp", "offload"):
+                setattr(space, key, tuple(v.lower() in ("1", "true", "yes") for v in vals))
+            else:
+                try:
+                    setattr(space, key, tuple(int(v) for v in vals))
+                except ValueError:
+                    raise ConfigError(f"--space {key}={values} must be whole numbers") from None
+        return space
+
+
+@dataclass
+class SearchResult:
+    top: list[LayoutPlan]  # fitting layouts, fastest first
+    faster_but_too_big: list[LayoutPlan]  # layouts faster than the best that do not fit
+    num_gpus: int
+    considered: int  # layouts meeting every constraint
+    planned: int  # layouts planned exactly
+    dropped: int  # layouts found not to fit
+    bounded_out: int  # layouts the lower bound proved slower than the shown ones
+    elapsed_s: float
+    notes: list[str] = field(default_factory=list)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, v = [], 1
+    while v <= limit:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(work: Workload, num_gpus: int, hw: Hardware,
+                      space: SearchSpace) -> list[Layout]:
+    """Every layout of `num_gpus` GPUs that meets the constraints (tp within a node; heads,
+    kv heads, MLP width, layers and batch divisible; gbs = dp·mbs·m; schedule rules)."""
+    mc = work.model
+    tps = space.tp or [t for t in _divisors(hw.gpus_per_node)]
+    cps = space.cp or [c for c in _powers_of_two(num_gpus)
+                       if c == 1 or work.seq_len // c >= space.min_cp_tokens]
+    eps = space.ep or ([e for e in _divisors(mc.num_experts)] if mc.num_experts else [1])
+    out: list[Layout] = []
+    for tp in tps:
+        for cp in cps:
+            if num_gpus % (tp * cp):
+                continue
+            rest = num_gpus // (tp * cp)
+            for pp in space.pp or [p for p in _divisors(rest) if p <= mc.num_layers]:
+                if rest % pp:
+                    continue
+                dp = rest // pp
+                if work.gbs % dp:
+                    continue
+                per_dp = work.gbs // dp
+                mbss = space.mbs or [b for b in _divisors(per_dp) if b <= space.max_mbs]
+                schedules = [("1f1b", 1)] if pp == 1 else [
+                    (s, v) for s in space.schedule
+                    for v in (space.virtual_stages if s == "interleaved" else (1,))]
+                for mbs in mbss:
+                    if per_dp % mbs:
+                        continue
+                    for sched, v in schedules:
+                        for ep in eps:
+                            for sp in space.sp if tp > 1 else (False,):
+                                base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mbs=mbs,
+                                              schedule=sched, virtual_stages=v, sp=sp)
+                                if check_layout(work, base, hw.gpus_per_node,
+                                                space.strict_layers):
+                                    continue
+                                zeros = space.zero if dp * cp > 1 else (0,)
+                                for zero in zeros:
+                                    for off in space.offload:
+                                        if off and zero == 0:
+                                            continue
+                                        for rc in space.recompute:
+                                            out.append(Layout(dp, tp, pp, cp, ep, zero, mbs, rc,
+                                                              sched, v, sp, off))
+    return out
+
+
+def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
+           space: SearchSpace | None = None, top: int = 10) -> SearchResult:
+    """The `top` fastest layouts that fit, with the faster ones that do not."""
+    space = space or SearchSpace()
+    start = time.perf_counter()
+    layouts = enumerate_layouts(work, num_gpus, hw, space)
+    compute_cache: dict[tuple, float] = {}
+
+    def lower_bound(lay: Layout) -> float:
+        m = work.num_microbatches(lay)
+        key = (lay.tp, lay.cp, lay.pp, lay.mbs, lay.schedule, lay.virtual_stages,
+               lay.recompute, lay.sp)
+        per_mb = compute_cache.get(key)
+        if per_mb is None:
+            per_mb = 0.0
+            for rank in critical_ranks(work.model, lay):
+                rkey = (lay.tp, lay.cp, lay.mbs, lay.recompute, lay.sp,
+                        stage(work.model, lay, rank))
+                rc = compute_cache.get(rkey)
+                if rc is None:
+                    one = rank_compute(work, lay, hw, assume, rank)
+                    rc = compute_cache[rkey] = one.forward + one.backward
+                per_mb = max(per_mb, rc)
+            compute_cache[key] = per_mb
+        return m * per_mb * (1 + bubble_ratio(lay, m))
+
+    order = sorted(((lower_bound(lay), i) for i, lay in enumerate(layouts)))
+    best: list[tuple[float, int, LayoutPlan]] = []  # max-heap by time (negated)
+    too_big: list[tuple[float, Layout]] = []
+    fitting_siblings: dict[tuple, int] = {}  # layout without recompute → lowest level fitting
+    planned = dropped = bounded = 0
+    seen: set[tuple] = set()
+    level = {rc: i for i, rc in enumerate(RECOMPUTE)}
+    for pos, (bound, i) in enumerate(order):
+        if len(best) >= top and bound >= -best[0][0]:
+            bounded = len(order) - pos
+            break
+        lay = layouts[i]
+        sibling = (lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.mbs, lay.schedule,
+                   lay.virtual_stages, lay.sp, lay.offload)
+        if fitting_siblings.get(sibling, 99) < level[lay.recompute]:
+            bounded += 1
+            continue
+        # The first pipeline rank alone over the limit settles it (peak = max over ranks).
+        first, _ = memory_items(work, lay, assume, 0)
+        if sum(first.values()) > hw.memory_bytes or sum(
+                peak_memory(work, lay, assume)[1].values()) > hw.memory_bytes:
+            dropped += 1
+            twin = (bound, round(sum(first.values()) / 2**30, 1))
+            if not best and len(too_big) < 3 and twin not in seen:
+                seen.add(twin)
+                too_big.append((bound, lay))
+            continue
+        fitting_siblings[sibling] = min(fitting_siblings.get(sibling, 99), level[lay.recompute])
+        plan = plan_layout(work, lay, hw, assume)
+        planned += 1
+        # Identical predictions (e.g. ZeRO-2 next to ZeRO-1 when gradients sync once per
+        # step, to 0.1 GiB) are shown once: the first enumerated (lower stage) stands for both.
+        twin = (round(plan.time.total, 9), round(plan.memory_total / 2**30, 1))
+        if twin in seen:
+            continue
+        seen.add(twin)
+        entry = (-plan.time.total, -i, plan)
+        if len(best) < top:
+            heapq.heappush(best, entry)
+        elif plan.time.total < -best[0][0]:
+            heapq.heapreplace(best, entry)
+    ranked = [p for _, _, p in sorted(best, key=lambda e: (-e[0], -e[1]))]
+    fastest = ranked[0].time.total if ranked else float("inf")
+    too_big_plans = [plan_layout(work, lay, hw, assume) for _, lay in too_big]
+    too_big_plans = [p for p in too_big_plans if p.time.total < fastest]
+    return SearchResult(
+        top=ranked, faster_but_too_big=too_big_plans, num_gpus=num_gpus,
+        considered=len(layouts), planned=planned + len(too_big_plans), dropped=dropped,
+        bounded_out=bounded, elapsed_s=time.perf_counter() - start)
+
+
+# The training-config key of each layout field, for suggestions a person can paste.
+CONFIG_KEYS = {"tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp",
+               "ep": "parallel.ep", "zero": "parallel.zero", "mbs": "parallel.mbs",
+               "recompute": "train.recompute", "schedule": "parallel.schedule",
+               "virtual_stages": "parallel.virtual_stages", "sp": "parallel.sp",
+               "offload": "parallel.offload", "dp": "parallel.dp"}
+
+
+def _format_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f"'{value}'" if isinstance(value, str) else str(value)
+
+
+def suggest_fix(work: Workload, layout: Layout, num_gpus: int, hw: Hardware,
+                assume: Assumptions) -> str:
+    """The fitting layout on the same GPUs and batch with the fewest changed config keys
+    (fastest among equals), as 'train.recompute = 'selective' (fits: 61.2 of 80 GiB, …)'."""
+    space = SearchSpace(strict_layers=False, sp=(True, False), offload=(False, True))
+    fields = [k for k in CONFIG_KEYS if k != "dp"]  # dp follows from the others
+
+    def changed(c: Layout) -> list[str]:
+        return [k for k in fields if getattr(c, k) != getattr(layout, k)]
+
+    candidates = sorted(enumerate_layouts(work, num_gpus, hw, space),
+                        key=lambda c: len(changed(c)))
+    best: LayoutPlan | None = None
+    best_changes = 0
+    for cand in candidates:
+        n = len(changed(cand))
+        if best is not None and n > best_changes:
+            break
+        _, items, _ = peak_memory(work, cand, assume)
+        if sum(items.values()) > hw.memory_bytes:
+            continue
+        plan = plan_layout(work, cand, hw, assume)
+        if best is None or plan.time.total < best.time.total:
+            best, best_changes = plan, n
+    if best is None:
+        return ""
+    keys = changed(best.layout) + (["dp"] if best.layout.dp != layout.dp else [])
+    text = ", ".join(f"{CONFIG_KEYS[k]} = {_format_value(getattr(best.layout, k))}"
+                     for k in keys)
+    return f"{text} ({best.why}, {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU)"

@@ -1,0 +1,206 @@
+"""Step time = compute + exposed communication + pipeline bubble + optimizer step.
+
+Compute per micro-batch on a pipeline rank: GEMM FLOPs at the device's achievable GEMM rate
+(shrinking for thin GEMMs), attention at a lower rate, and elementwise kernels (norms, RoPE,
+SwiGLU, residuals, softmax of the loss) at HBM bandwidth. Backward is 2× the forward GEMMs,
+2.5× flash attention's forward (it recomputes the probabilities; Dao 2022). The pipeline runs
+at the pace of its slowest rank; its bubble is `layout.bubble_ratio` of the ideal time.
+Overlap: TP is exposed (unless `tp_overlap`); CP's K/V ring hides behind the attention core;
+DP/ZeRO hide behind the backward (gradients) and forward (parameters) of one micro-batch, as
+bucketed overlap does (Ultra-Scale Playbook, appendix A3); EP all-to-all is exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from fivefold.plan.comm import Collective, collectives
+from fivefold.plan.flops import forward_flops_per_token
+from fivefold.plan.hardware import Assumptions, Hardware, group_bandwidth
+from fivefold.plan.layout import (
+    Layout,
+    Workload,
+    bubble_ratio,
+    critical_ranks,
+    log2_ceil,
+    stage,
+)
+from fivefold.plan.memory import bytes_per_param, rank_param_counts
+
+GEMM_HALF_SIZE = 128  # a GEMM whose smallest side is 128 runs at half the large-GEMM rate
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step, by part (all parts add up to `total`)."""
+
+    compute: float  # m micro-batches on the slowest rank, recomputation included
+    tp_comm: float  # exposed
+    cp_comm: float
+    ep_comm: float
+    pp_comm: float
+    bubble: float
+    dp_comm: float
+    optimizer: float
+    recompute: float = 0.0  # the share of `compute` spent recomputing (not added to total)
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.tp_comm + self.cp_comm + self.ep_comm + self.pp_comm
+                + self.bubble + self.dp_comm + self.optimizer)
+
+    def parts(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "recompute"}
+
+
+@dataclass(frozen=True)
+class RankCompute:
+    forward: float
+    backward: float  # recomputation included
+    recompute: float
+    attention_fwd: float  # one micro-batch, all layers on the rank
+
+
+def group_link(hw: Hardware, layout: Layout, group: str) -> tuple[float, bool]:
+    """(bytes/s per GPU, crosses nodes) for a group, ranks ordered tp, cp, pp, dp (fastest
+    first). EP groups are carved from cp first, then dp."""
+    lay, node = layout, hw.gpus_per_node
+    if group == "tp":
+        return group_bandwidth(hw, lay.tp, 1)
+    if group == "cp":
+        return group_bandwidth(hw, lay.cp, lay.tp)
+    if group == "pp":
+        return group_bandwidth(hw, 2, lay.tp * lay.cp)
+    if group == "embed":
+        return group_bandwidth(hw, lay.pp, lay.tp * lay.cp)
+    if group == "ep" and lay.ep <= lay.cp:
+        return group_bandwidth(hw, lay.ep, lay.tp)
+    inside = lay.tp * lay.cp * (lay.pp if lay.dp > 1 else 1) * lay.dp <= node
+    return (hw.intra_node_gbps if inside else hw.inter_node_gbps) * 1e9, not inside
+
+
+def collective_time(c: Collective, hw: Hardware, assume: Assumptions, layout: Layout,
+                    bucket_bytes: float = 0.0) -> float:
+    """Seconds for all of a collective's calls in a step: wire bytes at the group's bus
+    bandwidth, plus a latency per call (2·log2 n steps; per bucket when bucketed)."""
+    bw, inter = group_link(hw, layout, c.group)
+    alpha = (assume.inter_latency_us if inter else assume.intra_latency_us) * 1e-6
+    calls = c.calls
+    if bucket_bytes:
+        calls = max(c.calls, c.bytes / bucket_bytes)
+    steps = 1 if c.op in ("send", "recv") else 2 * log2_ceil(c.group_size)
+    return c.wire_bytes / (bw * assume.bandwidth_efficiency) + calls * steps * alpha
+
+
+def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
+                 rank: int) -> RankCompute:
+    """Forward and backward seconds of one micro-batch on pipeline rank `rank`."""
+    mc, lay, B = work.model, layout, work.dtype_bytes
+    tokens = lay.mbs * work.seq_len / lay.cp
+    layers, _, head = stage(mc, lay, rank)
+    fwd = forward_flops_per_token(mc, work.seq_len)
+    peak = hw.peak_flops(work.precision)
+    h, t = mc.hidden_size, lay.tp
+    q, kv = mc.num_heads * mc.dim_per_head, mc.num_kv_heads * mc.dim_per_head
+    ffn = mc.moe_intermediate_size if mc.num_experts else mc.intermediate_size
+    thin = min(tokens, q / t, ffn / t, h)
+    gemm_rate = peak * hw.matmul_efficiency * thin / (thin + GEMM_HALF_SIZE)
+    hbm = hw.hbm_tbps * 1e12 * assume.hbm_efficiency
+    scale = 1 + assume.compute_overhead  # launches, syncs, data loading: not modelled
+    gemm = tokens * layers * fwd.layer_matmul / t / gemm_rate * scale
+    # flash skips the masked half of the causal square; math attention computes all of it
+    attn_flops = tokens * layers * fwd.layer_attention / t * (0.5 if work.flash else 1.0)
+    attn = attn_flops / (peak * hw.matmul_efficiency * assume.attention_efficiency) * scale
+    # HBM traffic of elementwise kernels per layer: two norms (read+write h each), two
+    # residual adds (2 reads + 1 write), RoPE on q and k, the SwiGLU product (3f) or GeLU (2f).
+    seq_div = t if lay.sp else 1
+    act_f = 3 if mc.mlp == "swiglu" or mc.num_experts else 2
+    k_routed = mc.experts_top_k if mc.num_experts else 1
+    elem_bytes = tokens * B * (10 * h / seq_div + (2 * (q + kv) + act_f * ffn * k_routed) / t)
+    elem = layers * elem_bytes / hbm * scale
+    head_time = 0.0
+    if head:  # the output GEMM, and an fp32 softmax over the vocabulary
+        head_time = (tokens * fwd.head / t / gemm_rate
+                     + tokens * mc.vocab_size / t * (2 * B + 12) / hbm) * scale
+    layers_fwd = gemm + attn + elem
+    forward = layers_fwd + head_time
+    recompute = {"full": layers_fwd, "selective": attn}.get(lay.recompute, 0.0)
+    backward = 2 * (gemm + elem + head_time) + attn * (2.5 if work.flash else 2.0) + recompute
+    return RankCompute(forward, backward, recompute, attn)
+
+
+def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions) -> StepTime:
+    """Predicted seconds per optimizer step and their parts (see the module docstring)."""
+    lay = layout
+    m = work.num_microbatches(lay)
+    bucket = work.bucket_mb * 1e6
+    worst = None
+    for rank in critical_ranks(work.model, lay):
+        rc = rank_compute(work, lay, hw, assume, rank)
+        colls = collectives(work, lay, rank)
+        per = {"tp": 0.0, "cp": 0.0, "ep": 0.0, "pp": 0.0}
+        dp = {"fwd": 0.0, "bwd": 0.0, "grad": 0.0, "step": 0.0}
+        cp_fwd = cp_bwd = 0.0
+        for c in colls:
+            if c.group in ("tp", "ep"):
+                per[c.group] += collective_time(c, hw, assume, lay)
+            elif c.group == "cp" and c.op == "send":
+                tcp = collective_time(c, hw, assume, lay)
+                cp_fwd, cp_bwd = (cp_fwd + tcp, cp_bwd) if c.phase == "fwd" else (cp_fwd,
+                                                                                   cp_bwd + tcp)
+            elif c.group == "pp":
+                per["pp"] += collective_time(c, hw, assume, lay) / 2  # duplex: send ∥ recv
+            elif c.group in ("dp", "dp_cp", "edp", "embed"):
+                dp[c.phase] += collective_time(c, hw, assume, lay, bucket)
+        tp = per["tp"] * (1 - assume.tp_overlap)
+        core_runs = 2 if lay.recompute in ("selective", "full") else 1
+        cp = (max(0.0, cp_fwd - m * core_runs * rc.attention_fwd)
+              + max(0.0, cp_bwd - m * 2.5 * rc.attention_fwd))
+        mb = rc.forward + rc.backward
+        # DP overlap windows: ZeRO-3 gathers hide behind each micro-batch's forward and
+        # backward; the end-of-backward reduction behind the last backward (every backward
+        # when reduced per micro-batch); the ZeRO-1/2 parameter all-gather behind the next
+        # step's first forward. At least one bucket always shows.
+        if lay.zero == 3:
+            exposed_dp = (max(0.0, dp["fwd"] - m * rc.forward)
+                          + max(0.0, dp["bwd"] + dp["grad"] - m * rc.backward))
+        else:
+            per_mb = lay.zero == 2 and work.grad_sync == "microbatch"
+            exposed_dp = (max(0.0, dp["grad"] - (m if per_mb else 1) * rc.backward)
+                          + max(0.0, dp["step"] - rc.forward))
+        if any(dp.values()):
+            exposed_dp = max(exposed_dp, _one_bucket(work, lay, hw, assume, bucket))
+        entry = (mb + (tp + cp + per["ep"]) / m, rc, tp, cp, per["ep"], per["pp"], exposed_dp)
+        if worst is None or entry[0] > worst[0]:
+            worst = entry
+    mb_time, rc, tp, cp, ep, pp, exposed_dp = worst
+    compute = m * (rc.forward + rc.backward)
+    bubble = bubble_ratio(lay, m) * m * mb_time
+    return StepTime(compute=compute, tp_comm=tp, cp_comm=cp, ep_comm=ep, pp_comm=pp,
+                    bubble=bubble, dp_comm=exposed_dp,
+                    optimizer=optimizer_time(work, lay, hw, assume), recompute=m * rc.recompute)
+
+
+def _one_bucket(work, layout, hw, assume, bucket: float) -> float:
+    bw, _ = group_link(hw, layout, "dp")
+    n = layout.dp * layout.cp
+    return 2 * (n - 1) / n * bucket / (bw * assume.bandwidth_efficiency)
+
+
+def optimizer_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions) -> float:
+    """The Adam step streams every state of the rank's shard through HBM once (read param,
+    grad, master, moments; write param, master, moments). Offloaded: gradients down and
+    parameters up over PCIe, and the update at host-memory bandwidth shared by the node."""
+    bpp = bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes,
+                          work.fp32_grad_accum)
+    counts = rank_param_counts(work.model, layout, 0)
+    shards = layout.dp * layout.cp if layout.zero >= 1 else 1
+    elems = counts["dense"] / shards + counts["expert"] / max(
+        shards // layout.ep if layout.zero >= 1 else 1, 1)
+    traffic = bpp.param + bpp.grad + 2 * (bpp.master + bpp.optimizer) + bpp.param
+    if not layout.offload:
+        return elems * traffic / (hw.hbm_tbps * 1e12 * assume.hbm_efficiency)
+    pcie = elems * (bpp.grad + bpp.param) / (hw.host_link_gbps * 1e9)
+    host = elems * 2 * (bpp.master + bpp.optimizer + 4) / (
+        assume.cpu_adam_gbps * 1e9 / hw.gpus_per_node)
+    return pcie + host
