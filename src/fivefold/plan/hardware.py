@@ -152,3 +152,22 @@ def group_bandwidth(hw: Hardware, group_size: int, stride: int) -> tuple[float, 
     inside = stride * group_size <= hw.gpus_per_node
     gbps = hw.intra_node_gbps if inside else hw.inter_node_gbps
     return gbps * 1e9, not inside
+
+
+def hardware_for_device_name(device_name: str) -> Hardware | None:
+    """The catalog entry for a name as `torch.cuda.get_device_name` reports it
+    ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "AMD Instinct MI300X", ...)."""
+    name = device_name.lower().replace("-", " ")
+    for key, words in (("h100-pcie", ("h100", "pcie")), ("h100-sxm", ("h100",)),
+                       ("h200", ("h200",)), ("b200", ("b200",)),
+                       ("a100-40gb", ("a100", "40gb")), ("a100-80gb", ("a100",)),
+                       ("mi325x", ("mi325",)), ("mi300x", ("mi300",)), ("l40s", ("l40s",))):
+        if all(w in name for w in words):
+            return CATALOG[key]
+    return None
+
+
+def peak_for_device_name(device_name: str, precision: str = "bf16") -> float | None:
+    """Dense peak FLOP/s of a named device, or None when the catalog does not know it."""
+    hw = hardware_for_device_name(device_name)
+    return hw.peak_flops(precision) if hw else None

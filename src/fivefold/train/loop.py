@@ -60,6 +60,27 @@ class Progress:
             self.bar.stop()
 
 
+STATE_ITEMS = ("params", "grads", "master", "optimizer")
+
+
+def planned_model_states(trainer: Trainer) -> dict[str, float]:
+    """The planner's model-state bytes for this rank, for the layout being run."""
+    from fivefold.plan.memory import model_state_bytes
+
+    par = trainer.cfg.parallel
+    states = model_state_bytes(
+        trainer.model_cfg, tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep, zero=par.zero,
+        offload=par.offload, precision=trainer.precision, pp_rank=trainer.dims.pp_rank,
+        schedule=par.schedule, virtual_stages=par.virtual_stages)
+    return {k: getattr(states, k) for k in STATE_ITEMS}
+
+
+def compare_states(planned: dict, measured: dict) -> str:
+    mib = 2**20
+    parts = [f"{k} {planned[k] / mib:.2f}/{measured.get(k, 0) / mib:.2f}" for k in STATE_ITEMS]
+    return "model states per rank, planned/measured MiB: " + ", ".join(parts)
+
+
 def run(cfg: Config, dims: ParallelDims | None = None) -> list[dict]:
     """Train for `train.steps` steps (from a checkpoint if asked); return the step records."""
     trainer = Trainer(cfg, dims)
@@ -74,6 +95,12 @@ def run(cfg: Config, dims: ParallelDims | None = None) -> list[dict]:
         progress.message(f"model {trainer.model_cfg.name}: {n / 1e6:.2f}M parameters, "
                          f"{trainer.precision}, device {trainer.device}, layout dp={cfg.parallel.dp}"
                          f" tp={cfg.parallel.tp} pp={cfg.parallel.pp} zero={cfg.parallel.zero}")
+    planned = planned_model_states(trainer) if log else None
+    if planned:
+        total = sum(planned.values()) / 2**20
+        progress.message(f"plan: model states {total:.2f} MiB per rank ("
+                         + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in planned.items())
+                         + "); `fivefold plan --config` itemises the rest")
     records = []
     started = time.perf_counter()
     try:
@@ -82,6 +109,8 @@ def run(cfg: Config, dims: ParallelDims | None = None) -> list[dict]:
             records.append(rec)
             writer.write(rec)
             progress.update(rec)
+            if planned and len(records) == 1:
+                progress.message(compare_states(planned, trainer.optimizer.memory_bytes()))
             if cfg.log.ledger and log:
                 progress.message(trainer.dims.ledger.summary())
             ev = cfg.train.eval_every
