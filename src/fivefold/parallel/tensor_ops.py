@@ -1,0 +1,244 @@
+"""The communication of tensor and sequence parallelism, as autograd functions.
+
+Megatron-LM (Shoeybi et al. 2019, section 3, figure 3) brackets each parallel region with
+two conjugate operators: `f` (identity forward, all-reduce backward) where a replicated
+activation enters a column-parallel layer, and `g` (all-reduce forward, identity backward)
+where a row-parallel layer's partial sums leave. Sequence parallelism (Korthikanti et al.
+2022, section 4.2.2, figure 5) keeps the activations between regions split along the
+sequence and replaces `f` by an all-gather (backward: reduce-scatter) and `g` by a
+reduce-scatter (backward: all-gather), moving the same bytes as the all-reduce they
+replace (an all-reduce is a reduce-scatter followed by an all-gather).
+
+Every collective goes through `fivefold.parallel.comm`, so the ledger sees all of them.
+Activations are (batch, seq, hidden); sequence collectives work seq-major, because a flat
+all-gather or reduce-scatter splits the outermost dimension (free when batch is 1).
+
+Overlap. The region entry (`enter_region`) and the column-parallel linears that read its
+output share a `Region`. Each column linear adds its input gradient into the region; the
+last one to arrive starts the region's all-reduce (or reduce-scatter) asynchronously and
+only then computes its own weight gradient, so that GEMM runs while the bytes travel; the
+region entry's backward waits. This is Megatron's asynchronous input-gradient all-reduce
+(`LinearWithGradAccumulationAndAsyncCommunication`), kept at one collective per region
+even though the plain model has separate q, k, v (and gate, up) projections.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fivefold.parallel import comm
+from fivefold.parallel.comm import Group
+
+
+def gather_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """(b, s/tp, ...) on each rank -> (b, s, ...) in tp-rank order, contiguous."""
+    xs = x.transpose(0, 1).contiguous()
+    out = torch.empty((group.size * xs.shape[0], *xs.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(out, xs, group)
+    return out.transpose(0, 1).contiguous()
+
+
+def _scatter_seq_start(x: torch.Tensor, group: Group, async_op: bool = False):
+    """Start the reduce-scatter of (b, s, ...) to this rank's (b, s/tp, ...) sum."""
+    s = x.shape[1]
+    if s % group.size:
+        raise ValueError(f"sequence length {s} is not divisible by tp = {group.size}; "
+                         f"sequence parallelism needs it (change train.seq_len)")
+    xs = x.transpose(0, 1).contiguous()
+    out = torch.empty((s // group.size, *xs.shape[1:]), dtype=x.dtype, device=x.device)
+    handle = comm.reduce_scatter(out, xs, group, async_op=async_op)
+    return out, handle
+
+
+def reduce_scatter_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    out, _ = _scatter_seq_start(x, group)
+    return out.transpose(0, 1)
+
+
+def split_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """This rank's slice of the sequence (no communication)."""
+    return x.chunk(group.size, dim=1)[group.rank]
+
+
+class Region:
+    """One entry into a tensor-parallel region, shared by its column-parallel consumers."""
+
+    def __init__(self, group: Group, sp: bool):
+        self.group, self.sp = group, sp
+        self.consumers = 0  # column linears that read this entry (counted in forward)
+        self.arrived = 0  # ... whose input gradient has arrived (counted in backward)
+        self.grad: torch.Tensor | None = None
+        self.handle = None
+
+    def add_grad(self, grad: torch.Tensor) -> None:
+        self.grad = grad if self.grad is None else self.grad.add_(grad)
+        self.arrived += 1
+        if self.arrived == self.consumers:
+            self.start_reduce()
+
+    def start_reduce(self) -> None:
+        if self.sp:
+            self.grad, self.handle = _scatter_seq_start(self.grad, self.group, async_op=True)
+        else:
+            self.handle = comm.all_reduce(self.grad, self.group, async_op=True)
+
+    def finish(self, extra: torch.Tensor | None) -> torch.Tensor | None:
+        """The reduced input gradient: the consumers' sum, plus `extra` from any other reader."""
+        if self.grad is not None and self.handle is None:
+            self.start_reduce()  # some consumer never ran backward (its output was unused)
+        if self.handle is not None:
+            self.handle.wait()
+        out = self.grad
+        if out is not None and self.sp:
+            out = out.transpose(0, 1)
+        if extra is not None:  # a reader that is not a column linear: reduce it on its own
+            extra = reduce_scatter_seq(extra, self.group) if self.sp else _all_reduced(
+                extra, self.group)
+            out = extra if out is None else out + extra
+        self.arrived, self.grad, self.handle = 0, None, None  # ready for another backward
+        return out
+
+
+def _all_reduced(x: torch.Tensor, group: Group) -> torch.Tensor:
+    x = x.contiguous().clone()
+    comm.all_reduce(x, group)
+    return x
+
+
+class _EnterRegion(torch.autograd.Function):
+    """f: identity forward, all-reduce backward; with SP, all-gather / reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, region: Region):
+        ctx.set_materialize_grads(False)
+        ctx.region = region
+        return gather_seq(x, region.group) if region.sp else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.region.finish(grad), None
+
+
+def enter_region(x: torch.Tensor, group: Group, sp: bool) -> torch.Tensor:
+    """Enter a column-parallel region; the returned tensor carries its `Region`."""
+    region = Region(group, sp)
+    out = _EnterRegion.apply(x, region)
+    out._tp_region = region
+    return out
+
+
+class _ColumnLinear(torch.autograd.Function):
+    """y = x W^T + b on a region's input, with the overlapped input-gradient reduction."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, region: Region):
+        ctx.save_for_backward(x, weight)
+        ctx.region, ctx.has_bias = region, bias is not None
+        region.consumers += 1
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        if ctx.needs_input_grad[0]:
+            ctx.region.add_grad(grad.matmul(weight))  # may start the async reduction
+        # The weight gradient is computed while the region's reduction is in flight.
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_weight = grad_2d.t().matmul(x.reshape(-1, x.shape[-1]))
+        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        return None, grad_weight, grad_bias, None
+
+
+def column_linear(x: torch.Tensor, weight, bias, group: Group, sp: bool) -> torch.Tensor:
+    region = getattr(x, "_tp_region", None)
+    if region is None:  # used outside a prepared region: enter one just for this layer
+        x = enter_region(x, group, sp)
+        region = x._tp_region
+    return _ColumnLinear.apply(x, weight, bias, region)
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """g: all-reduce forward, identity backward; with SP, reduce-scatter / all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group: Group, sp: bool):
+        ctx.group, ctx.sp = group, sp
+        return reduce_scatter_seq(x, group) if sp else _all_reduced(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (gather_seq(grad, ctx.group) if ctx.sp else grad), None, None
+
+
+def leave_region(x: torch.Tensor, group: Group, sp: bool) -> torch.Tensor:
+    return _ReduceFromRegion.apply(x, group, sp)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy over logits split along the vocabulary, never gathered.
+
+    Megatron-LM (Shoeybi et al. 2019, section 3, "we fuse the output of the parallel GEMM
+    with the cross entropy loss"): each rank reduces its own columns to per-token scalars,
+    and only those cross the wire: the max (for a stable softmax), then the sum of
+    exponentials and the target's logit together in one all-reduce.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start: int, num_valid: int, group: Group):
+        x = logits.float()
+        if num_valid < x.shape[-1]:  # padded rows of the head are not words: exclude them
+            x = x.clone()
+            x[..., num_valid:] = float("-inf")
+        row_max = x.max(dim=-1).values
+        comm.all_reduce(row_max, group, op="max")
+        x = x - row_max.unsqueeze(-1)
+        local = targets - vocab_start
+        mine = (local >= 0) & (local < num_valid)
+        local = torch.where(mine, local, torch.zeros_like(local))
+        target_logit = x.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
+        exp = x.exp_()
+        sums = torch.stack((exp.sum(dim=-1), target_logit))
+        comm.all_reduce(sums, group)
+        sum_exp, target_logit = sums
+        keep = targets != -100
+        loss = ((sum_exp.log() - target_logit) * keep).sum()
+        exp.div_(sum_exp.unsqueeze(-1))  # now the softmax, kept for backward
+        ctx.save_for_backward(exp, local, mine & keep, keep)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, hit, keep = ctx.saved_tensors
+        g = softmax * keep.unsqueeze(-1)
+        g.scatter_add_(-1, local.unsqueeze(-1), -hit.unsqueeze(-1).to(g.dtype))
+        return (g * grad).to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, num_valid: int,
+                                 group: Group) -> torch.Tensor:
+    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, num_valid, group)
+
+
+def sum_grad_over_tp(grad: torch.Tensor, group: Group) -> torch.Tensor:
+    """Complete a gradient that each tp rank holds only a partial sum of."""
+    return _all_reduced(grad, group)
+
+
+def sum_grad_over_replicas(grad: torch.Tensor, group: Group, slot: int, slots: int,
+                           dim: int) -> torch.Tensor:
+    """Sum the gradient of a piece held by several tp ranks (kv heads when kv < tp).
+
+    Each rank places its partial gradient at its piece's slot of a zero buffer the size of
+    the whole logical tensor and all-reduces over tp; ranks holding the same piece add into
+    the same slot. This uses the tp group itself (no sub-groups to create), at the cost of
+    moving the whole tensor: slots × the bytes an all-reduce over the sharing ranks would.
+    """
+    shape = list(grad.shape)
+    shape[dim] *= slots
+    buf = torch.zeros(shape, dtype=grad.dtype, device=grad.device)
+    size = grad.shape[dim]
+    buf.narrow(dim, slot * size, size).copy_(grad)
+    comm.all_reduce(buf, group)
+    return buf.narrow(dim, slot * size, size).contiguous()
