@@ -23,6 +23,34 @@ from torch import nn
 from fivefold.models.presets import ModelConfig
 
 
+class RMSNormFunction(torch.autograd.Function):
+    """weight · x / rms(x), saving only x and 1/rms for backward.
+
+    Written out by hand so that backward keeps what a fused norm kernel keeps (the input and
+    one statistic per token) instead of autograd's extra normalised copy of x: one tensor of
+    b·s·h fewer per norm, two per layer. Statistics are taken in fp32 and the result cast
+    back, as Llama does, so bf16 runs keep fp32-accurate normalisation.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.float() * rstd
+        grad32 = grad.float()
+        grad_weight = (grad32 * xhat.to(x.dtype).float()).flatten(0, -2).sum(0)
+        gx = grad32 * weight.float()
+        # d(x·rstd)/dx applied to gx: rstd · (gx − x̂ · mean(gx · x̂))
+        grad_x = rstd * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -30,10 +58,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back, as Llama does, so bf16 runs keep the same statistics.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -93,25 +118,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+# torch >= 2.5 lets SDPA share each key/value head among its query heads without copying them.
+SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
 class AttentionCore(nn.Module):
     """softmax(QK^T/sqrt(d))V with a causal mask: the part selective recomputation drops.
 
-    q: (b, heads, s, d); k, v: (b, kv_heads, s_kv, d). Grouped-query attention repeats each
-    key/value head for its group of query heads.
+    q: (b, heads, s, d); k, v: (b, kv_heads, s_kv, d). Grouped-query attention shares each
+    key/value head among its group of query heads (on torch < 2.5 by repeating them).
     """
 
     def forward(self, q, k, v, causal_offset: int | None = 0):
         rep = q.shape[1] // k.shape[1]
-        if rep > 1:
+        gqa = {}
+        if rep > 1 and SDPA_GQA:
+            gqa = {"enable_gqa": True}
+        elif rep > 1:
             b, kvh, s, d = k.shape
             k = k[:, :, None].expand(b, kvh, rep, s, d).reshape(b, kvh * rep, s, d)
             v = v[:, :, None].expand(b, kvh, rep, s, d).reshape(b, kvh * rep, s, d)
         if causal_offset == 0 and q.shape[2] == k.shape[2]:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         # Decoding with a KV cache: query i sits at position causal_offset + i.
         qpos = torch.arange(q.shape[2], device=q.device) + causal_offset
         mask = qpos[:, None] >= torch.arange(k.shape[2], device=q.device)[None, :]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
 
 
 class Attention(nn.Module):
