@@ -72,8 +72,10 @@ SBH = S * B_ * H
 
 
 def korthikanti(tp=1, sp=False, recompute="none", flash=False):
+    # The paper's Megatron keeps the sequence shard of column-parallel inputs under SP.
     act = activation_bytes_per_microbatch(GPT3, B_, S, tp=tp, sp=sp, recompute=recompute,
-                                          dtype_bytes=2, flash=flash, dropout=True)
+                                          dtype_bytes=2, flash=flash, dropout=True,
+                                          sp_saves_gathered=False)
     return act.layer - act.layer_terms.get("norm_stats", 0.0), act.layer
 
 

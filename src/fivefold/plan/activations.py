@@ -66,8 +66,14 @@ def activation_bytes_per_microbatch(
     dtype_bytes: int = 2,
     flash: bool = True,
     dropout: bool = False,
+    sp_saves_gathered: bool = True,
 ) -> ActivationBytes:
     """Bytes one micro-batch leaves saved for backward on one rank, per layer and outside.
+
+    Under SP, fivefold's column-parallel layers keep their all-gathered input (full sequence,
+    T·h·B) for the weight gradient: `sp_saves_gathered=True`. Megatron-LM keeps only the
+    sequence shard and gathers it again in backward (Korthikanti §4.2.2, and the paper's
+    Table 2): `sp_saves_gathered=False`.
 
     Per layer, with recompute = "none" (each term is one saved tensor):
       attention (seq region): norm input T·h·B; norm statistics T·4 (RMSNorm rstd; LayerNorm
@@ -106,15 +112,17 @@ def activation_bytes_per_microbatch(
     heads = model.num_heads / tp
     stats = STAT_BYTES * (2 if model.norm == "layernorm" else 1)
     seq_tensor = tokens * h * B / seq_div  # one [T, h] tensor in the sequence region
+    # what a column-parallel linear keeps of its input (qkv, MLP and head inputs)
+    col_input = tokens * h * B if (sp and sp_saves_gathered) else seq_tensor
 
     terms: dict[str, float] = {}
     if recompute == "full":
         terms["layer_input"] = seq_tensor
-        return _finish(model, terms, tokens, tp, seq_div, B, dropout)
+        return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input)
 
     terms["attn_norm_input"] = seq_tensor
     terms["norm_stats"] = 2 * tokens * stats / seq_div
-    terms["qkv_input"] = seq_tensor
+    terms["qkv_input"] = col_input
     if recompute == "selective" or flash:
         terms["q"] = tokens * q * B
         terms["k"] = tokens * kv * B
@@ -130,7 +138,7 @@ def activation_bytes_per_microbatch(
             terms["attn_core"] = scores * B + (scores * (1 + B) if dropout else 0)
     terms["attn_out"] = tokens * q * B
     terms["mlp_norm_input"] = seq_tensor
-    terms["mlp_input"] = seq_tensor
+    terms["mlp_input"] = col_input
     if dropout:
         terms["dropout_masks"] = 2 * tokens * h / seq_div
     if model.num_experts:
@@ -141,16 +149,16 @@ def activation_bytes_per_microbatch(
         terms["mlp_hidden"] = 4 * tokens * model.intermediate_size / tp * B
     else:
         terms["mlp_hidden"] = 2 * tokens * model.intermediate_size / tp * B
-    return _finish(model, terms, tokens, tp, seq_div, B, dropout)
+    return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input)
 
 
-def _finish(model, terms, tokens, tp, seq_div, B, dropout) -> ActivationBytes:
+def _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input) -> ActivationBytes:
     h = model.hidden_size
     stats = STAT_BYTES * (2 if model.norm == "layernorm" else 1)
     outside = {
         "embedding": tokens * INDEX_BYTES + (tokens * h / seq_div if dropout else 0),
         "final_norm": tokens * h * B / seq_div + tokens * stats / seq_div,
-        "head_input": tokens * h * B / seq_div,
+        "head_input": col_input,
         "logits": tokens * model.vocab_size / tp * 4,
         "loss": tokens * INDEX_BYTES,
     }

@@ -75,10 +75,15 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
       shards). The engine pads buckets to a multiple of dp·cp; the planner does not.
     - TP per layer per micro-batch: 4 all_reduces of b·(s/cp)·h without SP (2 forward, 2
       backward; Shoeybi et al. 2019), 4 all_gathers + 4 reduce_scatters with SP (Korthikanti
-      §4.2.2). Full recompute repeats the forward ones. Vocab-parallel embedding and loss add,
-      per micro-batch: one all_reduce (SP: reduce_scatter) after the embedding, the head's
+      §4.2.2). Full recompute repeats the forward ones but the MLP's last (checkpoint early
+      stop). Vocab-parallel embedding and loss add,
+      per micro-batch: one all_reduce (SP: reduce_scatter, and an all_gather in backward)
+      after the embedding, the head's
       input all_reduce in backward (SP: all_gather forward + reduce_scatter backward) and three
-      all_reduces of b·s/cp fp32 in the cross-entropy (max, sum of exps, target logit).
+      all_reduces of b·s/cp fp32 in the cross-entropy (max, sum of exps, target logit). With
+      SP, each norm weight's gradient is all-reduced per micro-batch; kv heads shared by several
+      tp ranks have their k/v gradients all-reduced per micro-batch; the gradient norm adds one
+      fp32 all_reduce over tp (and over pp).
     - PP: per micro-batch and chunk boundary, one activation send forward and one gradient send
       backward of b·(s/cp)·h (÷tp with SP), and the matching recvs (Narayanan 2021 §3.2).
     - CP (ring attention): per layer per micro-batch, cp−1 sends of this rank's K and V forward;
@@ -121,18 +126,24 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
 
     # --- tensor (+ sequence) parallel ---
     t = lay.tp
-    fwd_repeat = 2 if lay.recompute == "full" else 1
+    # Full recompute runs each block's forward again in backward, but stops at the last tensor
+    # backward needs (torch.utils.checkpoint's early stop): the MLP's closing collective (the
+    # down projection's all-reduce or reduce-scatter) is not repeated; the other three are.
+    fwd_regions = 4 if lay.recompute == "full" else 2
+    fwd_closing = 3 if lay.recompute == "full" else 2
     act = tokens * h
     if lay.sp:
-        add("tp", "all_gather", B, act, 2 * layers * m * fwd_repeat, t, "fwd", "layers")
-        add("tp", "reduce_scatter", B, act, 2 * layers * m * fwd_repeat, t, "fwd", "layers")
+        add("tp", "all_gather", B, act, fwd_regions * layers * m, t, "fwd", "layers")
+        add("tp", "reduce_scatter", B, act, fwd_closing * layers * m, t, "fwd", "layers")
         add("tp", "all_gather", B, act, 2 * layers * m, t, "bwd", "layers")
         add("tp", "reduce_scatter", B, act, 2 * layers * m, t, "bwd", "layers")
     else:
-        add("tp", "all_reduce", B, act, 2 * layers * m * fwd_repeat, t, "fwd", "layers")
+        add("tp", "all_reduce", B, act, fwd_closing * layers * m, t, "fwd", "layers")
         add("tp", "all_reduce", B, act, 2 * layers * m, t, "bwd", "layers")
     if 0 in chunks:
         add("tp", "reduce_scatter" if lay.sp else "all_reduce", B, act, m, t, "fwd", "embedding")
+        if lay.sp:  # the reduce-scatter's backward gathers the embedding output's gradient
+            add("tp", "all_gather", B, act, m, t, "bwd", "embedding")
     if num_chunks(lay) - 1 in chunks:
         if lay.sp:
             add("tp", "all_gather", B, act, m, t, "fwd", "head")
@@ -140,6 +151,21 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
         else:
             add("tp", "all_reduce", B, act, m, t, "bwd", "head")
         add("tp", "all_reduce", 4, tokens, 3 * m, t, "fwd", "loss")
+    if lay.sp:
+        # Norm weights (and row-parallel biases) act on this rank's tokens only under SP: their
+        # gradients are summed over tp per micro-batch, as soon as backward produces them.
+        per_norm = 1 if mc.norm == "rmsnorm" else 2
+        tensors = layers * (2 * per_norm + (2 if mc.mlp == "gelu" else 0))
+        tensors += per_norm if num_chunks(lay) - 1 in chunks else 0
+        add("tp", "all_reduce", grad_bytes, h, tensors * m, t, "bwd", "norm weights (SP)")
+    if t > mc.num_kv_heads:
+        # A key/value head shared by tp/kv ranks: each rank's gradient covers only its own query
+        # heads, so the k and v weights (and biases) are summed over tp per micro-batch.
+        kv_elems = 2 * mc.kv_size * (h + (1 if mc.qkv_bias else 0))
+        add("tp", "all_reduce", grad_bytes, kv_elems, layers * m, t, "bwd", "shared kv heads")
+    # The gradient norm's partial sums of squares meet over each dimension that splits them.
+    add("tp", "all_reduce", 4, 1, 1, t, "step", "grad norm")
+    add("pp", "all_reduce", 4, 1, 1, lay.pp, "step", "grad norm")
 
     # --- pipeline: count this rank's chunk boundaries that cross to another rank ---
     msg = tokens * h / (t if lay.sp else 1)
