@@ -4,6 +4,9 @@
         re-write a Hugging Face model (reshard, change dtype); tokenizer files come along
     fivefold convert --checkpoint DIR --to-hf OUT
         export a fivefold training checkpoint for transformers, vLLM, llama.cpp ...
+
+To train from Hugging Face weights, no conversion is needed: `fivefold train
+--model.hf_path DIR` reads them directly, under any layout.
 """
 
 from __future__ import annotations
@@ -92,9 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="a Hugging Face model directory to read")
     source.add_argument("--checkpoint", help="a fivefold checkpoint directory to read")
-    source.add_argument("--from-hf", help="a Hugging Face model to turn into a checkpoint")
     p.add_argument("--to-hf", help="write a Hugging Face model directory here")
-    p.add_argument("--to", help="write a fivefold checkpoint here (with --from-hf)")
     p.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--dtype", default="keep", choices=DTYPES)
     return p
@@ -106,9 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse has printed its usage line
         return int(e.code or 0)
     try:
-        if args.from_hf:
-            raise ConfigError("--from-hf --to CHECKPOINT is not available yet; point "
-                              "model.hf_path at the directory to train from it")
         if not args.to_hf:
             raise ConfigError("give --to-hf OUTDIR: the Hugging Face directory to write")
         shard = parse_size(args.max_shard_size)

@@ -145,7 +145,7 @@ def draw_side_by_side(
 def main(argv: Sequence[str] | None = None) -> int:
     """Draw one schedule; returns an exit code (2 for bad input, with a one-line reason)."""
     parser = argparse.ArgumentParser(
-        prog="python -m fivefold.parallel.pipeline.draw",
+        prog="fivefold schedule",
         description="Draw the timeline of a pipeline schedule.",
     )
     parser.add_argument("--schedule", required=True, help=f"one of {', '.join(SCHEDULE_NAMES)}")

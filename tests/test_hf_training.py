@@ -1,0 +1,48 @@
+"""Training from Hugging Face weights (`model.hf_path`), under one process and under TP."""
+
+import pathlib
+
+import pytest
+import torch
+
+from common import small_config
+from fivefold.parallel.mesh import ParallelDims
+from fivefold.parallel.tensor import gather_full_state
+from fivefold.train.trainer import Trainer
+from harness import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+
+def save_hf_llama(path: pathlib.Path):
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=128,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def hf_args(path):
+    return ["--model.hf_path", str(path), "--train.precision", "fp32"]
+
+
+def gathered(rank, world, tmp, path):
+    cfg = small_config(pathlib.Path(tmp), *hf_args(path), "--parallel.tp", "2")
+    trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel), quiet=True)
+    return gather_full_state(trainer.model.chunks[0], trainer.dims)
+
+
+def test_trainer_starts_from_hf_weights(tmp_path):
+    hf = save_hf_llama(tmp_path / "hf")
+    trainer = Trainer(small_config(tmp_path, *hf_args(tmp_path / "hf")), quiet=True)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        diff = (trainer.model.chunks[0](tokens) - hf(tokens).logits).abs().max()
+    assert diff <= 1e-5
+    expected = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
+    for rank_state in run_ranks(gathered, 2, str(tmp_path), tmp_path / "hf"):
+        for name, value in rank_state.items():
+            assert torch.equal(value, expected[name]), name
