@@ -1,0 +1,165 @@
+"""Data parallelism's gradient side: bucketed reduction, overlapped with backward.
+
+Gradients live in flat buffers cut into buckets (`buffers.FlatLayout`). A hook on each
+parameter (`register_post_accumulate_grad_hook`, torch >= 2.1) counts the gradients a
+bucket still waits for; when the last arrives, the bucket's collective is launched at once,
+asynchronously, while backward goes on computing earlier layers (Li et al. 2020, "PyTorch
+Distributed: Experiences on Accelerating Data Parallel Training", §3.2.3). Buckets are
+launched strictly in layout order, so every rank issues the same collectives in the same
+order even if a parameter got no gradient (its bucket then goes out in `finish`).
+
+    stage 0 (DP)   .grad of each parameter is a view of the full flat gradient buffer (as
+                   DDP's gradient_as_bucket_view, Megatron's grad buffer): autograd adds into
+                   it in place, nothing is copied; each bucket is all-reduced in place.
+    stage 1        the same buffer; each bucket is reduce-scattered in place: this rank's
+                   owned range receives the sum, the rest is left stale and never read.
+    stage 2, 3     no full buffer: on the final micro-batch each gradient is copied into its
+                   bucket's staging buffer and dropped; the full bucket exists only until its
+                   reduce-scatter into the persistent gradient shard (Rajbhandari et al. 2020,
+                   "ZeRO", §5.2) has finished.
+
+Every reduction is a plain SUM: the loss of each micro-batch is divided by the number of
+target tokens of the whole global batch, so the summed gradient is the single-device one.
+On non-final micro-batches of gradient accumulation nothing is sent: gradients accumulate
+locally (in the buffer for stages 0-1, in `.grad` for stages 2-3) and go out once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fivefold.parallel import comm
+from fivefold.parallel.buffers import FlatLayout
+
+
+class GradReducer:
+    def __init__(self, layout: FlatLayout, group: comm.Group, stage: int, dtype: torch.dtype,
+                 device: torch.device, watchdog, order: list[int] | None = None):
+        self.layout, self.group, self.stage, self.watchdog = layout, group, stage, watchdog
+        # The order in which segments are expected to complete in backward, and are launched.
+        self.order = order if order is not None else list(range(len(layout.segments)))
+        self.rank = group.rank if layout.shards > 1 else 0
+        self.keep_full = stage <= 1
+        nseg = len(layout.segments)
+        if self.keep_full:
+            self.grad_buffer = torch.zeros(layout.total, dtype=dtype, device=device)
+            self.grad_shard = None
+        else:
+            self.grad_buffer = None
+            self.grad_shard = torch.zeros(layout.total // layout.shards, dtype=dtype,
+                                          device=device)
+        self.dtype, self.device = dtype, device
+        self.staging: dict[int, torch.Tensor] = {}
+        self.counts = [0] * nseg
+        self.ready = [False] * nseg
+        self.launched = 0
+        self.handles: list = []
+        self.final = True
+        self.segment_done = []  # callbacks(segment index), on every micro-batch (ZeRO-3 frees)
+        self.launch_log: list[int] = []  # segments in launch order (for tests and debugging)
+        self._hooks = [slot.param.register_post_accumulate_grad_hook(self._hook(i))
+                       for i, slot in enumerate(layout.params)]
+        self.zero_grad()
+
+    # --- per step -------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        if self.keep_full:
+            self.grad_buffer.zero_()
+            for i, slot in enumerate(self.layout.params):
+                slot.param.grad = self.layout.view(self.grad_buffer, i)
+        else:
+            for slot in self.layout.params:
+                slot.param.grad = None
+        self.ready = [False] * len(self.ready)
+        self.launched = 0
+        self.launch_log.clear()
+
+    def prepare_backward(self, final_microbatch: bool) -> None:
+        self.final = final_microbatch
+        self.counts = [0] * len(self.counts)
+
+    def _hook(self, index: int):
+        def on_grad_ready(param: torch.Tensor) -> None:
+            self._grad_ready(index, param)
+        return on_grad_ready
+
+    def _grad_ready(self, index: int, param: torch.Tensor) -> None:
+        slot = self.layout.params[index]
+        seg = slot.segment
+        if self.final and not self.keep_full:
+            staging = self._staging(seg)
+            start = slot.start - self.layout.segments[seg].start
+            staging[start:start + slot.numel].copy_(param.grad.view(-1))
+            param.grad = None  # the full gradient is not kept beyond its bucket
+        self.counts[seg] += 1
+        if self.counts[seg] == len(self.layout.segments[seg].params):
+            for callback in self.segment_done:
+                callback(seg)
+            if self.final:
+                self.ready[seg] = True
+                self._launch_ready()
+
+    def _staging(self, seg: int) -> torch.Tensor:
+        if seg not in self.staging:
+            size = self.layout.segments[seg].size
+            self.staging[seg] = torch.zeros(size, dtype=self.dtype, device=self.device)
+        return self.staging[seg]
+
+    def _launch_ready(self) -> None:
+        while self.launched < len(self.order) and self.ready[self.order[self.launched]]:
+            self._launch(self.order[self.launched])
+            self.launched += 1
+
+    def _launch(self, index: int) -> None:
+        seg = self.layout.segments[index]
+        if self.stage == 0:
+            full = self.grad_buffer[seg.start:seg.start + seg.size]
+            handle = comm.all_reduce(full, self.group, async_op=True)
+        elif self.keep_full:
+            full = self.grad_buffer[seg.start:seg.start + seg.size]
+            lo, hi = seg.owned(self.rank, self.layout.shards)
+            handle = comm.reduce_scatter(self.grad_buffer[lo:hi], full, self.group,
+                                         async_op=True)
+        else:
+            out = self.layout.segment_shard(self.grad_shard, seg)
+            handle = comm.reduce_scatter(out, self._staging(index), self.group, async_op=True)
+        self.launch_log.append(index)
+        self.handles.append((index, handle))
+
+    def finish(self) -> None:
+        """Launch what backward did not (buckets of parameters without a gradient), wait."""
+        if self.final:
+            if not self.keep_full:  # a gradient still in .grad was never staged: stage it
+                for i, slot in enumerate(self.layout.params):
+                    if slot.param.grad is not None and not self.ready[slot.segment]:
+                        self._stage_leftover(i)
+            self.ready = [True] * len(self.ready)
+            self._launch_ready()
+        for index, handle in self.handles:
+            self.watchdog.wait(handle, f"gradient {self.group.name} reduction of bucket {index}")
+        self.handles.clear()
+        self.staging.clear()
+
+    def _stage_leftover(self, index: int) -> None:
+        slot = self.layout.params[index]
+        start = slot.start - self.layout.segments[slot.segment].start
+        self._staging(slot.segment)[start:start + slot.numel].copy_(slot.param.grad.view(-1))
+        slot.param.grad = None
+
+    # --- the optimizer's view of the reduced gradients -----------------------------------
+    def owned_grads(self, pieces) -> list[torch.Tensor]:
+        """The reduced gradient of each of this rank's pieces (flat views, no copy)."""
+        if self.keep_full:
+            return [self.grad_buffer[p.flat:p.flat + p.hi - p.lo] for p in pieces]
+        return [self.grad_shard[p.shard:p.shard + p.hi - p.lo] for p in pieces]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every gradient tensor this rank holds now (for memory accounting)."""
+        out = [self.grad_buffer, self.grad_shard, *self.staging.values()]
+        if not self.keep_full:
+            out += [slot.param.grad for slot in self.layout.params]
+        return [t for t in out if t is not None]
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()

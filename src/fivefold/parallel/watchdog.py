@@ -1,0 +1,154 @@
+"""Noticing a lost rank: heartbeats through the rendezvous store.
+
+When one rank dies mid-step, its peers are left inside a collective. gloo usually fails it
+at once ("connection closed by peer", naming an address, not a rank); a collective may also
+hang until the process group's timeout. Neither says *which* rank was lost. So each rank
+runs a daemon thread that bumps a counter `fivefold/heartbeat/<rank>` in the c10d store
+every `interval` seconds and watches its peers' counters (on its own clock, so no clock
+skew matters). Then:
+
+- a failed collective is explained: the rank whose heartbeat stopped is named;
+- a hang cannot outlive `timeout_s`: while a training step is under way ("armed"), a peer
+  silent for longer than that makes the thread print the lost rank and end the process
+  with exit code 3 — torchrun then tears the job down, as it does when a worker dies.
+
+Outside a step (checkpoint writing, evaluation, the end of training) silence is not an
+error, and a failing store ends the thread quietly: the run may be shutting down.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+EXIT_RANK_LOST = 3
+
+
+class RankLostError(RuntimeError):
+    pass
+
+
+class _State:
+    def __init__(self, rank: int, world: int, timeout_s: float):
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.interval = min(max(timeout_s / 20, 0.05), 2.0)
+        now = time.monotonic()
+        self.seen = {r: (-1, now) for r in range(world) if r != rank}  # counter, when changed
+        self.armed = threading.Event()
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+
+    def silent_for(self) -> dict[int, float]:
+        now = time.monotonic()
+        with self.lock:
+            return {r: now - t for r, (_, t) in self.seen.items()}
+
+
+def _key(rank: int) -> str:
+    return f"fivefold/heartbeat/{rank}"
+
+
+def _failed_key(rank: int) -> str:
+    return f"fivefold/failed/{rank}"
+
+
+def _beat(store, state: _State) -> None:
+    while not state.stop.wait(state.interval):
+        try:
+            store.add(_key(state.rank), 1)
+            for r in state.seen:
+                value = store.add(_key(r), 0)  # add(0) reads without blocking on a missing key
+                with state.lock:
+                    if value != state.seen[r][0]:
+                        state.seen[r] = (value, time.monotonic())
+        except (RuntimeError, OSError):  # the store is gone: shutting down, or its host died
+            if state.armed.is_set():
+                _die(state, "lost contact with the rendezvous store (its host may have died)")
+            return
+        if state.armed.is_set():
+            silent = {r: s for r, s in state.silent_for().items() if s > state.timeout_s}
+            if silent:
+                lost = ", ".join(f"rank {r} (silent {s:.1f} s)" for r, s in sorted(silent.items()))
+                _die(state, f"lost {lost}; parallel.timeout_s = {state.timeout_s}", store)
+
+
+def _die(state: _State, message: str, store=None) -> None:
+    if store is not None:
+        _report_failure(store, state.rank)
+    print(f"fivefold: rank {state.rank}: {message}; exiting", file=sys.stderr, flush=True)
+    os._exit(EXIT_RANK_LOST)
+
+
+def _report_failure(store, rank: int) -> None:
+    """Say 'I am alive and saw a failure': a survivor that exits is not the lost rank."""
+    try:
+        store.add(_failed_key(rank), 1)
+    except (RuntimeError, OSError):
+        pass
+
+
+class Watchdog:
+    """Heartbeats of every rank; `armed()` around a training step. One per optimizer."""
+
+    def __init__(self, timeout_s: float, store=None):
+        self.active = dist.is_initialized() and dist.get_world_size() > 1
+        if not self.active:
+            return
+        store = store or dist.distributed_c10d._get_default_store()
+        self.store = store
+        self.state = _State(dist.get_rank(), dist.get_world_size(), timeout_s)
+        # The thread holds the state, not this object, so the optimizer can be collected.
+        threading.Thread(target=_beat, args=(store, self.state), daemon=True,
+                         name="fivefold-watchdog").start()
+
+    def arm(self) -> None:
+        if self.active:
+            self.state.armed.set()
+
+    def disarm(self) -> None:
+        if self.active:
+            self.state.armed.clear()
+
+    def close(self) -> None:
+        if self.active:
+            self.state.stop.set()
+
+    def __del__(self):
+        self.close()
+
+    def _reported_failure(self, rank: int) -> bool:
+        try:
+            return self.store.add(_failed_key(rank), 0) > 0
+        except (RuntimeError, OSError):
+            return False
+
+    def lost_ranks(self) -> list[int]:
+        """Peers silent for three heartbeat intervals that did not themselves report a
+        failure (a survivor exiting after us is not the culprit); waits up to timeout_s."""
+        if not self.active:
+            return []
+        st = self.state
+        _report_failure(self.store, st.rank)
+        deadline = time.monotonic() + st.timeout_s
+        while True:
+            silent = st.silent_for()
+            lost = sorted((r for r, s in silent.items()
+                           if s > 3 * st.interval and not self._reported_failure(r)),
+                          key=lambda r: -silent[r])
+            if lost or time.monotonic() > deadline:
+                return lost
+            time.sleep(st.interval)
+
+    def wait(self, handle, what: str) -> None:
+        """Wait for a collective; if it fails, name the rank that was lost."""
+        try:
+            handle.wait()
+        except Exception as exc:
+            lost = self.lost_ranks()
+            who = ", ".join(f"rank {r}" for r in lost) if lost else "no silent peer found"
+            raise RankLostError(f"{what} failed: lost {who} ({type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc

@@ -1,0 +1,294 @@
+"""The data-parallel optimizer: DP (stage 0) and ZeRO stages 1, 2, 3, with CPU offload.
+
+Bytes per parameter held on each of N ranks in bf16 (Rajbhandari et al. 2020, "ZeRO", §5,
+Figure 1, with K = 12: fp32 master 4 + Adam moments 4 + 4):
+
+    stage 0   2 + 2 + 12        params, grads, master + Adam: everything replicated
+    stage 1   2 + 2 + 12/N      master weights and Adam moments sharded
+    stage 2   2 + (2 + 12)/N    gradients sharded too (full only per bucket in flight)
+    stage 3   (2 + 2 + 12)/N    parameters sharded too (full only per block in use)
+
+plus the padding that makes every bucket divisible by N (under N elements per bucket).
+In fp32 the master *is* the parameter (0 extra bytes) unless offloaded.
+
+Communication per step, per rank, in elements of the model (P, padded), on `dp_cp`:
+
+    stage 0     all-reduce P (one call per bucket)
+    stage 1, 2  reduce-scatter P + all-gather P (one call per bucket each)
+    stage 3     all-gather 2P per micro-batch (forward, backward) + reduce-scatter P
+    stages 1-3  one extra all-reduce of 1 element: the squared gradient norm of the shards
+
+Offload (ZeRO-Offload, Ren et al. 2021): fp32 master weights and Adam moments live on the
+CPU and the AdamW step runs there; the reduced gradient shard goes down, the updated
+compute-dtype parameters come back. On a CPU-only machine it changes where nothing lives,
+but takes the same path: a separate fp32 master copy, a copied fp32 gradient.
+
+The optimizer keeps `MasterWeightOptimizer`'s interface (train/optim.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fivefold.parallel import comm
+from fivefold.parallel.buffers import FlatLayout, bucket_groups, storage_bytes
+from fivefold.parallel.data import GradReducer
+from fivefold.parallel.watchdog import Watchdog
+from fivefold.train.optim import StepStats, adamw, decays, norm_share
+
+
+class DataParallelOptimizer:
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], dims, tr, scaler,
+                 stage: int = 0, offload: bool = False, bucket_mb: float = 25.0,
+                 chunks: list[nn.Module] | None = None, timeout_s: float = 300.0):
+        self.dims, self.tr, self.scaler, self.stage, self.offload = dims, tr, scaler, stage, offload
+        self.group = dims["dp_cp"]
+        self.names = [n for n, _ in named_params]
+        params = [p for _, p in named_params]
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.watchdog = Watchdog(timeout_s)
+        shards = self.group.size if stage >= 1 else 1
+        self.rank = self.group.rank if shards > 1 else 0
+        if stage == 3:
+            from fivefold.parallel.zero3 import zero3_units
+
+            groups, units = zero3_units(chunks, named_params)
+        else:
+            groups = bucket_groups(named_params, bucket_mb * 1e6, params[0].element_size())
+        self.layout = FlatLayout(named_params, groups, shards)
+        self.pieces = self.layout.pieces(self.rank)
+        self.gatherer = None
+        if stage == 3:
+            from fivefold.parallel.zero3 import ParamGatherer
+
+            self.gatherer = ParamGatherer(self.layout, units, self.group, self.dtype,
+                                          self.device, self.watchdog)
+            self.param_flat = None
+        else:
+            self.param_flat = self._bind_params()
+        order = self.gatherer.backward_order() if self.gatherer is not None else None
+        self.reducer = GradReducer(self.layout, self.group, stage, self.dtype, self.device,
+                                   self.watchdog, order)
+        if self.gatherer is not None:
+            self.reducer.segment_done.append(self.gatherer.free)
+        self._build_states()
+
+    def _bind_params(self) -> torch.Tensor:
+        """Move every parameter into one flat buffer; its .data becomes a view of it."""
+        flat = torch.zeros(self.layout.total, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for i, slot in enumerate(self.layout.params):
+                view = self.layout.view(flat, i)
+                view.copy_(slot.param.detach())
+                slot.param.data = view
+        return flat
+
+    def _build_states(self) -> None:
+        """fp32 master pieces and Adam moments over this rank's flat shard."""
+        shard_numel = self.layout.total // self.layout.shards
+        self.state_device = torch.device("cpu") if self.offload else self.device
+        self.separate_master = self.dtype != torch.float32 or self.offload
+        pin = self.offload and self.device.type == "cuda"
+        if self.separate_master:
+            self.master_flat = torch.zeros(shard_numel, dtype=torch.float32,
+                                           device=self.state_device, pin_memory=pin)
+            self.master_flat.copy_(self._param_shard_flat())
+            source, by_flat = self.master_flat, False
+        else:  # fp32 on the device: the master is the parameter itself
+            self.master_flat = None
+            source = self.gatherer.shard if self.gatherer is not None else self.param_flat
+            by_flat = self.gatherer is None
+        self.exp_avg = torch.zeros(shard_numel, dtype=torch.float32, device=self.state_device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.master_pieces = []
+        for pc in self.pieces:
+            at = pc.flat if by_flat else pc.shard
+            self.master_pieces.append(source[at:at + pc.hi - pc.lo])
+        decay, no_decay = [], []
+        for pc, m in zip(self.pieces, self.master_pieces):
+            slot = self.layout.params[pc.slot]
+            (decay if decays(slot.name, slot.param) else no_decay).append(m)
+        groups = [{"params": decay, "weight_decay": self.tr.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = adamw([g for g in groups if g["params"]], self.tr, self.state_device)
+        self._reset_moments(step=0)
+        self.shares = torch.tensor([norm_share(self.layout.params[pc.slot].param,
+                                               self.dims.tp) for pc in self.pieces],
+                                   dtype=torch.float32, device=self.state_device)
+
+    def _reset_moments(self, step: int) -> None:
+        # Adam's moments are views of two flat buffers: torch's AdamW initialises a state
+        # only when it is empty, so filling it here keeps the storage flat and countable.
+        for pc, m in zip(self.pieces, self.master_pieces):
+            n = pc.hi - pc.lo
+            self.optimizer.state[m] = {
+                "step": torch.tensor(float(step)),
+                "exp_avg": self.exp_avg[pc.shard:pc.shard + n],
+                "exp_avg_sq": self.exp_avg_sq[pc.shard:pc.shard + n]}
+
+    def _param_shard_flat(self) -> torch.Tensor:
+        """This rank's owned parameter values, as one flat tensor in shard order."""
+        if self.gatherer is not None:
+            return self.gatherer.shard
+        return torch.cat([self.param_flat[slice(*seg.owned(self.rank, self.layout.shards))]
+                          for seg in self.layout.segments])
+
+    # --- the interface the trainer uses -------------------------------------------------
+    def zero_grad(self) -> None:
+        self.watchdog.arm()  # a training step starts: from here a silent peer is lost
+        self.reducer.zero_grad()
+
+    def prepare_backward(self, final_microbatch: bool) -> None:
+        self.reducer.prepare_backward(final_microbatch)
+
+    def finish_grad_sync(self) -> None:
+        self.reducer.finish()
+        if self.gatherer is not None:
+            self.gatherer.free_all()
+
+    def step(self, lr: float) -> StepStats:
+        grads = self.reducer.owned_grads(self.pieces)
+        if self.separate_master:
+            grads = [g.to(device=self.state_device, dtype=torch.float32, copy=True)
+                     for g in grads]
+        if self.scaler.enabled:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        norm = self._global_grad_norm(grads)
+        found_inf = not bool(torch.isfinite(norm))
+        if self.scaler.enabled:
+            flag = torch.tensor([float(found_inf)], device=self.device)
+            comm.all_reduce(flag, self.dims["world"], op="max")
+            found_inf = bool(flag.item())
+        scale = self.scaler.scale
+        self.scaler.update(found_inf)
+        if found_inf and self.scaler.enabled:
+            self.watchdog.disarm()
+            return StepStats(float("nan"), True, scale)
+        if self.tr.grad_clip > 0 and grads:
+            coef = torch.clamp(self.tr.grad_clip / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        for m, g in zip(self.master_pieces, grads):
+            m.grad = g
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        for m in self.master_pieces:
+            m.grad = None
+        self._publish_params()
+        self.watchdog.disarm()
+        return StepStats(float(norm), False, scale)
+
+    def _global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """sqrt(sum of squares), every logical element counted once: ZeRO shards are
+        disjoint (summed over dp_cp); tp/pp replicas carry `norm_share` (train/optim.py)."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        if grads:
+            norms = torch.stack(torch._foreach_norm(grads)).float()
+            sq += (norms.pow(2) * self.shares).sum().to(self.device)
+        if self.layout.shards > 1:
+            comm.all_reduce(sq, self.group)
+        for name in ("tp", "pp"):
+            comm.all_reduce(sq, self.dims[name])
+        return sq.sqrt()
+
+    def _publish_params(self) -> None:
+        """Copy the updated master into the parameters; ZeRO-1/2 then all-gather them."""
+        with torch.no_grad():
+            if self.gatherer is not None:
+                if self.separate_master:
+                    self.gatherer.shard.copy_(self.master_flat, non_blocking=True)
+                return  # gathered at the next forward
+            handles = []
+            for seg in self.layout.segments:
+                lo, hi = seg.owned(self.rank, self.layout.shards)
+                owned = self.param_flat[lo:hi]
+                if self.separate_master:
+                    owned.copy_(self.layout.segment_shard(self.master_flat, seg))
+                if self.layout.shards > 1:  # in place: our range is already where it belongs
+                    full = self.param_flat[seg.start:seg.start + seg.size]
+                    handles.append(comm.all_gather(full, owned, self.group, async_op=True))
+            for h in handles:
+                self.watchdog.wait(h, "ZeRO parameter all-gather")
+
+    # --- checkpoints and accounting -----------------------------------------------------
+    def _full_flat(self, shard: torch.Tensor) -> torch.Tensor:
+        """Gather a flat shard (this rank's) into the full flat tensor, on the device."""
+        shard = shard.to(self.device)
+        if self.layout.shards == 1:
+            return shard
+        full = torch.empty(self.layout.total, dtype=shard.dtype, device=self.device)
+        for seg in self.layout.segments:
+            comm.all_gather(full[seg.start:seg.start + seg.size],
+                            self.layout.segment_shard(shard, seg), self.group)
+        return full
+
+    def param_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        param_full = self.param_flat if self.gatherer is None else self._full_flat(
+            self.gatherer.shard)
+        master_full = (self._full_flat(self.master_flat) if self.separate_master
+                       else param_full)
+        avg, avg_sq = self._full_flat(self.exp_avg), self._full_flat(self.exp_avg_sq)
+        out = {}
+        for i, slot in enumerate(self.layout.params):
+            out[slot.name] = {
+                "param": self.layout.view(param_full, i).detach().clone(),
+                "master": self.layout.view(master_full, i).float().clone(),
+                "exp_avg": self.layout.view(avg, i).clone(),
+                "exp_avg_sq": self.layout.view(avg_sq, i).clone()}
+        return out
+
+    def step_count(self) -> int:
+        for state in self.optimizer.state.values():
+            return int(state["step"])
+        return 0
+
+    def load_param_states(self, states: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        def owned(key: str, dtype) -> torch.Tensor:
+            out = torch.zeros(self.layout.total // self.layout.shards, dtype=dtype)
+            for pc in self.pieces:
+                name = self.layout.params[pc.slot].name
+                src = states[name][key].reshape(-1)[pc.lo:pc.hi]
+                out[pc.shard:pc.shard + pc.hi - pc.lo] = src.to("cpu", dtype)
+            return out
+
+        with torch.no_grad():
+            if self.gatherer is not None:
+                self.gatherer.shard.copy_(owned("param", self.dtype))
+            else:
+                for i, slot in enumerate(self.layout.params):
+                    self.layout.view(self.param_flat, i).copy_(states[slot.name]["param"])
+            if self.separate_master:
+                self.master_flat.copy_(owned("master", torch.float32))
+            elif self.gatherer is not None:
+                self.gatherer.shard.copy_(owned("master", torch.float32))
+            else:
+                for i, slot in enumerate(self.layout.params):
+                    self.layout.view(self.param_flat, i).copy_(states[slot.name]["master"])
+            self.exp_avg.copy_(owned("exp_avg", torch.float32))
+            self.exp_avg_sq.copy_(owned("exp_avg_sq", torch.float32))
+        self._reset_moments(step)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes held on this rank, counted from the storages (views of a buffer once)."""
+        params = ([self.param_flat] if self.gatherer is None
+                  else self.gatherer.gathered_tensors())
+        return {"params": storage_bytes(params),
+                "grads": storage_bytes(self.reducer.tensors()),
+                "master": storage_bytes([self.master_flat]),
+                "optimizer": storage_bytes([self.exp_avg, self.exp_avg_sq])}
+
+    def close(self) -> None:
+        """Detach the hooks and stop the watchdog (tests build many optimizers per process)."""
+        self.reducer.remove_hooks()
+        if self.gatherer is not None:
+            self.gatherer.remove_hooks()
+        self.watchdog.close()
+
+
+def build_data_parallel_optimizer(model, named_params, dims, cfg, scaler) -> DataParallelOptimizer:
+    """The optimizer for dp_cp > 1 or ZeRO (called by train/trainer.py build_optimizer)."""
+    par = cfg.parallel
+    return DataParallelOptimizer(named_params, dims, cfg.train, scaler, stage=par.zero,
+                                 offload=par.offload, bucket_mb=par.bucket_mb,
+                                 chunks=model.chunks, timeout_s=par.timeout_s)
