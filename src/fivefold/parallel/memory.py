@@ -17,8 +17,10 @@ _ACTIVE: contextvars.ContextVar[SavedActivations | None] = contextvars.ContextVa
     "fivefold_saved_activations", default=None)
 
 
-def _storage_key(t: torch.Tensor):
-    return t.untyped_storage().data_ptr()
+def _storage_key(t: torch.Tensor) -> int:
+    """The identity of the storage behind t: stable when ZeRO-3 frees a gathered parameter
+    (resize to 0 bytes) and gathers it again into the same storage."""
+    return t.untyped_storage()._cdata
 
 
 class SavedActivations:
@@ -30,7 +32,7 @@ class SavedActivations:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
         key = _storage_key(t)
-        if key in self.param_storages or key == 0:
+        if key in self.param_storages:
             return
         self.storages[key] = max(self.storages.get(key, 0), t.untyped_storage().nbytes())
 

@@ -98,12 +98,16 @@ def shard_model_states(num_params: float, bpp: BytesPerParam, zero: int, shards:
                        offload: bool = False, num_expert_params: float = 0.0,
                        expert_shards: int = 1) -> ModelStates:
     """Apply ZeRO to `num_params` dense and `num_expert_params` expert elements (experts shard
-    over the expert-data-parallel group, dp·cp/ep). Offload moves master + optimizer to CPU."""
+    over the expert-data-parallel group, dp·cp/ep). Offload moves master + optimizer to CPU;
+    there the optimizer needs an fp32 copy of the weights even when training in fp32 (the
+    device keeps its own parameters), so the host holds 4 + optimizer bytes per parameter."""
     def part(per: float, stage: int) -> float:
         return (per * num_params / (shards if zero >= stage else 1)
                 + per * num_expert_params / (expert_shards if zero >= stage else 1))
 
     master, optim = part(bpp.master, 1), part(bpp.optimizer, 1)
+    if offload and bpp.master == 0:
+        master = part(4, 1)
     return ModelStates(
         params=part(bpp.param, 3), grads=part(bpp.grad, 2),
         master=0.0 if offload else master, optimizer=0.0 if offload else optim,
