@@ -292,6 +292,26 @@ def _positive(key: str, value, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key} = {value} must be {'>= 0' if allow_zero else '> 0'}")
 
 
+def _check_pipeline(par: ParallelSection, num_layers: int, num_micro: int) -> None:
+    """Ask the schedule itself (pure Python, no torch), so the engine and this agree."""
+    if par.pp == 1:
+        if par.virtual_stages > 1:
+            raise ConfigError(f"parallel.virtual_stages = {par.virtual_stages} needs "
+                              f"parallel.pp > 1 and parallel.schedule = 'interleaved'")
+        return
+    from fivefold.parallel.pipeline.schedules import build_schedule
+
+    try:
+        schedule = build_schedule(par.schedule, par.pp, num_micro, par.virtual_stages)
+    except ValueError as e:
+        raise ConfigError(f"parallel.schedule = '{par.schedule}' at parallel.pp = {par.pp} with "
+                          f"{num_micro} micro-batches (train.gbs / (mbs·dp)): {e}") from None
+    if schedule.num_stages > num_layers:
+        raise ConfigError(f"parallel.pp = {par.pp} with schedule '{par.schedule}' makes "
+                          f"{schedule.num_stages} stages but model.num_layers = {num_layers}; "
+                          f"every stage needs a layer: lower pp or virtual_stages")
+
+
 def validate(cfg: Config) -> None:
     """Every check of a config, in one place. Raises ConfigError with a one-line fix."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
@@ -341,12 +361,6 @@ def validate(cfg: Config) -> None:
     if par.sp and tr.seq_len % par.tp:
         raise ConfigError(f"train.seq_len = {tr.seq_len} is not divisible by parallel.tp = "
                           f"{par.tp}, which sequence parallelism needs")
-    if par.pp > 1 and par.pp * par.virtual_stages > mc.num_layers:
-        raise ConfigError(f"parallel.pp × virtual_stages = {par.pp * par.virtual_stages} is more "
-                          f"stages than model.num_layers = {mc.num_layers}; lower pp")
-    if par.virtual_stages > 1 and par.schedule not in ("interleaved",):
-        raise ConfigError(f"parallel.virtual_stages = {par.virtual_stages} needs "
-                          f"parallel.schedule = 'interleaved'")
     if par.bucket_mb <= 0:
         raise ConfigError(f"parallel.bucket_mb = {par.bucket_mb} must be > 0")
 
@@ -360,12 +374,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.gbs = {tr.gbs} is not divisible by parallel.mbs × parallel.dp ="
                           f" {par.mbs * par.dp}; make gbs a multiple of it")
     num_micro = tr.gbs // (par.mbs * par.dp)
-    if par.pp > 1 and par.schedule == "interleaved" and num_micro % par.pp:
-        raise ConfigError(f"interleaved schedule needs micro-batches ({num_micro}) to be a "
-                          f"multiple of parallel.pp = {par.pp}; change gbs or mbs")
-    if par.pp > 1 and par.schedule == "dualpipev" and num_micro < 2 * par.pp:
-        raise ConfigError(f"dualpipev needs at least 2·pp = {2 * par.pp} micro-batches, got "
-                          f"{num_micro}; raise gbs or lower mbs")
+    _check_pipeline(par, mc.num_layers, num_micro)
     if tr.lr <= 0:
         raise ConfigError(f"train.lr = {tr.lr} must be > 0")
     if tr.min_lr < 0 or tr.min_lr > tr.lr:

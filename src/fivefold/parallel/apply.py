@@ -58,4 +58,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
         chunks = [model]
     for chunk in chunks:
         materialize(chunk, model_cfg, cfg.train.seed, device, dtype)
+    if par.pp > 1:  # after materialize, which makes new Parameter objects
+        from fivefold.parallel.pipeline.stages import tag_replicas
+
+        tag_replicas(chunks)
     return ParallelModel(chunks, dims)

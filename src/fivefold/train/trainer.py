@@ -139,8 +139,8 @@ class Trainer:
         with ledger_paused(self.dims):
             total = local_sum.detach().clone().float()
             comm.all_reduce(total, self.dims["dp_cp"])
-            if self.cfg.parallel.pp > 1:
-                comm.broadcast(total, self.dims.pp - 1, self.dims["pp"])
+            if self.pipeline is not None:  # from the pp rank of the last stage
+                comm.broadcast(total, self.pipeline.loss_pp_rank, self.dims["pp"])
         return float(total) / num_tokens
 
     def train_step(self) -> dict:
