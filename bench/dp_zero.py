@@ -95,7 +95,7 @@ def _rank(rank, world, init_file, steps, rounds, precision, out_path):
     batches = [(b[:, :-1], b[:, 1:]) for b in batches]
     steppers = {kind: _build(kind, world, dtype) for kind in VARIANTS}
     times = {kind: [] for kind in VARIANTS}
-    for kind, step in steppers.items():  # warm-up
+    for step in steppers.values():  # warm-up
         for i in range(3):
             step(batches[i % 4])
     for _ in range(rounds):

@@ -9,8 +9,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from common import small_config
+
 from fivefold.cli import main
 from fivefold.data.prepare import prepare
 from fivefold.train.trainer import Trainer
@@ -67,6 +67,11 @@ def bad_inputs(w: Path):
         "seq_len too long": (["train", "--train.seq_len", "4096"], "max_seq_len"),
         "tp vs heads": (["train", "--parallel.tp", "3"], "parallel.tp = 3"),
         "sp without tp": (["train", "--parallel.sp", "true"], "parallel.sp"),
+        "vocab below tp": (["train", "--model.vocab_size", "5", "--parallel.tp", "4"],
+                           "only padding rows"),
+        "pipeline stages": (["train", "--parallel.pp", "8"], "model.num_layers = 4"),
+        "too few micro-batches": (["train", "--parallel.pp", "2", "--parallel.schedule",
+                                   "dualpipev", "--parallel.mbs", "8"], "dualpipev"),
         "unknown preset": (["train", "--model.preset", "llama-9b"], "model.preset"),
         "kv heads": (["train", "--model.num_kv_heads", "3"], "num_kv_heads"),
         "resume path": (["train", "--checkpoint.resume", str(w / "nowhere")], "checkpoint.resume"),

@@ -8,12 +8,11 @@ parameters ≤ 1e-5 relative (‖a − b‖ / ‖b‖ per tensor); resumed losse
 import pathlib
 
 import pytest
-import torch
-
 from common import small_config
+from harness import run_ranks
+
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.train.trainer import Trainer
-from harness import run_ranks
 
 BASE = ["--model.num_layers", "2", "--train.gbs", "8", "--parallel.mbs", "2",
         "--train.steps", "6", "--train.lr", "1e-3"]

@@ -4,12 +4,12 @@ import pathlib
 
 import pytest
 import torch
-
 from common import small_config
+from harness import run_ranks
+
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.parallel.tensor import gather_full_state
 from fivefold.train.trainer import Trainer
-from harness import run_ranks
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,9 +1,9 @@
 import torch
+from harness import run_ranks
 
 from fivefold.config import ParallelSection
 from fivefold.parallel import comm
 from fivefold.parallel.mesh import ParallelDims
-from harness import run_ranks
 
 
 def test_group_slices_cover_the_grid():

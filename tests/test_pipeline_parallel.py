@@ -1,4 +1,5 @@
-"""Pipeline parallelism against the single-process run (the oracle) and torch.distributed.pipelining.
+"""Pipeline parallelism against the single-process run (the oracle) and
+torch.distributed.pipelining.
 
 Every case runs the real Trainer (`small_config`: hidden 32, seq 32, mbs 1, fp32, tiny's
 tied embeddings unless stated) for 2 optimizer steps and compares, step by step, with the

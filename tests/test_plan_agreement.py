@@ -4,9 +4,9 @@ communication ledger (exactly) of every layout the engine runs, measured on the 
 import pathlib
 
 import pytest
-import torch
-
 from common import small_config
+from harness import run_ranks
+
 from fivefold.parallel.memory import SavedActivations
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.plan.activations import activation_bytes_per_microbatch
@@ -14,7 +14,6 @@ from fivefold.plan.comm import ledger_volume
 from fivefold.plan.inputs import training_plan_inputs
 from fivefold.plan.memory import model_state_bytes
 from fivefold.train.trainer import Trainer
-from harness import run_ranks
 
 # A model big enough that per-tensor terms dominate: hidden 64, 4 heads of 16, 2 kv heads.
 MODEL = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--model.num_layers",

@@ -57,7 +57,8 @@ def test_model_state_bytes_per_rank():
     model = preset("llama-3.1-8b")
     n = model.num_params()
     plain = model_state_bytes(model)
-    assert (plain.params, plain.grads, plain.master, plain.optimizer) == (2 * n, 2 * n, 4 * n, 8 * n)
+    got = (plain.params, plain.grads, plain.master, plain.optimizer)
+    assert got == (2 * n, 2 * n, 4 * n, 8 * n)
     z3 = model_state_bytes(model, dp=4, cp=2, zero=3)  # sharded over dp·cp = 8
     assert z3.total == pytest.approx(16 * n / 8, rel=1e-12)
     off = model_state_bytes(model, dp=8, zero=1, offload=True)

@@ -228,7 +228,7 @@ def _run_and_check(tp):
         if name in ("nano", "kv2"):
             assert res["ledger"] == _expected_ledger(cfg, tp, sp), (name, sp, res["ledger"])
             print(f"tp={tp} sp={sp} ledger per micro-batch: {res['ledger']}")
-    for name, overrides, _ in CASES[tp][:1]:
+    for name, _overrides, _ in CASES[tp][:1]:
         off, on = results[(name, False)]["act"], results[(name, True)]["act"]
         print(f"tp={tp} saved activations per rank, bytes: norms {off['norms']} -> "
               f"{on['norms']} with SP; all {off['all']} -> {on['all']}")

@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-
 from common import small_config
+
 from fivefold.parallel.memory import SavedActivations
 from fivefold.train.trainer import Trainer
 

@@ -1,3 +1,4 @@
-"""fivefold: plan and run LLM training with data, tensor, pipeline, context and expert parallelism."""
+"""fivefold: plan and run LLM training with data, tensor, pipeline, context and expert
+parallelism."""
 
 __version__ = "0.1.0"

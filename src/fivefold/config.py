@@ -355,6 +355,10 @@ def validate(cfg: Config) -> None:
         if mc.intermediate_size % par.tp:
             raise ConfigError(f"parallel.tp = {par.tp} does not divide model.intermediate_size ="
                               f" {mc.intermediate_size}; pick a tp that divides it")
+        rows_per_rank = -(-mc.vocab_size // par.tp)  # the vocabulary is padded to tp pieces
+        if (par.tp - 1) * rows_per_rank >= mc.vocab_size:
+            raise ConfigError(f"model.vocab_size = {mc.vocab_size} is too small for parallel.tp "
+                              f"= {par.tp}: a rank would hold only padding rows; lower tp")
         if mc.num_kv_heads % par.tp and par.tp % mc.num_kv_heads:
             raise ConfigError(f"parallel.tp = {par.tp} and model.num_kv_heads = "
                               f"{mc.num_kv_heads}: one must divide the other")

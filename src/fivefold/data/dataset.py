@@ -167,7 +167,8 @@ def default_corpus_tokens(tokenizer: str = "byte", cache_dir: str | os.PathLike 
     for f in files:
         digest.update(f.name.encode() + b"\0" + f.read_bytes())
     digest.update(b"byte" if tok.kind == "byte" else Path(tokenizer).read_bytes())
-    out = Path(cache_dir or default_cache_dir()) / f"corpus-{tok.kind}-{digest.hexdigest()[:16]}.bin"
+    name = f"corpus-{tok.kind}-{digest.hexdigest()[:16]}.bin"
+    out = Path(cache_dir or default_cache_dir()) / name
     if out.is_file() and meta_path(out).is_file():
         try:
             TokenDataset.open(out)

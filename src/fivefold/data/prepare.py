@@ -6,9 +6,10 @@
 
 Documents: a .txt file is one document; each row of a .jsonl/.json/.parquet file is one
 (its `--text-field`, read with Hugging Face `datasets`); a directory stands for the
-supported files under it, sorted, less the files `prepare` itself writes. Every non-empty document is followed by the tokenizer's
-end-of-text id, so the stream reads doc₀ EOS doc₁ EOS … docₙ EOS and the loader's windows
-cross document ends the way pre-training data usually does.
+supported files under it, sorted, less the files `prepare` itself writes. Every non-empty
+document is followed by the tokenizer's end-of-text id, so the stream reads
+doc₀ EOS doc₁ EOS … docₙ EOS and the loader's windows cross document ends the way
+pre-training data usually does.
 
 Files written, each atomically (a temporary name, then a rename):
 - OUT, the tokens: a flat array of uint16 when the vocabulary fits 2¹⁶ ids, else uint32,

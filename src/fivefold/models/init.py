@@ -53,7 +53,8 @@ def logical_name(module_name: str) -> str:
 
 
 def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device="cpu",
-                dtype: torch.dtype = torch.float32, names: dict[str, str] | None = None) -> nn.Module:
+                dtype: torch.dtype = torch.float32,
+                names: dict[str, str] | None = None) -> nn.Module:
     """Allocate a meta-built model on `device` and fill every tensor from its logical name.
 
     `names` maps a local parameter name to its logical name where the two differ (a pipeline

@@ -77,7 +77,7 @@ class ParamGatherer:
                 self.state[seg.index] = READY
                 self.free(seg.index)
         self._hooks = []
-        for u, (module, kind) in enumerate(units):
+        for u, (module, _kind) in enumerate(units):
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward(u)))
             self._hooks.append(module.register_forward_hook(self._post_forward(u)))
 

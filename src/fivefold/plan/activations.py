@@ -176,7 +176,8 @@ def recompute_working_set(model: ModelConfig, mbs: int, seq_len: int, *, tp: int
                           dropout: bool = False) -> float:
     """Transient bytes while one layer is recomputed in backward: under full recompute a whole
     layer's activations come back for one micro-batch; under selective, its attention core."""
-    kwargs = {"tp": tp, "sp": sp, "cp": cp, "dtype_bytes": dtype_bytes, "flash": flash, "dropout": dropout}
+    kwargs = {"tp": tp, "sp": sp, "cp": cp, "dtype_bytes": dtype_bytes, "flash": flash,
+              "dropout": dropout}
     if recompute == "full":
         return activation_bytes_per_microbatch(model, mbs, seq_len, recompute="none",
                                                **kwargs).layer

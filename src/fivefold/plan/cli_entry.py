@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _workload_options(args) -> dict:
     return {"optimizer": args.optimizer, "grad_dtype_bytes": args.grad_dtype_bytes,
                 "fp32_grad_accum": args.fp32_grad_accum, "flash": not args.math_attention,
-                "dropout": args.dropout, "causal_flops": args.causal_flops, "grad_sync": args.grad_sync}
+                "dropout": args.dropout, "causal_flops": args.causal_flops,
+                "grad_sync": args.grad_sync}
 
 
 def _emit_json(args, payload: dict) -> None:

@@ -189,7 +189,7 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
     # --- expert parallel: dispatch + combine ---
     if lay.ep > 1 and mc.num_experts:
         routed = tokens * mc.experts_top_k * h
-        add("ep", "all_to_all", B, routed, 2 * layers * m * fwd_repeat, lay.ep, "fwd", "tokens")
+        add("ep", "all_to_all", B, routed, fwd_regions * layers * m, lay.ep, "fwd", "tokens")
         add("ep", "all_to_all", B, routed, 2 * layers * m, lay.ep, "bwd", "tokens")
 
     # --- tied embeddings split across the first and last stage ---

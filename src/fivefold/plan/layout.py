@@ -44,7 +44,8 @@ class Layout:
     def short(self) -> str:
         sched = ""
         if self.pp > 1:
-            sched = f"({self.schedule}{'×' + str(self.virtual_stages) if self.virtual_stages > 1 else ''})"
+            chunks = f"×{self.virtual_stages}" if self.virtual_stages > 1 else ""
+            sched = f"({self.schedule}{chunks})"
         parts = [f"dp{self.dp}", f"tp{self.tp}{'+sp' if self.sp else ''}", f"pp{self.pp}{sched}"]
         if self.cp > 1:
             parts.append(f"cp{self.cp}")

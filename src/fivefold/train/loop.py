@@ -27,8 +27,13 @@ class Progress:
         self.enabled, self.every = enabled, every
         self.bar = None
         if enabled and sys.stdout.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-            from rich.progress import TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
 
             self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                 TimeRemainingColumn(), TextColumn("{task.description}"))
@@ -93,7 +98,8 @@ def run(cfg: Config, dims: ParallelDims | None = None) -> list[dict]:
     elif log:
         n = trainer.model_cfg.num_params()
         progress.message(f"model {trainer.model_cfg.name}: {n / 1e6:.2f}M parameters, "
-                         f"{trainer.precision}, device {trainer.device}, layout dp={cfg.parallel.dp}"
+                         f"{trainer.precision}, device {trainer.device}, "
+                         f"layout dp={cfg.parallel.dp}"
                          f" tp={cfg.parallel.tp} pp={cfg.parallel.pp} zero={cfg.parallel.zero}")
     planned = planned_model_states(trainer) if log else None
     if planned:

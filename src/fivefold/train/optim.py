@@ -21,9 +21,10 @@ from fivefold.parallel import comm
 def lr_at(step: int, tr) -> float:
     """Learning rate for optimizer step `step` (0-based) under train config `tr`.
 
-    Linear warmup (train.warmup_steps, at most a tenth of the run) up to lr, then: cosine (Loshchilov & Hutter 2017) or linear decay
-    to min_lr over the remaining steps, or WSD — warmup, stable at lr, then a linear decay over
-    the last `decay_fraction` of the steps (Hu et al. 2024, MiniCPM) — or constant.
+    Linear warmup (train.warmup_steps, at most a tenth of the run) up to lr, then: cosine
+    (Loshchilov & Hutter 2017) or linear decay to min_lr over the remaining steps, or WSD —
+    warmup, stable at lr, then a linear decay over the last `decay_fraction` of the steps
+    (Hu et al. 2024, MiniCPM) — or constant.
     """
     warmup = min(tr.warmup_steps, tr.steps // 10)
     if warmup and step < warmup:

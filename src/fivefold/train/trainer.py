@@ -22,8 +22,12 @@ from fivefold.parallel import comm
 from fivefold.parallel.apply import ParallelModel, parallelize
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.train import checkpoint as ckpt
-from fivefold.train.metrics import (MetricsWriter, Throughput, device_peak_flops,
-                                    flops_per_token, memory_bytes)
+from fivefold.train.metrics import (
+    Throughput,
+    device_peak_flops,
+    flops_per_token,
+    memory_bytes,
+)
 from fivefold.train.optim import MasterWeightOptimizer, lr_at
 from fivefold.train.precision import DTYPES, LossScaler, resolve_precision
 

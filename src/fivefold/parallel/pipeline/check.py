@@ -278,7 +278,8 @@ def _describe_deadlock(schedule, stuck, open_batch, posted_at, counterpart) -> s
         rank = waits_on[rank][0]
     cycle = seen[seen.index(rank) :]
     links = [
-        f"rank {r} is blocked on {waits_on[r][1]} until rank {waits_on[r][0]} posts {waits_on[r][2]}"
+        f"rank {r} is blocked on {waits_on[r][1]} until rank {waits_on[r][0]} posts "
+        f"{waits_on[r][2]}"
         for r in cycle
     ]
     return f"deadlock in {schedule.name}: " + "; ".join(links)

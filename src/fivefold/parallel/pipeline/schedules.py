@@ -51,89 +51,23 @@ and the deepseek-ai/DualPipe repository, the "V" cut-in-half variant).
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
-from dataclasses import dataclass
+from collections import deque
 
-FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
-SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-COMPUTE_KINDS = (FORWARD, BACKWARD, WEIGHT)
-COMM_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: str
-    microbatch: int
-    chunk: int = 0
-    peer: int | None = None
-
-    @property
-    def is_comm(self) -> bool:
-        return self.kind in COMM_KINDS
-
-    def __str__(self) -> str:
-        text = f"{self.kind}{self.microbatch}.{self.chunk}"
-        return text if self.peer is None else f"{text}@{self.peer}"
-
-
-# Computes run back to back with no communication between them (see `_with_communication`).
-Group = Action | tuple[Action, ...]
-
-
-@dataclass
-class Schedule:
-    name: str
-    pp: int
-    num_microbatches: int
-    virtual_stages: int
-    actions: list[list[Action]]
-    split_backward: bool = False
-    layout: str = "loop"
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.virtual_stages
-
-    def stage_of(self, rank: int, chunk: int) -> int:
-        return _stage_of(self.layout, self.pp, rank, chunk)
-
-    def rank_of(self, stage: int) -> int:
-        return _rank_and_chunk(self.layout, self.pp, stage)[0]
-
-    def chunk_of(self, stage: int) -> int:
-        return _rank_and_chunk(self.layout, self.pp, stage)[1]
-
-    def compute_actions(self, rank: int) -> list[Action]:
-        return [action for action in self.actions[rank] if not action.is_comm]
-
-    def steps(self, rank: int) -> list[Action | tuple[Action, ...]]:
-        """The rank's list as the executor runs it: a compute Action or a batch (tuple)."""
-        steps: list[Action | tuple[Action, ...]] = []
-        batch: list[Action] = []
-        for action in self.actions[rank]:
-            if action.is_comm:
-                batch.append(action)
-                continue
-            if batch:
-                steps.append(tuple(batch))
-                batch = []
-            steps.append(action)
-        if batch:
-            steps.append(tuple(batch))
-        return steps
-
-
-def _stage_of(layout: str, pp: int, rank: int, chunk: int) -> int:
-    if layout == "v":
-        return rank if chunk == 0 else 2 * pp - 1 - rank
-    return chunk * pp + rank
-
-
-def _rank_and_chunk(layout: str, pp: int, stage: int) -> tuple[int, int]:
-    if layout == "v":
-        return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
-    return stage % pp, stage // pp
-
+from fivefold.parallel.pipeline.actions import (  # noqa: F401  (re-exported)
+    BACKWARD,
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    FORWARD,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    WEIGHT,
+    Action,
+    Group,
+    Schedule,
+)
+from fivefold.parallel.pipeline.transfers import with_communication
 
 # ---------------------------------------------------------------------------- validation
 
@@ -291,145 +225,6 @@ def _dualpipe_v_order(pp: int, num_microbatches: int, rank: int) -> list[Action]
     return order
 
 
-# ---------------------------------------------------------------------------- communication
-
-
-def _with_communication(
-    name: str,
-    pp: int,
-    num_microbatches: int,
-    virtual: int,
-    compute: list[list[Group]],
-    split_backward: bool = False,
-    layout: str = "loop",
-) -> Schedule:
-    """Insert the sends and receives that `compute` implies, following the contract above.
-
-    `compute` holds each rank's computes, single or grouped in tuples; communication goes
-    only in the *gaps* between groups (gap k comes before group k). Under the contract a
-    send waits until its receiver posts the receive, so a transfer costs no time only if
-    both sides post it while idle anyway. We therefore replay the compute in unit time with
-    free transfers (`_ideal_gaps`) and put each transfer in the earliest sender gap (after
-    the producer) and receiver gap (before the consumer) whose idle windows overlap: the
-    two ranks meet there. Where no window overlaps, the send goes right after its producer
-    and the receive in the first gap that ends after the tensor exists. Pair traffic matches
-    in posting order, so a receive then moves up where needed to keep the sender's order.
-    Grouping an F with the next B (Megatron's interleaved steady state) puts both sends
-    and both receives in one batch, as Megatron's send_forward_backward_recv_forward_backward.
-    """
-    groups = [[g if isinstance(g, tuple) else (g,) for g in order] for order in compute]
-    schedule = Schedule(name, pp, num_microbatches, virtual, [], split_backward, layout)
-    windows = _ideal_gaps(schedule, groups)
-    last_stage = schedule.num_stages - 1
-    produced: dict[tuple[str, int, int], tuple[int, int]] = {}  # (kind, mb, stage) -> rank, group
-    for rank, order in enumerate(groups):
-        for position, group in enumerate(order):
-            for action in group:
-                produced[
-                    (action.kind, action.microbatch, schedule.stage_of(rank, action.chunk))
-                ] = (rank, position)
-    by_pair: dict[tuple[int, int], list[tuple[int, int, Action, Action, int]]] = defaultdict(list)
-    for rank, order in enumerate(groups):
-        for position, action in [(pos, a) for pos, group in enumerate(order) for a in group]:
-            stage = schedule.stage_of(rank, action.chunk)
-            source_stage = stage - 1 if action.kind == FORWARD else stage + 1
-            if action.kind == WEIGHT or not 0 <= source_stage <= last_stage:
-                continue
-            source, made_in = produced[(action.kind, action.microbatch, source_stage)]
-            if source == rank:
-                continue  # same rank: handed over in memory
-            send_gap, recv_gap = _meeting_gaps(
-                windows[source], made_in + 1, windows[rank], position
-            )
-            kind = (SEND_F, RECV_F) if action.kind == FORWARD else (SEND_B, RECV_B)
-            send = Action(kind[0], action.microbatch, schedule.chunk_of(source_stage), rank)
-            recv = Action(kind[1], action.microbatch, action.chunk, source)
-            by_pair[(source, rank)].append((send_gap, made_in, send, recv, recv_gap))
-    sends: list[dict[int, list[Action]]] = [defaultdict(list) for _ in range(pp)]
-    recvs: list[dict[int, list[Action]]] = [defaultdict(list) for _ in range(pp)]
-    for (source, destination), transfers in by_pair.items():
-        transfers.sort(key=lambda t: (t[0], t[1]))  # the order the sender posts them
-        recv_gap = len(groups[destination])
-        for send_gap, _, send, recv, wanted_gap in reversed(transfers):
-            recv_gap = min(recv_gap, wanted_gap)
-            recvs[destination][recv_gap].insert(0, recv)
-        for send_gap, _, send, _, _ in transfers:
-            sends[source][send_gap].append(send)
-    for rank, order in enumerate(groups):
-        actions: list[Action] = []
-        for gap in range(len(order) + 1):
-            actions += sends[rank].get(gap, []) + recvs[rank].get(gap, [])
-            actions += order[gap] if gap < len(order) else ()
-        schedule.actions.append(actions)
-    return schedule
-
-
-def _ideal_gaps(schedule: Schedule, groups: list[list[tuple[Action, ...]]]) -> list[list[tuple]]:
-    """Per rank, per gap, the idle window (arrive, leave) when transfers are free and every
-    F, B (input part) and W costs 1; an unsplit B costs 2. The last gap never closes."""
-    ends: dict[tuple[str, int, int], float] = {}
-    clock, position = [0.0] * schedule.pp, [0] * schedule.pp
-    windows: list[list[tuple]] = [[] for _ in range(schedule.pp)]
-    last_stage, progress = schedule.num_stages - 1, True
-    while progress:
-        progress = False
-        for rank, order in enumerate(groups):
-            while position[rank] < len(order):
-                needed = []
-                for action in order[position[rank]]:
-                    stage = schedule.stage_of(rank, action.chunk)
-                    if action.kind == FORWARD and stage > 0:
-                        needed.append((FORWARD, action.microbatch, stage - 1))
-                    elif action.kind == BACKWARD and stage < last_stage:
-                        needed.append((BACKWARD, action.microbatch, stage + 1))
-                local = {
-                    (a.kind, a.microbatch, schedule.stage_of(rank, a.chunk))
-                    for a in order[position[rank]]
-                }
-                needed = [key for key in needed if key not in local]
-                if any(key not in ends for key in needed):
-                    break
-                start = max([clock[rank]] + [ends[key] for key in needed])
-                windows[rank].append((clock[rank], start))
-                for action in order[position[rank]]:
-                    unit = 2.0 if action.kind == BACKWARD and not schedule.split_backward else 1.0
-                    start += unit
-                    ends[
-                        (action.kind, action.microbatch, schedule.stage_of(rank, action.chunk))
-                    ] = start
-                clock[rank], position[rank], progress = start, position[rank] + 1, True
-    for rank, order in enumerate(groups):
-        if position[rank] < len(order):
-            raise ValueError(
-                f"{schedule.name}: rank {rank} waits forever at {order[position[rank]]}"
-            )
-        windows[rank].append((clock[rank], float("inf")))
-    return windows
-
-
-def _meeting_gaps(
-    sender: list[tuple], first_send_gap: int, receiver: list[tuple], last_recv_gap: int
-) -> tuple[int, int]:
-    best = None
-    for send_gap in range(first_send_gap, len(sender)):
-        send_arrive, send_leave = sender[send_gap]
-        for recv_gap in range(last_recv_gap + 1):
-            recv_arrive, recv_leave = receiver[recv_gap]
-            if send_arrive <= recv_leave and recv_arrive <= send_leave:
-                meet = max(send_arrive, recv_arrive)
-                if best is None or meet < best[0]:
-                    best = (meet, send_gap, recv_gap)
-        if best is not None and send_arrive > best[0]:
-            break
-    if best is not None:
-        return best[1], best[2]
-    made_at = sender[first_send_gap][0]
-    recv_gap = next(
-        (k for k in range(last_recv_gap + 1) if receiver[k][1] >= made_at), last_recv_gap
-    )
-    return first_send_gap, recv_gap
-
-
 # ---------------------------------------------------------------------------- schedules
 
 
@@ -437,14 +232,14 @@ def afab(pp: int, num_microbatches: int) -> Schedule:
     """All-forward-all-backward (GPipe): bubble (pp-1)/(m+pp-1), stores all m micro-batches."""
     _check_common(pp, num_microbatches)
     compute = [_afab_order(pp, num_microbatches, rank) for rank in range(pp)]
-    return _with_communication("afab", pp, num_microbatches, 1, compute)
+    return with_communication("afab", pp, num_microbatches, 1, compute)
 
 
 def one_f_one_b(pp: int, num_microbatches: int) -> Schedule:
     """1F1B (PipeDream-Flush): AFAB's bubble, but rank r stores only min(m, pp-r)."""
     _check_common(pp, num_microbatches)
     compute = [_one_f_one_b_order(pp, num_microbatches, rank) for rank in range(pp)]
-    return _with_communication("1f1b", pp, num_microbatches, 1, compute)
+    return with_communication("1f1b", pp, num_microbatches, 1, compute)
 
 
 def interleaved_1f1b(pp: int, num_microbatches: int, virtual_stages: int) -> Schedule:
@@ -461,14 +256,14 @@ def interleaved_1f1b(pp: int, num_microbatches: int, virtual_stages: int) -> Sch
             f"least pp), got {num_microbatches}: use {max(pp, -(-num_microbatches // pp) * pp)}"
         )
     compute = [_interleaved_order(pp, num_microbatches, virtual_stages, rank) for rank in range(pp)]
-    return _with_communication("interleaved", pp, num_microbatches, virtual_stages, compute)
+    return with_communication("interleaved", pp, num_microbatches, virtual_stages, compute)
 
 
 def zero_bubble_h1(pp: int, num_microbatches: int) -> Schedule:
     """ZB-H1: backward split into B and W; W fills the bubbles, peak memory stays 1F1B's."""
     _check_common(pp, num_microbatches)
     compute = _zero_bubble_h1_orders(pp, num_microbatches)
-    return _with_communication("zb-h1", pp, num_microbatches, 1, compute, split_backward=True)
+    return with_communication("zb-h1", pp, num_microbatches, 1, compute, split_backward=True)
 
 
 def dualpipe_v(pp: int, num_microbatches: int) -> Schedule:
@@ -480,7 +275,7 @@ def dualpipe_v(pp: int, num_microbatches: int) -> Schedule:
             f"use at least {2 * pp} micro-batches"
         )
     compute = [_dualpipe_v_order(pp, num_microbatches, rank) for rank in range(pp)]
-    return _with_communication(
+    return with_communication(
         "dualpipev", pp, num_microbatches, 2, compute, split_backward=True, layout="v"
     )
 
