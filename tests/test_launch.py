@@ -47,3 +47,19 @@ def test_torchrun_world_2_and_8_match_one_process(tmp_path):
     assert_same_run(train(tmp_path, "3d", 8, "--parallel.dp", "2", "--parallel.tp", "2",
                           "--parallel.pp", "2", "--parallel.zero", "1", "--parallel.mbs", "2"),
                     reference, 1e-6)
+
+
+@pytest.mark.slow
+def test_default_job_learns_and_generates(tmp_path):
+    """The README's main job with its built-in defaults (only the output moved to tmp_path):
+    the loss falls by at least 40% from its first value, then the checkpoint generates."""
+    proc = subprocess.run([sys.executable, "-m", "fivefold.cli", "train"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "runs/default/metrics.jsonl").open()]
+    losses = [r["loss"] for r in records if r["kind"] == "train"]
+    assert len(losses) == 300 and losses[-1] <= 0.6 * losses[0], (losses[0], losses[-1])
+    gen = subprocess.run([sys.executable, "-m", "fivefold.cli", "generate", "--checkpoint",
+                          "runs/default/checkpoints", "--prompt", "ROMEO:", "--max-new-tokens",
+                          "40"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert gen.returncode == 0 and gen.stdout.startswith("ROMEO:"), gen.stderr[-2000:]
