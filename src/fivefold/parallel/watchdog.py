@@ -92,7 +92,7 @@ def _report_failure(store, rank: int) -> None:
 
 
 class Watchdog:
-    """Heartbeats of every rank; `armed()` around a training step. One per optimizer."""
+    """Heartbeats of every rank, armed around a training step. One per run (the trainer's)."""
 
     def __init__(self, timeout_s: float, store=None):
         self.active = dist.is_initialized() and dist.get_world_size() > 1

@@ -41,13 +41,17 @@ from fivefold.train.optim import StepStats, adamw, decays, norm_share
 class DataParallelOptimizer:
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], dims, tr, scaler,
                  stage: int = 0, offload: bool = False, bucket_mb: float = 25.0,
-                 chunks: list[nn.Module] | None = None, timeout_s: float = 300.0):
+                 chunks: list[nn.Module] | None = None, timeout_s: float = 300.0,
+                 watchdog: Watchdog | None = None):
         self.dims, self.tr, self.scaler, self.stage, self.offload = dims, tr, scaler, stage, offload
         self.group = dims["dp_cp"]
         self.names = [n for n, _ in named_params]
         params = [p for _, p in named_params]
         self.dtype, self.device = params[0].dtype, params[0].device
-        self.watchdog = Watchdog(timeout_s)
+        # The trainer owns the run's watchdog and arms it around the whole step; used on its
+        # own (tests, benchmarks), the optimizer keeps one and arms it around its part.
+        self.owns_watchdog = watchdog is None
+        self.watchdog = watchdog or Watchdog(timeout_s)
         shards = self.group.size if stage >= 1 else 1
         self.rank = self.group.rank if shards > 1 else 0
         if stage == 3:
@@ -136,7 +140,8 @@ class DataParallelOptimizer:
 
     # --- the interface the trainer uses -------------------------------------------------
     def zero_grad(self) -> None:
-        self.watchdog.arm()  # a training step starts: from here a silent peer is lost
+        if self.owns_watchdog:  # a training step starts: from here a silent peer is lost
+            self.watchdog.arm()
         self.reducer.zero_grad()
 
     def prepare_backward(self, final_microbatch: bool) -> None:
@@ -163,7 +168,7 @@ class DataParallelOptimizer:
         scale = self.scaler.scale
         self.scaler.update(found_inf)
         if found_inf and self.scaler.enabled:
-            self.watchdog.disarm()
+            self._disarm()
             return StepStats(float("nan"), True, scale)
         if self.tr.grad_clip > 0 and grads:
             coef = torch.clamp(self.tr.grad_clip / (norm + 1e-6), max=1.0)
@@ -176,8 +181,12 @@ class DataParallelOptimizer:
         for m in self.master_pieces:
             m.grad = None
         self._publish_params()
-        self.watchdog.disarm()
+        self._disarm()
         return StepStats(float(norm), False, scale)
+
+    def _disarm(self) -> None:
+        if self.owns_watchdog:
+            self.watchdog.disarm()
 
     def _global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """sqrt(sum of squares), every logical element counted once: ZeRO shards are
@@ -286,9 +295,11 @@ class DataParallelOptimizer:
         self.watchdog.close()
 
 
-def build_data_parallel_optimizer(model, named_params, dims, cfg, scaler) -> DataParallelOptimizer:
+def build_data_parallel_optimizer(model, named_params, dims, cfg, scaler,
+                                  watchdog: Watchdog | None = None) -> DataParallelOptimizer:
     """The optimizer for dp_cp > 1 or ZeRO (called by train/trainer.py build_optimizer)."""
     par = cfg.parallel
     return DataParallelOptimizer(named_params, dims, cfg.train, scaler, stage=par.zero,
                                  offload=par.offload, bucket_mb=par.bucket_mb,
-                                 chunks=model.chunks, timeout_s=par.timeout_s)
+                                 chunks=model.chunks, timeout_s=par.timeout_s,
+                                 watchdog=watchdog)

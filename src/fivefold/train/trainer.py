@@ -21,6 +21,7 @@ from fivefold.models.init import build_meta
 from fivefold.parallel import comm
 from fivefold.parallel.apply import ParallelModel, parallelize
 from fivefold.parallel.mesh import ParallelDims
+from fivefold.parallel.watchdog import Watchdog
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.metrics import (
     Throughput,
@@ -50,12 +51,12 @@ def ledger_paused(dims: ParallelDims):
         dims.ledger.enabled = was
 
 
-def build_optimizer(model: ParallelModel, dims: ParallelDims, cfg: Config, scaler):
+def build_optimizer(model: ParallelModel, dims: ParallelDims, cfg: Config, scaler, watchdog):
     named = model.named_parameters()
     if dims["dp_cp"].size > 1 or cfg.parallel.zero > 0:
         from fivefold.parallel.zero import build_data_parallel_optimizer
 
-        return build_data_parallel_optimizer(model, named, dims, cfg, scaler)
+        return build_data_parallel_optimizer(model, named, dims, cfg, scaler, watchdog)
     return MasterWeightOptimizer(named, cfg.train, dims, scaler)
 
 
@@ -78,7 +79,10 @@ class Trainer:
         if cfg.model.hf_path:
             self._load_hf_weights()
         self.scaler = LossScaler(enabled=self.precision == "fp16")
-        self.optimizer = build_optimizer(self.model, self.dims, cfg, self.scaler)
+        # Every rank beats a heartbeat; while a step runs, a silent peer ends the run within
+        # parallel.timeout_s with its rank named (parallel/watchdog.py).
+        self.watchdog = Watchdog(cfg.parallel.timeout_s)
+        self.optimizer = build_optimizer(self.model, self.dims, cfg, self.scaler, self.watchdog)
         self.pipeline = None
         if cfg.parallel.pp > 1:
             from fivefold.parallel.pipeline.runtime import PipelineRunner
@@ -152,12 +156,14 @@ class Trainer:
         self.dims.ledger.reset()
         micro_batches = self.loader.next_batch()
         num_tokens = self.loader.num_target_tokens
+        self.watchdog.arm()
         self.optimizer.zero_grad()
         loss_sum = self.forward_backward(micro_batches, num_tokens)
         self.optimizer.finish_grad_sync()
         lr = lr_at(self.step, self.cfg.train)
         stats = self.optimizer.step(lr)
         loss = self.global_loss(loss_sum, num_tokens)
+        self.watchdog.disarm()
         self.step += 1
         tokens = self.cfg.train.gbs * self.cfg.train.seq_len
         tps, mfu, elapsed = self.throughput.lap(tokens)
