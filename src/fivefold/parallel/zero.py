@@ -35,7 +35,7 @@ from fivefold.parallel import comm
 from fivefold.parallel.buffers import FlatLayout, bucket_groups, storage_bytes
 from fivefold.parallel.data import GradReducer
 from fivefold.parallel.watchdog import Watchdog
-from fivefold.train.optim import StepStats, adamw, decays, norm_share
+from fivefold.train.optim import StepStats, adamw, clipped_step, decays, norm_share
 
 
 class DataParallelOptimizer:
@@ -157,32 +157,16 @@ class DataParallelOptimizer:
         if self.separate_master:
             grads = [g.to(device=self.state_device, dtype=torch.float32, copy=True)
                      for g in grads]
-        if self.scaler.enabled:
-            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        norm = self._global_grad_norm(grads)
-        found_inf = not bool(torch.isfinite(norm))
-        if self.scaler.enabled:
-            flag = torch.tensor([float(found_inf)], device=self.device)
-            comm.all_reduce(flag, self.dims["world"], op="max")
-            found_inf = bool(flag.item())
-        scale = self.scaler.scale
-        self.scaler.update(found_inf)
-        if found_inf and self.scaler.enabled:
-            self._disarm()
-            return StepStats(float("nan"), True, scale)
-        if self.tr.grad_clip > 0 and grads:
-            coef = torch.clamp(self.tr.grad_clip / (norm + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
         for m, g in zip(self.master_pieces, grads):
             m.grad = g
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        stats = clipped_step(self.optimizer, grads, lr, self.tr, self.scaler, self.dims["world"],
+                             self._global_grad_norm)
         for m in self.master_pieces:
             m.grad = None
-        self._publish_params()
+        if not stats.skipped:
+            self._publish_params()
         self._disarm()
-        return StepStats(float(norm), False, scale)
+        return stats
 
     def _disarm(self) -> None:
         if self.owns_watchdog:

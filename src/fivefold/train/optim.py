@@ -70,6 +70,32 @@ class StepStats:
     loss_scale: float
 
 
+def clipped_step(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], lr: float, tr,
+                 scaler, world: comm.Group, global_norm) -> StepStats:
+    """The update every optimizer here shares, on the gradients it holds (the optimizer's
+    `.grad`s, full or sharded): unscale (fp16), the exact global norm (`global_norm`),
+    skip the step when a rank saw inf/nan under loss scaling, clip, set the rate, step."""
+    if scaler.enabled:
+        torch._foreach_mul_(grads, 1.0 / scaler.scale)
+    norm = global_norm(grads)
+    found_inf = not bool(torch.isfinite(norm))
+    if scaler.enabled:  # every rank skips together, or none does
+        flag = torch.tensor([float(found_inf)], device=norm.device)
+        comm.all_reduce(flag, world, op="max")
+        found_inf = bool(flag.item())
+    scale = scaler.scale
+    scaler.update(found_inf)
+    if found_inf and scaler.enabled:
+        return StepStats(float("nan"), True, scale)
+    if tr.grad_clip > 0 and grads:
+        coef = torch.clamp(tr.grad_clip / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    return StepStats(float(norm), False, scale)
+
+
 def adamw(groups, tr, device: torch.device) -> torch.optim.AdamW:
     kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(groups, lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps, **kwargs)
@@ -127,32 +153,15 @@ class MasterWeightOptimizer:
         else:
             for p, g in zip(self.params, grads):
                 p.grad = g
-        master_grads = [m.grad for m in self.master]
-        if self.scaler.enabled:
-            inv = 1.0 / self.scaler.scale
-            torch._foreach_mul_(master_grads, inv)
-        norm = self.global_grad_norm(master_grads)
-        found_inf = not bool(torch.isfinite(norm))
-        if self.scaler.enabled:
-            flag = torch.tensor([float(found_inf)], device=norm.device)
-            comm.all_reduce(flag, self.dims["world"], op="max")
-            found_inf = bool(flag.item())
-        scale = self.scaler.scale
-        self.scaler.update(found_inf)
-        if found_inf and self.scaler.enabled:
-            return StepStats(float("nan"), True, scale)
-        if self.tr.grad_clip > 0:
-            coef = torch.clamp(self.tr.grad_clip / (norm + 1e-6), max=1.0)
-            torch._foreach_mul_(master_grads, coef)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        stats = clipped_step(self.optimizer, [m.grad for m in self.master], lr, self.tr,
+                             self.scaler, self.dims["world"], self.global_grad_norm)
         if self.mixed:
-            with torch.no_grad():
-                torch._foreach_copy_(self.params, self.master)
+            if not stats.skipped:
+                with torch.no_grad():
+                    torch._foreach_copy_(self.params, self.master)
             for m in self.master:
                 m.grad = None
-        return StepStats(float(norm), False, scale)
+        return stats
 
     # --- checkpoints and accounting -----------------------------------------------------
     def param_states(self) -> dict[str, dict[str, torch.Tensor]]:
