@@ -1,7 +1,11 @@
 """The planner's recommended layouts for the README: Llama 3.2 1B, 3.1 8B, 70B and 405B on 8 to
 16,384 H100s at 4k and 8k sequence length, and one memory-bar picture.
 
-    python bench/plan_readme.py   # writes docs/planner-table.md and docs/memory-bars.png
+    python bench/plan_readme.py   # writes docs/planner-table.md, docs/memory-bars.png and
+                                  # the table in README.md (between the plan_readme markers)
+
+The table holds predictions only, so it is the same on every run; search times (which depend
+on the machine) are printed, not written.
 """
 
 import time
@@ -14,7 +18,9 @@ from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.plots import plot_memory
 from fivefold.plan.search import SearchSpace, search
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+BEGIN, END = "<!-- plan_readme: begin -->", "<!-- plan_readme: end -->"
 # (model, GPUs, global batch in tokens): batches as Llama 3 used them (4M-16M tokens) at scale,
 # smaller where fewer GPUs make a 4M-token step minutes long.
 ROWS = [
@@ -32,24 +38,25 @@ def table() -> str:
     space = SearchSpace(strict_layers=False)  # uneven pipeline stages, as Llama 3 405B used
     lines = [
         ("| model | H100s | seq | batch (tokens) | recommended layout | micro-batches | "
-        "memory (GiB of 80) | tokens/s/GPU | MFU | search |"),
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "memory (GiB of 80) | tokens/s/GPU | MFU |"),
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     for name, gpus, tokens in ROWS:
         for seq in SEQ_LENS:
             work = Workload(preset(name), seq_len=seq, gbs=tokens // seq)
             start = time.perf_counter()
             result = search(work, gpus, hw, assume, space, top=3)
-            took = time.perf_counter() - start
+            print(f"search {name} on {gpus} GPUs, seq {seq}: "
+                  f"{time.perf_counter() - start:.2f} s")
             if not result.top:
                 lines.append(f"| {name} | {gpus:,} | {seq} | {tokens / 1e6:.1f}M | no layout fits"
-                             f" | | | | | {took:.2f} s |")
+                             f" | | | | |")
                 continue
             best = result.top[0]
             lines.append(
                 f"| {name} | {gpus:,} | {seq} | {tokens / 1e6:.1f}M | `{best.layout.short()}` | "
                 f"{best.num_microbatches} | {best.memory_total / GIB:.1f} | "
-                f"{best.tokens_per_s_per_gpu:,.0f} | {best.mfu:.1%} | {took:.2f} s |")
+                f"{best.tokens_per_s_per_gpu:,.0f} | {best.mfu:.1%} |")
     notes = (
         "\nPredicted by `fivefold plan` (bf16 with fp32 master weights and AdamW, 16 bytes "
         "per parameter; flash attention; H100 SXM 80 GiB, 989 TFLOPS dense bf16, NVLink "
@@ -75,13 +82,25 @@ def memory_picture(path: Path) -> None:
     plot_memory(plans, path, "Llama 3.1 8B, 8 × H100 80 GiB, seq 8192, mbs 1 (✗: does not fit)")
 
 
+def update_readme(text: str) -> bool:
+    """Replace the table between the markers in README.md; False when the markers are gone."""
+    readme = ROOT / "README.md"
+    old = readme.read_text()
+    if BEGIN not in old or END not in old:
+        return False
+    head, rest = old.split(BEGIN, 1)
+    readme.write_text(f"{head}{BEGIN}\n{text}{END}{rest.split(END, 1)[1]}")
+    return True
+
+
 def main() -> None:
     DOCS.mkdir(exist_ok=True)
     text = table()
     (DOCS / "planner-table.md").write_text(text)
     memory_picture(DOCS / "memory-bars.png")
     print(text)
-    print(f"wrote {DOCS / 'planner-table.md'} and {DOCS / 'memory-bars.png'}")
+    readme = " and README.md" if update_readme(text) else " (README.md has no markers)"
+    print(f"wrote {DOCS / 'planner-table.md'}, {DOCS / 'memory-bars.png'}{readme}")
 
 
 if __name__ == "__main__":

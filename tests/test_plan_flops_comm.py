@@ -3,6 +3,8 @@
 import pytest
 
 from fivefold.models.presets import preset
+from fivefold.parallel.pipeline.check import peak_inflight, simulate
+from fivefold.parallel.pipeline.schedules import build_schedule
 from fivefold.plan.comm import collectives, ledger_volume, wire_volume
 from fivefold.plan.flops import (
     forward_flops_per_token,
@@ -12,7 +14,7 @@ from fivefold.plan.flops import (
     training_days,
     training_flops,
 )
-from fivefold.plan.layout import Layout, Workload, bubble_ratio
+from fivefold.plan.layout import Layout, Workload, bubble_ratio, inflight_microbatches
 
 # ---- FLOPs ------------------------------------------------------------------------------
 
@@ -33,6 +35,11 @@ def test_model_flops_match_narayanan_for_gpt3():
     batch, seq = 1536, 2048
     ours = model_flops_per_token(model, seq) * batch * seq
     assert ours == pytest.approx(korthikanti_model_flops(model, batch, seq), rel=1e-12)
+    # with full recomputation: 96·B·s·L·h²·(1 + s/6h + V/16Lh), the head not rerun (eq. 3)
+    h, L, V = model.hidden_size, model.num_layers, model.vocab_size
+    hardware = hardware_flops_per_token(model, seq, "full") * batch * seq
+    assert hardware == pytest.approx(
+        96 * batch * seq * L * h * h * (1 + seq / (6 * h) + V / (16 * L * h)), rel=1e-12)
 
 
 def test_6n_plus_attention_for_llama():
@@ -132,4 +139,25 @@ def test_bubble_ratios():
     assert bubble_ratio(Layout(pp=p, schedule="interleaved", virtual_stages=4), m) == \
         pytest.approx(7 / 128)
     assert bubble_ratio(Layout(pp=p, schedule="zb"), m) == pytest.approx(7 / 96)
+    assert bubble_ratio(Layout(pp=p, schedule="dualpipev"), m) == pytest.approx(7 / 192)
     assert bubble_ratio(Layout(pp=1), m) == 0
+
+
+@pytest.mark.parametrize("schedule", ["afab", "1f1b", "interleaved", "zb", "dualpipev"])
+def test_pipeline_closed_forms_equal_the_engines_schedules(schedule):
+    """The planner's bubble and per-rank in-flight micro-batches are those of the schedules the
+    engine runs: simulated with F = B = W (the planner's 1:2 forward:backward), and the peak
+    of stored (micro-batch, chunk) pairs the executor is tested to reach."""
+    for p in (2, 4, 8):
+        for m in (p, 2 * p, 4 * p):
+            for v in ((2, 4) if schedule == "interleaved" else (1,)):
+                if schedule == "dualpipev" and m < 2 * p:
+                    continue
+                sched = build_schedule(schedule, p, m, v)
+                lay = Layout(pp=p, schedule=schedule, virtual_stages=v)
+                r = bubble_ratio(lay, m)
+                where = f"{schedule} p={p} m={m} v={v}"
+                assert r / (1 + r) == pytest.approx(simulate(sched).bubble, rel=1e-9), where
+                chunks = sched.num_stages // p  # chunks per rank: v, 2 for DualPipeV
+                stored = [n / chunks for n in peak_inflight(sched)]
+                assert [inflight_microbatches(lay, m, k) for k in range(p)] == stored, where

@@ -141,6 +141,18 @@ def test_inflight_microbatches():
     assert inflight_microbatches(lay, 32, 0) == pytest.approx(8 * (1 + 7 / 32), rel=1e-12)
 
 
+def test_logits_live_as_long_as_the_head_ranks_microbatches():
+    """The last rank's logits: one micro-batch's under 1F1B, p under ZB-H1 (its graph waits for
+    W), all m under AFAB."""
+    model = preset("llama-3.2-1b")
+    work = Workload(model, seq_len=4096, gbs=32)
+    act = activation_bytes_per_microbatch(model, 1, 4096)
+    one = act.final_norm + act.logits + act.loss
+    for schedule, live in (("1f1b", 1), ("zb", 4), ("afab", 32)):
+        items, _ = memory_items(work, Layout(pp=4, schedule=schedule), Assumptions(), rank=3)
+        assert items["logits_loss"] == pytest.approx(live * one + act.loss_backward), schedule
+
+
 def test_first_stage_holds_all_layers_worth_under_1f1b():
     """Korthikanti eq. 5: with 1F1B, stage 0 holds p micro-batches × L/p layers = L layers."""
     model = preset("llama-3.1-70b")

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from fivefold.config import ConfigError
+from fivefold.config import ArgumentParser, ConfigError
 from fivefold.plan.evaluate import plan_layout
 from fivefold.plan.hardware import CATALOG, get_hardware, parse_overrides
 from fivefold.plan.inputs import (
@@ -37,7 +37,7 @@ from fivefold.plan.search import SearchSpace, search, suggest_fix
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="fivefold plan",
         description="Predict memory, communication, step time and MFU of a training layout, "
                     "or search for the fastest layouts that fit.")
@@ -122,6 +122,8 @@ def run(argv: list[str]) -> int:
                   f"{h.fp8_tflops:>7g} TF  HBM {h.hbm_tbps:g} TB/s  intra {h.intra_node_gbps:g}"
                   f" GB/s  inter {h.inter_node_gbps:g} GB/s  {h.gpus_per_node}/node")
         return 0
+    if args.top < 1:
+        raise ConfigError(f"--top {args.top}: show at least 1 layout")
     if extra and not args.config:
         raise ConfigError(f"unexpected argument {extra[0]!r}; see fivefold plan --help")
     hw, assume = get_hardware(args.gpu, parse_overrides(args.hw))
@@ -138,8 +140,12 @@ def run(argv: list[str]) -> int:
     model = resolve_model(args.model)
     if args.seq_len < 1 or args.gpus < 1:
         raise ConfigError("--seq-len and --gpus must be >= 1")
+    if (args.gbs is not None and args.gbs < 1) or (args.gbs_tokens is not None
+                                                    and args.gbs_tokens < args.seq_len):
+        raise ConfigError("--gbs must be >= 1 sequence (--gbs-tokens >= one sequence of "
+                          "--seq-len tokens)")
     if args.gbs_tokens:
-        gbs = max(1, round(args.gbs_tokens / args.seq_len))
+        gbs = round(args.gbs_tokens / args.seq_len)
     else:
         gbs = args.gbs or max(args.gpus, round(4e6 / args.seq_len))
     work = Workload(model=model, seq_len=args.seq_len, gbs=gbs, precision=args.precision,
@@ -201,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except SystemExit as e:  # argparse printed its one-line error (2), or the help (0)
+        return int(e.code or 0)
     except BrokenPipeError:  # `fivefold plan ... | head`: the reader left, nothing is wrong
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (replaces a closed pipe for exit)
         return 0

@@ -23,7 +23,7 @@ from fivefold.plan.memory import bytes_per_param, rank_param_counts
 class Collective:
     """One kind of call a rank makes, with how often per step."""
 
-    group: str  # the engine's group name: dp, dp_cp, tp, pp, cp, ep, edp, embed
+    group: str  # the engine's group name: dp, dp_cp, tp, pp, cp, ep, edp, pp_embed
     op: str  # all_reduce | reduce_scatter | all_gather | send | recv | all_to_all
     dtype_bytes: int
     elements: float  # elements of one call's logical tensor
@@ -90,8 +90,9 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
       in backward K,V again plus dK,dV (2×); recomputing the attention core repeats the forward.
     - EP: per MoE layer per micro-batch, all_to_all dispatch and combine of b·(s/cp)·k·h, in
       forward and backward (4; full recompute adds 2).
-    - Tied embeddings with pp > 1: one all_reduce of the embedding gradient between the first
-      and last stage per step (Megatron's embedding group).
+    - Tied embeddings whose first and last chunk sit on different ranks: one all_reduce of the
+      embedding gradient between those two ranks per step (Megatron's embedding group; the
+      engine's `pp_embed`).
     """
     mc, lay, B = work.model, layout, work.dtype_bytes
     m = work.num_microbatches(lay)
@@ -192,9 +193,11 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
         add("ep", "all_to_all", B, routed, fwd_regions * layers * m, lay.ep, "fwd", "tokens")
         add("ep", "all_to_all", B, routed, 2 * layers * m, lay.ep, "bwd", "tokens")
 
-    # --- tied embeddings split across the first and last stage ---
-    if mc.tie_embeddings and lay.pp > 1 and (0 in chunks or last in chunks):
-        add("embed", "all_reduce", grad_bytes, mc.vocab_size * h / t, 1, 2, "grad",
+    # --- tied embeddings split across the first and last stage (the engine's pp_embed group;
+    # none under DualPipeV, whose V puts both ends on rank 0) ---
+    split = chunk_owner(lay, 0) != chunk_owner(lay, last)
+    if mc.tie_embeddings and split and (0 in chunks or last in chunks):
+        add("pp_embed", "all_reduce", grad_bytes, mc.vocab_size * h / t, 1, 2, "grad",
             "tied embedding")
     return out
 

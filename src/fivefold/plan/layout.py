@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from fivefold.models.presets import ModelConfig
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb", "dualpipev")
+# Schedules whose backward is split into B (input) and W (weights) passes.
+SPLIT_BACKWARD = ("zb", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # Optimizer state bytes per parameter (fp32 moments): Adam m+v 8, SGD momentum 4, 8-bit Adam 2.
@@ -160,22 +162,27 @@ def inflight_microbatches(layout: Layout, num_microbatches: int, rank: int) -> f
     the rank's layers for one micro-batch).
 
     AFAB (GPipe) keeps all m; 1F1B keeps min(m, p − r) on rank r (Narayanan et al. 2021 §2.2);
-    ZB-H1 keeps what 1F1B keeps (Qi et al. 2023); interleaved follows Megatron's warm-up count
-    (p − r − 1)·2 + (v − 1)·p + 1 chunk-micro-batches, which on rank 0 is
-    p·(1 + (p − 1)/(p·v)) micro-batches (Korthikanti et al. 2022 §4.2.3); DualPipe keeps p + 1
-    (DeepSeek-V3 Table 2), taken here for every rank.
+    interleaved follows Megatron's warm-up count (p − r − 1)·2 + (v − 1)·p + 1
+    chunk-micro-batches, which on rank 0 is p·(1 + (p − 1)/(p·v)) micro-batches (Korthikanti
+    et al. 2022 §4.2.3). ZB-H1 keeps a micro-batch's graph until its W, and the engine's W
+    placement lets every rank, not only rank 0, reach 1F1B's rank-0 peak of min(m, p) (Qi et
+    al. 2023 bound the peak, not its spread). DualPipeV keeps 2p + 1 half-size chunks, p + 1/2
+    micro-batches, on every rank. All of these equal `parallel.pipeline.check.peak_inflight`
+    of the schedules the engine runs (docs/pipeline.md; tests/test_plan_flops_comm.py).
     """
     p, m, v = layout.pp, num_microbatches, layout.virtual_stages
     if p == 1:
         return 1.0
     if layout.schedule == "afab":
         return float(m)
-    if layout.schedule in ("1f1b", "zb"):
+    if layout.schedule == "1f1b":
         return float(min(m, p - rank))
+    if layout.schedule == "zb":
+        return float(min(m, p))
     if layout.schedule == "interleaved":
         chunk_mbs = min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)
         return chunk_mbs / v
-    return float(min(m, p + 1))  # dualpipev
+    return float(min(m, p + 0.5))  # dualpipev
 
 
 def bubble_ratio(layout: Layout, num_microbatches: int) -> float:
@@ -184,8 +191,10 @@ def bubble_ratio(layout: Layout, num_microbatches: int) -> float:
     AFAB and 1F1B: (p − 1)/m, i.e. (p − 1)/(m + p − 1) of the step (Narayanan 2021 §2.2.1).
     Interleaved: (p − 1)/(v·m) (Narayanan 2021 §2.2.2).
     ZB-H1: one third of 1F1B's, (p − 1)/(3m) (Qi et al. 2023, with F = B = W).
-    DualPipeV: (p/2 − 1)(F&B + B − 3W) from DeepSeek-V3 Table 2, with chunk times F = B = W =
-    a sixth of a stage's F+B+W and F&B = F+B+W, giving (p − 2)/(12m).
+    DualPipeV: (p − 1)/(6m), half of ZB-H1's. DeepSeek-V3 Table 2 gives (PP/2 − 1)(F&B + B − 3W)
+    where PP counts stages, two per rank in the V (PP = 2p); the engine's DualPipeV schedule,
+    simulated with F = B = W and no F&B overlap (`parallel.pipeline.check.simulate`), idles
+    exactly (p − 1)/(6m) of the ideal time.
     """
     p, m = layout.pp, num_microbatches
     if p == 1:
@@ -195,7 +204,7 @@ def bubble_ratio(layout: Layout, num_microbatches: int) -> float:
     if layout.schedule == "zb":
         return (p - 1) / (3 * m)
     if layout.schedule == "dualpipev":
-        return (p - 2) / (12 * m)
+        return (p - 1) / (6 * m)
     return (p - 1) / m
 
 
@@ -268,6 +277,9 @@ def check_layout(work: Workload, layout: Layout, gpus_per_node: int | None = Non
         bad.append(f"zb needs at least pp = {lay.pp} micro-batches, got {m}")
     if lay.offload and lay.zero == 0:
         bad.append("offload needs zero >= 1 (the sharded optimizer is what moves to the CPU)")
+    if lay.pp > 1 and lay.zero == 3 and lay.schedule in SPLIT_BACKWARD:
+        bad.append(f"zero = 3 does not run with the split backward of {lay.schedule} in the "
+                   f"engine; use zero <= 2 or afab, 1f1b, interleaved")
     if work.precision not in PRECISIONS:
         bad.append(f"precision = '{work.precision}' is not one of {', '.join(PRECISIONS)}")
     if work.optimizer not in OPTIMIZER_BYTES:

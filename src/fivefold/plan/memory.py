@@ -19,6 +19,7 @@ from fivefold.plan.layout import (
     Workload,
     critical_ranks,
     inflight_microbatches,
+    num_chunks,
     stage,
 )
 
@@ -207,8 +208,10 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
         activations += act.embedding * inflight
     logits_loss = 0.0
     if head:
-        # AFAB runs every forward before any backward, so all m logits are alive at once.
-        live = m if (layout.schedule == "afab" and layout.pp > 1) else 1
+        # With one chunk per rank (AFAB, 1F1B, ZB-H1) the head's logits live as long as the
+        # rank's other activations: all m under AFAB, until each W under ZB-H1, one under 1F1B.
+        # Interleaved and DualPipeV run the head chunk's backward right after its forward.
+        live = inflight if num_chunks(layout) == layout.pp else 1
         logits_loss = (act.final_norm + act.logits + act.loss) * live + act.loss_backward
     grad_buffer = 0.0
     if layout.zero >= 2 and shards > 1 and work.grad_sync == "step" and m > 1:

@@ -71,7 +71,7 @@ def group_link(hw: Hardware, layout: Layout, group: str) -> tuple[float, bool]:
         return group_bandwidth(hw, lay.cp, lay.tp)
     if group == "pp":
         return group_bandwidth(hw, 2, lay.tp * lay.cp)
-    if group == "embed":
+    if group == "pp_embed":
         return group_bandwidth(hw, lay.pp, lay.tp * lay.cp)
     if group == "ep" and lay.ep <= lay.cp:
         return group_bandwidth(hw, lay.ep, lay.tp)
@@ -150,7 +150,7 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
                                                                                    cp_bwd + tcp)
             elif c.group == "pp":
                 per["pp"] += collective_time(c, hw, assume, lay) / 2  # duplex: send ∥ recv
-            elif c.group in ("dp", "dp_cp", "edp", "embed"):
+            elif c.group in ("dp", "dp_cp", "edp", "pp_embed"):
                 dp[c.phase] += collective_time(c, hw, assume, lay, bucket)
         tp = per["tp"] * (1 - assume.tp_overlap)
         core_runs = 2 if lay.recompute in ("selective", "full") else 1
