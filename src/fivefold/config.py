@@ -8,6 +8,7 @@ This module imports no torch.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import os
@@ -27,6 +28,15 @@ else:  # pragma: no cover - Python 3.10
 
 class ConfigError(ValueError):
     """A user-facing configuration problem: one line, naming the key and the fix."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad or missing argument in one line with exit code 2, like
+    every other input error, instead of printing its usage block first (every command's
+    parser is one of these)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}; see {self.prog} --help\n")
 
 
 @dataclass
@@ -306,6 +316,12 @@ def _check_pipeline(par: ParallelSection, num_layers: int, num_micro: int) -> No
     except ValueError as e:
         raise ConfigError(f"parallel.schedule = '{par.schedule}' at parallel.pp = {par.pp} with "
                           f"{num_micro} micro-batches (train.gbs / (mbs·dp)): {e}") from None
+    if par.zero == 3 and schedule.split_backward:
+        # The W pass of a split backward needs each block's weights again after ZeRO-3 has
+        # freed them (parallel/zero3.py gathers for forward and for one full backward).
+        raise ConfigError(f"parallel.zero = 3 does not run with parallel.schedule = "
+                          f"'{par.schedule}' (split backward); use zero <= 2, or schedule "
+                          f"afab, 1f1b or interleaved")
     if schedule.num_stages > num_layers:
         raise ConfigError(f"parallel.pp = {par.pp} with schedule '{par.schedule}' makes "
                           f"{schedule.num_stages} stages but model.num_layers = {num_layers}; "
@@ -333,6 +349,19 @@ def validate(cfg: Config) -> None:
                           f"model.num_heads = {mc.num_heads}; set model.head_dim or change them")
     if mc.dim_per_head % 2:
         raise ConfigError(f"head dimension {mc.dim_per_head} is odd; RoPE needs an even one")
+    _positive("model.rope_theta", mc.rope_theta)
+    _positive("model.norm_eps", mc.norm_eps, allow_zero=True)
+    _positive("model.init_std", mc.init_std, allow_zero=True)
+    if mc.rope_scaling is not None:
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
+                               "original_max_position_embeddings") if k not in mc.rope_scaling]
+        if missing:
+            raise ConfigError(f"model.rope_scaling lacks {', '.join(missing)}; give all four "
+                              f"keys of Llama-3.1 scaling, or leave rope_scaling unset")
+    if mc.num_experts:
+        raise ConfigError(f"model.num_experts = {mc.num_experts}: mixture-of-experts layers are "
+                          f"not available yet in the engine (`fivefold plan` models them); set "
+                          f"model.num_experts = 0")
     _choice("model.mlp", mc.mlp, ("swiglu", "gelu"))
     _choice("model.norm", mc.norm, ("rmsnorm", "layernorm"))
 
@@ -392,9 +421,11 @@ def validate(cfg: Config) -> None:
     _choice("train.device", tr.device, ("auto", "cpu", "cuda"))
     if not 0 <= tr.beta1 < 1 or not 0 <= tr.beta2 < 1:
         raise ConfigError("train.beta1 and train.beta2 must lie in [0, 1)")
+    _positive("train.eps", tr.eps)
     _positive("train.grad_clip", tr.grad_clip, allow_zero=True)
     _positive("train.weight_decay", tr.weight_decay, allow_zero=True)
     _positive("train.eval_every", tr.eval_every, allow_zero=True)
+    _positive("train.eval_batches", tr.eval_batches)
 
     d = cfg.data
     if d.path and not Path(d.path).exists():

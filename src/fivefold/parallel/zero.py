@@ -124,10 +124,12 @@ class DataParallelOptimizer:
     def _reset_moments(self, step: int) -> None:
         # Adam's moments are views of two flat buffers: torch's AdamW initialises a state
         # only when it is empty, so filling it here keeps the storage flat and countable.
+        # Fused AdamW (CUDA) reads its step counters on the device; foreach keeps them on CPU.
+        fused = self.optimizer.defaults.get("fused")
         for pc, m in zip(self.pieces, self.master_pieces):
             n = pc.hi - pc.lo
             self.optimizer.state[m] = {
-                "step": torch.tensor(float(step)),
+                "step": torch.tensor(float(step), device=m.device if fused else "cpu"),
                 "exp_avg": self.exp_avg[pc.shard:pc.shard + n],
                 "exp_avg_sq": self.exp_avg_sq[pc.shard:pc.shard + n]}
 

@@ -39,7 +39,8 @@ def zero3_units(chunks: list[nn.Module], named_params) -> tuple[list[list[int]],
     index = {id(p): i for i, (_, p) in enumerate(named_params)}
     groups, units = [], []
     for chunk in chunks:
-        blocks = list(getattr(chunk, "layers", []))
+        layers = getattr(chunk, "layers", [])  # a ModuleList, or a pipeline stage's ModuleDict
+        blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         rest = [index[id(p)] for p in chunk.parameters()
                 if id(p) not in in_blocks and id(p) in index]
