@@ -1,8 +1,12 @@
 """The pipeline executor: runs a rank's action list (schedules.py) with torch.
 
-It follows the execution contract in `schedules.py` to the letter: the list runs in order;
-a maximal run of communication actions is one batch, posted with one batched isend/irecv
-through `comm.batch_p2p` and waited as a whole; the k-th send to a peer pairs with the
+It follows the execution contract in `schedules.py`: the list runs in order; a maximal
+run of communication actions is one batch, posted with one batched isend/irecv through
+`comm.batch_p2p`. Its receives are waited at once; where the backend gives one handle per op
+(gloo), its sends are waited only at the end of the step, so a sender never idles until its
+peer reaches the matching receive (as torch.distributed.pipelining's schedules do). That only
+relaxes the contract's worst case (a send's completion gates nothing), so every schedule the
+checker proves deadlock-free stays so. The k-th send to a peer pairs with the
 k-th receive there, so no tags are needed; a stage whose neighbour is on this rank (DualPipeV's
 V bottom) hands its tensor over in memory.
 
@@ -139,6 +143,7 @@ class PipelineRunner:
         self.count_activations = False
         self._live: dict = defaultdict(int)
         self._recording: list | None = None
+        self._sends: list = []  # (handle, tensor) of sends posted and not yet waited
         # One hook per module holding parameters (a tied embedding is in two chunks).
         owners = {
             id(m): m
@@ -185,6 +190,7 @@ class PipelineRunner:
             )
             self.peak_stored = max(self.peak_stored, sum(1 for c in self._live.values() if c))
             index += 1
+        self._finish_sends()
         if self.embed_group is not None:
             for param in self.tied:  # the two copies' shares -> the full gradient on both
                 comm.all_reduce(param.grad, self.embed_group)
@@ -214,6 +220,7 @@ class PipelineRunner:
                         (Action(SEND_F, mb, chunk, schedule.rank_of(stage + 1)),), step
                     )
                     step.outputs.pop((mb, chunk))
+        self._finish_sends()
         return self._loss(step)
 
     def close(self) -> None:
@@ -299,14 +306,31 @@ class PipelineRunner:
                 )
                 ops.append(comm.P2P("recv", buffer, action.peer))
                 received.append((action.kind, key, buffer))
-        for handle in comm.batch_p2p(ops, self.group):
-            handle.wait()
+        # Sends already delivered let go of their tensors (a gradient sent back would
+        # otherwise stay alive until the end of the step).
+        self._sends = [(h, t) for h, t in self._sends if not h.is_completed()]
+        handles = comm.batch_p2p(ops, self.group)
+        if len(handles) == len(ops):  # one handle per op (gloo): only receives block here
+            for op, handle in zip(ops, handles):
+                if op.kind == "send":
+                    self._sends.append((handle, op.tensor))
+                else:
+                    handle.wait()
+        else:  # one handle for the whole coalesced batch (NCCL waits on the stream anyway)
+            for handle in handles:
+                handle.wait()
         for kind, key, buffer in received:
             if kind == RECV_F:
                 step.inputs[key] = buffer.requires_grad_(step.train)
             else:
                 assert kind == RECV_B
                 step.grad_outputs[key] = buffer
+
+    def _finish_sends(self) -> None:
+        """Wait for the sends still in flight (their tensors were kept alive until now)."""
+        for handle, _ in self._sends:
+            handle.wait()
+        self._sends.clear()
 
     # --- helpers ------------------------------------------------------------------------------
     def _boundary_shape(self, step: _Step, microbatch: int) -> tuple[int, int, int]:
