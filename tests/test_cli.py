@@ -37,6 +37,8 @@ def workdir(tmp_path):
     (tmp_path / "corrupt.bin.json").write_text((tmp_path / "tokens.bin.json").read_text())
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "bad.toml").write_text("[train\nsteps = 3\n")
+    (tmp_path / "garbled" / "step_00000001").mkdir(parents=True)
+    (tmp_path / "garbled" / "step_00000001" / "meta.json").write_text("{")
     other = small_config(tmp_path, "--model.hidden_size", "64",
                          "--checkpoint.dir", str(tmp_path / "other"))
     t = Trainer(other, quiet=True)
@@ -53,7 +55,8 @@ def bad_inputs(w: Path):
         "wrong type": (["train", "--train.steps", "many"], "train.steps"),
         "gbs vs mbs": (["train", "--train.gbs", "6", "--parallel.mbs", "4"], "train.gbs = 6"),
         "missing data": (["train", "--data.path", str(w / "nope.bin")], "data.path"),
-        "empty corpus": (["prepare", str(w / "empty.txt"), "-o", str(w / "e.bin")], "empty"),
+        "empty corpus": (["prepare", str(w / "empty.txt"), "-o", str(w / "e.bin")],
+                         "hold no text"),
         "corrupt tokens": (["train", "--data.path", str(w / "corrupt.bin"), *SMALL, *ck],
                            "corrupt.bin"),
         "vocab too small": (["train", "--model.vocab_size", "100", *SMALL, *ck], "vocab_size"),
@@ -77,6 +80,17 @@ def bad_inputs(w: Path):
         "resume path": (["train", "--checkpoint.resume", str(w / "nowhere")], "checkpoint.resume"),
         "not launched": (["train", "--parallel.dp", "2", *SMALL, *ck], "torchrun"),
         "unknown command": (["trian"], "unknown command"),
+        "later dimension": (["train", "--parallel.cp", "2"], "not available yet"),
+        "experts": (["train", "--model.num_experts", "8"], "not available yet"),
+        "eval batches": (["train", "--train.eval_batches", "0"], "train.eval_batches"),
+        "adam eps": (["train", "--train.eps", "-1"], "train.eps"),
+        "garbled checkpoint": (["generate", "--checkpoint", str(w / "garbled" / "step_00000001"),
+                                "--prompt", "x"], "garbled"),
+        "missing argument": (["generate", "--prompt", "x"], "--checkpoint --hf is required"),
+        "argument type": (["generate", "--checkpoint", str(w / "other"), "--prompt", "x",
+                           "--max-new-tokens", "many"], "invalid int value: 'many'"),
+        "no output": (["prepare", str(w / "text.txt")], "-o/--out"),
+        "convert source": (["convert", "--to-hf", str(w / "out")], "--hf --checkpoint"),
     }
 
 

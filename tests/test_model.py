@@ -35,3 +35,36 @@ def test_initial_weights_depend_only_on_names_and_seed():
     # A layer's weight does not depend on how many layers the model has.
     deeper = build_model(cfg.replace(num_layers=4), 3)
     assert torch.equal(deeper.layers[1].mlp.up_proj.weight, a.layers[1].mlp.up_proj.weight)
+
+
+# Parameter totals as published for each model (the safetensors total of its Hugging Face
+# checkpoint); a wrong width, depth, head count, vocabulary or tying changes them.
+PUBLISHED_PARAMS = {
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.2-3b": 3_212_749_824,
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3.1-70b": 70_553_706_496,
+    "llama-3.1-405b": 405_853_388_800,
+    "mistral-7b": 7_241_732_096,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-7b": 7_615_616_512,
+    "smollm-1.7b": 1_711_376_384,
+    "smollm2-135m": 134_515_008,
+    "llama-2-7b": 6_738_415_616,
+}
+
+
+def test_presets_have_the_published_sizes():
+    for name, total in PUBLISHED_PARAMS.items():
+        assert preset(name).num_params() == total, name
+    # What the totals do not see: attention layout, RoPE and norm settings from config.json.
+    llama = preset("llama-3.1-8b")
+    assert (llama.num_kv_heads, llama.dim_per_head, llama.rope_theta) == (8, 128, 500000.0)
+    assert llama.rope_scaling == {"factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 8192}
+    assert preset("llama-3.2-1b").rope_scaling["factor"] == 32.0
+    qwen = preset("qwen2.5-7b")
+    assert qwen.qkv_bias and qwen.norm_eps == 1e-6 and qwen.rope_theta == 1e6
+    assert (qwen.num_kv_heads, qwen.max_seq_len, qwen.tie_embeddings) == (4, 131072, False)
+    assert preset("mistral-7b").rope_theta == 10000.0 and preset("mistral-7b").num_kv_heads == 8

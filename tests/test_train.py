@@ -6,7 +6,9 @@ import pytest
 import torch
 from common import small_config
 
+from fivefold.config import TrainSection
 from fivefold.parallel.memory import SavedActivations
+from fivefold.train.optim import lr_at
 from fivefold.train.trainer import Trainer
 
 
@@ -113,3 +115,88 @@ def test_mixed_precision_keeps_fp32_master_weights(tmp_path, precision):
     assert finite[-1] < finite[0]
     if precision == "fp16":
         assert recs[0]["loss_scale"] == 2.0**16
+
+
+def schedule(kind: str, steps: int = 50, warmup: int = 5) -> list[float]:
+    tr = TrainSection(steps=steps, warmup_steps=warmup, lr=1e-3, min_lr=1e-4,
+                      lr_schedule=kind, decay_fraction=0.2)
+    return [lr_at(step, tr) for step in range(steps)]
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear", "wsd", "constant"])
+def test_lr_schedules_warm_up_then_end_at_min_lr(kind):
+    """Warmup reaches lr on its last step; every decay ends at min_lr on the last step."""
+    lrs = schedule(kind)
+    assert lrs[:5] == pytest.approx([2e-4, 4e-4, 6e-4, 8e-4, 1e-3], rel=1e-12)
+    assert lrs[5] == pytest.approx(1e-3, rel=1e-12)  # decay starts from the peak
+    assert all(a >= b for a, b in zip(lrs[5:], lrs[6:]))  # never rises again
+    assert lrs[-1] == pytest.approx(1e-3 if kind == "constant" else 1e-4, rel=1e-12)
+    if kind == "cosine":  # halfway through the decay, halfway between lr and min_lr
+        assert lrs[5 + 22] == pytest.approx(5.5e-4, rel=1e-12)
+    if kind == "wsd":  # stable until the last 20% of the steps (10 of 50)
+        assert lrs[39] == 1e-3 and lrs[40] < 1e-3
+
+
+def test_warmup_is_capped_at_a_tenth_of_the_run():
+    assert schedule("constant", steps=20, warmup=30)[:3] == pytest.approx([5e-4, 1e-3, 1e-3])
+
+
+def test_no_weight_decay_on_norms_and_biases(tmp_path):
+    t = Trainer(small_config(tmp_path, "--model.qkv_bias", "true"), quiet=True)
+    opt = t.optimizer
+    by_tensor = {id(m): n for n, m in zip(opt.names, opt.master)}
+    decayed = {g["weight_decay"]: {by_tensor[id(p)] for p in g["params"]}
+               for g in opt.optimizer.param_groups}
+    assert set(decayed) == {0.1, 0.0}
+    assert decayed[0.0] and all("norm" in n or n.endswith(".bias") for n in decayed[0.0])
+    assert all(n.endswith(".weight") and "norm" not in n for n in decayed[0.1])
+    assert "layers.0.self_attn.q_proj.bias" in decayed[0.0]
+    assert "embed_tokens.weight" in decayed[0.1]
+
+
+def test_global_norm_clipping(tmp_path):
+    """The step reports the norm before clipping and applies gradients of norm grad_clip."""
+    t = Trainer(small_config(tmp_path, "--train.grad_clip", "0.5"), quiet=True)
+    params = [p for _, p in t.model.named_parameters()]
+    gen = torch.Generator().manual_seed(0)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    before = float(torch.stack([p.grad.norm() for p in params]).norm())
+    stats = t.optimizer.step(lr=1e-3)
+    after = float(torch.stack([p.grad.norm() for p in params]).norm())
+    assert stats.grad_norm == pytest.approx(before, rel=1e-6)
+    assert after == pytest.approx(0.5, rel=1e-5)
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path):
+    t = Trainer(small_config(tmp_path, "--train.precision", "fp16"), quiet=True)
+    params = [p for _, p in t.model.named_parameters()]
+    before = [p.detach().clone() for p in params]
+    masters = [m.detach().clone() for m in t.optimizer.master]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[3].grad[0] = float("inf")
+    stats = t.optimizer.step(lr=1e-3)
+    assert stats.skipped and stats.loss_scale == 2.0**16
+    assert t.scaler.scale == 2.0**15 and t.scaler.skipped_steps == 1
+    assert all(torch.equal(a, p) for a, p in zip(before, params))
+    assert all(torch.equal(a, m) for a, m in zip(masters, t.optimizer.master))
+    assert t.optimizer.step_count() == 0  # Adam did not count it
+    # A clean step goes through, and the scale doubles after growth_interval clean steps.
+    t.scaler.growth_interval = 2
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.full_like(p, 1e-2 * t.scaler.scale)
+        assert not t.optimizer.step(lr=1e-3).skipped
+    assert t.scaler.scale == 2.0**16 and t.optimizer.step_count() == 2
+
+
+def test_checkpoints_keep_the_newest_n(tmp_path):
+    t = Trainer(small_config(tmp_path, "--checkpoint.keep", "2"), quiet=True)
+    root = tmp_path / "ckpt"
+    for step in (3, 6, 9, 12):
+        t.step = step
+        t.save_checkpoint()
+    assert sorted(p.name for p in root.iterdir()) == [
+        "latest", "step_00000009", "step_00000012"]
+    assert (root / "latest").read_text() == "step_00000012"

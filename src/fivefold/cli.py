@@ -6,10 +6,9 @@ is written.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from fivefold.config import ConfigError
+from fivefold.config import ArgumentParser, ConfigError
 
 USAGE = """usage: fivefold COMMAND [options]
 
@@ -26,7 +25,7 @@ Run `fivefold COMMAND --help` for a command's options."""
 
 
 def train_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="fivefold train",
         description="Train with the layout of the [parallel] section; any config key can be "
                     "overridden as --section.key VALUE (e.g. --train.steps 50 --parallel.dp 2)."

@@ -21,7 +21,6 @@ Files written, each atomically (a temporary name, then a rename):
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fivefold.config import ConfigError
+from fivefold.config import ArgumentParser, ConfigError
 from fivefold.data.tokenizer import describe, load_tokenizer, train_bpe
 
 FORMAT = "fivefold-tokens"
@@ -215,8 +214,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte",
     return write_tokens(files, out_path, tok, text_field)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
         prog="fivefold prepare",
         description="Tokenise text, jsonl or parquet files into one token file for training.")
     parser.add_argument("inputs", nargs="+", help=".txt, .jsonl, .json, .parquet files or dirs")
@@ -231,7 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse has printed its one-line error, or the help
+        return int(e.code or 0)
     try:
         meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer,
                        train_tokenizer=args.train_tokenizer, text_field=args.text_field)

@@ -11,13 +11,12 @@ To train from Hugging Face weights, no conversion is needed: `fivefold train
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 from pathlib import Path
 
-from fivefold.config import ConfigError
+from fivefold.config import ArgumentParser, ConfigError
 
 # Files of a Hugging Face model directory that are not weights and travel unchanged.
 COMPANION_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -89,8 +88,8 @@ def export_checkpoint_to_hf(checkpoint_dir: str | Path, outdir: str | Path,
                    max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, extra_files=extra)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fivefold convert",
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="fivefold convert",
                                 description="Convert between Hugging Face and fivefold formats.")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="a Hugging Face model directory to read")
@@ -104,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-    except SystemExit as e:  # argparse has printed its usage line
+    except SystemExit as e:  # argparse has printed its one-line error, or the help
         return int(e.code or 0)
     try:
         if not args.to_hf:

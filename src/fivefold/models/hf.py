@@ -176,7 +176,7 @@ def save_hf(model: nn.Module, cfg: ModelConfig, directory: str | os.PathLike,
     target = Path(directory)
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise ConfigError(f"{target} already exists and is not empty; choose a new directory "
-                          f"or pass overwrite")
+                          f"or remove this one")
     state = {ours_to_hf(n): p.detach().to("cpu").contiguous()
              for n, p in model.named_parameters()}
     dtype = next(iter(state.values())).dtype

@@ -119,7 +119,7 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     "qwen2.5-7b": ModelConfig(
         name="qwen2.5-7b", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-        num_layers=28, num_heads=28, num_kv_heads=4, max_seq_len=32768, rope_theta=1e6,
+        num_layers=28, num_heads=28, num_kv_heads=4, max_seq_len=131072, rope_theta=1e6,
         norm_eps=1e-6, qkv_bias=True,
     ),
     "llama-2-7b": ModelConfig(

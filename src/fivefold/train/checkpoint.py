@@ -65,7 +65,14 @@ def read_meta(path: Path) -> dict:
     if not meta_file.is_file():
         raise ConfigError(f"{path} has no meta.json: it is not a fivefold checkpoint (or its "
                           f"save did not finish); give a step_* directory or a checkpoint.dir")
-    return json.loads(meta_file.read_text())
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        meta = None
+    if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
+        raise ConfigError(f"{meta_file} is garbled (not the JSON a fivefold save writes); use "
+                          f"another step_* directory")
+    return meta
 
 
 def check_model_shape(meta: dict, model_cfg, path: Path) -> None:

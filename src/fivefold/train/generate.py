@@ -9,7 +9,6 @@ draws from what is left with a seeded generator, so a run is reproducible from i
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Callable, Iterable
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fivefold.config import ConfigError
+from fivefold.config import ArgumentParser, ConfigError
 from fivefold.models.llama import KVCache
 
 
@@ -150,6 +149,8 @@ def load_for_generation(args) -> tuple:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but no GPU is visible; use --device cpu or auto")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
              "auto": torch.bfloat16 if device == "cuda" else torch.float32}[args.dtype]
     if args.hf:
@@ -173,8 +174,8 @@ def load_for_generation(args) -> tuple:
     return model.to(device=device, dtype=dtype).eval(), tok
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fivefold generate",
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="fivefold generate",
                                 description="Generate text from a checkpoint or HF model.")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a fivefold checkpoint directory")
@@ -194,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-    except SystemExit as e:  # argparse has printed its usage line
+    except SystemExit as e:  # argparse has printed its one-line error, or the help
         return int(e.code or 0)
     try:
         check_sampling(args.temperature, args.top_k, args.top_p)

@@ -19,13 +19,16 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     over N parameters (Kaplan et al. 2020, §2.1); the second term is self-attention's QK^T and
     AV matmuls over a window of s tokens (PaLM, Chowdhery et al. 2022, appendix B), without the
     causal halving, as PaLM and Megatron count it. N counts the weights that take part in a
-    matmul: the input embedding is a lookup, so it is excluded unless it is tied to the output
-    head. Recomputation does not change model FLOPs (it is hardware FLOPs).
+    matmul: every layer's projections and MLP, and the output head (the tied embedding when
+    tied) — not the input embedding (a lookup), norm weights or biases. Recomputation does not
+    change model FLOPs (it is hardware FLOPs).
+
+    The planner's `model_flops_per_token` is this count, so the MFU a run logs and the MFU
+    `fivefold plan` predicts for it are the same quantity.
     """
-    counts = cfg.param_counts()
-    matmul_params = counts["layers"] + counts["final_norm"] + (
-        counts["embedding"] if cfg.tie_embeddings else counts["head"])
-    return 6.0 * matmul_params + 12.0 * cfg.num_layers * cfg.q_size * seq_len
+    from fivefold.plan.flops import model_flops_per_token
+
+    return model_flops_per_token(cfg, seq_len)
 
 
 def device_peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | None:

@@ -24,15 +24,16 @@ def lr_at(step: int, tr) -> float:
     Linear warmup (train.warmup_steps, at most a tenth of the run) up to lr, then: cosine
     (Loshchilov & Hutter 2017) or linear decay to min_lr over the remaining steps, or WSD —
     warmup, stable at lr, then a linear decay over the last `decay_fraction` of the steps
-    (Hu et al. 2024, MiniCPM) — or constant.
+    (Hu et al. 2024, MiniCPM) — or constant. Every decay ends exactly at min_lr on the last
+    step, steps − 1.
     """
     warmup = min(tr.warmup_steps, tr.steps // 10)
     if warmup and step < warmup:
         return tr.lr * (step + 1) / warmup
     if tr.lr_schedule == "constant":
         return tr.lr
-    total = max(tr.steps - warmup, 1)
-    progress = min((step - warmup) / total, 1.0)
+    # Steps warmup … steps − 1 span steps − 1 − warmup intervals: progress 0 → 1 over them.
+    progress = min((step - warmup) / max(tr.steps - 1 - warmup, 1), 1.0)
     if tr.lr_schedule == "cosine":
         return tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1 + math.cos(math.pi * progress))
     if tr.lr_schedule == "linear":
@@ -182,6 +183,10 @@ class MasterWeightOptimizer:
         return 0
 
     def load_param_states(self, states: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        # Fused AdamW keeps its step counters on the parameters' device (torch's own
+        # load_state_dict moves them there); foreach AdamW keeps them on the CPU.
+        fused = self.optimizer.defaults.get("fused")
+        step_device = self.master[0].device if fused else torch.device("cpu")
         with torch.no_grad():
             for name, p, master in zip(self.names, self.params, self.master):
                 master.copy_(states[name]["master"])
@@ -189,7 +194,7 @@ class MasterWeightOptimizer:
                     p.copy_(states[name]["param"])
                 if step > 0:
                     self.optimizer.state[master] = {
-                        "step": torch.tensor(float(step)),
+                        "step": torch.tensor(float(step), device=step_device),
                         "exp_avg": states[name]["exp_avg"].to(master).clone(),
                         "exp_avg_sq": states[name]["exp_avg_sq"].to(master).clone(),
                     }

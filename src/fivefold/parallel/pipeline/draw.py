@@ -9,10 +9,10 @@ transfer, white is idle. The title gives the simulated bubble fraction.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
+from fivefold.config import ArgumentParser
 from fivefold.parallel.pipeline.check import Costs, Simulation, simulate
 from fivefold.parallel.pipeline.schedules import SCHEDULE_NAMES, Schedule, build_schedule
 
@@ -144,11 +144,12 @@ def draw_side_by_side(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Draw one schedule; returns an exit code (2 for bad input, with a one-line reason)."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="fivefold schedule",
         description="Draw the timeline of a pipeline schedule.",
     )
-    parser.add_argument("--schedule", required=True, help=f"one of {', '.join(SCHEDULE_NAMES)}")
+    parser.add_argument("--schedule", required=True,
+                        help=f"one of {', '.join(SCHEDULE_NAMES)} (zb = zb-h1)")
     parser.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     parser.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
     parser.add_argument("--virtual", type=int, default=1, help="chunks per rank (interleaved)")
