@@ -1,14 +1,17 @@
 """The pipeline executor: runs a rank's action list (schedules.py) with torch.
 
-It follows the execution contract in `schedules.py`: the list runs in order; a maximal
-run of communication actions is one batch, posted with one batched isend/irecv through
-`comm.batch_p2p`. Its receives are waited at once; where the backend gives one handle per op
-(gloo), its sends are waited only at the end of the step, so a sender never idles until its
-peer reaches the matching receive (as torch.distributed.pipelining's schedules do). That only
-relaxes the contract's worst case (a send's completion gates nothing), so every schedule the
-checker proves deadlock-free stays so. The k-th send to a peer pairs with the
-k-th receive there, so no tags are needed; a stage whose neighbour is on this rank (DualPipeV's
-V bottom) hands its tensor over in memory.
+It follows the execution contract in `schedules.py`, relaxed only where that cannot add a
+wait: the list runs in order, and a maximal run of communication actions is one batch,
+posted at its place with one batched isend/irecv through `comm.batch_p2p`, but not waited
+there. A receive is waited just before the compute that reads its tensor, and a send at the
+end of the step (a delivered one lets go of its tensor earlier). So a rank never idles on a
+transfer its next compute does not need, nor until a peer reaches the matching receive, as
+in torch.distributed.pipelining's and DualPipe's executors. Every op is still posted where
+the contract puts it and every wait comes at or after that point, so each rank gets at
+least as far as under the contract's worst case: a schedule the checker proves deadlock-free
+stays so. The k-th send to a peer pairs with the k-th receive there, so no tags are needed;
+a stage whose neighbour is on this rank (DualPipeV's V bottom) hands its tensor over in
+memory.
 
 Per (micro-batch, chunk) the runner keeps the stage's input (a leaf that requires grad) and
 its output (or, on the last stage, the scaled loss: summed cross-entropy · loss_scale /
@@ -86,6 +89,20 @@ class _Held:
         self.counts[self.key] -= 1
 
 
+class _Batch:
+    """The handles of one coalesced batch (NCCL), waited as one."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+
+    def wait(self) -> None:
+        for handle in self.handles:
+            handle.wait()
+
+    def is_completed(self) -> bool:
+        return all(handle.is_completed() for handle in self.handles)
+
+
 class _Step:
     """What one step keeps between actions, keyed by (micro-batch, chunk)."""
 
@@ -98,8 +115,34 @@ class _Step:
         self.grad_inputs: dict = {}  # gradient of the input, waiting for its SEND_B
         self.uses: dict = {}  # split backward: [(weight-use output, params)]
         self.use_grads: dict = {}  # split backward: the gradients B kept for W
+        self.arriving: dict = {}  # (RECV_F | RECV_B, key) -> the handle of its receive
         self.loss = None
         self.fused: set = set()  # (micro-batch, chunk) whose B runs the full backward
+
+
+def _early_receives(items: list) -> list:
+    """The same list with each batch's receives posted with the batch before it.
+
+    A receive only names a buffer, so it can be posted as soon as the previous transfers
+    are: the data then flows while this rank computes, instead of starting when the compute
+    that needs it is reached. The receives from a peer keep their order, so the k-th still
+    pairs with the peer's k-th send."""
+    out: list = []
+    previous = None  # index in `out` of the last batch
+    for item in items:
+        if not isinstance(item, tuple):
+            out.append(item)
+            continue
+        receives = tuple(a for a in item if a.kind in (RECV_F, RECV_B))
+        sends = tuple(a for a in item if a.kind not in (RECV_F, RECV_B))
+        if previous is None:
+            out.insert(0, receives)  # the first receives open the step
+            previous = 0
+        else:
+            out[previous] = out[previous] + receives
+        out.append(sends)
+        previous = len(out) - 1
+    return [item for item in out if item != ()]
 
 
 def _fused_backwards(compute: list[Action]) -> set:
@@ -144,6 +187,7 @@ class PipelineRunner:
         self._live: dict = defaultdict(int)
         self._recording: list | None = None
         self._sends: list = []  # (handle, tensor) of sends posted and not yet waited
+        self._item_lists: dict = {}
         # One hook per module holding parameters (a tied embedding is in two chunks).
         owners = {
             id(m): m
@@ -160,6 +204,16 @@ class PipelineRunner:
         if num_microbatches not in self._schedules:
             self._schedules[num_microbatches] = schedule_for(self.cfg, num_microbatches)
         return self._schedules[num_microbatches]
+
+    def _items(self, schedule: Schedule) -> list:
+        """This rank's list. On gloo, receives are posted one batch early (_early_receives);
+        NCCL runs a rank's p2p ops in order on one stream, where a receive posted ahead of
+        the sends of its own batch could wait on a peer that waits the same way."""
+        key = (id(schedule), self.device.type)
+        if key not in self._item_lists:
+            items = list(schedule.steps(self.rank))
+            self._item_lists[key] = items if self.device.type == "cuda" else _early_receives(items)
+        return self._item_lists[key]
 
     @property
     def loss_pp_rank(self) -> int:
@@ -178,7 +232,7 @@ class PipelineRunner:
         last = max(i for i, yes in enumerate(accumulating) if yes)
         self._live.clear()
         self.peak_stored = index = 0
-        for item in schedule.steps(self.rank):
+        for item in self._items(schedule):
             if isinstance(item, tuple):
                 self._communicate(item, step)
                 continue
@@ -233,6 +287,7 @@ class PipelineRunner:
         tokens, targets = step.micro_batches[action.microbatch]
         if module.first:
             step.inputs[key] = tokens.to(self.device)
+        self._await(step, RECV_F, key)
         x = step.inputs[key] if step.train else step.inputs.pop(key)
         split = step.train and schedule.split_backward and key not in step.fused
         uses = [] if split else None
@@ -262,6 +317,7 @@ class PipelineRunner:
     def _backward(self, action: Action, step: _Step, schedule: Schedule) -> None:
         key, module = (action.microbatch, action.chunk), self.chunks[action.chunk]
         out, x = step.outputs.pop(key), step.inputs.pop(key)
+        self._await(step, RECV_B, key)
         grad = None if module.last else step.grad_outputs.pop(key)
         wants_input = not module.first
         if schedule.split_backward and key not in step.fused:
@@ -310,21 +366,26 @@ class PipelineRunner:
         # otherwise stay alive until the end of the step).
         self._sends = [(h, t) for h, t in self._sends if not h.is_completed()]
         handles = comm.batch_p2p(ops, self.group)
-        if len(handles) == len(ops):  # one handle per op (gloo): only receives block here
-            for op, handle in zip(ops, handles):
-                if op.kind == "send":
-                    self._sends.append((handle, op.tensor))
-                else:
-                    handle.wait()
-        else:  # one handle for the whole coalesced batch (NCCL waits on the stream anyway)
-            for handle in handles:
-                handle.wait()
-        for kind, key, buffer in received:
+        # gloo gives one handle per op; NCCL one for the whole coalesced batch.
+        per_op = handles if len(handles) == len(ops) else [_Batch(handles)] * len(ops)
+        for op, handle in zip(ops, per_op):
+            if op.kind == "send":
+                self._sends.append((handle, op.tensor))
+        recv_handles = [h for op, h in zip(ops, per_op) if op.kind == "recv"]
+        for (kind, key, buffer), handle in zip(received, recv_handles):
+            step.arriving[(kind, key)] = handle  # waited by the compute that reads it
             if kind == RECV_F:
                 step.inputs[key] = buffer.requires_grad_(step.train)
             else:
                 assert kind == RECV_B
                 step.grad_outputs[key] = buffer
+
+    @staticmethod
+    def _await(step: _Step, kind: str, key: tuple[int, int]) -> None:
+        """Wait for the receive of (kind, key), if its tensor came over the wire."""
+        handle = step.arriving.pop((kind, key), None)
+        if handle is not None:
+            handle.wait()
 
     def _finish_sends(self) -> None:
         """Wait for the sends still in flight (their tensors were kept alive until now)."""
