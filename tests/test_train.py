@@ -200,3 +200,26 @@ def test_checkpoints_keep_the_newest_n(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == [
         "latest", "step_00000009", "step_00000012"]
     assert (root / "latest").read_text() == "step_00000012"
+
+
+def test_resumed_metrics_hold_each_step_once(tmp_path):
+    """Steps logged after the checkpoint a run resumes from run again; the file keeps the
+    history up to the checkpoint and then the new records, each step once."""
+    import json
+
+    from fivefold.train.metrics import MetricsWriter
+
+    first = MetricsWriter(str(tmp_path), tensorboard=False)
+    for step in range(1, 8):
+        first.write({"kind": "train", "step": step, "loss": 10.0 - step})
+        if step % 5 == 0:
+            first.write({"kind": "val", "step": step, "val_loss": 1.0})
+    first.close()
+    again = MetricsWriter(str(tmp_path), tensorboard=False, resume_step=5)
+    for step in (6, 7):
+        again.write({"kind": "train", "step": step, "loss": 0.5})
+    again.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in records] == [
+        *[("train", s) for s in range(1, 6)], ("val", 5), ("train", 6), ("train", 7)]
+    assert [r["loss"] for r in records if r["step"] > 5] == [0.5, 0.5]

@@ -91,7 +91,7 @@ def run(cfg: Config, dims: ParallelDims | None = None) -> list[dict]:
     trainer = Trainer(cfg, dims)
     log = trainer.is_logger
     writer = MetricsWriter(cfg.log.dir, cfg.log.tensorboard, enabled=log,
-                           resume=trainer.resumed_from is not None)
+                           resume_step=trainer.step if trainer.resumed_from else None)
     progress = Progress(cfg.train.steps, trainer.step, cfg.log.progress and log, cfg.log.every)
     if trainer.resumed_from:
         progress.message(f"resumed from {trainer.resumed_from} at step {trainer.step}")

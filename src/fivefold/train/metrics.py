@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -53,19 +54,28 @@ def memory_bytes(device: torch.device) -> int:
 class MetricsWriter:
     """Writes one JSON line per step (and per validation), and TensorBoard scalars."""
 
-    def __init__(self, log_dir: str, tensorboard: bool, enabled: bool = True, resume: bool = False):
+    def __init__(self, log_dir: str, tensorboard: bool, enabled: bool = True,
+                 resume_step: int | None = None):
         self.enabled = enabled
         self.path = Path(log_dir) / "metrics.jsonl"
         self.tb = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.path, "a" if resume else "w")
+        if resume_step is not None and self.path.is_file():
+            # Steps logged after the checkpoint we resume from are about to run again: keep
+            # the history up to it, so the file holds each step once.
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self.file = open(self.path, "a" if resume_step is not None else "w")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard is optional
-                self.tb = None
+            except ImportError:  # tensorboard is optional: say so once, go on without it
+                print("note: log.tensorboard = true but the tensorboard package is missing; "
+                      "pip install tensorboard (or set log.tensorboard = false)",
+                      file=sys.stderr, flush=True)
             else:
                 self.tb = SummaryWriter(str(Path(log_dir) / "tensorboard"))
 
@@ -94,6 +104,10 @@ class Throughput:
         self.flops_per_token = flops_per_token
         self.peak = peak_flops
         self.num_devices = num_gpus
+        self.start = time.perf_counter()
+
+    def begin(self) -> None:
+        """A step starts: what ran since the last lap (evaluation, a save) is not counted."""
         self.start = time.perf_counter()
 
     def lap(self, tokens: int) -> tuple[float, float | None, float]:

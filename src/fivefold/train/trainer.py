@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 
 import torch
 
@@ -70,6 +71,9 @@ class Trainer:
         self.model_cfg = cfg.model.resolve()
         self.is_logger = self.dims.rank == 0 and not quiet
         if tr.deterministic:
+            # cuBLAS is deterministic only with a fixed workspace (CUDA docs, "Reproducibility";
+            # torch raises without it). Read when the first cuBLAS handle is made, after this.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(tr.seed)
 
@@ -152,6 +156,7 @@ class Trainer:
         return float(total) / num_tokens
 
     def train_step(self) -> dict:
+        self.throughput.begin()
         self.model.train()
         self.dims.ledger.reset()
         micro_batches = self.loader.next_batch()
