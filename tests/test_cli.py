@@ -173,6 +173,9 @@ def test_train_then_generate_end_to_end(tmp_path):
         assert key in steps[0]
     assert list((tmp_path / "log" / "tensorboard").glob("events.out.tfevents.*"))
     assert "val_loss" in train.stdout and "step      6" in train.stdout
+    # The planner's prediction at start, and the measured model states after step 1.
+    assert "plan: model states" in train.stdout and "MiB allocated (activations" in train.stdout
+    assert "model states per rank, planned/measured MiB" in train.stdout
     gen = subprocess.run(
         [sys.executable, "-m", "fivefold.cli", "generate", "--checkpoint", str(tmp_path / "ck"),
          "--prompt", "It was", "--max-new-tokens", "20", "--greedy"],

@@ -80,6 +80,23 @@ def planned_model_states(trainer: Trainer) -> dict[str, float]:
     return {k: getattr(states, k) for k in STATE_ITEMS}
 
 
+def planned_peak_bytes(trainer: Trainer) -> dict[str, float]:
+    """The planner's itemised bytes at this rank's peak for the run's own layout and
+    precision, without its allowance for the CUDA context and fragmentation (what
+    `torch.cuda.max_memory_allocated` can be compared with)."""
+    import dataclasses
+
+    from fivefold.plan.hardware import Assumptions
+    from fivefold.plan.inputs import training_plan_inputs
+    from fivefold.plan.memory import memory_items
+
+    work, layout = training_plan_inputs(trainer.cfg)
+    work = dataclasses.replace(work, model=trainer.model_cfg, precision=trainer.precision)
+    items, _ = memory_items(work, layout, Assumptions(), rank=trainer.dims.pp_rank)
+    items.pop("overhead")
+    return items
+
+
 def compare_states(planned: dict, measured: dict) -> str:
     mib = 2**20
     parts = [f"{k} {planned[k] / mib:.2f}/{measured.get(k, 0) / mib:.2f}" for k in STATE_ITEMS]
@@ -102,11 +119,17 @@ def run(cfg: Config, dims: ParallelDims | None = None) -> list[dict]:
                          f"layout dp={cfg.parallel.dp}"
                          f" tp={cfg.parallel.tp} pp={cfg.parallel.pp} zero={cfg.parallel.zero}")
     planned = planned_model_states(trainer) if log else None
+    peak = planned_peak_bytes(trainer) if log else None
     if planned:
         total = sum(planned.values()) / 2**20
+        rest = {"activations": peak["activations"], "logits": peak["logits_loss"],
+                "other": sum(peak.values()) - peak["activations"] - peak["logits_loss"]
+                - sum(planned.values())}
         progress.message(f"plan: model states {total:.2f} MiB per rank ("
                          + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in planned.items())
-                         + "); `fivefold plan --config` itemises the rest")
+                         + f"); peak {sum(peak.values()) / 2**20:.2f} MiB allocated ("
+                         + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in rest.items())
+                         + "); `fivefold plan --config` itemises it")
     records = []
     started = time.perf_counter()
     try:
@@ -117,6 +140,10 @@ def run(cfg: Config, dims: ParallelDims | None = None) -> list[dict]:
             progress.update(rec)
             if planned and len(records) == 1:
                 progress.message(compare_states(planned, trainer.optimizer.memory_bytes()))
+                if trainer.device.type == "cuda":
+                    want = sum(peak.values())
+                    progress.message(f"peak allocated, planned/measured MiB: {want / 2**20:.1f}"
+                                     f"/{rec['memory_bytes'] / 2**20:.1f}")
             if cfg.log.ledger and log:
                 progress.message(trainer.dims.ledger.summary())
             ev = cfg.train.eval_every
