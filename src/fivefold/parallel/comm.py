@@ -106,6 +106,11 @@ class _Done:
 DONE = _Done()
 
 
+# torch 2.13 renames the flat collectives (the old names warn); 2.11 has only the old ones.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _op(op: str):
     return {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
             "avg": dist.ReduceOp.AVG}[op]
@@ -126,8 +131,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, op: 
             output.copy_(input.view_as(output))
         return DONE
     group.ledger.record("reduce_scatter", group, input)
-    return dist.reduce_scatter_tensor(output, input, op=_op(op), group=group.pg,
-                                      async_op=async_op) or DONE
+    return _reduce_scatter_flat(output, input, op=_op(op), group=group.pg,
+                                async_op=async_op) or DONE
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):
@@ -137,7 +142,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
             output.copy_(input.view_as(output))
         return DONE
     group.ledger.record("all_gather", group, output)
-    return dist.all_gather_into_tensor(output, input, group=group.pg, async_op=async_op) or DONE
+    return _all_gather_flat(output, input, group=group.pg, async_op=async_op) or DONE
 
 
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: Group, async_op: bool = False):
