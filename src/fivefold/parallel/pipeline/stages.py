@@ -140,6 +140,8 @@ def split_stages(model: nn.Module, dims, cfg) -> list[nn.Module]:
 
 def tied_across_ranks(chunks: list[nn.Module]) -> list[nn.Parameter]:
     """The embedding copies this rank holds for a tie that spans two ranks (else [])."""
+    if not chunks[0].cfg.tie_embeddings:
+        return []  # an untied first stage's embedding is its own, not half of a pair
     firsts = [c for c in chunks if c.first]
     lasts = [c for c in chunks if c.last and getattr(c, "lm_head", None) is None]
     if bool(firsts) == bool(lasts):  # neither end, or both on this rank (DualPipeV, pp 1)
