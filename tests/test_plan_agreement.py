@@ -55,6 +55,15 @@ LAYOUTS.update({
                            "--train.precision", "bf16", "--train.gbs", "8"],
     "pp2-tp2-sp": [*PP, "--parallel.tp", "2", "--parallel.sp", "true"],
     "pp2-dp2-zero2": [*PP, "--parallel.dp", "2", "--parallel.zero", "2", "--train.gbs", "8"],
+    "pp2-dp2-zero3-bf16": [*PP, "--parallel.dp", "2", "--parallel.zero", "3",
+                           "--train.precision", "bf16", "--train.gbs", "8"],
+    "pp2-interleaved-dp2-zero3": [*PP, "--parallel.schedule", "interleaved",
+                                  "--parallel.virtual_stages", "2", "--parallel.dp", "2",
+                                  "--parallel.zero", "3", "--train.gbs", "8"],
+    "pp2-zb-dp2-zero3": [*PP, "--parallel.schedule", "zb", "--parallel.dp", "2",
+                         "--parallel.zero", "3", "--train.gbs", "8"],
+    "pp2-dualpipev-dp2-zero3": [*PP, "--parallel.schedule", "dualpipev", "--parallel.dp", "2",
+                                "--parallel.zero", "3", "--train.gbs", "8"],
 })
 
 

@@ -316,12 +316,6 @@ def _check_pipeline(par: ParallelSection, num_layers: int, num_micro: int) -> No
     except ValueError as e:
         raise ConfigError(f"parallel.schedule = '{par.schedule}' at parallel.pp = {par.pp} with "
                           f"{num_micro} micro-batches (train.gbs / (mbs·dp)): {e}") from None
-    if par.zero == 3 and schedule.split_backward:
-        # The W pass of a split backward needs each block's weights again after ZeRO-3 has
-        # freed them (parallel/zero3.py gathers for forward and for one full backward).
-        raise ConfigError(f"parallel.zero = 3 does not run with parallel.schedule = "
-                          f"'{par.schedule}' (split backward); use zero <= 2, or schedule "
-                          f"afab, 1f1b or interleaved")
     if schedule.num_stages > num_layers:
         raise ConfigError(f"parallel.pp = {par.pp} with schedule '{par.schedule}' makes "
                           f"{schedule.num_stages} stages but model.num_layers = {num_layers}; "

@@ -149,6 +149,11 @@ class DataParallelOptimizer:
     def prepare_backward(self, final_microbatch: bool) -> None:
         self.reducer.prepare_backward(final_microbatch)
 
+    def before_weight_pass(self, params: list[nn.Parameter]) -> None:
+        """A split backward's W is about to accumulate these parameters' gradients."""
+        if self.gatherer is not None:
+            self.gatherer.ensure_params(params)
+
     def finish_grad_sync(self) -> None:
         self.reducer.finish()
         if self.gatherer is not None:

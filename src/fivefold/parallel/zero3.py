@@ -21,9 +21,19 @@ the tensors autograd saved for backward, keep pointing at the same storage.
 The rest unit is gathered for the whole forward (the embedding opens it, the head closes
 it) and, in backward, from the head's backward to the embedding's. So every unit is
 gathered twice per micro-batch: two all-gathers of all parameters per micro-batch.
+
+Under pipeline parallelism each chunk has its own units, and prefetching stays inside a
+chunk (the next action may belong to another chunk and free what was fetched). A split
+backward (ZB-H1, DualPipeV) gathers again for its W pass if the unit was freed since B
+(`ensure_params`). DualPipeV with tied embeddings puts the head on the embedding's rank in
+another chunk: the head's rest unit *borrows* the embedding's unit, gathering it for its
+own forward and backward too (2 more all-gathers of the embedding per micro-batch, which
+the planner counts).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -34,24 +44,37 @@ from fivefold.parallel.buffers import FlatLayout
 FREE, GATHERING, READY = "free", "gathering", "ready"
 
 
-def zero3_units(chunks: list[nn.Module], named_params) -> tuple[list[list[int]], list]:
-    """Parameter-index groups (one per unit, forward order) and each unit's (module, kind)."""
+class Unit(NamedTuple):
+    module: nn.Module  # a block, or the chunk itself for its rest
+    kind: str  # "block" | "rest"
+    chunk: int  # index of the pipeline chunk it belongs to (0 without pipelining)
+    borrowed: list[int]  # earlier units whose weights it also uses (a tied head)
+
+
+def zero3_units(chunks: list[nn.Module], named_params) -> tuple[list[list[int]], list[Unit]]:
+    """Parameter-index groups (one per unit, forward order) and the units. A rest unit's
+    `borrowed` lists the earlier units whose weights it also uses (the head of DualPipeV's
+    V uses the embedding of the first chunk on the same rank, tied)."""
     index = {id(p): i for i, (_, p) in enumerate(named_params)}
     groups, units = [], []
-    for chunk in chunks:
+    for c, chunk in enumerate(chunks):
         layers = getattr(chunk, "layers", [])  # a ModuleList, or a pipeline stage's ModuleDict
         blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
-        rest = [index[id(p)] for p in chunk.parameters()
+        mine = [index[id(p)] for p in chunk.parameters()
                 if id(p) not in in_blocks and id(p) in index]
-        taken = {i for g in groups for i in g}
-        rest = [i for i in dict.fromkeys(rest) if i not in taken]  # a shared weight once
+        owner = {i: g for g, group in enumerate(groups) for i in group}
+        rest = [i for i in dict.fromkeys(mine) if i not in owner]  # a shared weight once
+        borrowed = sorted({owner[i] for i in mine if i in owner})
+        if borrowed and not rest:
+            raise ValueError("ZeRO-3: a pipeline chunk holding only a weight shared with "
+                             "another chunk is not supported")
         if rest:
             groups.append(rest)
-            units.append((chunk, "rest"))
+            units.append(Unit(chunk, "rest", c, borrowed))
         for block in blocks:
             groups.append([index[id(p)] for p in block.parameters()])
-            units.append((block, "block"))
+            units.append(Unit(block, "block", c, []))
     return groups, units
 
 
@@ -77,10 +100,11 @@ class ParamGatherer:
                 self.full.append(full)
                 self.state[seg.index] = READY
                 self.free(seg.index)
+        self.unit_of = {id(slot.param): slot.segment for slot in layout.params}
         self._hooks = []
-        for u, (module, _kind) in enumerate(units):
-            self._hooks.append(module.register_forward_pre_hook(self._pre_forward(u)))
-            self._hooks.append(module.register_forward_hook(self._post_forward(u)))
+        for u, unit in enumerate(units):
+            self._hooks.append(unit.module.register_forward_pre_hook(self._pre_forward(u)))
+            self._hooks.append(unit.module.register_forward_hook(self._post_forward(u)))
 
     # --- gather and free ------------------------------------------------------------------
     def gather(self, u: int) -> None:
@@ -99,6 +123,12 @@ class ParamGatherer:
             self.watchdog.wait(self.handles.pop(u), f"ZeRO-3 gather of unit {u}")
             self.state[u] = READY
 
+    def ensure_params(self, params) -> None:
+        """Gather the units holding `params` (a split backward's W pass: the weight-gradient
+        nodes unpack every tensor they saved, the weight among them, so it must be whole)."""
+        for u in dict.fromkeys(self.unit_of[id(p)] for p in params):
+            self.ensure(u)
+
     def free(self, u: int) -> None:
         if self.state[u] == GATHERING:
             self.ensure(u)  # never free memory a collective is still writing
@@ -110,16 +140,23 @@ class ParamGatherer:
             self.free(u)
 
     # --- hooks ----------------------------------------------------------------------------
+    def _with_borrowed(self, u: int) -> list[int]:
+        return [u, *self.units[u].borrowed]
+
     def _pre_forward(self, u: int):
         def hook(module, args):
-            self.ensure(u)
-            if u + 1 < len(self.units):
-                self.gather(u + 1)  # prefetch: its all-gather overlaps this unit's compute
+            for unit in self._with_borrowed(u):
+                self.ensure(unit)
+            if u + 1 < len(self.units) and self.units[u + 1].chunk == self.units[u].chunk:
+                # Prefetch: its all-gather overlaps this unit's compute. Not across chunks:
+                # another action may run first and free it, and it would be gathered twice.
+                self.gather(u + 1)
         return hook
 
     def _post_forward(self, u: int):
         def hook(module, args, output):
-            self.free(u)
+            for unit in self._with_borrowed(u):
+                self.free(unit)
             out = output[0] if isinstance(output, (tuple, list)) else output
             if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
                 out.register_hook(self._pre_backward(u))
@@ -127,26 +164,29 @@ class ParamGatherer:
 
     def _pre_backward(self, u: int):
         def hook(grad):
-            self.ensure(u)
+            for unit in self._with_borrowed(u):
+                self.ensure(unit)
             before = self._backward_next(u)
             if before is not None:
                 self.gather(before)
         return hook
 
     def _backward_next(self, u: int) -> int | None:
-        """The unit whose backward comes after u's: blocks in reverse, the rest first."""
-        kind = self.units[u][1]
-        if kind == "rest":
-            blocks = [i for i in range(u + 1, len(self.units)) if self.units[i][1] == "block"]
+        """The unit whose backward comes after u's, in u's chunk: its blocks in reverse,
+        after the rest (the head's backward comes first)."""
+        unit = self.units[u]
+        blocks = [i for i, other in enumerate(self.units)
+                  if other.kind == "block" and other.chunk == unit.chunk]
+        if unit.kind == "rest":
             return blocks[-1] if blocks else None
-        return u - 1 if u - 1 >= 0 and self.units[u - 1][1] == "block" else None
+        return u - 1 if u - 1 in blocks else None
 
     def backward_order(self) -> list[int]:
         """Units in the order backward finishes them: blocks last to first, then each
         chunk's rest (its embedding's gradient comes last); chunks last to first."""
         last_first = list(reversed(range(len(self.units))))
-        return ([u for u in last_first if self.units[u][1] == "block"]
-                + [u for u in last_first if self.units[u][1] == "rest"])
+        return ([u for u in last_first if self.units[u].kind == "block"]
+                + [u for u in last_first if self.units[u].kind == "rest"])
 
     def gathered_tensors(self) -> list[torch.Tensor]:
         return [self.shard, *self.full]

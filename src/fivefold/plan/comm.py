@@ -103,6 +103,7 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
     bpp = bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes)
     grad_bytes = 4 if work.fp32_grad_accum else bpp.grad
     params = rank_param_counts(mc, lay, pp_rank)
+    last = num_chunks(lay) - 1  # the chunk with the head
     out: list[Collective] = []
 
     def add(group, op, dtype, elements, calls, size, phase, note=""):
@@ -122,6 +123,13 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
             add(group, "all_gather", bpp.param, elems, m, n, "fwd", "parameters (forward)")
             add(group, "all_gather", bpp.param, elems, m, n, "bwd", "parameters (backward)")
             add(group, "reduce_scatter", grad_bytes, elems, rs_calls, n, "grad", "gradients")
+    if (lay.zero == 3 and mc.tie_embeddings and lay.pp > 1 and 0 in chunks and last in chunks
+            and lay.dp * lay.cp > 1):
+        # DualPipeV's V puts the tied head on the embedding's rank: the head chunk gathers
+        # the embedding's ZeRO-3 unit for its own forward and backward (parallel/zero3.py).
+        embedding = mc.vocab_size * h / lay.tp
+        add(dp_group_name(lay), "all_gather", bpp.param, embedding, 2 * m, lay.dp * lay.cp,
+            "fwd", "tied embedding for the head")
     if lay.zero >= 1:  # the squared norm of the gradient shards, for clipping (fp32 scalar)
         add(dp_group_name(lay), "all_reduce", 4, 1, 1, lay.dp * lay.cp, "step", "grad norm")
 
@@ -170,7 +178,6 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
 
     # --- pipeline: count this rank's chunk boundaries that cross to another rank ---
     msg = tokens * h / (t if lay.sp else 1)
-    last = num_chunks(lay) - 1
     sends_out = sum(1 for c in chunks if c < last and chunk_owner(lay, c + 1) != pp_rank)
     recv_in = sum(1 for c in chunks if c > 0 and chunk_owner(lay, c - 1) != pp_rank)
     add("pp", "send", B, msg, sends_out * m, lay.pp, "fwd", "activations")

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from fivefold.models.presets import ModelConfig
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb", "dualpipev")
-# Schedules whose backward is split into B (input) and W (weights) passes.
-SPLIT_BACKWARD = ("zb", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # Optimizer state bytes per parameter (fp32 moments): Adam m+v 8, SGD momentum 4, 8-bit Adam 2.
@@ -277,9 +275,6 @@ def check_layout(work: Workload, layout: Layout, gpus_per_node: int | None = Non
         bad.append(f"zb needs at least pp = {lay.pp} micro-batches, got {m}")
     if lay.offload and lay.zero == 0:
         bad.append("offload needs zero >= 1 (the sharded optimizer is what moves to the CPU)")
-    if lay.pp > 1 and lay.zero == 3 and lay.schedule in SPLIT_BACKWARD:
-        bad.append(f"zero = 3 does not run with the split backward of {lay.schedule} in the "
-                   f"engine; use zero <= 2 or afab, 1f1b, interleaved")
     if work.precision not in PRECISIONS:
         bad.append(f"precision = '{work.precision}' is not one of {', '.join(PRECISIONS)}")
     if work.optimizer not in OPTIMIZER_BYTES:

@@ -20,7 +20,6 @@ from fivefold.plan.hardware import Assumptions, Hardware
 from fivefold.plan.layout import (
     RECOMPUTE,
     SCHEDULES,
-    SPLIT_BACKWARD,
     Layout,
     Workload,
     bubble_ratio,
@@ -151,8 +150,6 @@ def enumerate_layouts(work: Workload, num_gpus: int, hw: Hardware,
                                     continue
                                 zeros = space.zero if dp * cp > 1 else (0,)
                                 for zero in zeros:
-                                    if zero == 3 and pp > 1 and sched in SPLIT_BACKWARD:
-                                        continue  # the engine refuses it (config.py)
                                     for off in space.offload:
                                         if off and zero == 0:
                                             continue

@@ -131,6 +131,9 @@ class MasterWeightOptimizer:
     def prepare_backward(self, final_microbatch: bool) -> None:
         """Nothing to do without data parallelism (ZeRO and DP reduce on the final one)."""
 
+    def before_weight_pass(self, params: list[nn.Parameter]) -> None:
+        """Nothing to gather: every weight is whole here."""
+
     def finish_grad_sync(self) -> None:
         """Nothing to wait for without data parallelism."""
 

@@ -341,6 +341,8 @@ class PipelineRunner:
         if key in step.fused:
             return  # done by its B
         uses, grads = step.uses.pop(key), step.use_grads.pop(key)
+        self.optimizer.before_weight_pass([p for (_, params), g in zip(uses, grads)
+                                           if g is not None for p in params])
         for (use, params), grad in zip(uses, grads):
             if grad is not None:
                 torch.autograd.backward(use, grad, inputs=params)
