@@ -23,7 +23,8 @@ CPU and the AdamW step runs there; the reduced gradient shard goes down, the upd
 compute-dtype parameters come back. On a CPU-only machine it changes where nothing lives,
 but takes the same path: a separate fp32 master copy, a copied fp32 gradient.
 
-The optimizer keeps `MasterWeightOptimizer`'s interface (train/optim.py).
+The optimizer keeps `MasterWeightOptimizer`'s interface (train/optim.py) and its update
+(`update.clipped_step`).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from torch import nn
 from fivefold.parallel import comm
 from fivefold.parallel.buffers import FlatLayout, bucket_groups, storage_bytes
 from fivefold.parallel.data import GradReducer
+from fivefold.parallel.update import StepStats, adamw, clipped_step, decays, norm_share
 from fivefold.parallel.watchdog import Watchdog
-from fivefold.train.optim import StepStats, adamw, clipped_step, decays, norm_share
 
 
 class DataParallelOptimizer:

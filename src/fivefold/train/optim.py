@@ -1,21 +1,29 @@
-"""Learning-rate schedules, AdamW parameter groups, and the optimizer with master weights.
+"""Learning-rate schedules and the single-replica optimizer with master weights.
 
 `MasterWeightOptimizer` is the single-replica optimizer (no data parallelism, or plain data
 parallelism whose gradients were already summed): it keeps fp32 master weights when the model
 computes in bf16/fp16, unscales fp16 gradients, computes the exact global gradient norm across
 tensor- and pipeline-parallel ranks, clips, steps AdamW and copies the result back into the
-model. The ZeRO optimizers in `parallel/zero.py` keep the same interface.
+model. The update itself (decay groups, norm shares, AdamW, `clipped_step`) lives in
+`parallel/update.py`, shared with the DP/ZeRO optimizers of `parallel/zero.py`, which keep
+this interface.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from fivefold.parallel import comm
+from fivefold.parallel.update import (  # noqa: F401  (re-exported)
+    StepStats,
+    adamw,
+    clipped_step,
+    decays,
+    norm_share,
+)
 
 
 def lr_at(step: int, tr) -> float:
@@ -43,63 +51,6 @@ def lr_at(step: int, tr) -> float:
     if step < decay_start:
         return tr.lr
     return tr.lr + (tr.min_lr - tr.lr) * min((step - decay_start + 1) / decay_steps, 1.0)
-
-
-def decays(name: str, param: torch.Tensor) -> bool:
-    """Weight decay applies to matrices, not to norm weights or biases."""
-    return param.ndim >= 2 and "norm" not in name
-
-
-def norm_share(param: torch.Tensor, tp_size: int) -> float:
-    """The share of this parameter's squared gradient norm that this rank contributes.
-
-    Tensor-parallel shards (`_tp_sharded`) are disjoint pieces: each counts fully. A tensor
-    replicated on r ranks (norm weights on every tp rank, a key/value head shared by
-    `_tp_replicas` ranks, an embedding tied across pipeline stages) counts 1/r on each, so the
-    sum over ranks counts it once. Dividing by a power of two is exact in floating point.
-    """
-    replicas = getattr(param, "_tp_replicas", None)
-    if replicas is None:
-        replicas = 1 if getattr(param, "_tp_sharded", False) else tp_size
-    return 1.0 / (replicas * getattr(param, "_pp_replicas", 1))
-
-
-@dataclass
-class StepStats:
-    grad_norm: float
-    skipped: bool
-    loss_scale: float
-
-
-def clipped_step(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], lr: float, tr,
-                 scaler, world: comm.Group, global_norm) -> StepStats:
-    """The update every optimizer here shares, on the gradients it holds (the optimizer's
-    `.grad`s, full or sharded): unscale (fp16), the exact global norm (`global_norm`),
-    skip the step when a rank saw inf/nan under loss scaling, clip, set the rate, step."""
-    if scaler.enabled:
-        torch._foreach_mul_(grads, 1.0 / scaler.scale)
-    norm = global_norm(grads)
-    found_inf = not bool(torch.isfinite(norm))
-    if scaler.enabled:  # every rank skips together, or none does
-        flag = torch.tensor([float(found_inf)], device=norm.device)
-        comm.all_reduce(flag, world, op="max")
-        found_inf = bool(flag.item())
-    scale = scaler.scale
-    scaler.update(found_inf)
-    if found_inf and scaler.enabled:
-        return StepStats(float("nan"), True, scale)
-    if tr.grad_clip > 0 and grads:
-        coef = torch.clamp(tr.grad_clip / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
-    return StepStats(float(norm), False, scale)
-
-
-def adamw(groups, tr, device: torch.device) -> torch.optim.AdamW:
-    kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps, **kwargs)
 
 
 class MasterWeightOptimizer:
