@@ -13,9 +13,10 @@ from fivefold.parallel.memory import SavedActivations
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.plan.activations import activation_bytes_per_microbatch
 from fivefold.plan.comm import ledger_volume
+from fivefold.plan.hardware import Assumptions
 from fivefold.plan.inputs import training_plan_inputs
 from fivefold.plan.layout import stage
-from fivefold.plan.memory import model_state_bytes
+from fivefold.plan.memory import memory_items, model_state_bytes
 from fivefold.train.trainer import Trainer
 
 # A model big enough that per-tensor terms dominate: hidden 64, 4 heads of 16, 2 kv heads.
@@ -71,6 +72,8 @@ def measure(rank, world, tmp, args):
     cfg = small_config(pathlib.Path(tmp), *MODEL, *args)
     dims = ParallelDims.from_config(cfg.parallel) if world > 1 else ParallelDims.single()
     trainer = Trainer(cfg, dims, quiet=True)
+    if trainer.pipeline is not None:
+        trainer.pipeline.count_activations = True  # also measures the kept output gradients
     dims.ledger.enabled = True
     trainer.train_step()
     ledger = {}
@@ -90,9 +93,10 @@ def measure(rank, world, tmp, args):
         activations += meter.bytes
     if trainer.pipeline is not None:
         trainer.pipeline.close()
+    kept = trainer.pipeline.peak_kept_bytes if trainer.pipeline is not None else 0
     return {"ledger": ledger, "memory": trainer.optimizer.memory_bytes(),
             "activations": activations, "precision": trainer.precision,
-            "pp_rank": dims.pp_rank}
+            "pp_rank": dims.pp_rank, "split_grads": kept}
 
 
 def planned(tmp, args, precision, pp_rank):
@@ -113,7 +117,8 @@ def planned(tmp, args, precision, pp_rank):
     activations = acts.layer * layers + (acts.embedding if embed else 0)
     if head:
         activations += acts.final_norm + acts.logits + acts.loss
-    return states, activations, ledger_volume(work, layout, pp_rank)
+    items, _ = memory_items(work, layout, Assumptions(), pp_rank)
+    return states, activations, ledger_volume(work, layout, pp_rank), items["split_grads"]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -133,7 +138,10 @@ def test_planner_agrees_with_engine(name, tmp_path, capsys):
 
 
 def check_rank(got, tmp_path, name, args, capsys):
-    states, activations, ledger = planned(tmp_path, args, got["precision"], got["pp_rank"])
+    states, activations, ledger, split_grads = planned(tmp_path, args, got["precision"],
+                                                       got["pp_rank"])
+    # A split backward keeps output gradients from B to W: exactly what the planner counts.
+    assert got["split_grads"] == split_grads, (got["split_grads"], split_grads)
     plan_items = {k: getattr(states, k) for k in ("params", "grads", "master", "optimizer")}
     measured = dict(got["memory"])
     if "--parallel.offload" in args:  # the planner books offloaded states as host memory
@@ -145,7 +153,8 @@ def check_rank(got, tmp_path, name, args, capsys):
     with capsys.disabled():
         print(f"\n{name} (pp rank {got['pp_rank']}): activations measured "
               f"{got['activations']} planned {activations:.0f} "
-              f"({got['activations'] / activations:.3f})")
+              f"({got['activations'] / activations:.3f})"
+              + (f"; kept for W {got['split_grads']}" if split_grads else ""))
     assert abs(got["activations"] - activations) <= 0.10 * activations
     plan_ledger = {g: {op: b for op, b in ops.items() if b} for g, ops in ledger.items()}
     plan_ledger = {g: ops for g, ops in plan_ledger.items() if ops}

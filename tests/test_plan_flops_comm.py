@@ -3,7 +3,7 @@
 import pytest
 
 from fivefold.models.presets import preset
-from fivefold.parallel.pipeline.check import peak_inflight, simulate
+from fivefold.parallel.pipeline.check import peak_inflight, peak_pending_weights, simulate
 from fivefold.parallel.pipeline.schedules import build_schedule
 from fivefold.plan.comm import collectives, ledger_volume, wire_volume
 from fivefold.plan.flops import (
@@ -14,7 +14,13 @@ from fivefold.plan.flops import (
     training_days,
     training_flops,
 )
-from fivefold.plan.layout import Layout, Workload, bubble_ratio, inflight_microbatches
+from fivefold.plan.layout import (
+    Layout,
+    Workload,
+    bubble_ratio,
+    inflight_microbatches,
+    pending_weight_passes,
+)
 
 # ---- FLOPs ------------------------------------------------------------------------------
 
@@ -145,9 +151,10 @@ def test_bubble_ratios():
 
 @pytest.mark.parametrize("schedule", ["afab", "1f1b", "interleaved", "zb", "dualpipev"])
 def test_pipeline_closed_forms_equal_the_engines_schedules(schedule):
-    """The planner's bubble and per-rank in-flight micro-batches are those of the schedules the
-    engine runs: simulated with F = B = W (the planner's 1:2 forward:backward), and the peak
-    of stored (micro-batch, chunk) pairs the executor is tested to reach."""
+    """The planner's bubble, per-rank in-flight micro-batches and micro-batches waiting for
+    their W are those of the schedules the engine runs: simulated with F = B = W (the
+    planner's 1:2 forward:backward), the peak of stored (micro-batch, chunk) pairs the
+    executor is tested to reach, and the peak of pairs between B and W."""
     for p in (2, 4, 8):
         for m in (p, 2 * p, 4 * p):
             for v in ((2, 4) if schedule == "interleaved" else (1,)):
@@ -161,3 +168,6 @@ def test_pipeline_closed_forms_equal_the_engines_schedules(schedule):
                 chunks = sched.num_stages // p  # chunks per rank: v, 2 for DualPipeV
                 stored = [n / chunks for n in peak_inflight(sched)]
                 assert [inflight_microbatches(lay, m, k) for k in range(p)] == stored, where
+                # Micro-batches between their B and W (split backward), chunk by chunk.
+                pending = [pending_weight_passes(lay, m, k) for k in range(p)]
+                assert pending == peak_pending_weights(sched), where

@@ -185,3 +185,25 @@ def recompute_working_set(model: ModelConfig, mbs: int, seq_len: int, *, tp: int
         full = activation_bytes_per_microbatch(model, mbs, seq_len, recompute="none", **kwargs)
         return full.layer_terms.get("attn_core", 0.0)
     return 0.0
+
+
+def kept_output_grad_bytes(model: ModelConfig, mbs: int, seq_len: int, tp: int = 1,
+                           sp: bool = False, cp: int = 1, dtype_bytes: int = 2) -> dict[str, float]:
+    """What a split backward (ZB-H1, DualPipeV) keeps of one micro-batch from its B to its W:
+    the gradient of every weight use's output, which W multiplies with the use's saved
+    input (Qi et al. 2023, §2: W needs the output gradient; parallel/pipeline/runtime.py).
+
+    Per layer: the column-parallel outputs q, k, v, gate and up (tp region), the
+    row-parallel outputs of o and down and the two norms' outputs (sequence region):
+    T·(q + 2·kv + 2·f/tp)·B + 4·T·h·B/(tp if sp). Outside the layers: the embedding's output
+    (first stage), the final norm's output and the logits T·V/tp·B (last stage).
+    """
+    h, B = model.hidden_size, dtype_bytes
+    tokens = mbs * seq_len / cp
+    seq_div = tp if sp else 1
+    q = model.num_heads * model.dim_per_head / tp
+    kv = kv_heads_per_rank(model, tp) * model.dim_per_head
+    row = tokens * h * B / seq_div
+    layer = tokens * B * (q + 2 * kv + 2 * model.intermediate_size / tp) + 4 * row
+    vocab = -(-model.vocab_size // tp)  # padded to tp pieces
+    return {"layer": layer, "embedding": row, "head": row + tokens * vocab * B}

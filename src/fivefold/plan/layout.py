@@ -183,6 +183,24 @@ def inflight_microbatches(layout: Layout, num_microbatches: int, rank: int) -> f
     return float(min(m, p + 0.5))  # dualpipev
 
 
+def pending_weight_passes(layout: Layout, num_microbatches: int, rank: int) -> tuple[int, ...]:
+    """Per chunk of `rank` (in `rank_chunks` order), the most micro-batches whose B has run
+    and whose W has not, at the rank's peak: each keeps its output gradients until W.
+
+    Read off the engine's lists (`parallel.pipeline.schedules`; a B directly followed by its
+    own W runs as one backward and keeps nothing): ZB-H1 keeps r + 1 on rank r > 0 and none
+    on rank 0, whose every W follows its B; DualPipeV keeps r + 1 on rank r > 0 as well,
+    ⌈(r+1)/2⌉ in the down-going chunk and ⌊(r+1)/2⌋ in the up-going one. Equal to
+    `parallel.pipeline.check.peak_pending_weights` (tests/test_plan_flops_comm.py)."""
+    chunks = len(rank_chunks(layout, rank))
+    if layout.pp == 1 or rank == 0 or layout.schedule not in ("zb", "dualpipev"):
+        return (0,) * chunks
+    n = min(rank + 1, num_microbatches)
+    if layout.schedule == "zb":
+        return (n,)
+    return ((n + 1) // 2, n // 2)
+
+
 def bubble_ratio(layout: Layout, num_microbatches: int) -> float:
     """Pipeline bubble time as a fraction of the ideal compute time m·(t_f + t_b).
 

@@ -9,6 +9,7 @@ from fivefold.models.presets import ModelConfig
 from fivefold.plan.activations import (
     ActivationBytes,
     activation_bytes_per_microbatch,
+    kept_output_grad_bytes,
     kv_heads_per_rank,
     recompute_working_set,
 )
@@ -17,15 +18,18 @@ from fivefold.plan.layout import (
     OPTIMIZER_BYTES,
     Layout,
     Workload,
+    chunk_layer_counts,
     critical_ranks,
     inflight_microbatches,
     num_chunks,
+    pending_weight_passes,
+    rank_chunks,
     stage,
 )
 
 # Order of the items in reports and stacked bars.
 MEMORY_ITEMS = ("params", "grads", "master", "optimizer", "grad_accum", "grad_buffer",
-                "activations", "logits_loss", "comm_buffers", "overhead")
+                "activations", "logits_loss", "split_grads", "comm_buffers", "overhead")
 
 
 @dataclass(frozen=True)
@@ -213,6 +217,16 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
         # Interleaved and DualPipeV run the head chunk's backward right after its forward.
         live = inflight if num_chunks(layout) == layout.pp else 1
         logits_loss = (act.final_norm + act.logits + act.loss) * live + act.loss_backward
+    split_grads = 0.0
+    pending = pending_weight_passes(layout, m, rank)
+    if any(pending):
+        kept = _kept_grads(work, layout)
+        counts = chunk_layer_counts(mc.num_layers, num_chunks(layout))
+        last = num_chunks(layout) - 1
+        for chunk, waiting in zip(rank_chunks(layout, rank), pending):
+            per_microbatch = (counts[chunk] * kept["layer"] + kept["embedding"] * (chunk == 0)
+                              + kept["head"] * (chunk == last))
+            split_grads += waiting * per_microbatch
     grad_buffer = 0.0
     if layout.zero >= 2 and shards > 1 and work.grad_sync == "step" and m > 1:
         # Reduce-scattered once per step, ZeRO-2/3 gradients accumulate whole in .grad over
@@ -223,6 +237,7 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
         "params": states.params, "grads": states.grads, "master": states.master,
         "optimizer": states.optimizer, "grad_accum": states.grad_accum,
         "grad_buffer": grad_buffer, "activations": activations, "logits_loss": logits_loss,
+        "split_grads": split_grads,
         "comm_buffers": comm_buffer_bytes(work, layout, rank),
     }
     items["overhead"] = assume.context_gib * GIB + assume.fragmentation * sum(items.values())
@@ -237,6 +252,11 @@ def _act_kwargs(work: Workload, layout: Layout) -> dict:
 def _activations(work: Workload, layout: Layout) -> ActivationBytes:
     return activation_bytes_per_microbatch(work.model, layout.mbs, work.seq_len,
                                            **_act_kwargs(work, layout))
+
+
+def _kept_grads(work: Workload, layout: Layout) -> dict[str, float]:
+    return kept_output_grad_bytes(work.model, layout.mbs, work.seq_len, tp=layout.tp,
+                                  sp=layout.sp, cp=layout.cp, dtype_bytes=work.dtype_bytes)
 
 
 def _working_set(work: Workload, layout: Layout) -> float:

@@ -15,7 +15,8 @@ from fivefold.plan.report import MEMORY_LABELS, TIME_LABELS
 
 COLORS = {"params": "#4e79a7", "grads": "#a0cbe8", "master": "#f28e2b", "optimizer": "#ffbe7d",
           "grad_accum": "#8cd17d", "grad_buffer": "#b6992d", "activations": "#e15759",
-          "logits_loss": "#ff9d9a", "comm_buffers": "#79706e", "overhead": "#bab0ac",
+          "logits_loss": "#ff9d9a", "split_grads": "#d37295", "comm_buffers": "#79706e",
+          "overhead": "#bab0ac",
           "compute": "#4e79a7", "tp_comm": "#f28e2b", "cp_comm": "#ffbe7d",
           "ep_comm": "#8cd17d", "pp_comm": "#b6992d", "bubble": "#e15759",
           "dp_comm": "#76b7b2", "optimizer_t": "#bab0ac"}

@@ -16,7 +16,9 @@ TIME_LABELS = {"compute": "compute", "tp_comm": "TP comm", "cp_comm": "CP comm",
 MEMORY_LABELS = {"params": "parameters", "grads": "gradients", "master": "master weights",
                  "optimizer": "optimizer states", "grad_accum": "fp32 grad accumulation",
                  "grad_buffer": "unsharded grads (step sync)", "activations": "activations",
-                 "logits_loss": "logits and loss", "comm_buffers": "communication buffers",
+                 "logits_loss": "logits and loss",
+                 "split_grads": "output grads kept for W (split backward)",
+                 "comm_buffers": "communication buffers",
                  "overhead": "framework overhead"}
 
 

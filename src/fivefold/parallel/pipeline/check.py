@@ -331,3 +331,39 @@ def peak_inflight(schedule: Schedule, freed_by_weight: bool = True) -> list[int]
     validate(schedule)
     release = WEIGHT if schedule.split_backward and freed_by_weight else BACKWARD
     return [_inflight_peak(schedule, rank, release) for rank in range(schedule.pp)]
+
+
+def fused_backwards(compute: list[Action]) -> set[tuple[int, int]]:
+    """(micro-batch, chunk) pairs whose W directly follows their B in a rank's compute
+    order: nothing runs in between, so the executor runs one full backward for both and
+    keeps nothing for W (the schedules write a DualPipeV full backward, and ZB's drain, as
+    B then W)."""
+    return {
+        (b.microbatch, b.chunk)
+        for b, w in zip(compute, compute[1:])
+        if b.kind == BACKWARD and w.kind == WEIGHT
+        and (b.microbatch, b.chunk) == (w.microbatch, w.chunk)
+    }
+
+
+def peak_pending_weights(schedule: Schedule) -> list[tuple[int, ...]]:
+    """Per rank, per chunk: the (micro-batch, chunk) pairs whose B has run and whose W has
+    not, at the rank's peak of such pairs: each keeps its output gradients until its W.
+    Zero for schedules without a split backward."""
+    out = []
+    for rank in range(schedule.pp):
+        chunks = schedule.num_stages // schedule.pp
+        compute = schedule.compute_actions(rank)
+        fused = fused_backwards(compute) if schedule.split_backward else set()
+        pending: set[tuple[int, int]] = set()
+        best: tuple[int, ...] = (0,) * chunks
+        for action in compute:
+            key = (action.microbatch, action.chunk)
+            if schedule.split_backward and action.kind == BACKWARD and key not in fused:
+                pending.add(key)
+            elif action.kind == WEIGHT:
+                pending.discard(key)
+            if len(pending) > sum(best):
+                best = tuple(sum(1 for _, c in pending if c == k) for k in range(chunks))
+        out.append(best)
+    return out

@@ -53,13 +53,13 @@ ranks' shard boundaries differ, so summing after the reduce-scatter would be wro
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections import defaultdict
 
 import torch
 from torch import nn
 
 from fivefold.parallel import comm
+from fivefold.parallel.pipeline.check import fused_backwards
 from fivefold.parallel.pipeline.schedules import (
     BACKWARD,
     FORWARD,
@@ -145,19 +145,6 @@ def _early_receives(items: list) -> list:
     return [item for item in out if item != ()]
 
 
-def _fused_backwards(compute: list[Action]) -> set:
-    """Pairs whose W directly follows their B: nothing runs in between, so one full
-    backward does both, without the split's extra autograd calls (the schedules write a
-    DualPipeV full backward, and ZB's drain, as B then W)."""
-    return {
-        (b.microbatch, b.chunk)
-        for b, w in itertools.pairwise(compute)
-        if b.kind == BACKWARD
-        and w.kind == WEIGHT
-        and (b.microbatch, b.chunk) == (w.microbatch, w.chunk)
-    }
-
-
 def _accumulates(action: Action, schedule: Schedule, fused: set) -> bool:
     """Whether `action` adds weight gradients (the optimizer's prepare_backward goes first)."""
     if not schedule.split_backward or (action.microbatch, action.chunk) in fused:
@@ -181,6 +168,7 @@ class PipelineRunner:
         group = embedding_group(dims, cfg.model.resolve().tie_embeddings and layout == "loop")
         self.embed_group = group if self.tied else None
         self.peak_stored = 0
+        self.peak_kept_bytes = 0  # split backward: most bytes of output gradients kept for W
         # Counting stored activations (saved-tensor hooks) costs ~5-10% of a small stage's
         # step on CPU, so it is off in training; the tests turn it on (peak_stored stays 0).
         self.count_activations = False
@@ -227,11 +215,11 @@ class PipelineRunner:
         schedule = self.schedule(len(micro_batches))
         step = _Step(micro_batches, num_tokens, loss_scale, train=True)
         compute = schedule.compute_actions(self.rank)
-        step.fused = _fused_backwards(compute) if schedule.split_backward else set()
+        step.fused = fused_backwards(compute) if schedule.split_backward else set()
         accumulating = [_accumulates(a, schedule, step.fused) for a in compute]
         last = max(i for i, yes in enumerate(accumulating) if yes)
         self._live.clear()
-        self.peak_stored = index = 0
+        self.peak_stored = self.peak_kept_bytes = index = 0
         for item in self._items(schedule):
             if isinstance(item, tuple):
                 self._communicate(item, step)
@@ -243,6 +231,10 @@ class PipelineRunner:
                 item, step, schedule
             )
             self.peak_stored = max(self.peak_stored, sum(1 for c in self._live.values() if c))
+            if self.count_activations:
+                kept = sum(g.numel() * g.element_size() for grads in step.use_grads.values()
+                           for g in grads if g is not None)
+                self.peak_kept_bytes = max(self.peak_kept_bytes, kept)
             index += 1
         self._finish_sends()
         if self.embed_group is not None:
