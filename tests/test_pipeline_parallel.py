@@ -159,10 +159,10 @@ def test_pipeline_matches_single_process_pp4(tmp_path):
 UNTIED = ("--model.tie_embeddings", "false")
 
 
-def _untied_cases(rank, world, tmp_path, todo, layers):
+def _cases_with(rank, world, tmp_path, todo, layers, extra):
     out = {}
     for schedule, m in todo:
-        cfg = small_config(tmp_path, *pp_args(world, schedule, m, layers, *UNTIED))
+        cfg = small_config(tmp_path, *pp_args(world, schedule, m, layers, *extra))
         trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel), quiet=True)
         out[(schedule, m)] = run_trainer(trainer)
         out[(schedule, m)]["val"] = trainer.evaluate()["val_loss"]
@@ -170,18 +170,29 @@ def _untied_cases(rank, world, tmp_path, todo, layers):
     return out
 
 
+def parity_with(tmp_path, todo, extra, label):
+    ref = reference(tmp_path, 4, 4, *extra)
+    results = run_ranks(_cases_with, 2, tmp_path, todo, 4, extra)
+    for case in todo:
+        per_rank = [r[case] for r in results]
+        for got in per_rank:
+            check_parity(got, ref, f"{label} {case}")
+        check_grads([r["grads"] for r in per_rank], ref, f"{label} {case}")
+
+
 def test_untied_pipeline_matches_single_process(tmp_path):
     """Untied embeddings (the head is a weight of its own): the first stage's embedding is
     not half of a tied pair, so the gradient norm counts it once. pp 2, the loop layout
     (1F1B) and the V (DualPipeV, both ends on rank 0): losses, norms, gradients as above."""
-    todo = [("1f1b", 4), ("dualpipev", 4)]
-    ref = reference(tmp_path, 4, 4, *UNTIED)
-    results = run_ranks(_untied_cases, 2, tmp_path, todo, 4)
-    for case in todo:
-        per_rank = [r[case] for r in results]
-        for got in per_rank:
-            check_parity(got, ref, f"untied {case}")
-        check_grads([r["grads"] for r in per_rank], ref, f"untied {case}")
+    parity_with(tmp_path, [("1f1b", 4), ("dualpipev", 4)], UNTIED, "untied")
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_split_backward_with_recomputation_matches_single_process(tmp_path, recompute):
+    """A split backward over recomputed blocks: B recomputes, W still finds every weight
+    use. pp 2, ZB-H1 and DualPipeV: losses, norms, gradients as above."""
+    parity_with(tmp_path, [("zb", 4), ("dualpipev", 4)], ("--train.recompute", recompute),
+                f"recompute={recompute}")
 
 
 # --------------------------------------------------------------------------- torch pipelining
