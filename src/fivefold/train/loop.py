@@ -118,6 +118,10 @@ def run(cfg: Config, dims: ParallelDims | None = None) -> list[dict]:
                          f"{trainer.precision}, device {trainer.device}, "
                          f"layout dp={cfg.parallel.dp}"
                          f" tp={cfg.parallel.tp} pp={cfg.parallel.pp} zero={cfg.parallel.zero}")
+    warmup = cfg.train.warmup_steps
+    if warmup > cfg.train.steps // 10:
+        progress.message(f"note: train.warmup_steps = {warmup} is capped at a tenth of "
+                         f"train.steps: {cfg.train.steps // 10} steps of warmup")
     planned = planned_model_states(trainer) if log else None
     peak = planned_peak_bytes(trainer) if log else None
     if planned:
