@@ -223,3 +223,22 @@ def test_resumed_metrics_hold_each_step_once(tmp_path):
     assert [(r["kind"], r["step"]) for r in records] == [
         *[("train", s) for s in range(1, 6)], ("val", 5), ("train", 6), ("train", 7)]
     assert [r["loss"] for r in records if r["step"] > 5] == [0.5, 0.5]
+
+
+def test_saving_a_step_again_never_leaves_latest_dangling(tmp_path):
+    """Saving the step `latest` names a second time keeps the old copy aside until the new
+    one is in place; if a crash fell between the two renames, resume finds the old copy."""
+    from fivefold.train import checkpoint as ckpt
+
+    t = Trainer(small_config(tmp_path), quiet=True)
+    root = tmp_path / "ckpt"
+    t.step = 5
+    t.save_checkpoint()
+    t.save_checkpoint()
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000005"]
+    # The crash window: the old copy moved aside, the new one not yet renamed into place.
+    (root / "step_00000005").rename(root / "step_00000005.old")
+    found = ckpt.resolve(str(root), "latest")
+    assert found == root / "step_00000005.old"
+    resumed = Trainer(small_config(tmp_path, "--checkpoint.resume", "latest"), quiet=True)
+    assert resumed.step == 5

@@ -54,6 +54,9 @@ def resolve(root: str, resume: str) -> Path | None:
     if not pointer.is_file():
         return None  # nothing saved yet: start fresh
     path = Path(root) / pointer.read_text().strip()
+    aside = path.with_name(path.name + ".old")
+    if not path.exists() and (aside / "meta.json").is_file():
+        return aside  # a crash between the two renames of a re-save: the old copy is whole
     if not (path / "meta.json").is_file():
         raise ConfigError(f"checkpoint {path} named by {pointer} is incomplete; point "
                           f"checkpoint.resume at an older step_* directory")
@@ -104,13 +107,16 @@ def save(root: str, step: int, tensors: dict[str, torch.Tensor], trainer_state: 
     _barrier()
     if _rank() == 0:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
+        aside = final.with_name(final.name + ".old")
+        if final.exists():  # the same step saved again: keep the old copy until the new is in
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
         os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
         pointer_tmp = root_path / "latest.tmp"
         pointer_tmp.write_text(final.name)
         os.replace(pointer_tmp, root_path / "latest")
-        done = sorted(p for p in root_path.glob("step_*") if not p.name.endswith(".tmp"))
+        done = sorted(p for p in root_path.glob("step_*") if p.suffix not in (".tmp", ".old"))
         for old in done[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
