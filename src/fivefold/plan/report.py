@@ -17,7 +17,7 @@ MEMORY_LABELS = {"params": "parameters", "grads": "gradients", "master": "master
                  "optimizer": "optimizer states", "grad_accum": "fp32 grad accumulation",
                  "grad_buffer": "unsharded grads (step sync)", "activations": "activations",
                  "logits_loss": "logits and loss",
-                 "split_grads": "output grads kept for W (split backward)",
+                 "split_grads": "grads kept for W (split)",
                  "comm_buffers": "communication buffers",
                  "overhead": "framework overhead"}
 
