@@ -101,6 +101,7 @@ class ParamGatherer:
                 self.state[seg.index] = READY
                 self.free(seg.index)
         self.unit_of = {id(slot.param): slot.segment for slot in layout.params}
+        self.backward_next = [self._backward_next(u) for u in range(len(units))]  # prefetch
         self._hooks = []
         for u, unit in enumerate(units):
             self._hooks.append(unit.module.register_forward_pre_hook(self._pre_forward(u)))
@@ -166,7 +167,7 @@ class ParamGatherer:
         def hook(grad):
             for unit in self._with_borrowed(u):
                 self.ensure(unit)
-            before = self._backward_next(u)
+            before = self.backward_next[u]
             if before is not None:
                 self.gather(before)
         return hook
