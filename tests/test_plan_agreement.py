@@ -32,6 +32,10 @@ LAYOUTS = {
     "tp2": ["--parallel.tp", "2"],
     "tp2-sp": ["--parallel.tp", "2", "--parallel.sp", "true"],
     "tp4-sp-full": ["--parallel.tp", "4", "--parallel.sp", "true", "--train.recompute", "full"],
+    "tp2-sp-shard": ["--parallel.tp", "2", "--parallel.sp", "true", "--parallel.sp_saved_input",
+                     "shard"],
+    "tp4-sp-shard-full": ["--parallel.tp", "4", "--parallel.sp", "true",
+                          "--parallel.sp_saved_input", "shard", "--train.recompute", "full"],
     "dp2": ["--parallel.dp", "2"],
     "dp2-zero1-bf16": ["--parallel.dp", "2", "--parallel.zero", "1", "--train.precision", "bf16"],
     "dp2-zero2": ["--parallel.dp", "2", "--parallel.zero", "2"],
@@ -55,6 +59,8 @@ LAYOUTS.update({
     "pp2-dp2-zero1-bf16": [*PP, "--parallel.dp", "2", "--parallel.zero", "1",
                            "--train.precision", "bf16", "--train.gbs", "8"],
     "pp2-tp2-sp": [*PP, "--parallel.tp", "2", "--parallel.sp", "true"],
+    "pp2-tp2-sp-shard": [*PP, "--parallel.tp", "2", "--parallel.sp", "true",
+                         "--parallel.sp_saved_input", "shard"],
     "pp2-dp2-zero2": [*PP, "--parallel.dp", "2", "--parallel.zero", "2", "--train.gbs", "8"],
     "pp2-dp2-zero3-bf16": [*PP, "--parallel.dp", "2", "--parallel.zero", "3",
                            "--train.precision", "bf16", "--train.gbs", "8"],
@@ -112,7 +118,8 @@ def planned(tmp, args, precision, pp_rank):
                                virtual_stages=layout.virtual_stages)
     acts = activation_bytes_per_microbatch(
         work.model, par.mbs, cfg.train.seq_len, tp=par.tp, sp=par.sp,
-        recompute=cfg.train.recompute, dtype_bytes=4 if precision == "fp32" else 2, flash=True)
+        recompute=cfg.train.recompute, dtype_bytes=4 if precision == "fp32" else 2, flash=True,
+        sp_saves_gathered=par.sp_saved_input == "full")
     layers, embed, head = stage(work.model, layout, pp_rank)
     activations = acts.layer * layers + (acts.embedding if embed else 0)
     if head:

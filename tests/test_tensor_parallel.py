@@ -38,11 +38,13 @@ LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-5
 KEY_BIAS_RTOL = 1e-4
 GPT = {"mlp": "gelu", "norm": "layernorm", "qkv_bias": True}
 # (name, model overrides, sp). nano: 4 heads, 2 kv heads, ffn 64, vocab 64, 2 layers.
+# sp = "shard": SP whose column linears keep only the sequence shard (parallel.sp_saved_input).
 CASES = {
-    2: [("nano", {}, False), ("nano", {}, True),
+    2: [("nano", {}, False), ("nano", {}, True), ("nano", {}, "shard"),
         ("vocab257", {"vocab_size": 257}, True),
         ("vocab257-tied", {"vocab_size": 257, "tie_embeddings": True}, False)],
-    4: [("kv2", {}, False), ("kv2", {}, True), ("gpt-bias", GPT, True)],
+    4: [("kv2", {}, False), ("kv2", {}, True), ("kv2", {}, "shard"), ("gpt-bias", GPT, True),
+        ("gpt-bias", GPT, "shard")],
 }
 
 
@@ -120,7 +122,9 @@ def _tp_worker(rank, world, cases):
     out = {}
     for name, overrides, sp in cases:
         cfg = preset("nano").replace(**overrides)
-        model = materialize(apply_tensor_parallel(build_meta(cfg), dims, sp), cfg, SEED)
+        model = materialize(apply_tensor_parallel(
+            build_meta(cfg), dims, bool(sp), sp_saved_input="shard" if sp == "shard" else "full"),
+            cfg, SEED)
         init = gather_full_state(model, dims)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         with torch.no_grad():
@@ -213,7 +217,10 @@ def _expected_ledger(cfg, tp, sp):
     norms = 2 * cfg.num_layers + 1  # the norm weights' gradients, once per micro-batch
     calls, elements = calls + norms, elements + norms * cfg.hidden_size
     seq = {"calls": n, "elements": n * act, "bytes": 4 * n * act}
-    return {("tp", "all_gather"): seq, ("tp", "reduce_scatter"): seq,
+    # Saving the shard gathers each layer's two region inputs again in backward.
+    g = n + (2 * cfg.num_layers if sp == "shard" else 0)
+    gathers = {"calls": g, "elements": g * act, "bytes": 4 * g * act}
+    return {("tp", "all_gather"): gathers, ("tp", "reduce_scatter"): seq,
             ("tp", "all_reduce"): {"calls": calls, "elements": elements, "bytes": 4 * elements}}
 
 
@@ -233,6 +240,13 @@ def _run_and_check(tp):
         print(f"tp={tp} saved activations per rank, bytes: norms {off['norms']} -> "
               f"{on['norms']} with SP; all {off['all']} -> {on['all']}")
         assert on["norms"] * tp == off["norms"], (off, on)
+    for name, overrides, sp in CASES[tp]:
+        if sp == "shard":  # two region inputs per layer kept at 1/tp of the sequence
+            cfg = preset("nano").replace(**overrides)
+            full, shard = results[(name, True)]["act"]["all"], results[(name, sp)]["act"]["all"]
+            saved = 2 * cfg.num_layers * BATCH * SEQ * cfg.hidden_size * 4 * (tp - 1) // tp
+            print(f"tp={tp} {name}: saved activations SP full {full} -> shard {shard}")
+            assert full - shard == saved, (name, full, shard, saved)
     return results
 
 

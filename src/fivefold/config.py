@@ -67,6 +67,7 @@ class ParallelSection:
     zero: int = 0  # 0: plain DP; 1, 2, 3: ZeRO stages
     offload: bool = False  # fp32 master weights and optimizer states on CPU
     sp: bool = False  # sequence parallelism (needs tp > 1)
+    sp_saved_input: str = "full"  # full | shard: what SP column linears keep for backward
     mbs: int = 1  # micro-batch size, in sequences
     schedule: str = "1f1b"  # afab | 1f1b | interleaved | zb | dualpipev
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules)
@@ -369,6 +370,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.zero = {par.zero} is not a ZeRO stage; use 0, 1, 2 or 3")
     _choice("parallel.schedule", par.schedule, ("afab", "1f1b", "interleaved", "zb", "dualpipev"))
     _choice("parallel.backend", par.backend, ("auto", "gloo", "nccl"))
+    _choice("parallel.sp_saved_input", par.sp_saved_input, ("full", "shard"))
     if par.sp and par.tp == 1:
         raise ConfigError("parallel.sp = true needs parallel.tp > 1; set parallel.tp or sp=false")
     if par.tp > 1:

@@ -48,7 +48,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
     if par.tp > 1:
         from fivefold.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(model, dims, sp=par.sp)
+        apply_tensor_parallel(model, dims, sp=par.sp, sp_saved_input=par.sp_saved_input)
     apply_recompute(model, cfg.train.recompute)
     if par.pp > 1:
         from fivefold.parallel.pipeline.stages import split_stages

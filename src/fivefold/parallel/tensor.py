@@ -188,16 +188,16 @@ class ColumnParallelLinear(TPParams, nn.Module):
     """
 
     def __init__(self, linear: nn.Linear, group: Group, sp: bool, weight: ParamInfo,
-                 bias: ParamInfo | None):
+                 bias: ParamInfo | None, save_shard: bool = False):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
-        self.group, self.sp = group, sp
+        self.group, self.sp, self.save_shard = group, sp, save_shard
         _set(self, "weight", weight, group)
         if bias is not None:
             _set(self, "bias", bias, group)
 
     def forward(self, x):
-        return column_linear(x, self.weight, self.bias, self.group, self.sp)
+        return column_linear(x, self.weight, self.bias, self.group, self.sp, self.save_shard)
 
 
 class RowParallelLinear(TPParams, nn.Module):
@@ -298,8 +298,17 @@ def _pattern(p: str) -> re.Pattern:
 
 
 def apply_tensor_parallel(model: nn.Module, dims, sp: bool,
-                          plan: dict[str, str] | None = None) -> nn.Module:
-    """Shard `model` (meta-built or materialized) over dims["tp"] in place; returns it."""
+                          plan: dict[str, str] | None = None,
+                          sp_saved_input: str = "full") -> nn.Module:
+    """Shard `model` (meta-built or materialized) over dims["tp"] in place; returns it.
+
+    sp_saved_input: what a column-parallel linear keeps for its weight gradient under SP,
+    "full" (the gathered input) or "shard" (this rank's sequence shard, gathered again in
+    backward; tensor_ops)."""
+    if sp_saved_input not in ("full", "shard"):
+        raise ConfigError(f"parallel.sp_saved_input = '{sp_saved_input}' is not one of "
+                          f"full, shard")
+    shard = sp and sp_saved_input == "shard"
     group: Group = dims["tp"]
     cfg, tp = model.cfg, group.size
     if sp and tp == 1:
@@ -317,7 +326,7 @@ def apply_tensor_parallel(model: nn.Module, dims, sp: bool,
         for name, module in list(model.named_modules()):
             style = next((s for pat, s in compiled if pat.match(name)), None)
             if style is not None:
-                _apply_style(model, name, module, style, group, sp)
+                _apply_style(model, name, module, style, group, sp, shard)
     for module in model.modules():  # everything else is replicated (identical grads)
         for pname, p in module.named_parameters(recurse=False):
             if not hasattr(p, "_tp_info"):
@@ -330,19 +339,20 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def _apply_style(model, name: str, module: nn.Module, style: str, group: Group, sp: bool):
+def _apply_style(model, name: str, module: nn.Module, style: str, group: Group, sp: bool,
+                 shard: bool = False):
     cfg = model.cfg
     if style in ("colwise", "vocab_head"):
         w = module.weight.shape
         weight = _vocab_info(w, group) if style == "vocab_head" else _split(w, 0, group)
         bias = None if module.bias is None else ParamInfo(
             tuple(module.bias.shape), group.size, 0, weight.slices, weight.local_size, group.rank)
-        _replace(model, name, ColumnParallelLinear(module, group, sp, weight, bias))
+        _replace(model, name, ColumnParallelLinear(module, group, sp, weight, bias, shard))
     elif style == "colwise_kv":
         weight = _kv_info(module.weight.shape, group, cfg.num_kv_heads, cfg.dim_per_head)
         bias = None if module.bias is None else _kv_info(
             module.bias.shape, group, cfg.num_kv_heads, cfg.dim_per_head)
-        _replace(model, name, ColumnParallelLinear(module, group, sp, weight, bias))
+        _replace(model, name, ColumnParallelLinear(module, group, sp, weight, bias, shard))
     elif style == "rowwise":
         _replace(model, name, RowParallelLinear(module, group, sp))
     elif style == "vocab_embedding":
@@ -360,7 +370,7 @@ def _apply_style(model, name: str, module: nn.Module, style: str, group: Group, 
             module.num_heads = cfg.num_heads // group.size
             module.num_kv_heads = max(cfg.num_kv_heads // group.size, 1)
         module.register_forward_pre_hook(
-            lambda m, args: (enter_region(args[0], group, sp), *args[1:]))
+            lambda m, args: (enter_region(args[0], group, sp, shard), *args[1:]))
     else:
         raise ValueError(f"unknown tensor-parallel style '{style}' for module '{name}'")
 

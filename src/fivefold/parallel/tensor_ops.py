@@ -20,6 +20,13 @@ only then computes its own weight gradient, so that GEMM runs while the bytes tr
 region entry's backward waits. This is Megatron's asynchronous input-gradient all-reduce
 (`LinearWithGradAccumulationAndAsyncCommunication`), kept at one collective per region
 even though the plain model has separate q, k, v (and gate, up) projections.
+
+Saved input under SP (`parallel.sp_saved_input`). A column linear needs its input for the
+weight gradient. "full" keeps the all-gathered, full-sequence input (T·h per region);
+"shard" keeps only this rank's sequence shard (T·h/tp) and all-gathers it again in backward,
+started before the input-gradient GEMM so the two overlap (Korthikanti et al. 2022 §4.2.2;
+Megatron-LM's `LinearWithGradAccumulationAndAsyncCommunication` with sequence parallelism).
+The consumers of one region share the one shard and the one backward all-gather.
 """
 
 from __future__ import annotations
@@ -64,8 +71,12 @@ def split_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
 class Region:
     """One entry into a tensor-parallel region, shared by its column-parallel consumers."""
 
-    def __init__(self, group: Group, sp: bool):
+    def __init__(self, group: Group, sp: bool, save_shard: bool = False):
         self.group, self.sp = group, sp
+        self.save_shard = sp and save_shard  # keep the sequence shard, gather it in backward
+        self.full: torch.Tensor | None = None  # the input gathered again in backward
+        self.full_handle = None
+        self.full_users = 0
         self.consumers = 0  # column linears that read this entry (counted in forward)
         self.arrived = 0  # ... whose input gradient has arrived (counted in backward)
         self.grad: torch.Tensor | None = None
@@ -82,6 +93,28 @@ class Region:
             self.grad, self.handle = _scatter_seq_start(self.grad, self.group, async_op=True)
         else:
             self.handle = comm.all_reduce(self.grad, self.group, async_op=True)
+
+    def start_gather(self, shard: torch.Tensor) -> None:
+        """Start the backward all-gather of the saved shard (once for all consumers)."""
+        if self.full is None:
+            xs = shard.transpose(0, 1).contiguous()
+            self.full = torch.empty((self.group.size * xs.shape[0], *xs.shape[1:]),
+                                    dtype=xs.dtype, device=xs.device)
+            self.full_handle = comm.all_gather(self.full, xs, self.group, async_op=True)
+
+    def gathered(self) -> torch.Tensor:
+        """The full-sequence input (b, s, ...), waiting for the all-gather if needed."""
+        if self.full_handle is not None:
+            self.full_handle.wait()
+            self.full_handle = None
+            self.full = self.full.transpose(0, 1).contiguous()
+        return self.full
+
+    def release_gathered(self) -> None:
+        """A consumer is done with the gathered input; the last one frees it."""
+        self.full_users += 1
+        if self.full_users >= self.consumers:
+            self.full, self.full_handle, self.full_users = None, None, 0
 
     def finish(self, extra: torch.Tensor | None) -> torch.Tensor | None:
         """The reduced input gradient: the consumers' sum, plus `extra` from any other reader."""
@@ -120,11 +153,15 @@ class _EnterRegion(torch.autograd.Function):
         return ctx.region.finish(grad), None
 
 
-def enter_region(x: torch.Tensor, group: Group, sp: bool) -> torch.Tensor:
-    """Enter a column-parallel region; the returned tensor carries its `Region`."""
-    region = Region(group, sp)
+def enter_region(x: torch.Tensor, group: Group, sp: bool,
+                 save_shard: bool = False) -> torch.Tensor:
+    """Enter a column-parallel region; the returned tensor carries its `Region` (and, when
+    the consumers save the sequence shard, the shard itself, only as long as it lives)."""
+    region = Region(group, sp, save_shard)
     out = _EnterRegion.apply(x, region)
     out._tp_region = region
+    if region.save_shard:
+        out._tp_shard = x
     return out
 
 
@@ -132,8 +169,10 @@ class _ColumnLinear(torch.autograd.Function):
     """y = x W^T + b on a region's input, with the overlapped input-gradient reduction."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, region: Region):
-        ctx.save_for_backward(x, weight)
+    def forward(ctx, x, weight, bias, region: Region, shard):
+        # Under SP with save_shard, only this rank's sequence shard is kept (`shard`, the
+        # region entry's input; its gradient flows through the entry, not from here).
+        ctx.save_for_backward(shard if region.save_shard else x, weight)
         ctx.region, ctx.has_bias = region, bias is not None
         region.consumers += 1
         return F.linear(x, weight, bias)
@@ -141,21 +180,30 @@ class _ColumnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        region = ctx.region
+        if region.save_shard:  # gather the input again while the input gradient is computed
+            region.start_gather(x)
         if ctx.needs_input_grad[0]:
-            ctx.region.add_grad(grad.matmul(weight))  # may start the async reduction
+            region.add_grad(grad.matmul(weight))  # may start the async reduction
+        if region.save_shard:
+            x = region.gathered()
         # The weight gradient is computed while the region's reduction is in flight.
         grad_2d = grad.reshape(-1, grad.shape[-1])
         grad_weight = grad_2d.t().matmul(x.reshape(-1, x.shape[-1]))
         grad_bias = grad_2d.sum(0) if ctx.has_bias else None
-        return None, grad_weight, grad_bias, None
+        if region.save_shard:
+            region.release_gathered()
+        return None, grad_weight, grad_bias, None, None
 
 
-def column_linear(x: torch.Tensor, weight, bias, group: Group, sp: bool) -> torch.Tensor:
+def column_linear(x: torch.Tensor, weight, bias, group: Group, sp: bool,
+                  save_shard: bool = False) -> torch.Tensor:
     region = getattr(x, "_tp_region", None)
     if region is None:  # used outside a prepared region: enter one just for this layer
-        x = enter_region(x, group, sp)
+        x = enter_region(x, group, sp, save_shard)
         region = x._tp_region
-    return _ColumnLinear.apply(x, weight, bias, region)
+    shard = getattr(x, "_tp_shard", None) if region.save_shard else None
+    return _ColumnLinear.apply(x, weight, bias, region, shard)
 
 
 class _ReduceFromRegion(torch.autograd.Function):

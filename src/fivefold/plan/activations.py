@@ -70,10 +70,12 @@ def activation_bytes_per_microbatch(
 ) -> ActivationBytes:
     """Bytes one micro-batch leaves saved for backward on one rank, per layer and outside.
 
-    Under SP, fivefold's column-parallel layers keep their all-gathered input (full sequence,
-    T·h·B) for the weight gradient: `sp_saves_gathered=True`. Megatron-LM keeps only the
-    sequence shard and gathers it again in backward (Korthikanti §4.2.2, and the paper's
-    Table 2): `sp_saves_gathered=False`.
+    Under SP, column-parallel layers keep their all-gathered input (full sequence, T·h·B)
+    for the weight gradient with `sp_saves_gathered=True` (`parallel.sp_saved_input = full`).
+    Megatron-LM, nanotron and the engine's `sp_saved_input = shard` keep only the sequence
+    shard and gather it again in backward (Korthikanti §4.2.2, and the paper's Table 2):
+    `sp_saves_gathered=False`. The output head's input stays gathered either way: the
+    engine's head is a plain F.linear on the region's gathered input.
 
     Per layer, with recompute = "none" (each term is one saved tensor):
       attention (seq region): norm input T·h·B; norm statistics T·4 (RMSNorm rstd; LayerNorm
@@ -158,7 +160,7 @@ def _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input) -> Activat
     outside = {
         "embedding": tokens * INDEX_BYTES + (tokens * h / seq_div if dropout else 0),
         "final_norm": tokens * h * B / seq_div + tokens * stats / seq_div,
-        "head_input": col_input,
+        "head_input": tokens * h * B if seq_div > 1 else col_input,
         "logits": tokens * model.vocab_size / tp * 4,
         "loss": tokens * INDEX_BYTES,
     }
@@ -173,11 +175,11 @@ def _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input) -> Activat
 def recompute_working_set(model: ModelConfig, mbs: int, seq_len: int, *, tp: int = 1,
                           sp: bool = False, cp: int = 1, recompute: str = "none",
                           dtype_bytes: int = 2, flash: bool = True,
-                          dropout: bool = False) -> float:
+                          dropout: bool = False, sp_saves_gathered: bool = True) -> float:
     """Transient bytes while one layer is recomputed in backward: under full recompute a whole
     layer's activations come back for one micro-batch; under selective, its attention core."""
     kwargs = {"tp": tp, "sp": sp, "cp": cp, "dtype_bytes": dtype_bytes, "flash": flash,
-              "dropout": dropout}
+              "dropout": dropout, "sp_saves_gathered": sp_saves_gathered}
     if recompute == "full":
         return activation_bytes_per_microbatch(model, mbs, seq_len, recompute="none",
                                                **kwargs).layer

@@ -18,6 +18,8 @@ from fivefold.plan.activations import kv_heads_per_rank
 from fivefold.plan.layout import Layout, Workload, num_chunks, rank_chunks, stage
 from fivefold.plan.memory import bytes_per_param, rank_param_counts
 
+REGATHER = "saved shards (SP)"  # backward all-gathers that overlap the input-gradient GEMMs
+
 
 @dataclass(frozen=True)
 class Collective:
@@ -83,7 +85,8 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
       all_reduces of b·s/cp fp32 in the cross-entropy (max, sum of exps, target logit). With
       SP, each norm weight's gradient is all-reduced per micro-batch; kv heads shared by several
       tp ranks have their k/v gradients all-reduced per micro-batch; the gradient norm adds one
-      fp32 all_reduce over tp (and over pp).
+      fp32 all_reduce over tp (and over pp). Saving the sequence shard (`sp_saved = shard`)
+      adds, per layer per micro-batch, the backward all_gathers of the two regions' inputs.
     - PP: per micro-batch and chunk boundary, one activation send forward and one gradient send
       backward of b·(s/cp)·h (÷tp with SP), and the matching recvs (Narayanan 2021 §3.2).
     - CP (ring attention): per layer per micro-batch, cp−1 sends of this rank's K and V forward;
@@ -146,6 +149,8 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
         add("tp", "reduce_scatter", B, act, fwd_closing * layers * m, t, "fwd", "layers")
         add("tp", "all_gather", B, act, 2 * layers * m, t, "bwd", "layers")
         add("tp", "reduce_scatter", B, act, 2 * layers * m, t, "bwd", "layers")
+        if lay.sp_saved == "shard":  # the saved shards gathered again for the weight grads
+            add("tp", "all_gather", B, act, 2 * layers * m, t, "bwd", REGATHER)
     else:
         add("tp", "all_reduce", B, act, fwd_closing * layers * m, t, "fwd", "layers")
         add("tp", "all_reduce", B, act, 2 * layers * m, t, "bwd", "layers")

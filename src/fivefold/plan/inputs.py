@@ -128,7 +128,8 @@ def training_plan_inputs(cfg: fconfig.Config, **workload_options) -> tuple[Workl
                     precision=precision, bucket_mb=par.bucket_mb, **workload_options)
     layout = Layout(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero,
                     mbs=par.mbs, recompute=tr.recompute, schedule=par.schedule,
-                    virtual_stages=par.virtual_stages, sp=par.sp, offload=par.offload)
+                    virtual_stages=par.virtual_stages, sp=par.sp, offload=par.offload,
+                    sp_saved=par.sp_saved_input)
     return work, layout
 
 
@@ -137,7 +138,7 @@ def parse_layout(text: str, num_gpus: int | None = None) -> Layout:
     dp may be left out when the number of GPUs is known."""
     values: dict = {}
     fields = {"dp", "tp", "pp", "cp", "ep", "zero", "mbs", "virtual_stages", "recompute",
-              "schedule", "sp", "offload", "v"}
+              "schedule", "sp", "offload", "v", "sp_saved"}
     for item in text.replace(" ", ",").split(","):
         if not item:
             continue
@@ -147,7 +148,7 @@ def parse_layout(text: str, num_gpus: int | None = None) -> Layout:
         key = "virtual_stages" if key == "v" else key
         if key not in fields:
             raise ConfigError(f"--layout key {key!r} is unknown; use {', '.join(sorted(fields))}")
-        if key in ("recompute", "schedule"):
+        if key in ("recompute", "schedule", "sp_saved"):
             values[key] = value
         elif key in ("sp", "offload"):
             values[key] = value.lower() in ("1", "true", "yes", "on")

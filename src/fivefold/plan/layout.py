@@ -36,6 +36,9 @@ class Layout:
     virtual_stages: int = 1
     sp: bool = False
     offload: bool = False
+    # Under SP, what column-parallel linears keep for backward: "full" (the gathered input)
+    # or "shard" (the sequence shard, gathered again in backward; parallel.sp_saved_input).
+    sp_saved: str = "full"
 
     @property
     def world_size(self) -> int:
@@ -46,7 +49,7 @@ class Layout:
         if self.pp > 1:
             chunks = f"×{self.virtual_stages}" if self.virtual_stages > 1 else ""
             sched = f"({self.schedule}{chunks})"
-        parts = [f"dp{self.dp}", f"tp{self.tp}{'+sp' if self.sp else ''}", f"pp{self.pp}{sched}"]
+        parts = [f"dp{self.dp}", f"tp{self.tp}{self._sp_label()}", f"pp{self.pp}{sched}"]
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
         if self.ep > 1:
@@ -54,6 +57,11 @@ class Layout:
         parts += [f"z{self.zero}{'+off' if self.offload else ''}", f"mbs{self.mbs}",
                   {"none": "rc-none", "selective": "rc-sel", "full": "rc-full"}[self.recompute]]
         return " ".join(parts)
+
+    def _sp_label(self) -> str:
+        if not self.sp:
+            return ""
+        return "+sp(shard)" if self.sp_saved == "shard" else "+sp"
 
     def replace(self, **changes) -> Layout:
         return dataclasses.replace(self, **changes)
@@ -261,6 +269,8 @@ def check_layout(work: Workload, layout: Layout, gpus_per_node: int | None = Non
     ffn = mc.moe_intermediate_size if mc.num_experts else mc.intermediate_size
     if ffn % lay.tp:
         bad.append(f"tp = {lay.tp} does not divide the MLP width {ffn}")
+    if lay.sp_saved not in ("full", "shard"):
+        bad.append(f"sp_saved = '{lay.sp_saved}' is not one of full, shard")
     if lay.sp and lay.tp == 1:
         bad.append("sp needs tp > 1")
     if lay.sp and work.seq_len % (lay.tp * lay.cp):

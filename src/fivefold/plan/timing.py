@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from fivefold.plan.comm import Collective, collectives
+from fivefold.plan.comm import REGATHER, Collective, collectives
 from fivefold.plan.flops import forward_flops_per_token
 from fivefold.plan.hardware import Assumptions, Hardware, group_bandwidth
 from fivefold.plan.layout import (
@@ -59,6 +59,7 @@ class RankCompute:
     backward: float  # recomputation included
     recompute: float
     attention_fwd: float  # one micro-batch, all layers on the rank
+    gemm_fwd: float = 0.0  # the layers' forward GEMMs, one micro-batch
 
 
 def group_link(hw: Hardware, layout: Layout, group: str) -> tuple[float, bool]:
@@ -126,7 +127,7 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     forward = layers_fwd + head_time
     recompute = {"full": layers_fwd, "selective": attn}.get(lay.recompute, 0.0)
     backward = 2 * (gemm + elem + head_time) + attn * (2.5 if work.flash else 2.0) + recompute
-    return RankCompute(forward, backward, recompute, attn)
+    return RankCompute(forward, backward, recompute, attn, gemm)
 
 
 def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions) -> StepTime:
@@ -140,9 +141,11 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
         colls = collectives(work, lay, rank)
         per = {"tp": 0.0, "cp": 0.0, "ep": 0.0, "pp": 0.0}
         dp = {"fwd": 0.0, "bwd": 0.0, "grad": 0.0, "step": 0.0}
-        cp_fwd = cp_bwd = 0.0
+        cp_fwd = cp_bwd = regather = 0.0
         for c in colls:
-            if c.group in ("tp", "ep"):
+            if c.note == REGATHER:  # hides behind the input-gradient GEMMs it overlaps
+                regather += collective_time(c, hw, assume, lay)
+            elif c.group in ("tp", "ep"):
                 per[c.group] += collective_time(c, hw, assume, lay)
             elif c.group == "cp" and c.op == "send":
                 tcp = collective_time(c, hw, assume, lay)
@@ -152,7 +155,10 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
                 per["pp"] += collective_time(c, hw, assume, lay) / 2  # duplex: send ∥ recv
             elif c.group in ("dp", "dp_cp", "edp", "pp_embed"):
                 dp[c.phase] += collective_time(c, hw, assume, lay, bucket)
-        tp = per["tp"] * (1 - assume.tp_overlap)
+        # The column linears' input-gradient GEMMs (about their forward GEMMs, half the
+        # layers' matmul time) run while the saved shards are gathered again.
+        regather = max(0.0, regather - m * rc.gemm_fwd / 2)
+        tp = (per["tp"] + regather) * (1 - assume.tp_overlap)
         core_runs = 2 if lay.recompute in ("selective", "full") else 1
         cp = (max(0.0, cp_fwd - m * core_runs * rc.attention_fwd)
               + max(0.0, cp_bwd - m * 2.5 * rc.attention_fwd))
