@@ -41,9 +41,18 @@ def init_value(cfg: ModelConfig, name: str, shape, seed: int) -> torch.Tensor:
     if leaf == "bias":
         return torch.zeros(shape)
     std = cfg.init_std
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
+    if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w_down")):
         std /= math.sqrt(2 * cfg.num_layers)
-    gen = torch.Generator().manual_seed(name_seed(seed, name))
+    if ".experts.w_" in name:
+        # Stacked experts [E, ...]: expert j is drawn from its own name, so a rank holding
+        # experts a..b (expert parallelism) draws the same values a single device does.
+        return torch.stack([_normal(shape[1:], std, name_seed(seed, f"{name}.{j}"))
+                            for j in range(shape[0])])
+    return _normal(shape, std, name_seed(seed, name))
+
+
+def _normal(shape, std: float, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
@@ -75,6 +84,8 @@ def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device="cpu",
     for module in model.modules():
         if isinstance(module, Rotary):  # fp32 frequencies whatever the parameters' dtype
             module.inv_freq = rope_inv_freq(module.cfg).to(device)
+        if hasattr(module, "reset_buffers"):  # MoE: expert bias and statistics start at zero
+            module.reset_buffers()
     return model
 
 

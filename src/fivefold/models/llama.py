@@ -190,12 +190,17 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = make_norm(cfg)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        if cfg.is_moe_layer(index):
+            from fivefold.models.moe import MoE
+
+            self.mlp = MoE(cfg)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, cache=None, layer: int = 0, start: int = 0):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, start)
@@ -220,7 +225,7 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = Rotary(cfg)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -34,10 +34,31 @@ class ModelConfig:
     mlp: str = "swiglu"  # "swiglu" (Llama) or "gelu" (GPT-3 style, 2 matrices)
     norm: str = "rmsnorm"  # "rmsnorm" or "layernorm"
     init_std: float = 0.02
-    # Mixture of experts (0 experts: dense). Used by the planner; the engine's MoE comes later.
+    # Mixture of experts (0 experts: dense); see models/moe.py.
     num_experts: int = 0
     experts_top_k: int = 0
     moe_intermediate_size: int = 0
+    moe_layer_freq: int = 1  # layer i is MoE when (i + 1) % freq == 0 (Qwen's decoder_sparse_step)
+    moe_first_dense: int = 0  # the first k layers stay dense (DeepSeek's first_k_dense_replace)
+    router_score: str = "softmax"  # "softmax" or "sigmoid" (DeepSeek-V3)
+    norm_topk_prob: bool = True  # renormalise the k chosen weights to sum to 1
+    routed_scaling_factor: float = 1.0
+    router_groups: int = 1  # group-limited routing: experts in groups, topk_groups of them kept
+    router_topk_groups: int = 1
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x·w) scales the shared expert
+    capacity_factor: float = 0.0  # 0: dropless; else per-sequence capacity (models/moe.py)
+    aux_loss_coeff: float = 0.0  # sequence-wise balance loss
+    z_loss_coeff: float = 0.0  # router z-loss
+    expert_bias_rate: float = 0.0  # aux-loss-free bias update per step; 0: off
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (self.num_experts > 0 and i >= self.moe_first_dense
+                and (i + 1) % self.moe_layer_freq == 0)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
     @property
     def dim_per_head(self) -> int:
@@ -52,32 +73,60 @@ class ModelConfig:
         return self.num_kv_heads * self.dim_per_head
 
     def param_counts(self) -> dict[str, int]:
-        """Parameter counts by part: embedding, per layer, final norm, output head."""
-        h, f = self.hidden_size, self.intermediate_size
-        norm_size = 1 if self.norm == "rmsnorm" else 2  # LayerNorm has a bias
+        """Parameter counts by part: embedding, per layer, final norm, output head.
+
+        'layer' is one layer of the most common kind (an MoE layer in an MoE model),
+        'layers' the sum over all layers (dense and MoE alike)."""
+        embed = self.vocab_size * self.hidden_size
+        layers = [self.layer_params(i) for i in range(self.num_layers)]
+        moe = [n for i, n in enumerate(layers) if self.is_moe_layer(i)]
+        return {
+            "embedding": embed,
+            "layer": moe[0] if moe else layers[0],
+            "layers": sum(layers),
+            "final_norm": self._norm_size * self.hidden_size,
+            "head": 0 if self.tie_embeddings else embed,
+        }
+
+    @property
+    def _norm_size(self) -> int:
+        return 1 if self.norm == "rmsnorm" else 2  # LayerNorm has a bias
+
+    def attention_params(self) -> int:
+        h = self.hidden_size
         attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
-        if self.num_experts:
-            mlp = self.num_experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
+        return attn + 2 * self._norm_size * h
+
+    def moe_params(self, active: bool = False) -> dict[str, int]:
+        """One MoE layer's feed-forward: 'router', 'routed' experts ('active': only the top-k
+        a token passes through), 'shared' expert (and its gate)."""
+        h = self.hidden_size
+        experts = self.experts_top_k if active else self.num_experts
+        shared = 3 * h * self.shared_expert_intermediate_size + h * self.shared_expert_gate
+        return {"router": h * self.num_experts,
+                "routed": experts * 3 * h * self.moe_intermediate_size, "shared": shared}
+
+    def layer_params(self, i: int, active: bool = False) -> int:
+        h, f = self.hidden_size, self.intermediate_size
+        if self.is_moe_layer(i):
+            mlp = sum(self.moe_params(active).values())
         else:
             mlp = (3 if self.mlp == "swiglu" else 2) * h * f
             if self.mlp == "gelu":
                 mlp += f + h  # GPT-style MLP biases
-        layer = attn + mlp + 2 * norm_size * h
-        embed = self.vocab_size * h
-        head = 0 if self.tie_embeddings else self.vocab_size * h
-        return {
-            "embedding": embed,
-            "layer": layer,
-            "layers": layer * self.num_layers,
-            "final_norm": norm_size * h,
-            "head": head,
-        }
+        return self.attention_params() + mlp
 
     def num_params(self) -> int:
         c = self.param_counts()
         return c["embedding"] + c["layers"] + c["final_norm"] + c["head"]
+
+    def num_active_params(self) -> int:
+        """Parameters a token passes through: the top-k routed experts instead of all E."""
+        c = self.param_counts()
+        layers = sum(self.layer_params(i, active=True) for i in range(self.num_layers))
+        return c["embedding"] + layers + c["final_norm"] + c["head"]
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
