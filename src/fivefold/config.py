@@ -72,6 +72,7 @@ class ParallelSection:
     schedule: str = "1f1b"  # afab | 1f1b | interleaved | zb | dualpipev
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules)
     bucket_mb: float = 25.0  # gradient bucket size for DP reduction, in MB
+    buckets_in_flight: int = 2  # ZeRO-2/3: gradient buckets alive at once (staged or on the wire)
     timeout_s: float = 300.0  # a collective waiting longer than this fails the run
     backend: str = "auto"  # auto | gloo | nccl
 
@@ -392,6 +393,9 @@ def validate(cfg: Config) -> None:
                           f"{par.tp}, which sequence parallelism needs")
     if par.bucket_mb <= 0:
         raise ConfigError(f"parallel.bucket_mb = {par.bucket_mb} must be > 0")
+    if par.buckets_in_flight < 1:
+        raise ConfigError(f"parallel.buckets_in_flight = {par.buckets_in_flight} must be >= 1 "
+                          f"(2 keeps one bucket filling while the one before it is reduced)")
 
     _positive("train.steps", tr.steps)
     _positive("train.gbs", tr.gbs)

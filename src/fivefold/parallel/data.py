@@ -16,7 +16,14 @@ order even if a parameter got no gradient (its bucket then goes out in `finish`)
     stage 2, 3     no full buffer: on the final micro-batch each gradient is copied into its
                    bucket's staging buffer and dropped; the full bucket exists only until its
                    reduce-scatter into the persistent gradient shard (Rajbhandari et al. 2020,
-                   "ZeRO", §5.2) has finished.
+                   "ZeRO", §5.2) has finished. At most `buckets_in_flight` staging buffers
+                   are alive at once: before a new one is allocated, the oldest launched
+                   reduction is waited for and its staging freed (reductions complete in
+                   launch order), so a rank holds its shard plus that many buckets, never
+                   the whole gradient. Two are enough to keep the overlap: one bucket fills
+                   while the one before it is on the wire. (Under ZeRO-3 the rest unit,
+                   embedding and head, fills from backward's first gradient to its last,
+                   so at least two are alive there whatever the setting.)
 
 Every reduction is a plain SUM: the loss of each micro-batch is divided by the number of
 target tokens of the whole global batch, so the summed gradient is the single-device one.
@@ -28,14 +35,18 @@ from __future__ import annotations
 
 import torch
 
-from fivefold.parallel import comm
+from fivefold.parallel import comm, peak
 from fivefold.parallel.buffers import FlatLayout
+
+BUCKETS_IN_FLIGHT = 2  # the default of parallel.buckets_in_flight
 
 
 class GradReducer:
     def __init__(self, layout: FlatLayout, group: comm.Group, stage: int, dtype: torch.dtype,
-                 device: torch.device, watchdog, order: list[int] | None = None):
+                 device: torch.device, watchdog, order: list[int] | None = None,
+                 buckets_in_flight: int = BUCKETS_IN_FLIGHT):
         self.layout, self.group, self.stage, self.watchdog = layout, group, stage, watchdog
+        self.buckets_in_flight = buckets_in_flight
         # The order in which segments are expected to complete in backward, and are launched.
         self.order = order if order is not None else list(range(len(layout.segments)))
         self.rank = group.rank if layout.shards > 1 else 0
@@ -53,7 +64,7 @@ class GradReducer:
         self.counts = [0] * nseg
         self.ready = [False] * nseg
         self.launched = 0
-        self.handles: list = []
+        self.handles: list = []  # (segment, work) launched and not yet waited for, in order
         self.final = True
         self.segment_done = []  # callbacks(segment index), on every micro-batch (ZeRO-3 frees)
         self.launch_log: list[int] = []  # segments in launch order (for tests and debugging)
@@ -91,6 +102,7 @@ class GradReducer:
             start = slot.start - self.layout.segments[seg].start
             staging[start:start + slot.numel].copy_(param.grad.view(-1))
             param.grad = None  # the full gradient is not kept beyond its bucket
+            peak.sample("gradient staged")
         self.counts[seg] += 1
         if self.counts[seg] == len(self.layout.segments[seg].params):
             for callback in self.segment_done:
@@ -101,6 +113,11 @@ class GradReducer:
 
     def _staging(self, seg: int) -> torch.Tensor:
         if seg not in self.staging:
+            # Make room first: wait for the oldest reductions until fewer than the allowed
+            # number of buckets are alive. (If none has been launched yet, e.g. buckets
+            # completing out of launch order, the bound cannot be kept without deadlock.)
+            while len(self.staging) >= self.buckets_in_flight and self.handles:
+                self._wait_oldest()
             size = self.layout.segments[seg].size
             self.staging[seg] = torch.zeros(size, dtype=self.dtype, device=self.device)
         return self.staging[seg]
@@ -125,6 +142,12 @@ class GradReducer:
             handle = comm.reduce_scatter(out, self._staging(index), self.group, async_op=True)
         self.launch_log.append(index)
         self.handles.append((index, handle))
+        peak.sample("bucket launched")
+
+    def _wait_oldest(self) -> None:
+        index, handle = self.handles.pop(0)
+        self.watchdog.wait(handle, f"gradient {self.group.name} reduction of bucket {index}")
+        self.staging.pop(index, None)  # its reduce-scatter has read it: free it now
 
     def finish(self) -> None:
         """Launch what backward did not (buckets of parameters without a gradient), wait."""
@@ -135,9 +158,9 @@ class GradReducer:
                         self._stage_leftover(i)
             self.ready = [True] * len(self.ready)
             self._launch_ready()
-        for index, handle in self.handles:
-            self.watchdog.wait(handle, f"gradient {self.group.name} reduction of bucket {index}")
-        self.handles.clear()
+        peak.sample("end of backward")
+        while self.handles:
+            self._wait_oldest()
         self.staging.clear()
 
     def _stage_leftover(self, index: int) -> None:

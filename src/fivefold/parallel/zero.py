@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fivefold.parallel import comm
+from fivefold.parallel import comm, peak
 from fivefold.parallel.buffers import FlatLayout, bucket_groups, storage_bytes
-from fivefold.parallel.data import GradReducer
+from fivefold.parallel.data import BUCKETS_IN_FLIGHT, GradReducer
 from fivefold.parallel.update import StepStats, adamw, clipped_step, decays, norm_share
 from fivefold.parallel.watchdog import Watchdog
 
@@ -43,7 +43,7 @@ class DataParallelOptimizer:
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], dims, tr, scaler,
                  stage: int = 0, offload: bool = False, bucket_mb: float = 25.0,
                  chunks: list[nn.Module] | None = None, timeout_s: float = 300.0,
-                 watchdog: Watchdog | None = None):
+                 watchdog: Watchdog | None = None, buckets_in_flight: int = BUCKETS_IN_FLIGHT):
         self.dims, self.tr, self.scaler, self.stage, self.offload = dims, tr, scaler, stage, offload
         self.group = dims["dp_cp"]
         self.names = [n for n, _ in named_params]
@@ -74,7 +74,7 @@ class DataParallelOptimizer:
             self.param_flat = self._bind_params()
         order = self.gatherer.backward_order() if self.gatherer is not None else None
         self.reducer = GradReducer(self.layout, self.group, stage, self.dtype, self.device,
-                                   self.watchdog, order)
+                                   self.watchdog, order, buckets_in_flight)
         if self.gatherer is not None:
             self.reducer.segment_done.append(self.gatherer.free)
         self._build_states()
@@ -167,6 +167,7 @@ class DataParallelOptimizer:
                      for g in grads]
         for m, g in zip(self.master_pieces, grads):
             m.grad = g
+        peak.sample("optimizer step")
         stats = clipped_step(self.optimizer, grads, lr, self.tr, self.scaler, self.dims["world"],
                              self._global_grad_norm)
         for m in self.master_pieces:
@@ -279,6 +280,23 @@ class DataParallelOptimizer:
                 "master": storage_bytes([self.master_flat]),
                 "optimizer": storage_bytes([self.exp_avg, self.exp_avg_sq])}
 
+    def peak_sources(self) -> dict[str, peak.Source]:
+        """What this rank holds, by planner item, for a `peak.PeakTracker`."""
+        reducer, gatherer = self.reducer, self.gatherer
+
+        def grad_buffer():  # ZeRO-2/3: .grad accumulating whole over the micro-batches
+            return [] if reducer.keep_full else [s.param.grad for s in self.layout.params]
+
+        return {
+            "params": lambda: [self.param_flat if gatherer is None else gatherer.shard],
+            "grads": lambda: [reducer.grad_buffer, reducer.grad_shard,
+                              *(m.grad for m in self.master_pieces)],
+            "master": lambda: [self.master_flat],
+            "optimizer": lambda: [self.exp_avg, self.exp_avg_sq],
+            "grad_buffer": grad_buffer,
+            "comm_buffers": lambda: [*reducer.staging.values(),
+                                     *(gatherer.full if gatherer is not None else [])]}
+
     def close(self) -> None:
         """Detach the hooks and stop the watchdog (tests build many optimizers per process)."""
         self.reducer.remove_hooks()
@@ -294,4 +312,4 @@ def build_data_parallel_optimizer(model, named_params, dims, cfg, scaler,
     return DataParallelOptimizer(named_params, dims, cfg.train, scaler, stage=par.zero,
                                  offload=par.offload, bucket_mb=par.bucket_mb,
                                  chunks=model.chunks, timeout_s=par.timeout_s,
-                                 watchdog=watchdog)
+                                 watchdog=watchdog, buckets_in_flight=par.buckets_in_flight)

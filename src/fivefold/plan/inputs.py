@@ -125,7 +125,8 @@ def training_plan_inputs(cfg: fconfig.Config, **workload_options) -> tuple[Workl
     par, tr = cfg.parallel, cfg.train
     precision = "bf16" if tr.precision == "auto" else tr.precision
     work = Workload(model=training_model(cfg), seq_len=tr.seq_len, gbs=tr.gbs,
-                    precision=precision, bucket_mb=par.bucket_mb, **workload_options)
+                    precision=precision, bucket_mb=par.bucket_mb,
+                    buckets_in_flight=par.buckets_in_flight, **workload_options)
     layout = Layout(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero,
                     mbs=par.mbs, recompute=tr.recompute, schedule=par.schedule,
                     virtual_stages=par.virtual_stages, sp=par.sp, offload=par.offload,

@@ -83,6 +83,7 @@ class Workload:
     causal_flops: bool = False  # halve attention FLOPs (Megatron ≥ 2025) or not (PaLM, Narayanan)
     grad_sync: str = "step"  # ZeRO-2/3 gradient reduce-scatter once per "step" or "microbatch"
     bucket_mb: float = 25.0
+    buckets_in_flight: int = 2  # ZeRO-2/3 gradient buckets alive at once (parallel/data.py)
 
     @property
     def dtype_bytes(self) -> int:

@@ -172,9 +172,10 @@ def model_state_bytes(model: ModelConfig, *, tp: int = 1, pp: int = 1, dp: int =
 
 
 def comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
-    """Transient buffers of the collectives: two DP buckets; ZeRO-3's gathered layer (current +
-    prefetched params, one layer of full grads before its reduce-scatter); PP receive buffers
-    for an activation and a gradient; CP's double-buffered K/V chunk; EP's dispatch buffers."""
+    """Transient buffers of the collectives: the DP buckets in flight; ZeRO-3's gathered layer
+    (current + prefetched params, one layer of full grads before its reduce-scatter); PP receive
+    buffers for an activation and a gradient; CP's double-buffered K/V chunk;
+    EP's dispatch buffers."""
     mc, B = work.model, work.dtype_bytes
     bpp = bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes)
     tokens = layout.mbs * work.seq_len / layout.cp
@@ -184,7 +185,7 @@ def comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
             per_layer = sum(layer_param_counts(mc, layout.tp, layout.ep).values())
             total += per_layer * (2 * bpp.param + bpp.grad)
         else:
-            total += 2 * work.bucket_mb * 1e6
+            total += work.buckets_in_flight * work.bucket_mb * 1e6
     if layout.pp > 1:
         total += 2 * tokens * mc.hidden_size * B / (layout.tp if layout.sp else 1)
     if layout.cp > 1:
