@@ -68,6 +68,8 @@ class ParallelSection:
     offload: bool = False  # fp32 master weights and optimizer states on CPU
     sp: bool = False  # sequence parallelism (needs tp > 1)
     sp_saved_input: str = "full"  # full | shard: what SP column linears keep for backward
+    cp_comm: str = "ring"  # context parallelism's K/V exchange: ring | allgather
+    cp_layout: str = "zigzag"  # sequence split over cp ranks: zigzag | contiguous
     mbs: int = 1  # micro-batch size, in sequences
     schedule: str = "1f1b"  # afab | 1f1b | interleaved | zb | dualpipev
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules)
@@ -150,7 +152,6 @@ SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 
 # Values that later dimensions will implement; until then they are refused with this word.
 NOT_AVAILABLE: dict[str, str] = {
-    "parallel.cp": "context parallelism is not available yet; set parallel.cp = 1",
     "parallel.ep": "expert parallelism is not available yet; set parallel.ep = 1",
 }
 
@@ -304,6 +305,22 @@ def _positive(key: str, value, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key} = {value} must be {'>= 0' if allow_zero else '> 0'}")
 
 
+def _check_context(par, tr) -> None:
+    _choice("parallel.cp_comm", par.cp_comm, ("ring", "allgather"))
+    _choice("parallel.cp_layout", par.cp_layout, ("zigzag", "contiguous"))
+    if par.cp > 1 and tr.seq_len % (2 * par.cp):
+        raise ConfigError(f"train.seq_len = {tr.seq_len} is not divisible by 2·parallel.cp = "
+                          f"{2 * par.cp} (each sequence is cut into 2·cp chunks); pick a "
+                          f"seq_len that is a multiple of {2 * par.cp} or another cp")
+    if par.cp > 1 and par.sp and tr.seq_len % (par.cp * par.tp):
+        raise ConfigError(f"train.seq_len = {tr.seq_len} is not divisible by parallel.cp·tp = "
+                          f"{par.cp * par.tp}, which sequence parallelism under cp needs")
+    if par.cp > 1 and tr.device == "cuda":
+        raise ConfigError("parallel.cp > 1 with train.device = 'cuda': the ring's block kernel "
+                          "(attention with its log-sum-exp) is CPU-only in this version; set "
+                          "train.device = 'cpu' or parallel.cp = 1")
+
+
 def _check_pipeline(par: ParallelSection, num_layers: int, num_micro: int) -> None:
     """Ask the schedule itself (pure Python, no torch), so the engine and this agree."""
     if par.pp == 1:
@@ -391,6 +408,7 @@ def validate(cfg: Config) -> None:
     if par.sp and tr.seq_len % par.tp:
         raise ConfigError(f"train.seq_len = {tr.seq_len} is not divisible by parallel.tp = "
                           f"{par.tp}, which sequence parallelism needs")
+    _check_context(par, tr)
     if par.bucket_mb <= 0:
         raise ConfigError(f"parallel.bucket_mb = {par.bucket_mb} must be > 0")
     if par.buckets_in_flight < 1:

@@ -49,6 +49,16 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
         from fivefold.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, dims, sp=par.sp, sp_saved_input=par.sp_saved_input)
+    if par.cp > 1:
+        from fivefold.parallel.context import apply_context_parallel, kernel_available
+
+        if not kernel_available(device.type):
+            from fivefold.config import ConfigError
+
+            raise ConfigError(f"parallel.cp = {par.cp} on a {device.type} device: no attention "
+                              f"kernel with a log-sum-exp is wired for it; use train.device = "
+                              f"'cpu' or parallel.cp = 1")
+        apply_context_parallel(model, dims["cp"], par.cp_layout, par.cp_comm)
     apply_recompute(model, cfg.train.recompute)
     if par.pp > 1:
         from fivefold.parallel.pipeline.stages import split_stages

@@ -181,7 +181,10 @@ def batch_p2p(ops: list[P2P], group: Group) -> list:
     for op in ops:
         group.ledger.record(op.kind, group, op.tensor)
         fn = dist.isend if op.kind == "send" else dist.irecv
-        p2p_ops.append(dist.P2POp(fn, op.tensor, group.global_rank(op.peer), group=group.pg))
+        # A send may be a view (a sequence-parallel output is a transposed one when b > 1);
+        # the backends take dense tensors only. A receive buffer is always dense.
+        tensor = op.tensor.contiguous() if op.kind == "send" else op.tensor
+        p2p_ops.append(dist.P2POp(fn, tensor, group.global_rank(op.peer), group=group.pg))
     return dist.batch_isend_irecv(p2p_ops)
 
 

@@ -133,6 +133,14 @@ class Trainer:
                 p.copy_(local_piece(p, full[name]).to(p.dtype))
 
     # --- one step ---------------------------------------------------------------------
+    def shard_sequences(self, micro_batches):
+        """Under context parallelism, this cp rank's tokens of every sequence."""
+        if self.dims.cp == 1:
+            return micro_batches
+        from fivefold.parallel.context import shard_batch
+
+        return shard_batch(micro_batches, self.cfg.parallel.cp_layout, self.dims["cp"])
+
     def forward_backward(self, micro_batches, num_tokens: int) -> torch.Tensor:
         """Run every micro-batch; returns this rank's summed loss (0 off the last stage)."""
         if self.pipeline is not None:
@@ -160,7 +168,8 @@ class Trainer:
         self.model.train()
         self.dims.ledger.reset()
         micro_batches = self.loader.next_batch()
-        num_tokens = self.loader.num_target_tokens
+        num_tokens = self.loader.num_target_tokens  # of the global batch, before any cp split
+        micro_batches = self.shard_sequences(micro_batches)
         self.watchdog.arm()
         self.optimizer.zero_grad()
         loss_sum = self.forward_backward(micro_batches, num_tokens)
@@ -188,6 +197,7 @@ class Trainer:
         for _ in range(self.cfg.train.eval_batches):
             micro_batches = self.val_loader.next_batch()
             num_tokens = self.val_loader.num_target_tokens
+            micro_batches = self.shard_sequences(micro_batches)
             if self.pipeline is not None:
                 local = self.pipeline.forward_only(micro_batches)
             else:
