@@ -341,6 +341,43 @@ def _check_pipeline(par: ParallelSection, num_layers: int, num_micro: int) -> No
                           f"every stage needs a layer: lower pp or virtual_stages")
 
 
+def _check_moe(mc, par: ParallelSection) -> None:
+    """Mixture-of-experts keys (models/moe.py)."""
+    e, k = mc.num_experts, mc.experts_top_k
+    if not 1 <= k <= e:
+        raise ConfigError(f"model.experts_top_k = {k} must lie in [1, model.num_experts = {e}]")
+    _positive("model.moe_intermediate_size", mc.moe_intermediate_size)
+    _positive("model.moe_layer_freq", mc.moe_layer_freq)
+    _positive("model.moe_first_dense", mc.moe_first_dense, allow_zero=True)
+    if mc.num_moe_layers == 0:
+        raise ConfigError(f"model.moe_first_dense = {mc.moe_first_dense} and moe_layer_freq = "
+                          f"{mc.moe_layer_freq} leave no MoE layer among {mc.num_layers}; "
+                          f"lower them or set model.num_experts = 0")
+    _choice("model.router_score", mc.router_score, ("softmax", "sigmoid"))
+    groups = mc.router_groups
+    if groups < 1 or e % groups:
+        raise ConfigError(f"model.router_groups = {groups} must divide model.num_experts = {e}")
+    if not 1 <= mc.router_topk_groups <= groups:
+        raise ConfigError(f"model.router_topk_groups = {mc.router_topk_groups} must lie in "
+                          f"[1, model.router_groups = {groups}]")
+    if k > mc.router_topk_groups * (e // groups):
+        raise ConfigError(f"model.experts_top_k = {k} exceeds the experts of the "
+                          f"{mc.router_topk_groups} kept groups; raise router_topk_groups")
+    _positive("model.routed_scaling_factor", mc.routed_scaling_factor)
+    for name in ("shared_expert_intermediate_size", "capacity_factor", "aux_loss_coeff",
+                 "z_loss_coeff", "expert_bias_rate"):
+        _positive(f"model.{name}", getattr(mc, name), allow_zero=True)
+    cut = [n for n in ("aux_loss_coeff", "z_loss_coeff", "capacity_factor") if getattr(mc, n)]
+    if par.cp > 1 and cut:
+        raise ConfigError(f"model.{cut[0]} = {getattr(mc, cut[0])} with parallel.cp = {par.cp}: "
+                          f"the per-sequence balance losses and capacity need whole sequences; "
+                          f"set it to 0 (the expert bias balances without it) or cp = 1")
+    if par.sp:
+        raise ConfigError("parallel.sp = true with a mixture-of-experts model: sequence "
+                          "parallelism would cut the sequences the balance loss is taken over; "
+                          "set parallel.sp = false (tp shards the attention, experts replicate)")
+
+
 def validate(cfg: Config) -> None:
     """Every check of a config, in one place. Raises ConfigError with a one-line fix."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
@@ -371,10 +408,9 @@ def validate(cfg: Config) -> None:
         if missing:
             raise ConfigError(f"model.rope_scaling lacks {', '.join(missing)}; give all four "
                               f"keys of Llama-3.1 scaling, or leave rope_scaling unset")
+    _positive("model.num_experts", mc.num_experts, allow_zero=True)
     if mc.num_experts:
-        raise ConfigError(f"model.num_experts = {mc.num_experts}: mixture-of-experts layers are "
-                          f"not available yet in the engine (`fivefold plan` models them); set "
-                          f"model.num_experts = 0")
+        _check_moe(mc, par)
     _choice("model.mlp", mc.mlp, ("swiglu", "gelu"))
     _choice("model.norm", mc.norm, ("rmsnorm", "layernorm"))
 

@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config import ConfigError
+from fivefold.models.moe import MoE
 from fivefold.parallel import comm
 from fivefold.parallel.comm import Group
 from fivefold.parallel.tensor_ops import (
@@ -365,6 +366,8 @@ def _apply_style(model, name: str, module: nn.Module, style: str, group: Group, 
             _set(module, pname, _replicated(p.shape, group.size, ("tp",) if sp else None), group)
         if style == "head_input":  # the norm's output enters the head's column region
             module.register_forward_hook(lambda m, args, out: enter_region(out, group, sp))
+    elif style == "region" and isinstance(module, MoE):
+        return  # experts replicated over tp: each rank runs them whole, no region to enter
     elif style in ("attention", "region"):
         if style == "attention":
             module.num_heads = cfg.num_heads // group.size

@@ -92,6 +92,11 @@ class Trainer:
             from fivefold.parallel.pipeline.runtime import PipelineRunner
 
             self.pipeline = PipelineRunner(self.model, self.dims, cfg, self.optimizer)
+        self.moe = None
+        if self.model_cfg.num_experts:
+            from fivefold.train.moe_stats import MoEStats
+
+            self.moe = MoEStats(self.model.chunks, self.model_cfg, self.dims, ledger_paused)
         self.step = 0
         self.throughput = Throughput(flops_per_token(self.model_cfg, tr.seq_len),
                                      device_peak_flops(self.device, cfg.log.peak_tflops),
@@ -172,10 +177,13 @@ class Trainer:
         micro_batches = self.shard_sequences(micro_batches)
         self.watchdog.arm()
         self.optimizer.zero_grad()
+        if self.moe is not None:
+            self.moe.begin_step(self.scaler.scale, self.cfg.train.gbs)
         loss_sum = self.forward_backward(micro_batches, num_tokens)
         self.optimizer.finish_grad_sync()
         lr = lr_at(self.step, self.cfg.train)
         stats = self.optimizer.step(lr)
+        moe = self.moe.finish_step(self.cfg.train.gbs) if self.moe is not None else {}
         loss = self.global_loss(loss_sum, num_tokens)
         self.watchdog.disarm()
         self.step += 1
@@ -184,7 +192,8 @@ class Trainer:
         return {"kind": "train", "step": self.step, "loss": loss, "lr": lr,
                 "grad_norm": stats.grad_norm, "skipped": stats.skipped,
                 "loss_scale": stats.loss_scale, "tokens": tokens, "tokens_per_s": tps,
-                "step_time_s": elapsed, "mfu": mfu, "memory_bytes": memory_bytes(self.device)}
+                "step_time_s": elapsed, "mfu": mfu, "memory_bytes": memory_bytes(self.device),
+                **moe}
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -220,6 +229,9 @@ class Trainer:
             for key, value in states[name].items():
                 key_name = f"model/{name}" if key == "param" else f"optim/{name}/{key}"
                 out[key_name] = full_tensor(p, value, self.dims)
+        if self.moe is not None:  # the aux-loss-free biases are training state too
+            for name, bias in self.moe.expert_biases().items():
+                out[f"buffer/{name}"] = bias.detach().clone()
         return out
 
     def trainer_state(self) -> dict:
@@ -249,6 +261,10 @@ class Trainer:
             for key in ("master", "exp_avg", "exp_avg_sq"):
                 states[name][key] = local_piece(p, tensors[f"optim/{name}/{key}"])
         self.optimizer.load_param_states(states, state["optim_step"])
+        if self.moe is not None:
+            with torch.no_grad():
+                for name, bias in self.moe.expert_biases().items():
+                    bias.copy_(tensors[f"buffer/{name}"])
         self.loader.load_state_dict(state["loader"])
         self.scaler.load_state_dict(state["scaler"])
         self.step = state["step"]

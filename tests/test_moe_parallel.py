@@ -1,0 +1,72 @@
+"""The MoE model under dp 2, ZeRO-1, ZeRO-3, tp 2 (experts replicated) and pp 2 (1F1B)
+reproduces the single process, with the balance loss, z-loss and expert-bias update on.
+
+Tolerances (fp32): loss ≤ 1e-6 relative per step, gradient norm ≤ 1e-5 relative, the aux
+loss (coefficient-weighted balance + z losses) ≤ 1e-6 relative, tokens per expert equal,
+final parameters ≤ 1e-5 relative per tensor, expert biases ≤ 1e-6 absolute. One forked pair
+of ranks runs every layout in turn.
+"""
+
+import pathlib
+
+import pytest
+import torch
+from common import small_config
+from harness import run_ranks
+
+from fivefold.parallel.mesh import ParallelDims
+from fivefold.train.trainer import Trainer
+
+MOE = ["--model.num_layers", "2", "--model.num_experts", "4", "--model.experts_top_k", "2",
+       "--model.moe_intermediate_size", "16", "--model.aux_loss_coeff", "0.01",
+       "--model.z_loss_coeff", "0.001", "--model.expert_bias_rate", "0.01",
+       "--model.shared_expert_intermediate_size", "16", "--model.shared_expert_gate", "true",
+       "--train.gbs", "8", "--parallel.mbs", "2", "--train.lr", "1e-3"]
+STEPS = 3
+LAYOUTS = {
+    "dp2": ["--parallel.dp", "2"],
+    "dp2-zero1": ["--parallel.dp", "2", "--parallel.zero", "1"],
+    "dp2-zero3": ["--parallel.dp", "2", "--parallel.zero", "3"],
+    "tp2": ["--parallel.tp", "2"],
+    "pp2-1f1b": ["--parallel.pp", "2", "--parallel.schedule", "1f1b"],
+}
+
+
+def train(rank, world, tmp, args):
+    cfg = small_config(pathlib.Path(tmp), *MOE, *args)
+    dims = ParallelDims.from_config(cfg.parallel) if world > 1 else ParallelDims.single()
+    trainer = Trainer(cfg, dims, quiet=True)
+    records = [trainer.train_step() for _ in range(STEPS)]
+    tensors = {k: v for k, v in trainer.logical_tensors().items()
+               if k.startswith(("model/", "buffer/"))}
+    keys = ("loss", "grad_norm", "moe_aux_loss", "moe_tokens_max", "moe_tokens_min")
+    return [{k: r[k] for k in keys} for r in records], tensors
+
+
+def every_layout(rank, world, tmp):
+    return {name: train(rank, world, f"{tmp}/{name}", args) for name, args in LAYOUTS.items()}
+
+
+def rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.slow
+def test_moe_layouts_match_the_single_process(tmp_path):
+    ref_steps, ref_tensors = train(0, 1, str(tmp_path / "ref"), [])
+    assert ref_steps[-1]["moe_aux_loss"] > 0
+    assert any(k.startswith("buffer/") and v.abs().sum() > 0 for k, v in ref_tensors.items())
+    for rank_result in run_ranks(every_layout, 2, str(tmp_path)):
+        for name, (steps, tensors) in rank_result.items():
+            for got, want in zip(steps, ref_steps):
+                assert rel(got["loss"], want["loss"]) <= 1e-6, name
+                assert rel(got["grad_norm"], want["grad_norm"]) <= 1e-5, name
+                assert rel(got["moe_aux_loss"], want["moe_aux_loss"]) <= 1e-6, name
+                assert got["moe_tokens_max"] == want["moe_tokens_max"], name
+                assert got["moe_tokens_min"] == want["moe_tokens_min"], name
+            for key, value in tensors.items():
+                ref = ref_tensors[key]
+                if key.startswith("buffer/"):
+                    assert torch.allclose(value, ref, rtol=0, atol=1e-6), (name, key)
+                else:
+                    assert float((value - ref).norm() / ref.norm()) <= 1e-5, (name, key)
