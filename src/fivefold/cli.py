@@ -1,14 +1,15 @@
 """fivefold train | plan | prepare | generate | convert | schedule
 
 Every subcommand turns a bad input into one line on stderr and exit code 2, before anything
-is written.
+is written; any other failure is one line too, with the exit codes `main` lists.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
-from fivefold.config import ArgumentParser, ConfigError
+from fivefold.config import ArgumentParser, ConfigError, RunError
 
 USAGE = """usage: fivefold COMMAND [options]
 
@@ -21,7 +22,8 @@ commands:
   convert    export a checkpoint to Hugging Face format
   schedule   draw the timeline of a pipeline schedule as a PNG
 
-Run `fivefold COMMAND --help` for a command's options."""
+Run `fivefold COMMAND --help` for a command's options; `fivefold --version` for the version.
+Add --debug to any command to see a failure's traceback."""
 
 
 def train_main(argv: list[str]) -> int:
@@ -69,24 +71,60 @@ def _subcommand(name: str):
     return main
 
 
+EXIT_BAD_INPUT = 2  # a bad argument, config value or input file: nothing has started
+EXIT_INTERNAL = 4  # an error nobody foresaw: one line here, the traceback with --debug
+DEBUG_HINT = "rerun with --debug (or FIVEFOLD_DEBUG=1) to see the traceback"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
+    """Run one command; every failure ends as one line on stderr and an exit code:
+    1 a run stopped for a reason it names, 2 a bad input, 3 a lost rank, 4 an unforeseen
+    error (traceback with --debug), 130 interrupted."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("FIVEFOLD_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if argv[0] in ("-h", "--help"):
         print(USAGE)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from fivefold import __version__
+
+        print(f"fivefold {__version__}")
         return 0
     command = _subcommand(argv[0])
     if command is None:
         print(f"error: unknown command '{argv[0]}'; commands: train, plan, prepare, generate, "
               f"convert, schedule", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:
         return command(argv[1:]) or 0
     except ConfigError as e:
+        if debug:
+            raise
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    except RunError as e:
+        if debug:
+            raise
+        print(f"error: {_first_line(e)}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if debug:
+            raise
+        print(f"error: {argv[0]} failed with {type(e).__name__}: {_first_line(e)[:300]}; "
+              f"{DEBUG_HINT}", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

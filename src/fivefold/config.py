@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import sys
 import types
@@ -28,6 +29,13 @@ else:  # pragma: no cover - Python 3.10
 
 class ConfigError(ValueError):
     """A user-facing configuration problem: one line, naming the key and the fix."""
+
+
+class RunError(RuntimeError):
+    """A run that stopped for a reason it can name in one line (NaN weights, a lost rank).
+    The CLI prints the message and exits with `exit_code`."""
+
+    exit_code = 1
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -200,10 +208,13 @@ def _coerce(key: str, value, typ):
         if isinstance(value, bool):
             raise ConfigError(f"{key} = {value!r} is not a number; give a number such as 3e-4")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(
                 f"{key} = {value!r} is not a number; give a number such as 3e-4") from None
+        if not math.isfinite(number):  # nan passes every `<` check, inf overflows later
+            raise ConfigError(f"{key} = {value!r} is not a finite number; give e.g. 3e-4")
+        return number
     if typ is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{key} = {value!r} is not a string; quote it")
@@ -450,6 +461,9 @@ def validate(cfg: Config) -> None:
     if par.buckets_in_flight < 1:
         raise ConfigError(f"parallel.buckets_in_flight = {par.buckets_in_flight} must be >= 1 "
                           f"(2 keeps one bucket filling while the one before it is reduced)")
+    if par.timeout_s <= 0:
+        raise ConfigError(f"parallel.timeout_s = {par.timeout_s} must be > 0 seconds; the "
+                          f"default is 300")
 
     _positive("train.steps", tr.steps)
     _positive("train.gbs", tr.gbs)
@@ -464,6 +478,8 @@ def validate(cfg: Config) -> None:
     _check_pipeline(par, mc.num_layers, num_micro)
     if tr.lr <= 0:
         raise ConfigError(f"train.lr = {tr.lr} must be > 0")
+    if not 0 <= tr.seed < 2**32:  # numpy's and torch's generators take 32-bit unsigned seeds
+        raise ConfigError(f"train.seed = {tr.seed} must lie in [0, 2**32); pick e.g. 1234")
     if tr.min_lr < 0 or tr.min_lr > tr.lr:
         raise ConfigError(f"train.min_lr = {tr.min_lr} must lie in [0, train.lr = {tr.lr}]")
     _positive("train.warmup_steps", tr.warmup_steps, allow_zero=True)

@@ -25,11 +25,13 @@ import time
 
 import torch.distributed as dist
 
+from fivefold.config import RunError
+
 EXIT_RANK_LOST = 3
 
 
-class RankLostError(RuntimeError):
-    pass
+class RankLostError(RunError):
+    exit_code = EXIT_RANK_LOST
 
 
 class _State:

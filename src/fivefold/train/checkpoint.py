@@ -11,6 +11,13 @@ saved at dp 4 with ZeRO-3 resumes at dp 2, at tp 2 or at pp 2: resharding is sli
 Writes are atomic: everything goes into `step_N.tmp`, and only when every rank has finished
 is it renamed to `step_N` and the `latest` pointer replaced. A crash mid-save leaves the last
 good checkpoint untouched; the leftover `.tmp` directory is removed by the next save.
+The last file written before the publish is `manifest.json`, the size and sha256 of every
+file of the step (train/manifest.py); every load checks it first, so a truncated or corrupted
+shard is one line naming the bad step and the newest good one, never NaN losses.
+
+Retention keeps the newest `keep` steps at or below the step just saved, by step number: a
+run resumed from an older step never deletes what it has just written, and leaves the steps
+of the abandoned later history alone.
 """
 
 from __future__ import annotations
@@ -26,6 +33,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from fivefold.config import ConfigError
+from fivefold.train.manifest import (  # noqa: F401 - verify_step is this module's API too
+    damaged_message,
+    published_steps,
+    verify_step,
+    write_manifest,
+)
 
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
               "num_kv_heads", "head_dim", "tie_embeddings", "qkv_bias", "mlp", "norm")
@@ -58,12 +71,21 @@ def resolve(root: str, resume: str) -> Path | None:
     if not path.exists() and (aside / "meta.json").is_file():
         return aside  # a crash between the two renames of a re-save: the old copy is whole
     if not (path / "meta.json").is_file():
-        raise ConfigError(f"checkpoint {path} named by {pointer} is incomplete; point "
-                          f"checkpoint.resume at an older step_* directory")
+        raise ConfigError(damaged_message(path, f"{pointer} names it but it is incomplete",
+                                          "checkpoint.resume"))
     return path
 
 
-def read_meta(path: Path) -> dict:
+def ensure_intact(path: Path, fix: str = "checkpoint.resume") -> None:
+    """Raise a one-line ConfigError when the step directory fails its manifest check."""
+    problem = verify_step(path) if (Path(path) / "meta.json").is_file() else None
+    if problem:
+        raise ConfigError(damaged_message(path, problem, fix))
+
+
+def read_meta(path: Path, fix: str = "checkpoint.resume") -> dict:
+    """The step's meta.json, after checking every file of the step against its manifest."""
+    ensure_intact(path, fix)
     meta_file = Path(path) / "meta.json"
     if not meta_file.is_file():
         raise ConfigError(f"{path} has no meta.json: it is not a fivefold checkpoint (or its "
@@ -107,6 +129,7 @@ def save(root: str, step: int, tensors: dict[str, torch.Tensor], trainer_state: 
     _barrier()
     if _rank() == 0:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        write_manifest(tmp)  # last: it describes every file above
         aside = final.with_name(final.name + ".old")
         if final.exists():  # the same step saved again: keep the old copy until the new is in
             shutil.rmtree(aside, ignore_errors=True)
@@ -116,19 +139,31 @@ def save(root: str, step: int, tensors: dict[str, torch.Tensor], trainer_state: 
         pointer_tmp = root_path / "latest.tmp"
         pointer_tmp.write_text(final.name)
         os.replace(pointer_tmp, root_path / "latest")
-        done = sorted(p for p in root_path.glob("step_*") if p.suffix not in (".tmp", ".old"))
-        for old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        retire_old_steps(root_path, step, keep)
     _barrier()
     return final
 
 
-def load(path: Path, tensors: dict[str, torch.Tensor], trainer_state: dict) -> None:
+def retire_old_steps(root: Path, saved_step: int, keep: int) -> None:
+    """Keep the newest `keep` steps up to `saved_step` (by number, not name); later steps
+    belong to a history this run replaced from an older checkpoint and are not ours to drop."""
+    ours = [path for step, path in published_steps(root) if step <= saved_step]
+    for old in ours[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load(path: Path, tensors: dict[str, torch.Tensor], trainer_state: dict,
+         fix: str = "checkpoint.resume") -> None:
     """Fill `tensors` (logical shapes, keys this rank needs) and `trainer_state` in place."""
     state = {"tensors": tensors, "trainer": trainer_state}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(path))
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except Exception as e:  # a step saved before manifests, damaged: still one line
+            first = str(e).strip().splitlines()
+            why = f"reading it failed ({type(e).__name__}: {first[-1] if first else ''})"
+            raise ConfigError(damaged_message(path, why[:300], fix)) from e
     trainer_state.update(state["trainer"])
     rng = Path(path) / f"rng_rank{_rank()}.pt"
     if rng.is_file():
@@ -146,13 +181,13 @@ def load_model_for_inference(path: str):
     p = Path(path)
     if (p / "latest").is_file():
         p = p / (p / "latest").read_text().strip()
-    meta = read_meta(p)
+    meta = read_meta(p, fix="--checkpoint")
     model_cfg = ModelConfig(**meta["model"])
     model = build_meta(model_cfg)
     model.to_empty(device="cpu")
     tensors = {f"model/{n}": torch.empty_like(t, dtype=torch.float32)
                for n, t in model.state_dict().items()}
-    load(p, tensors, {})
+    load(p, tensors, {}, fix="--checkpoint")
     with torch.no_grad():
         for name, param in model.state_dict().items():
             param.copy_(tensors[f"model/{name}"])

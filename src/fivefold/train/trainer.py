@@ -17,12 +17,12 @@ import os
 
 import torch
 
-from fivefold.config import Config, ConfigError
+from fivefold.config import Config, ConfigError, RunError
 from fivefold.models.init import build_meta
 from fivefold.parallel import comm
 from fivefold.parallel.apply import ParallelModel, parallelize
 from fivefold.parallel.mesh import ParallelDims
-from fivefold.parallel.watchdog import Watchdog
+from fivefold.parallel.watchdog import RankLostError, Watchdog
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.metrics import (
     Throughput,
@@ -32,6 +32,10 @@ from fivefold.train.metrics import (
 )
 from fivefold.train.optim import MasterWeightOptimizer, lr_at
 from fivefold.train.precision import DTYPES, LossScaler, resolve_precision
+
+
+class NonFiniteError(RunError):
+    """The run produced NaN or inf weights; it stops without saving them."""
 
 
 def pick_device(spec: str) -> torch.device:
@@ -238,13 +242,39 @@ class Trainer:
         return {"step": self.step, "optim_step": self.optimizer.step_count(),
                 "loader": self.loader.state_dict(), "scaler": self.scaler.state_dict()}
 
+    def nonfinite_tensors(self, tensors: dict[str, torch.Tensor]) -> int:
+        """How many of the tensors to save hold a NaN or an infinity: the most any rank found
+        (every rank takes the same decision; ranks holding the same tensor count it once)."""
+        bad = torch.tensor([float(sum(not bool(torch.isfinite(t).all())
+                                      for t in tensors.values()))], device=self.device)
+        with ledger_paused(self.dims):
+            comm.all_reduce(bad, self.dims["world"], op="max")
+        return int(bad.item())
+
     def save_checkpoint(self) -> None:
+        """Save this step, unless its weights or optimizer states are not finite: a NaN
+        checkpoint would rotate the good ones out, so the run stops instead."""
         cfg = self.cfg
         meta = {"step": self.step, "model": dataclasses.asdict(self.model_cfg),
                 "config": cfg.to_dict(), "tokenizer": self.tokenizer_spec,
                 "precision": self.precision}
-        ckpt.save(cfg.checkpoint.dir, self.step, self.logical_tensors(), self.trainer_state(),
-                  meta, cfg.checkpoint.keep)
+        tensors = self.logical_tensors()
+        bad = self.nonfinite_tensors(tensors)
+        if bad:
+            raise NonFiniteError(
+                f"step {self.step}: {bad} weight/optimizer tensor(s) hold NaN or inf, so no "
+                f"checkpoint is saved and the earlier ones in {cfg.checkpoint.dir} are kept; "
+                f"resume from the latest one with a lower train.lr (or train.grad_clip)")
+        try:
+            ckpt.save(cfg.checkpoint.dir, self.step, tensors, self.trainer_state(), meta,
+                      cfg.checkpoint.keep)
+        except RuntimeError as e:
+            lost = self.watchdog.lost_ranks() if self.watchdog.active else []
+            if not lost:
+                raise
+            who = ", ".join(f"rank {r}" for r in lost)
+            raise RankLostError(f"saving step {self.step} failed: lost {who}; the previous "
+                                f"checkpoint in {cfg.checkpoint.dir} is untouched") from e
 
     def load_checkpoint(self, path) -> None:
         from fivefold.parallel.shards import local_piece

@@ -1,0 +1,114 @@
+"""Checkpoint integrity: a manifest of every file in a step directory, checked before loading.
+
+The save writes `manifest.json` last, just before the step directory is published: the size
+and sha256 of every file in it (shards, metadata, RNG states, meta.json), whatever the shard
+files are called. Loading checks sizes first (a truncated shard after a full disk), then
+checksums (random bytes over a shard would otherwise load as garbage weights and train into
+NaN). A step written before manifests existed is checked for its meta.json only.
+
+This module imports no torch, so a check is cheap to call from anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+STEP_NAME = re.compile(r"step_(\d+)")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(step_path: str | os.PathLike) -> None:
+    """Record size and sha256 of every file under `step_path` (call it after the last file)."""
+    step_path = Path(step_path)
+    files = {}
+    for f in sorted(step_path.rglob("*")):
+        if f.is_file() and f.name not in (MANIFEST, MANIFEST + ".tmp"):
+            files[f.relative_to(step_path).as_posix()] = {"size": f.stat().st_size,
+                                                          "sha256": _sha256(f)}
+    tmp = step_path / (MANIFEST + ".tmp")
+    with open(tmp, "w") as out:
+        json.dump({"files": files}, out, indent=1)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, step_path / MANIFEST)
+
+
+def verify_step(path: str | os.PathLike) -> str | None:
+    """What is wrong with the checkpoint step directory `path`, or None when it is whole.
+
+    The answer is a short phrase for a one-line error, e.g. "__0_0.distcp is 5000000 bytes
+    but 6140416 were written (truncated)".
+    """
+    p = Path(path)
+    if not p.is_dir():
+        return "it is not a directory"
+    if not (p / "meta.json").is_file():
+        return "it has no meta.json (its save did not finish)"
+    manifest = p / MANIFEST
+    if not manifest.is_file():
+        return None  # saved before manifests existed: nothing more to compare against
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        expected = {name: (int(e["size"]), str(e["sha256"])) for name, e in files.items()}
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return f"its {MANIFEST} is garbled"
+    for name, (size, _) in expected.items():
+        f = p / name
+        if not f.is_file():
+            return f"{name} is missing"
+        actual = f.stat().st_size
+        if actual != size:
+            return f"{name} is {actual} bytes but {size} were written (truncated or overwritten)"
+    for name, (_, sha) in expected.items():
+        if _sha256(p / name) != sha:
+            return f"{name} does not match its checksum (the file is corrupted)"
+    return None
+
+
+def step_number(path: Path) -> int | None:
+    """N of a published `step_N` directory; None for anything else (`.tmp`, `.old`, files)."""
+    m = STEP_NAME.fullmatch(path.name)
+    return int(m.group(1)) if m and path.is_dir() else None
+
+
+def published_steps(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, path) of every published step directory under `root`, oldest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(step_number(p), p) for p in root.iterdir()]
+    return sorted((n, p) for n, p in found if n is not None)
+
+
+def newest_good(root: str | os.PathLike, before: int | None = None) -> Path | None:
+    """The newest step directory under `root` that passes `verify_step`, among the steps
+    numbered below `before` when given (the ones a run could fall back to)."""
+    for step, path in reversed(published_steps(root)):
+        if (before is None or step < before) and verify_step(path) is None:
+            return path
+    return None
+
+
+def damaged_message(path: str | os.PathLike, problem: str, fix: str) -> str:
+    """One line: which step is bad, why, and the newest good one to use instead.
+
+    `fix` names where to put that path, e.g. "checkpoint.resume" or "--checkpoint"."""
+    p = Path(path)
+    m = STEP_NAME.match(p.name)
+    good = newest_good(p.parent, before=int(m.group(1)) if m else None)
+    if good is not None:
+        return (f"checkpoint {p} is damaged: {problem}; the newest good one before it is "
+                f"{good} (give it as {fix})")
+    return f"checkpoint {p} is damaged: {problem}; no good checkpoint precedes it"
