@@ -72,6 +72,20 @@ LAYOUTS.update({
     "pp2-dualpipev-dp2-zero3": [*PP, "--parallel.schedule", "dualpipev", "--parallel.dp", "2",
                                 "--parallel.zero", "3", "--train.gbs", "8"],
 })
+# Context parallelism: both K/V schemes; full recomputation repeats the forward transfers.
+CP = ["--parallel.cp", "2"]
+LAYOUTS.update({
+    "cp2-ring": CP,
+    "cp2-allgather-selective": [*CP, "--parallel.cp_comm", "allgather", "--train.recompute",
+                                "selective"],
+    "cp4-ring-full-bf16": ["--parallel.cp", "4", "--train.recompute", "full",
+                           "--train.precision", "bf16"],
+    "cp4-allgather-contiguous": ["--parallel.cp", "4", "--parallel.cp_comm", "allgather",
+                                 "--parallel.cp_layout", "contiguous"],
+    "cp2-tp2-sp-dp1-zero1": [*CP, "--parallel.tp", "2", "--parallel.sp", "true",
+                             "--parallel.zero", "1"],
+    "pp2-cp2-zb": [*PP, *CP, "--parallel.schedule", "zb"],
+})
 
 
 def measure(rank, world, tmp, args):
@@ -85,7 +99,7 @@ def measure(rank, world, tmp, args):
     ledger = {}
     for (group, op), t in dims.ledger.totals().items():
         ledger.setdefault(group, {})[op] = t["bytes"]
-    x, y = trainer.loader.next_batch()[0]
+    x, y = trainer.shard_sequences(trainer.loader.next_batch())[0]  # this cp rank's tokens
     params = [p for _, p in trainer.model.named_parameters()]
     activations = 0
     for chunk in trainer.model.chunks:  # one micro-batch through each of this rank's chunks
@@ -117,8 +131,9 @@ def planned(tmp, args, precision, pp_rank):
                                pp_rank=pp_rank, schedule=layout.schedule,
                                virtual_stages=layout.virtual_stages)
     acts = activation_bytes_per_microbatch(
-        work.model, par.mbs, cfg.train.seq_len, tp=par.tp, sp=par.sp,
-        recompute=cfg.train.recompute, dtype_bytes=4 if precision == "fp32" else 2, flash=True,
+        work.model, par.mbs, cfg.train.seq_len, tp=par.tp, sp=par.sp, cp=par.cp,
+        cp_comm=par.cp_comm, recompute=cfg.train.recompute,
+        dtype_bytes=4 if precision == "fp32" else 2, flash=True,
         sp_saves_gathered=par.sp_saved_input == "full")
     layers, embed, head = stage(work.model, layout, pp_rank)
     activations = acts.layer * layers + (acts.embedding if embed else 0)

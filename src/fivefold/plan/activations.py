@@ -67,6 +67,7 @@ def activation_bytes_per_microbatch(
     flash: bool = True,
     dropout: bool = False,
     sp_saves_gathered: bool = True,
+    cp_comm: str = "ring",
 ) -> ActivationBytes:
     """Bytes one micro-batch leaves saved for backward on one rank, per layer and outside.
 
@@ -98,6 +99,12 @@ def activation_bytes_per_microbatch(
       (Korthikanti §5, "selective activation recomputation").
     recompute = "full": only each layer's input T·h·B is kept (seq region; Korthikanti's 2sbh).
 
+    Context parallelism (cp > 1; parallel/context/): the ring core is flash-style whatever
+    `flash` says, saving q, its packed K/V, output and LSE. Selective recomputation leaves it
+    alone (re-running it would repeat its cp − 1 K/V transfers to free only the output and
+    LSE), so the attention core term stays. `cp_comm = "allgather"` keeps the gathered K/V of
+    all cp ranks for backward: (cp − 1)·2·T·kv·B more than the ring.
+
     Outside the layers: embedding = token ids T·8 (+ a 1-byte dropout mask T·h); final_norm =
     its input and statistics; head_input = the output projection's input T·h·B; logits = the
     fp32 log-softmax the cross-entropy saves, T·V/tp·4 (vocab-parallel under TP; Korthikanti's
@@ -125,13 +132,16 @@ def activation_bytes_per_microbatch(
     terms["attn_norm_input"] = seq_tensor
     terms["norm_stats"] = 2 * tokens * stats / seq_div
     terms["qkv_input"] = col_input
+    flash = flash or cp > 1
     if recompute == "selective" or flash:
         terms["q"] = tokens * q * B
         terms["k"] = tokens * kv * B
         terms["v"] = tokens * kv * B
     else:  # math attention saves k and v repeated to all query heads
         terms["q"] = terms["k"] = terms["v"] = tokens * q * B
-    if recompute == "none":
+    if cp > 1 and cp_comm == "allgather":
+        terms["kv_gathered"] = (cp - 1) * 2 * tokens * kv * B
+    if recompute == "none" or cp > 1:
         if flash:
             terms["attn_core"] = tokens * q * B + tokens * heads * STAT_BYTES
         else:
@@ -175,15 +185,17 @@ def _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input) -> Activat
 def recompute_working_set(model: ModelConfig, mbs: int, seq_len: int, *, tp: int = 1,
                           sp: bool = False, cp: int = 1, recompute: str = "none",
                           dtype_bytes: int = 2, flash: bool = True,
-                          dropout: bool = False, sp_saves_gathered: bool = True) -> float:
+                          dropout: bool = False, sp_saves_gathered: bool = True,
+                          cp_comm: str = "ring") -> float:
     """Transient bytes while one layer is recomputed in backward: under full recompute a whole
-    layer's activations come back for one micro-batch; under selective, its attention core."""
+    layer's activations come back for one micro-batch; under selective, its attention core
+    (none under cp > 1, where selective recomputation leaves the ring core alone)."""
     kwargs = {"tp": tp, "sp": sp, "cp": cp, "dtype_bytes": dtype_bytes, "flash": flash,
-              "dropout": dropout, "sp_saves_gathered": sp_saves_gathered}
+              "dropout": dropout, "sp_saves_gathered": sp_saves_gathered, "cp_comm": cp_comm}
     if recompute == "full":
         return activation_bytes_per_microbatch(model, mbs, seq_len, recompute="none",
                                                **kwargs).layer
-    if recompute == "selective":
+    if recompute == "selective" and cp == 1:
         full = activation_bytes_per_microbatch(model, mbs, seq_len, recompute="none", **kwargs)
         return full.layer_terms.get("attn_core", 0.0)
     return 0.0

@@ -89,8 +89,11 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
       adds, per layer per micro-batch, the backward all_gathers of the two regions' inputs.
     - PP: per micro-batch and chunk boundary, one activation send forward and one gradient send
       backward of b·(s/cp)·h (÷tp with SP), and the matching recvs (Narayanan 2021 §3.2).
-    - CP (ring attention): per layer per micro-batch, cp−1 sends of this rank's K and V forward;
-      in backward K,V again plus dK,dV (2×); recomputing the attention core repeats the forward.
+    - CP, per layer per micro-batch, on K and V packed as one tensor (2·b·(s/cp)·kv), and the
+      fp32 dK,dV accumulators (parallel/context/attention.py). Ring: cp−1 sends (and recvs)
+      forward; backward cp−1 K,V sends again plus cp dK,dV sends, the last one home. All-gather:
+      one all_gather of cp·K,V forward, one reduce_scatter of cp·dK,dV (fp32) backward. Full
+      recompute repeats the forward; selective leaves the ring core alone.
     - EP: per MoE layer per micro-batch, all_to_all dispatch and combine of b·(s/cp)·k·h, in
       forward and backward (4; full recompute adds 2).
     - Tied embeddings whose first and last chunk sit on different ranks: one all_reduce of the
@@ -193,11 +196,15 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
     # --- context parallel: ring attention passes K and V around cp ranks ---
     if lay.cp > 1:
         kv = 2 * tokens * kv_heads_per_rank(mc, t) * mc.dim_per_head
-        core_fwd = 2 if lay.recompute in ("selective", "full") else 1
-        steps = (lay.cp - 1) * layers * m
-        for op in ("send", "recv"):
-            add("cp", op, B, kv, steps * core_fwd, lay.cp, "fwd", "K,V")
-            add("cp", op, B, kv, 2 * steps, lay.cp, "bwd", "K,V and dK,dV")
+        fwd_runs = (2 if lay.recompute == "full" else 1) * layers * m
+        if lay.cp_comm == "allgather":
+            add("cp", "all_gather", B, lay.cp * kv, fwd_runs, lay.cp, "fwd", "K,V")
+            add("cp", "reduce_scatter", 4, lay.cp * kv, layers * m, lay.cp, "bwd", "dK,dV")
+        else:
+            for op in ("send", "recv"):
+                add("cp", op, B, kv, (lay.cp - 1) * fwd_runs, lay.cp, "fwd", "K,V")
+                add("cp", op, B, kv, (lay.cp - 1) * layers * m, lay.cp, "bwd", "K,V")
+                add("cp", op, 4, kv, lay.cp * layers * m, lay.cp, "bwd", "dK,dV")
 
     # --- expert parallel: dispatch + combine ---
     if lay.ep > 1 and mc.num_experts:

@@ -39,6 +39,9 @@ class Layout:
     # Under SP, what column-parallel linears keep for backward: "full" (the gathered input)
     # or "shard" (the sequence shard, gathered again in backward; parallel.sp_saved_input).
     sp_saved: str = "full"
+    # Context parallelism's K/V exchange: "ring" (cp − 1 point-to-point steps, overlapped with
+    # the block attention) or "allgather" (one all-gather per layer; parallel.cp_comm).
+    cp_comm: str = "ring"
 
     @property
     def world_size(self) -> int:
@@ -51,7 +54,7 @@ class Layout:
             sched = f"({self.schedule}{chunks})"
         parts = [f"dp{self.dp}", f"tp{self.tp}{self._sp_label()}", f"pp{self.pp}{sched}"]
         if self.cp > 1:
-            parts.append(f"cp{self.cp}")
+            parts.append(f"cp{self.cp}" + ("(ag)" if self.cp_comm == "allgather" else ""))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         parts += [f"z{self.zero}{'+off' if self.offload else ''}", f"mbs{self.mbs}",

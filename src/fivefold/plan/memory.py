@@ -248,7 +248,7 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
 def _act_kwargs(work: Workload, layout: Layout) -> dict:
     return {"tp": layout.tp, "sp": layout.sp, "cp": layout.cp, "recompute": layout.recompute,
             "dtype_bytes": work.dtype_bytes, "flash": work.flash, "dropout": work.dropout,
-            "sp_saves_gathered": layout.sp_saved != "shard"}
+            "sp_saves_gathered": layout.sp_saved != "shard", "cp_comm": layout.cp_comm}
 
 
 def _activations(work: Workload, layout: Layout) -> ActivationBytes:

@@ -31,7 +31,8 @@ from fivefold.plan.memory import memory_items, peak_memory
 from fivefold.plan.timing import rank_compute
 
 SPACE_KEYS = ("tp", "pp", "cp", "ep", "zero", "mbs", "recompute", "schedule",
-              "virtual_stages", "sp", "offload")
+              "virtual_stages", "sp", "offload", "cp_comm")
+CP_COMMS = ("ring", "allgather")
 
 
 @dataclass
@@ -49,6 +50,7 @@ class SearchSpace:
     virtual_stages: tuple = (2, 4, 8)
     sp: tuple = (True,)  # with tp > 1; SP halves nothing in time and saves memory
     offload: tuple = (False,)
+    cp_comm: tuple = CP_COMMS  # with cp > 1
     max_mbs: int = 16
     min_cp_tokens: int = 1024  # keep at least this many tokens per cp rank
     strict_layers: bool = True  # num_layers divisible by the pipeline chunks
@@ -70,8 +72,9 @@ class SearchSpace:
                 continue
             if key not in SPACE_KEYS:
                 raise ConfigError(f"--space key {key!r} is unknown; use {', '.join(SPACE_KEYS)}")
-            if key in ("recompute", "schedule"):
-                allowed = RECOMPUTE if key == "recompute" else SCHEDULES
+            if key in ("recompute", "schedule", "cp_comm"):
+                allowed = {"recompute": RECOMPUTE, "schedule": SCHEDULES,
+                           "cp_comm": CP_COMMS}[key]
                 bad = [v for v in vals if v not in allowed]
                 if bad:
                     raise ConfigError(f"--space {key}={bad[0]} is not one of {', '.join(allowed)}")
@@ -154,8 +157,10 @@ def enumerate_layouts(work: Workload, num_gpus: int, hw: Hardware,
                                         if off and zero == 0:
                                             continue
                                         for rc in space.recompute:
-                                            out.append(Layout(dp, tp, pp, cp, ep, zero, mbs, rc,
-                                                              sched, v, sp, off))
+                                            for comm in space.cp_comm if cp > 1 else ("ring",):
+                                                out.append(Layout(
+                                                    dp, tp, pp, cp, ep, zero, mbs, rc, sched, v,
+                                                    sp, off, cp_comm=comm))
     return out
 
 
@@ -198,7 +203,7 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
             break
         lay = layouts[i]
         sibling = (lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.mbs, lay.schedule,
-                   lay.virtual_stages, lay.sp, lay.offload)
+                   lay.virtual_stages, lay.sp, lay.offload, lay.cp_comm)
         if fitting_siblings.get(sibling, 99) < level[lay.recompute]:
             bounded += 1
             continue
@@ -241,7 +246,7 @@ CONFIG_KEYS = {"tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp",
                "ep": "parallel.ep", "zero": "parallel.zero", "mbs": "parallel.mbs",
                "recompute": "train.recompute", "schedule": "parallel.schedule",
                "virtual_stages": "parallel.virtual_stages", "sp": "parallel.sp",
-               "offload": "parallel.offload", "dp": "parallel.dp"}
+               "offload": "parallel.offload", "dp": "parallel.dp", "cp_comm": "parallel.cp_comm"}
 
 
 def _format_value(value) -> str:

@@ -125,7 +125,10 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
                      + tokens * mc.vocab_size / t * (2 * B + 12) / hbm) * scale
     layers_fwd = gemm + attn + elem
     forward = layers_fwd + head_time
-    recompute = {"full": layers_fwd, "selective": attn}.get(lay.recompute, 0.0)
+    # Selective recomputation re-runs the attention core, except the ring core under cp > 1
+    # (parallel/context/: it keeps only O(s) tensors, and a re-run would repeat its transfers).
+    selective = attn if lay.cp == 1 else 0.0
+    recompute = {"full": layers_fwd, "selective": selective}.get(lay.recompute, 0.0)
     backward = 2 * (gemm + elem + head_time) + attn * (2.5 if work.flash else 2.0) + recompute
     return RankCompute(forward, backward, recompute, attn, gemm)
 
@@ -141,16 +144,18 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
         colls = collectives(work, lay, rank)
         per = {"tp": 0.0, "cp": 0.0, "ep": 0.0, "pp": 0.0}
         dp = {"fwd": 0.0, "bwd": 0.0, "grad": 0.0, "step": 0.0}
-        cp_fwd = cp_bwd = regather = 0.0
+        cp_fwd = cp_bwd = cp_exposed = regather = 0.0
         for c in colls:
             if c.note == REGATHER:  # hides behind the input-gradient GEMMs it overlaps
                 regather += collective_time(c, hw, assume, lay)
             elif c.group in ("tp", "ep"):
                 per[c.group] += collective_time(c, hw, assume, lay)
-            elif c.group == "cp" and c.op == "send":
+            elif c.group == "cp" and c.op == "send":  # the ring: overlapped with attention
                 tcp = collective_time(c, hw, assume, lay)
                 cp_fwd, cp_bwd = (cp_fwd + tcp, cp_bwd) if c.phase == "fwd" else (cp_fwd,
                                                                                    cp_bwd + tcp)
+            elif c.group == "cp" and c.op != "recv":  # all-gather K/V: exposed (Llama 3)
+                cp_exposed += collective_time(c, hw, assume, lay)
             elif c.group == "pp":
                 per["pp"] += collective_time(c, hw, assume, lay) / 2  # duplex: send ∥ recv
             elif c.group in ("dp", "dp_cp", "edp", "pp_embed"):
@@ -159,9 +164,9 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
         # layers' matmul time) run while the saved shards are gathered again.
         regather = max(0.0, regather - m * rc.gemm_fwd / 2)
         tp = (per["tp"] + regather) * (1 - assume.tp_overlap)
-        core_runs = 2 if lay.recompute in ("selective", "full") else 1
+        core_runs = 2 if lay.recompute == "full" else 1  # selective leaves the ring core alone
         cp = (max(0.0, cp_fwd - m * core_runs * rc.attention_fwd)
-              + max(0.0, cp_bwd - m * 2.5 * rc.attention_fwd))
+              + max(0.0, cp_bwd - m * 2.5 * rc.attention_fwd) + cp_exposed)
         mb = rc.forward + rc.backward
         # DP overlap windows: ZeRO-3 gathers hide behind each micro-batch's forward and
         # backward; the end-of-backward reduction behind the last backward (every backward
