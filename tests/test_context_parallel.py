@@ -227,3 +227,84 @@ def test_cp2_tp2_pp2_parity(reference, tmp_path):
     for rank, by_layout in enumerate(run_ranks(train_layouts, 8, str(tmp_path), layouts)):
         covered |= assert_matches(by_layout["cp2-tp2-sp-pp2"], reference, f"rank {rank}")
     assert covered == set(reference[1])
+
+
+# --- low precision, memory, checkpoints -------------------------------------------------
+def precision_runs(rank, world, tmp):
+    return {p: train_run(f"{tmp}/{p}", cp_args(world, "ring", "zigzag", "--train.precision", p),
+                         world)[0] for p in ("bf16", "fp16")}
+
+
+def test_low_precision_matches_single_process(tmp_path):
+    """bf16 and fp16 at cp 2 against the single process in the same precision. The two runs
+    add the same terms in another order (the LSE merge, the dp×cp gradient sum in the
+    parameter dtype), so they differ by a few roundings of that dtype: loss within 4 ulps of
+    bf16 (2^-8 each) or fp16 (2^-11), gradient norms within 8."""
+    refs = {p: train_run(str(tmp_path / f"ref-{p}"), ["--train.precision", p], 1)[0]
+            for p in ("bf16", "fp16")}
+    ulp = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+    for got in run_ranks(precision_runs, 2, str(tmp_path)):
+        for p, steps in got.items():
+            for (loss, norm), (ref_loss, ref_norm) in zip(steps, refs[p]):
+                assert abs(loss - ref_loss) <= 4 * ulp[p] * abs(ref_loss), (p, loss, ref_loss)
+                assert abs(norm - ref_norm) <= 8 * ulp[p] * abs(ref_norm), (p, norm, ref_norm)
+
+
+def saved_bytes(rank, world, tmp, seq_len):
+    """Bytes autograd saves for one micro-batch through the whole model on this rank."""
+    from fivefold.parallel.memory import SavedActivations
+
+    args = ["--train.seq_len", str(seq_len), "--parallel.mbs", "1", "--train.gbs", "1"]
+    if world > 1:
+        args += cp_args(world, "ring", "zigzag")
+    cfg = small_config(pathlib.Path(tmp), *args)
+    dims = ParallelDims.from_config(cfg.parallel) if world > 1 else ParallelDims.single()
+    trainer = Trainer(cfg, dims, quiet=True)
+    x, y = trainer.shard_sequences(trainer.loader.next_batch())[0]
+    model = trainer.model.chunks[0]
+    with SavedActivations([p for _, p in trainer.model.named_parameters()]) as meter:
+        model(x, y)
+    return meter.bytes
+
+
+def test_saved_activations_at_cp4_are_a_quarter(tmp_path):
+    seq = 512
+    single = saved_bytes(0, 1, str(tmp_path), seq)
+    for got in run_ranks(saved_bytes, 4, str(tmp_path), seq):
+        assert abs(got / single - 0.25) <= 0.025, (got, single)
+
+
+def save_then_continue(rank, world, tmp, args):
+    cfg = small_config(pathlib.Path(tmp), *BASE, "--train.steps", "4", *args)
+    trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel), quiet=True)
+    for _ in range(2):
+        trainer.train_step()
+    trainer.save_checkpoint()
+    return [trainer.train_step()["loss"] for _ in range(2)]
+
+
+def resume_and_continue(rank, world, tmp, args):
+    cfg = small_config(pathlib.Path(tmp), *BASE, "--train.steps", "4", *args,
+                       "--checkpoint.resume", "latest")
+    dims = ParallelDims.from_config(cfg.parallel) if world > 1 else ParallelDims.single()
+    trainer = Trainer(cfg, dims, quiet=True)
+    assert trainer.step == 2
+    return [trainer.train_step()["loss"] for _ in range(2)]
+
+
+def resume_layouts(rank, world, tmp, layouts):
+    return [resume_and_continue(rank, world, tmp, args) for args in layouts]
+
+
+def test_checkpoint_resumes_across_cp_layouts(tmp_path):
+    """Saved at cp 2 × tp 2 (zig-zag, SP), resumed at cp 1, dp 4 and cp 4 (all-gather): the
+    next losses match the saving run's (1e-5 relative), the data position included."""
+    saved = cp_args(2, "ring", "zigzag", "--parallel.tp", "2", "--parallel.sp", "true")
+    expected = run_ranks(save_then_continue, 4, str(tmp_path), saved)[0]
+    single = resume_and_continue(0, 1, str(tmp_path), [])
+    layouts = [["--parallel.dp", "4", "--parallel.zero", "1", "--parallel.mbs", "1"],
+               cp_args(4, "allgather", "contiguous")]
+    four = run_ranks(resume_layouts, 4, str(tmp_path), layouts)[0]
+    for got in [single, *four]:
+        for a, b in zip(got, expected):
+            assert abs(a - b) <= 1e-5 * abs(b), (got, expected)
