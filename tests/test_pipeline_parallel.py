@@ -195,6 +195,42 @@ def test_split_backward_with_recomputation_matches_single_process(tmp_path, reco
                 f"recompute={recompute}")
 
 
+def _split_cases(rank, world, tmp_path, todo):
+    out = {}
+    for schedule, layers, extra in todo:
+        cfg = small_config(tmp_path, *pp_args(world, schedule, 4, layers, *extra))
+        trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel), quiet=True)
+        result = run_trainer(trainer)
+        result["val"] = trainer.evaluate()["val_loss"]
+        result["layers"] = [c.layer_ids for c in trainer.model.chunks]
+        trainer.pipeline.close()
+        out[(schedule, layers, extra)] = result
+    return out
+
+
+def test_stage_splits_match_single_process(tmp_path):
+    """Uneven stage splits (an explicit list, and the cost-balanced split of a model whose
+    head costs 1.8 layers) train exactly as one process: losses, norms, gradients."""
+    vocab = ("--model.vocab_size", "1024")
+    todo = [("1f1b", 4, ("--parallel.pp_layers", "1,3")),
+            ("zb", 4, ("--parallel.pp_layers", "3,1")),
+            ("interleaved", 6, ("--parallel.pp_layers", "1,2,2,1")),
+            ("1f1b", 4, ("--parallel.pp_split", "balanced", *vocab))]
+    results = run_ranks(_split_cases, 2, tmp_path, todo)
+    expected = {0: [[0], [0, 1, 2], None, [0, 1, 2]], 1: [[1, 2, 3], [3], None, [3]]}
+    for i, (schedule, layers, extra) in enumerate(todo):
+        ref = reference(tmp_path, 4, layers, *(vocab if vocab[0] in extra else ()))
+        per_rank = [r[(schedule, layers, extra)] for r in results]
+        for got in per_rank:
+            check_parity(got, ref, f"{schedule} {extra}")
+        check_grads([r["grads"] for r in per_rank], ref, f"{schedule} {extra}")
+        if schedule != "interleaved":
+            assert [r["layers"][0] for r in per_rank] == [expected[0][i], expected[1][i]]
+    # interleaved [1, 2, 2, 1]: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
+    inter = [r[todo[2]]["layers"] for r in results]
+    assert inter == [[[0], [3, 4]], [[1, 2], [5]]], inter
+
+
 # --------------------------------------------------------------------------- torch pipelining
 
 
@@ -379,6 +415,10 @@ def test_pp2_dp2_under_zero_matches_single_process(tmp_path):
         (pp_args(4, "1f1b", 4, 3), "4 stages but model.num_layers = 3"),
         (pp_args(4, "interleaved", 4, 6), "8 stages but model.num_layers = 6"),
         (pp_args(2, "dualpipev", 4, 3), "4 stages but model.num_layers = 3"),
+        (pp_args(2, "1f1b", 4, 4, "--parallel.pp_layers", "1,2"), "sums to 3"),
+        (pp_args(2, "1f1b", 4, 4, "--parallel.pp_layers", "4"), "has 1 entries"),
+        (pp_args(2, "1f1b", 4, 4, "--parallel.pp_layers", "0,4"), "at least one layer"),
+        (pp_args(2, "1f1b", 4, 4, "--parallel.pp_split", "cost"), "parallel.pp_split"),
     ],
 )
 def test_bad_pipeline_configs_are_refused_in_one_line(tmp_path, args, words):

@@ -2,6 +2,7 @@
 communication ledger (exactly) of every layout the engine runs, measured on the engine, on
 every rank (pipeline ranks differ: each is compared with the planner's prediction for it)."""
 
+import json
 import pathlib
 
 import pytest
@@ -13,7 +14,8 @@ from fivefold.parallel.memory import SavedActivations
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.plan.activations import activation_bytes_per_microbatch
 from fivefold.plan.comm import ledger_volume
-from fivefold.plan.hardware import Assumptions
+from fivefold.plan.evaluate import plan_layout
+from fivefold.plan.hardware import Assumptions, get_hardware
 from fivefold.plan.inputs import training_plan_inputs
 from fivefold.plan.layout import stage
 from fivefold.plan.memory import memory_items, model_state_bytes
@@ -61,6 +63,11 @@ LAYOUTS.update({
     "pp2-tp2-sp": [*PP, "--parallel.tp", "2", "--parallel.sp", "true"],
     "pp2-tp2-sp-shard": [*PP, "--parallel.tp", "2", "--parallel.sp", "true",
                          "--parallel.sp_saved_input", "shard"],
+    "pp2-layers-1-3": [*PP, "--parallel.pp_layers", "1,3"],
+    "pp2-balanced": [*PP, "--parallel.pp_split", "balanced", "--model.vocab_size", "1024"],
+    "pp2-interleaved-layers": [*PP, "--parallel.schedule", "interleaved",
+                               "--parallel.virtual_stages", "2", "--model.num_layers", "6",
+                               "--parallel.pp_layers", "1,2,2,1"],
     "pp2-dp2-zero2": [*PP, "--parallel.dp", "2", "--parallel.zero", "2", "--train.gbs", "8"],
     "pp2-dp2-zero3-bf16": [*PP, "--parallel.dp", "2", "--parallel.zero", "3",
                            "--train.precision", "bf16", "--train.gbs", "8"],
@@ -129,7 +136,8 @@ def planned(tmp, args, precision, pp_rank):
     states = model_state_bytes(work.model, tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp,
                                zero=par.zero, offload=par.offload, precision=precision,
                                pp_rank=pp_rank, schedule=layout.schedule,
-                               virtual_stages=layout.virtual_stages)
+                               virtual_stages=layout.virtual_stages, pp_split=layout.pp_split,
+                               pp_layers=layout.pp_layers)
     acts = activation_bytes_per_microbatch(
         work.model, par.mbs, cfg.train.seq_len, tp=par.tp, sp=par.sp, cp=par.cp,
         cp_comm=par.cp_comm, recompute=cfg.train.recompute,
@@ -140,7 +148,12 @@ def planned(tmp, args, precision, pp_rank):
     if head:
         activations += acts.final_norm + acts.logits + acts.loss
     items, _ = memory_items(work, layout, Assumptions(), pp_rank)
-    return states, activations, ledger_volume(work, layout, pp_rank), items["split_grads"]
+    # The per-stage answer of `fivefold plan --json`, through JSON, for this pipeline rank.
+    hw, assume = get_hardware("h100-sxm")
+    report = json.loads(json.dumps(plan_layout(work, layout, hw, assume).to_dict(), default=float))
+    stage_json = report["stages"][pp_rank]
+    return (states, activations, ledger_volume(work, layout, pp_rank), items["split_grads"],
+            stage_json)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -160,8 +173,8 @@ def test_planner_agrees_with_engine(name, tmp_path, capsys):
 
 
 def check_rank(got, tmp_path, name, args, capsys):
-    states, activations, ledger, split_grads = planned(tmp_path, args, got["precision"],
-                                                       got["pp_rank"])
+    states, activations, ledger, split_grads, stage_json = planned(
+        tmp_path, args, got["precision"], got["pp_rank"])
     # A split backward keeps output gradients from B to W: exactly what the planner counts.
     assert got["split_grads"] == split_grads, (got["split_grads"], split_grads)
     plan_items = {k: getattr(states, k) for k in ("params", "grads", "master", "optimizer")}
@@ -172,6 +185,15 @@ def check_rank(got, tmp_path, name, args, capsys):
         measured["host"] = measured.pop("master") + measured.pop("optimizer")
     for item, plan in plan_items.items():
         assert abs(measured[item] - plan) <= 0.01 * max(plan, 1), (item, measured, plan)
+    # Per-stage memory in the JSON report: the engine's model states of this rank, within 1%.
+    assert stage_json["pp_rank"] == got["pp_rank"]
+    json_states = {k: stage_json["memory_bytes"][k] for k in ("params", "grads", "master",
+                                                              "optimizer")}
+    if "--parallel.offload" in args:
+        json_states["host"] = stage_json["cpu_offload_bytes"]
+        del json_states["master"], json_states["optimizer"]
+    for item, plan in json_states.items():
+        assert abs(measured[item] - plan) <= 0.01 * max(plan, 1), ("json", item, measured, plan)
     with capsys.disabled():
         print(f"\n{name} (pp rank {got['pp_rank']}): activations measured "
               f"{got['activations']} planned {activations:.0f} "

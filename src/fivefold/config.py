@@ -81,6 +81,8 @@ class ParallelSection:
     mbs: int = 1  # micro-batch size, in sequences
     schedule: str = "1f1b"  # afab | 1f1b | interleaved | zb | dualpipev
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules)
+    pp_split: str = "even"  # even | balanced: layers per stage (plan/split.py)
+    pp_layers: list = field(default_factory=list)  # explicit layers per stage, e.g. [3, 4, 4, 3]
     bucket_mb: float = 25.0  # gradient bucket size for DP reduction, in MB
     buckets_in_flight: int = 2  # ZeRO-2/3: gradient buckets alive at once (staged or on the wire)
     timeout_s: float = 300.0  # a collective waiting longer than this fails the run
@@ -180,7 +182,7 @@ def _coerce(key: str, value, typ):
     """Convert a TOML or command-line value to the field's type, or raise ConfigError."""
     if isinstance(typ, str):
         typ = eval(typ, {"dict": dict, "float": float, "int": int, "str": str, "bool": bool,
-                         "None": type(None)})
+                         "None": type(None), "list": list})
     origin = typing.get_origin(typ)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(typ) if a is not type(None)]
@@ -219,6 +221,11 @@ def _coerce(key: str, value, typ):
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{key} = {value!r} is not a string; quote it")
         return str(value)
+    if typ is list:  # a list of whole numbers: a TOML array, or "3,4,4,3" on the command line
+        items = value.replace(" ", "").strip("[]").split(",") if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise ConfigError(f"{key} = {value!r} is not a list; write e.g. [3, 4, 4, 3]")
+        return [_coerce(key, v, int) for v in items if v != ""]
     if typ is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key} = {value!r} is not a table")
@@ -334,7 +341,11 @@ def _check_context(par, tr) -> None:
 
 def _check_pipeline(par: ParallelSection, num_layers: int, num_micro: int) -> None:
     """Ask the schedule itself (pure Python, no torch), so the engine and this agree."""
+    _choice("parallel.pp_split", par.pp_split, ("even", "balanced"))
     if par.pp == 1:
+        if par.pp_layers:
+            raise ConfigError(f"parallel.pp_layers = {par.pp_layers} needs parallel.pp > 1; "
+                              f"leave it empty")
         if par.virtual_stages > 1:
             raise ConfigError(f"parallel.virtual_stages = {par.virtual_stages} needs "
                               f"parallel.pp > 1 and parallel.schedule = 'interleaved'")
@@ -346,6 +357,11 @@ def _check_pipeline(par: ParallelSection, num_layers: int, num_micro: int) -> No
     except ValueError as e:
         raise ConfigError(f"parallel.schedule = '{par.schedule}' at parallel.pp = {par.pp} with "
                           f"{num_micro} micro-batches (train.gbs / (mbs·dp)): {e}") from None
+    from fivefold.plan.split import check_split
+
+    problem = check_split(num_layers, schedule.num_stages, par.pp_split, par.pp_layers)
+    if problem and (par.pp_layers or par.pp_split != "even"):
+        raise ConfigError(problem)
     if schedule.num_stages > num_layers:
         raise ConfigError(f"parallel.pp = {par.pp} with schedule '{par.schedule}' makes "
                           f"{schedule.num_stages} stages but model.num_layers = {num_layers}; "

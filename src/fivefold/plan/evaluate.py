@@ -8,9 +8,34 @@ from dataclasses import dataclass
 from fivefold.plan.comm import ledger_volume, wire_volume
 from fivefold.plan.flops import hardware_flops_per_token, model_flops_per_token
 from fivefold.plan.hardware import GIB, Assumptions, Hardware
-from fivefold.plan.layout import Layout, Workload, bubble_ratio
-from fivefold.plan.memory import MEMORY_ITEMS, bytes_per_param, peak_memory
-from fivefold.plan.timing import StepTime, step_time
+from fivefold.plan.layout import Layout, Workload, bubble_ratio, stage
+from fivefold.plan.memory import MEMORY_ITEMS, bytes_per_param, memory_items, peak_memory
+from fivefold.plan.timing import StepTime, rank_compute, step_time
+
+STATE_ITEMS = ("params", "grads", "master", "optimizer", "grad_accum")
+
+
+def stage_answers(work: Workload, layout: Layout, hw: Hardware,
+                  assume: Assumptions) -> list[dict]:
+    """Per pipeline rank: its layers, whether it holds the embedding / the head, its memory
+    by item (model states as the engine measures them per rank), and its compute time per
+    micro-batch and per step."""
+    m = work.num_microbatches(layout)
+    out = []
+    for rank in range(layout.pp):
+        items, cpu = memory_items(work, layout, assume, rank)
+        layers, embed, head = stage(work.model, layout, rank)
+        rc = rank_compute(work, layout, hw, assume, rank)
+        out.append({
+            "pp_rank": rank, "layers": layers, "embedding": embed, "head": head,
+            "memory_bytes": {k: items[k] for k in MEMORY_ITEMS},
+            "memory_total_bytes": sum(items.values()),
+            "model_states_bytes": sum(items[k] for k in STATE_ITEMS),
+            "cpu_offload_bytes": cpu,
+            "forward_s_per_microbatch": rc.forward, "backward_s_per_microbatch": rc.backward,
+            "compute_s_per_step": m * (rc.forward + rc.backward),
+        })
+    return out
 
 
 @dataclass
@@ -31,6 +56,20 @@ class LayoutPlan:
     time: StepTime
     tokens_per_step: int
     peak_flops: float
+    context: tuple = ()  # (work, hw, assume), for the per-stage answers computed on demand
+
+    @property
+    def stages(self) -> list[dict]:
+        """Memory and time of every pipeline rank (computed when asked: pp can be 100+)."""
+        if not hasattr(self, "_stages"):
+            self._stages = stage_answers(self.context[0], self.layout, *self.context[1:])
+        return self._stages
+
+    def named_stages(self) -> dict[str, int]:
+        """The first, last, most-loaded (memory) and slowest (compute) pipeline ranks."""
+        st = self.stages
+        return {"first": 0, "last": self.layout.pp - 1, "most_loaded": self.memory_rank,
+                "slowest": max(st, key=lambda s: s["compute_s_per_step"])["pp_rank"]}
 
     @property
     def memory_total(self) -> float:
@@ -96,6 +135,8 @@ class LayoutPlan:
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "mfu": self.mfu,
             "hfu": self.hfu,
+            "stages": self.stages,
+            "named_stages": self.named_stages(),
         }
 
 
@@ -122,4 +163,5 @@ def plan_layout(work: Workload, layout: Layout, hw: Hardware, assume: Assumption
         time=step_time(work, layout, hw, assume),
         tokens_per_step=tokens,
         peak_flops=hw.peak_flops(work.precision),
+        context=(work, hw, assume),
     )

@@ -130,7 +130,8 @@ def training_plan_inputs(cfg: fconfig.Config, **workload_options) -> tuple[Workl
     layout = Layout(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero,
                     mbs=par.mbs, recompute=tr.recompute, schedule=par.schedule,
                     virtual_stages=par.virtual_stages, sp=par.sp, offload=par.offload,
-                    sp_saved=par.sp_saved_input, cp_comm=par.cp_comm)
+                    sp_saved=par.sp_saved_input, cp_comm=par.cp_comm, pp_split=par.pp_split,
+                    pp_layers=tuple(par.pp_layers))
     return work, layout
 
 
@@ -139,7 +140,7 @@ def parse_layout(text: str, num_gpus: int | None = None) -> Layout:
     dp may be left out when the number of GPUs is known."""
     values: dict = {}
     fields = {"dp", "tp", "pp", "cp", "ep", "zero", "mbs", "virtual_stages", "recompute",
-              "schedule", "sp", "offload", "v", "sp_saved", "cp_comm"}
+              "schedule", "sp", "offload", "v", "sp_saved", "cp_comm", "pp_split", "pp_layers"}
     for item in text.replace(" ", ",").split(","):
         if not item:
             continue
@@ -149,8 +150,14 @@ def parse_layout(text: str, num_gpus: int | None = None) -> Layout:
         key = "virtual_stages" if key == "v" else key
         if key not in fields:
             raise ConfigError(f"--layout key {key!r} is unknown; use {', '.join(sorted(fields))}")
-        if key in ("recompute", "schedule", "sp_saved", "cp_comm"):
+        if key in ("recompute", "schedule", "sp_saved", "cp_comm", "pp_split"):
             values[key] = value
+        elif key == "pp_layers":  # pp_layers=3-4-4-3 (commas separate the items)
+            try:
+                values[key] = tuple(int(n) for n in value.replace("/", "-").split("-"))
+            except ValueError:
+                raise ConfigError(f"--layout pp_layers={value!r} must be whole numbers "
+                                  f"joined by '-', e.g. pp_layers=3-4-4-3") from None
         elif key in ("sp", "offload"):
             values[key] = value.lower() in ("1", "true", "yes", "on")
         else:

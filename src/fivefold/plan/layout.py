@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from fivefold.models.presets import ModelConfig
+from fivefold.plan.split import check_split, model_stage_layers
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
@@ -42,6 +43,8 @@ class Layout:
     # Context parallelism's K/V exchange: "ring" (cp − 1 point-to-point steps, overlapped with
     # the block attention) or "allgather" (one all-gather per layer; parallel.cp_comm).
     cp_comm: str = "ring"
+    pp_split: str = "even"  # even | balanced (plan/split.py)
+    pp_layers: tuple[int, ...] = ()  # explicit layers per pipeline chunk; overrides pp_split
 
     @property
     def world_size(self) -> int:
@@ -52,6 +55,9 @@ class Layout:
         if self.pp > 1:
             chunks = f"×{self.virtual_stages}" if self.virtual_stages > 1 else ""
             sched = f"({self.schedule}{chunks})"
+        if self.pp > 1 and (self.pp_layers or self.pp_split != "even"):
+            sched += ("[" + "-".join(map(str, self.pp_layers)) + "]" if self.pp_layers
+                      else f"[{self.pp_split}]")
         parts = [f"dp{self.dp}", f"tp{self.tp}{self._sp_label()}", f"pp{self.pp}{sched}"]
         if self.cp > 1:
             parts.append(f"cp{self.cp}" + ("(ag)" if self.cp_comm == "allgather" else ""))
@@ -114,17 +120,9 @@ def num_chunks(layout: Layout) -> int:
     return layout.pp
 
 
-@functools.lru_cache(maxsize=4096)
-def chunk_layer_counts(num_layers: int, chunks: int) -> tuple[int, ...]:
-    """Layers per chunk, as even as possible. Leftover layers go to the middle chunks first,
-    sparing the first (embedding) and last (output head) chunks, as Llama 3 did for 405B
-    (126 layers on 16 stages; Dubey et al. 2024, §3.3.2)."""
-    base, extra = divmod(num_layers, chunks)
-    counts = [base] * chunks
-    order = sorted(range(chunks), key=lambda i: (i in (0, chunks - 1), abs(i - (chunks - 1) / 2)))
-    for i in order[:extra]:
-        counts[i] += 1
-    return tuple(counts)
+def chunk_layer_counts(model: ModelConfig, layout: Layout) -> tuple[int, ...]:
+    """Layers per model chunk, from the split the engine uses too (plan/split.py)."""
+    return model_stage_layers(model, num_chunks(layout), layout.pp_split, layout.pp_layers)
 
 
 def rank_chunks(layout: Layout, rank: int) -> tuple[int, ...]:
@@ -140,19 +138,11 @@ def _rank_chunks(pp: int, schedule: str, virtual_stages: int, rank: int) -> tupl
     return tuple(rank + k * pp for k in range(per_rank))
 
 
-@functools.lru_cache(maxsize=65536)
-def _stage(num_layers: int, pp: int, schedule: str, virtual_stages: int,
-           rank: int) -> tuple[int, bool, bool]:
-    """(layers, holds the embedding, holds the head) of one pipeline rank."""
-    layout = Layout(pp=pp, schedule=schedule, virtual_stages=virtual_stages)
-    chunks = num_chunks(layout)
-    counts = chunk_layer_counts(num_layers, chunks)
-    mine = _rank_chunks(pp, schedule, virtual_stages, rank)
-    return sum(counts[c] for c in mine), 0 in mine, chunks - 1 in mine
-
-
 def stage(model: ModelConfig, layout: Layout, rank: int) -> tuple[int, bool, bool]:
-    return _stage(model.num_layers, layout.pp, layout.schedule, layout.virtual_stages, rank)
+    """(layers, holds the embedding, holds the head) of one pipeline rank."""
+    counts = chunk_layer_counts(model, layout)
+    mine = rank_chunks(layout, rank)
+    return sum(counts[c] for c in mine), 0 in mine, len(counts) - 1 in mine
 
 
 def layers_on_rank(model: ModelConfig, layout: Layout, rank: int) -> int:
@@ -239,13 +229,8 @@ def bubble_ratio(layout: Layout, num_microbatches: int) -> float:
 def critical_ranks(model: ModelConfig, layout: Layout) -> tuple[int, ...]:
     """Pipeline ranks that can be the most loaded: the first (embedding, most activations),
     the last (output head, logits) and the one holding the most layers."""
-    return _critical_ranks(model.num_layers, layout.pp, layout.schedule, layout.virtual_stages)
-
-
-@functools.lru_cache(maxsize=16384)
-def _critical_ranks(num_layers: int, pp: int, schedule: str, v: int) -> tuple[int, ...]:
-    heaviest = max(range(pp), key=lambda r: _stage(num_layers, pp, schedule, v, r)[0])
-    return tuple(sorted({0, pp - 1, heaviest}))
+    heaviest = max(range(layout.pp), key=lambda r: stage(model, layout, r)[0])
+    return tuple(sorted({0, layout.pp - 1, heaviest}))
 
 
 def check_layout(work: Workload, layout: Layout, gpus_per_node: int | None = None,
@@ -293,9 +278,11 @@ def check_layout(work: Workload, layout: Layout, gpus_per_node: int | None = Non
         return bad
     m = work.num_microbatches(lay)
     chunks = num_chunks(lay)
-    if lay.pp > 1 and chunks > mc.num_layers:
-        bad.append(f"pp·chunks = {chunks} is more than num_layers = {mc.num_layers}")
-    if strict_layers and mc.num_layers % chunks:
+    split = check_split(mc.num_layers, chunks, lay.pp_split, lay.pp_layers)
+    if lay.pp > 1 and split:
+        bad.append(split)
+    if (strict_layers and lay.pp_split == "even" and not lay.pp_layers
+            and mc.num_layers % chunks):
         bad.append(f"num_layers = {mc.num_layers} is not divisible by {chunks} pipeline chunks")
     if lay.virtual_stages > 1 and lay.schedule != "interleaved":
         bad.append(f"virtual_stages = {lay.virtual_stages} needs schedule = interleaved")

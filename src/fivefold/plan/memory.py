@@ -159,12 +159,14 @@ def model_state_bytes(model: ModelConfig, *, tp: int = 1, pp: int = 1, dp: int =
                       precision: str = "bf16", optimizer: str = "adamw",
                       grad_dtype_bytes: int | None = None, fp32_grad_accum: bool = False,
                       pp_rank: int = 0, schedule: str = "1f1b",
-                      virtual_stages: int = 1) -> ModelStates:
+                      virtual_stages: int = 1, pp_split: str = "even",
+                      pp_layers: tuple[int, ...] = ()) -> ModelStates:
     """Model-state bytes held by one rank between steps (pipeline rank `pp_rank`): its share of
     parameters, gradients, fp32 master weights and optimizer moments. ZeRO shards over the
     dp×cp group (cp ranks hold the same weights); expert states over dp·cp/ep."""
     layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, offload=offload,
-                    schedule=schedule, virtual_stages=virtual_stages)
+                    schedule=schedule, virtual_stages=virtual_stages, pp_split=pp_split,
+                    pp_layers=tuple(pp_layers))
     counts = rank_param_counts(model, layout, pp_rank)
     bpp = bytes_per_param(precision, optimizer, grad_dtype_bytes, fp32_grad_accum)
     return shard_model_states(counts["dense"], bpp, zero, dp * cp, offload,
@@ -222,7 +224,7 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
     pending = pending_weight_passes(layout, m, rank)
     if any(pending):
         kept = _kept_grads(work, layout)
-        counts = chunk_layer_counts(mc.num_layers, num_chunks(layout))
+        counts = chunk_layer_counts(mc, layout)
         last = num_chunks(layout) - 1
         for chunk, waiting in zip(rank_chunks(layout, rank), pending):
             per_microbatch = (counts[chunk] * kept["layer"] + kept["embedding"] * (chunk == 0)

@@ -71,7 +71,10 @@ def format_explain(plan: LayoutPlan, work: Workload) -> str:
     lines.append(f"  {'total':<30} {_gib(p.memory_total):>8}  of {p.memory_limit / GIB:g}")
     if p.cpu_bytes:
         lines.append(f"  {'host memory (offload)':<30} {_gib(p.cpu_bytes):>8}")
-    lines += [f"  bytes/param: {p.bytes_per_param}", "",
+    lines += [f"  bytes/param: {p.bytes_per_param}"]
+    if lay.pp > 1:
+        lines += ["", *format_stages(p)]
+    lines += ["",
               (f"FLOPs per step: model {p.model_flops:.3e}, hardware {p.hardware_flops:.3e}"
               f" (recompute {lay.recompute})"), "",
               ("communication per step on a rank of stage 0 (ledger = logical tensors; wire = "
@@ -91,6 +94,28 @@ def format_explain(plan: LayoutPlan, work: Workload) -> str:
               f"{p.tokens_per_step / p.time.total:,.0f} tokens/s in all; "
               f"MFU {p.mfu:.1%}, HFU {p.hfu:.1%}")]
     return "\n".join(lines)
+
+
+def format_stages(plan: LayoutPlan, limit: int = 16) -> list[str]:
+    """One line per pipeline rank (the named ones when there are more than `limit`)."""
+    names = plan.named_stages()
+    label: dict[int, list[str]] = {}
+    for name, rank in names.items():
+        label.setdefault(rank, []).append(name.replace("_", "-"))
+    rows = plan.stages
+    if len(rows) > limit:
+        rows = [rows[r] for r in sorted(label)]
+    lines = [f"per pipeline stage ({'named ranks of ' if len(rows) < len(plan.stages) else ''}"
+             f"{len(plan.stages)}): layers, memory GiB (model states), compute s per step",
+             f"  {'rank':>5} {'layers':>6} {'holds':<10} {'memory':>8} {'states':>8} "
+             f"{'compute':>9}"]
+    for s in rows:
+        holds = "+".join(k for k in ("embedding", "head") if s[k]) or "-"
+        lines.append(f"  {s['pp_rank']:>5} {s['layers']:>6} {holds:<10} "
+                     f"{_gib(s['memory_total_bytes']):>8} {_gib(s['model_states_bytes']):>8} "
+                     f"{s['compute_s_per_step']:>9.3f}  "
+                     f"{', '.join(label.get(s['pp_rank'], []))}".rstrip())
+    return lines
 
 
 def _time_deltas(alt: LayoutPlan, best: LayoutPlan) -> str:

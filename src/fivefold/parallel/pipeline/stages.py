@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.parallel.pipeline.schedules import Schedule, build_schedule
+from fivefold.plan.split import split_costs, stage_layer_counts
 
 
 def chunks_per_rank(cfg) -> int:
@@ -44,28 +45,27 @@ def schedule_for(cfg, num_microbatches: int) -> Schedule:
     )
 
 
-def layer_ranges(num_layers: int, num_stages: int) -> list[range]:
-    """Contiguous, balanced runs of blocks: each stage gets floor or ceil of L / S.
-
-    The spare blocks go to the middle stages: the first stage also runs the embedding and
-    the last the head and the loss (a vocabulary-sized matmul), so the ends are the ones
-    to keep light (Narayanan et al. 2021 balance by layer count; so do we, nudged).
-    """
-    if num_stages > num_layers:
-        raise ValueError(
-            f"{num_stages} pipeline stages but only {num_layers} layers: every "
-            f"stage needs at least one; lower pp or virtual_stages"
-        )
-    base, spare = divmod(num_layers, num_stages)
-    # Spread the spare blocks from the middle outwards.
-    middle = sorted(range(num_stages), key=lambda s: (abs(s - (num_stages - 1) / 2), s))
-    extra = set(middle[:spare])
+def layer_ranges(num_layers: int, num_stages: int,
+                 counts: tuple[int, ...] | None = None) -> list[range]:
+    """Contiguous runs of blocks, `counts` per stage or the even split: floor or ceil of
+    L / S each, the spare blocks on the middle stages (the first also runs the embedding,
+    the last the head and the loss). The split itself is `plan.split.stage_layer_counts`,
+    which the planner calls too."""
+    counts = counts or stage_layer_counts(num_layers, num_stages)
     ranges, start = [], 0
-    for stage in range(num_stages):
-        size = base + (stage in extra)
+    for size in counts:
         ranges.append(range(start, start + size))
         start += size
     return ranges
+
+
+def stage_counts(cfg, num_layers: int) -> tuple[int, ...]:
+    """Layers per stage under `parallel.pp_split` / `parallel.pp_layers`."""
+    par = cfg.parallel
+    stages = par.pp * chunks_per_rank(cfg)
+    model = cfg.model.resolve()
+    return stage_layer_counts(num_layers, stages, par.pp_split, tuple(par.pp_layers),
+                              *split_costs(model))
 
 
 class PipelineStage(nn.Module):
@@ -126,7 +126,7 @@ def split_stages(model: nn.Module, dims, cfg) -> list[nn.Module]:
     pp, v = cfg.parallel.pp, chunks_per_rank(cfg)
     num_micro = cfg.train.gbs // (cfg.parallel.mbs * cfg.parallel.dp)
     schedule = schedule_for(cfg, num_micro)
-    ranges = layer_ranges(len(model.layers), pp * v)
+    ranges = layer_ranges(len(model.layers), pp * v, stage_counts(cfg, len(model.layers)))
     last = pp * v - 1
     chunks = []
     for chunk in range(v):
