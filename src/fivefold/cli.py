@@ -6,6 +6,7 @@ is written; any other failure is one line too, with the exit codes `main` lists.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -31,25 +32,48 @@ def train_main(argv: list[str]) -> int:
         prog="fivefold train",
         description="Train with the layout of the [parallel] section; any config key can be "
                     "overridden as --section.key VALUE (e.g. --train.steps 50 --parallel.dp 2)."
-                    " Launch several processes with torchrun for a parallel layout.")
+                    " Launch several processes with torchrun for a parallel layout.",
+        epilog=None, formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
+    parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     parser.add_argument("--config", help="a TOML file with [model], [parallel], [train], "
                                          "[data], [checkpoint] and [log] sections")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in a run directory that holds an earlier run, "
+                             "removing its checkpoints and metrics")
     args, overrides = parser.parse_known_args(argv)
     from fivefold import config
 
+    if args.help:
+        from fivefold.config_keys import describe_keys
+
+        print(parser.format_help() + "\nconfig keys (--section.key VALUE), with defaults:\n"
+              + describe_keys())
+        return 0
     cfg = config.load(args.config, overrides)
-    from fivefold.parallel.mesh import ParallelDims, init_distributed
-
-    rank, world = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
-    if world != cfg.parallel.world_size:
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != cfg.parallel.world_size:  # before anything is written or joined
         raise ConfigError(
-            f"{world} process(es) launched but parallel.dp·tp·pp·cp = {cfg.parallel.world_size};"
-            f" launch with torchrun --nproc-per-node {cfg.parallel.world_size} or change the "
-            f"layout")
-    dims = ParallelDims.from_config(cfg.parallel, rank)
-    from fivefold.train.loop import run
+            f"{launched} process(es) launched but parallel.dp·tp·pp·cp = "
+            f"{cfg.parallel.world_size}; launch with torchrun --nproc-per-node "
+            f"{cfg.parallel.world_size} or change the layout")
+    from fivefold.train.rundir import open_run
 
-    run(cfg, dims)
+    first_rank = int(os.environ.get("RANK", "0")) == 0
+    run_dirs = open_run(cfg, first_rank, overwrite=args.overwrite)
+    try:
+        for note in run_dirs.notes:
+            print(f"note: {note}", flush=True)
+        from fivefold.parallel.mesh import ParallelDims, init_distributed
+
+        rank, world = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
+        dims = ParallelDims.from_config(cfg.parallel, rank)
+        from fivefold.train.loop import run
+
+        run(cfg, dims)
+    except BaseException:
+        run_dirs.close(failed=True)
+        raise
+    run_dirs.close()
     return 0
 
 

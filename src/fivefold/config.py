@@ -14,6 +14,7 @@ import difflib
 import math
 import os
 import sys
+import tempfile
 import types
 import typing
 from dataclasses import dataclass, field
@@ -339,6 +340,25 @@ def _check_context(par, tr) -> None:
                           "train.device = 'cpu' or parallel.cp = 1")
 
 
+def _writable_dir(key: str, path: str) -> None:
+    """An output directory must be one (or creatable) and writable, before training starts:
+    the first save is too late to find out."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{key} = '{path}' is a file, not a directory; give a directory path")
+    existing = p
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{key} = '{path}' cannot be created: {existing} is a file; give "
+                          f"another directory path")
+    try:  # a real probe: permission bits say nothing for root or on a read-only mount
+        tempfile.TemporaryDirectory(dir=existing, prefix=".fivefold-probe-").cleanup()
+    except OSError as e:
+        raise ConfigError(f"{key} = '{path}' is not writable ({e.strerror} in {existing}); "
+                          f"give a directory you can write to") from None
+
+
 def _check_pipeline(par: ParallelSection, num_layers: int, num_micro: int) -> None:
     """Ask the schedule itself (pure Python, no torch), so the engine and this agree."""
     _choice("parallel.pp_split", par.pp_split, ("even", "balanced"))
@@ -523,6 +543,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.tokenizer = '{d.tokenizer}' is neither 'byte' nor a "
                           f"tokenizer.json file")
     ck = cfg.checkpoint
+    _writable_dir("checkpoint.dir", ck.dir)
+    _writable_dir("log.dir", cfg.log.dir)
     _positive("checkpoint.every", ck.every, allow_zero=True)
     _positive("checkpoint.keep", ck.keep)
     if ck.resume not in ("", "latest") and not Path(ck.resume).is_dir():

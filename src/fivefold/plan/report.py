@@ -9,6 +9,7 @@ from fivefold.plan.hardware import GIB, Assumptions, Hardware
 from fivefold.plan.layout import Workload, bubble_ratio
 from fivefold.plan.memory import MEMORY_ITEMS
 from fivefold.plan.search import SearchResult
+from fivefold.text import count, params
 
 TIME_LABELS = {"compute": "compute", "tp_comm": "TP comm", "cp_comm": "CP comm",
                "ep_comm": "EP comm", "pp_comm": "PP comm", "bubble": "bubble",
@@ -35,8 +36,8 @@ def _bytes(x: float) -> str:
 
 def describe_workload(work: Workload, hw: Hardware, num_gpus: int) -> str:
     mc = work.model
-    return (f"{mc.name}: {mc.num_params() / 1e9:.2f}B params, seq_len {work.seq_len}, "
-            f"gbs {work.gbs} seqs ({work.tokens_per_step / 1e6:.2f}M tokens), "
+    return (f"{mc.name}: {params(mc.num_params())} params, seq_len {work.seq_len}, "
+            f"gbs {work.gbs} seqs ({params(work.tokens_per_step)} tokens), "
             f"{work.precision}, {work.optimizer}, "
             f"{'flash' if work.flash else 'math'} attention — {num_gpus} × {hw.name} "
             f"({hw.memory_gib:g} GiB, {hw.gpus_per_node}/node)")
@@ -61,8 +62,9 @@ def format_table(plans: list[LayoutPlan]) -> str:
 def format_explain(plan: LayoutPlan, work: Workload) -> str:
     """Every number of one layout, itemised."""
     p, lay = plan, plan.layout
-    lines = [(f"layout: {lay.short()}  ({p.world_size} GPUs, {p.num_microbatches} micro-batches"
-             f" of {lay.mbs}, bubble {bubble_ratio(lay, p.num_microbatches):.1%} of compute)"),
+    micro = count(p.num_microbatches, "micro-batch", "micro-batches")
+    lines = [(f"layout: {lay.short()}  ({count(p.world_size, 'GPU')}, {micro} of {lay.mbs}, "
+              f"bubble {bubble_ratio(lay, p.num_microbatches):.1%} of compute)"),
              p.why, "",
              f"memory on the most-loaded rank (pipeline rank {p.memory_rank}), GiB:"]
     for key in MEMORY_ITEMS:

@@ -7,7 +7,9 @@ import time
 
 from fivefold.config import Config
 from fivefold.parallel.mesh import ParallelDims
+from fivefold.text import count
 from fivefold.train.metrics import MetricsWriter
+from fivefold.train.rundir import memory_warning, start_notes
 from fivefold.train.trainer import Trainer
 
 
@@ -124,6 +126,12 @@ def run(cfg: Config, dims: ParallelDims | None = None) -> list[dict]:
                          f"train.steps: {cfg.train.steps // 10} steps of warmup")
     planned = planned_model_states(trainer) if log else None
     peak = planned_peak_bytes(trainer) if log else None
+    if log:
+        for note in start_notes(cfg, trainer.resumed_meta, trainer.step):
+            print(note, flush=True)
+        low = memory_warning(sum(peak.values()), trainer.dims.world_size)
+        if low and trainer.device.type == "cpu":
+            print(low, file=sys.stderr, flush=True)
     if planned:
         total = sum(planned.values()) / 2**20
         rest = {"activations": peak["activations"], "logits": peak["logits_loss"],
@@ -165,6 +173,6 @@ def run(cfg: Config, dims: ParallelDims | None = None) -> list[dict]:
         writer.close()
     if log and records:
         first, last = records[0]["loss"], records[-1]["loss"]
-        print(f"done: {len(records)} steps in {time.perf_counter() - started:.1f} s, loss "
+        print(f"done: {count(len(records), 'step')} in {time.perf_counter() - started:.1f} s, loss "
               f"{first:.4f} -> {last:.4f}; checkpoint in {cfg.checkpoint.dir}", flush=True)
     return records

@@ -106,6 +106,7 @@ class Trainer:
                                      device_peak_flops(self.device, cfg.log.peak_tflops),
                                      self.dims.world_size)
         self.resumed_from = None
+        self.resumed_meta: dict | None = None  # the meta.json of the checkpoint resumed from
         resume = ckpt.resolve(cfg.checkpoint.dir, cfg.checkpoint.resume)
         if resume is not None:
             self.load_checkpoint(resume)
@@ -299,3 +300,4 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         self.step = state["step"]
         self.resumed_from = str(path)
+        self.resumed_meta = meta
