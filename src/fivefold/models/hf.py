@@ -23,6 +23,7 @@ from torch import nn
 
 from fivefold.config import ConfigError
 from fivefold.models.hf_config import hf_config_from_model, model_config_from_hf
+from fivefold.models.hf_moe import stack_experts, unstack_experts
 from fivefold.models.init import build_meta
 from fivefold.models.llama import Llama, Rotary, rope_inv_freq
 from fivefold.models.presets import ModelConfig
@@ -68,7 +69,14 @@ def iter_hf_tensors(directory: str | os.PathLike) -> Iterator[tuple[str, torch.T
     them) and `lm_head.weight` of a tied model (some exporters store the shared matrix twice).
     """
     directory = Path(directory)
-    tied = model_config_from_hf(directory / "config.json").tie_embeddings
+    cfg = model_config_from_hf(directory / "config.json")
+    stream = _renamed(directory, cfg.tie_embeddings)
+    if cfg.num_experts:  # per-expert tensors -> one stack per layer and projection
+        stream = stack_experts(stream, cfg.num_experts, str(directory))
+    yield from stream
+
+
+def _renamed(directory: Path, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
     for path in _weight_files(directory):
         with safe_open(str(path), framework="pt") as f:
             for hf_name in f.keys():  # noqa: SIM118 - safe_open is not iterable
@@ -83,6 +91,8 @@ def _reset_rotary(model: nn.Module, device) -> None:
     for module in model.modules():
         if isinstance(module, Rotary):  # fp32 frequencies, whatever the parameters' dtype
             module.inv_freq = rope_inv_freq(module.cfg).to(device)
+        if hasattr(module, "reset_buffers"):  # MoE: a zero expert bias, empty statistics
+            module.reset_buffers()
 
 
 def load_hf_into(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -177,10 +187,12 @@ def save_hf(model: nn.Module, cfg: ModelConfig, directory: str | os.PathLike,
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise ConfigError(f"{target} already exists and is not empty; choose a new directory "
                           f"or remove this one")
-    state = {ours_to_hf(n): p.detach().to("cpu").contiguous()
-             for n, p in model.named_parameters()}
-    dtype = next(iter(state.values())).dtype
+    dtype = next(model.parameters()).dtype
     config = hf_config_from_model(cfg, _dtype_name(dtype))
+    state = {}
+    for n, p in model.named_parameters():
+        for name, t in unstack_experts(n, p.detach(), config["architectures"][0]):
+            state[ours_to_hf(name)] = t.to("cpu").contiguous()
     config.update(extra_config or {})
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))

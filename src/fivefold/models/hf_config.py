@@ -1,4 +1,5 @@
-"""Hugging Face `config.json` <-> `ModelConfig`, for Llama, Mistral and Qwen2 checkpoints.
+"""Hugging Face `config.json` <-> `ModelConfig`, for Llama, Mistral and Qwen2 checkpoints and
+the Mixtral, Qwen2-MoE and Qwen3-MoE mixtures of experts (their tensors: models/hf_moe.py).
 
 This module imports no torch: `config.py` resolves `model.hf_path` through it, and the
 planner must stay instant.
@@ -21,7 +22,11 @@ SUPPORTED = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -99,7 +104,9 @@ def model_config_from_hf(path: str | os.PathLike) -> ModelConfig:
     if hf.get("mlp_bias"):
         _refuse(where, "mlp_bias", True, "the Llama MLP has no biases")
     # Llama's attention_bias puts a bias on o_proj too; Qwen2 has q/k/v biases only.
-    if arch != "Qwen2ForCausalLM" and hf.get("attention_bias"):
+    qkv_bias = arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM"
+                                              and hf.get("qkv_bias", True))
+    if arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and hf.get("attention_bias"):
         _refuse(where, "attention_bias", True, "an o_proj bias is not modelled")
     theta, scaling = _rope(hf, where)
     heads = hf["num_attention_heads"]
@@ -110,9 +117,11 @@ def model_config_from_hf(path: str | os.PathLike) -> ModelConfig:
     # A sliding window changes attention only beyond the window, so cap the length at it:
     # within the window our full causal attention computes the same thing.
     window = hf.get("sliding_window")
-    uses_window = arch == "MistralForCausalLM" or hf.get("use_sliding_window", False)
+    uses_window = arch in ("MistralForCausalLM", "MixtralForCausalLM") or hf.get(
+        "use_sliding_window", False)
     if uses_window and window and window < max_len:
         max_len = window
+    moe = moe_fields(arch, hf, where) if arch in MOE_ARCHS else {}
     return ModelConfig(
         name=where.parent.name or "hf",
         vocab_size=hf["vocab_size"],
@@ -127,8 +136,85 @@ def model_config_from_hf(path: str | os.PathLike) -> ModelConfig:
         rope_scaling=scaling,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM",
+        qkv_bias=qkv_bias,
+        **moe,
     )
+
+
+def moe_fields(arch: str, hf: dict, where: Path) -> dict:
+    """The ModelConfig fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json.
+
+    Mixtral: every layer MoE, softmax over all experts, top-k, always renormalised; its
+    `intermediate_size` is the experts'. Qwen2/3-MoE: softmax, top-k, renormalised iff
+    `norm_topk_prob`; layer i is MoE when (i+1) % decoder_sparse_step == 0 and i is not in
+    `mlp_only_layers` (supported when those are the first layers); Qwen2-MoE adds a shared
+    expert scaled by sigmoid(x·w); Qwen3-MoE normalises each head's q and k.
+    """
+    if hf.get("router_jitter_noise"):
+        _refuse(where, "router_jitter_noise", hf["router_jitter_noise"],
+                "multiplicative router noise in training is not modelled; set it to 0")
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=hf.get("num_local_experts", 8),
+                    experts_top_k=hf.get("num_experts_per_tok", 2),
+                    moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)
+    dense = sorted(hf.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))):
+        _refuse(where, "mlp_only_layers", dense, "only a run of first layers can stay dense")
+    # transformers 5 writes Qwen3-MoE's count as num_local_experts, published configs num_experts
+    out = dict(num_experts=hf.get("num_experts", hf.get("num_local_experts", 60)),
+               experts_top_k=hf.get("num_experts_per_tok", 4),
+               moe_intermediate_size=hf["moe_intermediate_size"],
+               norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+               moe_layer_freq=hf.get("decoder_sparse_step", 1), moe_first_dense=len(dense))
+    if arch == "Qwen2MoeForCausalLM":
+        out.update(shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
+                   shared_expert_gate=True)
+    else:
+        out.update(qk_norm=True)
+    return out
+
+
+def _moe_arch(cfg: ModelConfig) -> str:
+    """The HF family a fivefold MoE model exports to, or a ConfigError saying why none fits."""
+    where = f"model '{cfg.name}'"
+    plain = (cfg.router_score == "softmax" and cfg.routed_scaling_factor == 1.0
+             and cfg.router_groups == 1 and cfg.capacity_factor == 0)
+    if not plain:
+        raise ConfigError(f"{where}: sigmoid scores, routed scaling, group-limited routing and "
+                          f"capacity have no Mixtral/Qwen-MoE equivalent; it cannot be exported")
+    if cfg.shared_expert_intermediate_size:
+        if not cfg.shared_expert_gate or cfg.qk_norm:
+            raise ConfigError(f"{where}: a shared expert exports only as Qwen2-MoE (gated, "
+                              f"no qk_norm)")
+        return "Qwen2MoeForCausalLM"
+    if cfg.qk_norm:
+        return "Qwen3MoeForCausalLM"
+    if cfg.norm_topk_prob and cfg.num_moe_layers == cfg.num_layers and not cfg.qkv_bias:
+        return "MixtralForCausalLM"
+    raise ConfigError(f"{where}: without qk_norm only a Mixtral-shaped MoE exports (every layer "
+                      f"MoE, norm_topk_prob, no qkv bias); set model.qk_norm for Qwen3-MoE")
+
+
+def _moe_export(cfg: ModelConfig, arch: str) -> dict:
+    if arch == "MixtralForCausalLM":
+        return {"num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_top_k,
+                "intermediate_size": cfg.moe_intermediate_size, "router_jitter_noise": 0.0,
+                "sliding_window": None, "output_router_logits": False}
+    out = {"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_top_k,
+           "moe_intermediate_size": cfg.moe_intermediate_size,
+           "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": cfg.moe_layer_freq,
+           "mlp_only_layers": list(range(cfg.moe_first_dense)), "output_router_logits": False,
+           "use_sliding_window": False, "sliding_window": None,
+           "max_window_layers": cfg.num_layers}
+    if arch == "Qwen2MoeForCausalLM":
+        out.update(shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+                   qkv_bias=cfg.qkv_bias)
+    else:
+        out.update(attention_bias=False)
+        if cfg.qkv_bias:
+            raise ConfigError(f"model '{cfg.name}': Qwen3-MoE has no q/k/v biases; set "
+                              f"model.qkv_bias = false to export")
+    return out
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: str | None = None) -> dict:
@@ -139,13 +225,14 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str | None = None) -> dict:
     if cfg.mlp != "swiglu" or cfg.norm != "rmsnorm":
         raise ConfigError(f"model '{cfg.name}' uses mlp={cfg.mlp}, norm={cfg.norm}; only "
                           f"swiglu + rmsnorm (Llama-family) models export to Hugging Face")
-    if cfg.num_experts:
-        raise ConfigError(f"model '{cfg.name}' has experts; mixture-of-experts export is not "
-                          f"available yet")
     qwen = cfg.qkv_bias
+    arch = _moe_arch(cfg) if cfg.num_experts else (
+        "Qwen2ForCausalLM" if qwen else "LlamaForCausalLM")
+    if cfg.qk_norm and not cfg.num_experts:
+        raise ConfigError(f"model '{cfg.name}': qk_norm exports only with experts (Qwen3-MoE)")
     out = {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama",
+        "architectures": [arch],
+        "model_type": SUPPORTED[arch],
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -166,7 +253,9 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str | None = None) -> dict:
         "eos_token_id": None,
         "use_cache": True,
     }
-    if qwen:
+    if cfg.num_experts:
+        out.update(_moe_export(cfg, arch))
+    elif qwen:
         out.update(use_sliding_window=False, sliding_window=None,
                    max_window_layers=cfg.num_layers)
     else:

@@ -157,12 +157,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, h, bias=cfg.mlp == "gelu")
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before RoPE
+            self.q_norm = RMSNorm(cfg.dim_per_head, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.dim_per_head, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.core = AttentionCore()
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, start: int = 0):
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:

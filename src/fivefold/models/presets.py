@@ -31,6 +31,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head's queries and keys
     mlp: str = "swiglu"  # "swiglu" (Llama) or "gelu" (GPT-3 style, 2 matrices)
     norm: str = "rmsnorm"  # "rmsnorm" or "layernorm"
     init_std: float = 0.02
@@ -97,6 +98,8 @@ class ModelConfig:
         attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.dim_per_head
         return attn + 2 * self._norm_size * h
 
     def moe_params(self, active: bool = False) -> dict[str, int]:

@@ -283,6 +283,8 @@ def llama_plan() -> dict[str, str]:
         "layers.*.self_attn.k_proj": "colwise_kv",
         "layers.*.self_attn.v_proj": "colwise_kv",
         "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.self_attn.q_norm": "head_norm",
+        "layers.*.self_attn.k_norm": "head_norm",
         "layers.*.post_attention_layernorm": "sequence_norm",
         "layers.*.mlp": "region",
         "layers.*.mlp.gate_proj": "colwise",
@@ -361,6 +363,9 @@ def _apply_style(model, name: str, module: nn.Module, style: str, group: Group, 
     elif style == "vocab_loss":
         start, stop = _vocab_info((cfg.vocab_size, cfg.hidden_size), group).slices[group.rank]
         _replace(model, name, VocabParallelCrossEntropy(group, start, stop - start))
+    elif style == "head_norm":  # one weight shared by every head: tp ranks hold other heads
+        for pname, p in module.named_parameters(recurse=False):
+            _set(module, pname, _replicated(p.shape, group.size, ("tp",)), group)
     elif style in ("sequence_norm", "head_input"):
         for pname, p in module.named_parameters(recurse=False):
             _set(module, pname, _replicated(p.shape, group.size, ("tp",) if sp else None), group)
