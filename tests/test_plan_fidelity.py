@@ -68,3 +68,74 @@ def test_per_stage_answers_in_json(capsys):
     assert plan["named_stages"]["most_loaded"] == plan["memory_rank"]
     assert max(s["memory_total_bytes"] for s in stages) == plan["memory_total_bytes"]
     assert plan["named_stages"]["slowest"] in (1, 2)  # the 9-layer stages
+
+
+def _cli(capsys, *args):
+    code = cli_main(["plan", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_which_constraint_removed_the_layouts(capsys):
+    """The default global batch, 4M tokens / 4096 = 977 sequences, is prime: no dp > 1
+    divides it, and 32 layers do not split over the pipelines 12 GPUs leave at dp = 1."""
+    code, out, _ = _cli(capsys, "--model", "llama-3.1-8b", "--gpus", "12")
+    assert code == 1
+    assert "no layout of 12 GPUs meets the constraints" in out
+    assert "gbs = 977 is not divisible by dp" in out
+    assert "num_layers = 32 is not divisible by 12 pipeline chunks" in out
+    assert "--gbs 972 or 984" in out
+    assert "try more GPUs" not in out
+    code, out, _ = _cli(capsys, "--model", "llama-3.1-8b", "--gpus", "12", "--gbs", "972")
+    assert code == 0 and "MFU" in out
+
+
+def test_tp_across_nodes_is_explained_not_refused(capsys):
+    code, out, _ = _cli(capsys, "--model", "llama-3.1-70b", "--gpus", "32", "--gbs", "64",
+                        "--layout", "tp=16,pp=2,recompute=full")
+    assert code == 0
+    assert "tp = 16 spans 2 nodes of 8 GPUs" in out and "exposed TP communication" in out
+    # impossible layouts are still refused, in one line with exit code 2
+    code, _, err = _cli(capsys, "--model", "llama-3.1-70b", "--gpus", "24", "--gbs", "64",
+                        "--layout", "tp=3,pp=1")
+    assert code == 2 and "tp = 3 does not divide num_heads = 64" in err
+
+
+@pytest.mark.parametrize("zero, gb", [(0, "120.0"), (1, "31.4"), (2, "16.6"), (3, "1.9")])
+def test_zero_paper_worked_example(capsys, zero, gb):
+    """Rajbhandari et al. 2020, Fig. 1: Ψ = 7.5B, N_d = 64, K = 12 (GB = 1e9): baseline
+    (2 + 2 + K)Ψ = 120; P_os 4Ψ + KΨ/N_d = 31.4; P_os+g 2Ψ + (2 + K)Ψ/N_d = 16.6;
+    P_os+g+p (2 + 2 + K)Ψ/N_d = 1.875."""
+    code, out, _ = _cli(capsys, "--params", "7.5e9", "--gpus", "64", "--seq-len", "2048",
+                        "--gbs", "64", "--layout", f"dp=64,zero={zero}")
+    assert code == 0
+    assert f"model states: {gb} GB (1e9 bytes)" in out
+
+
+@pytest.mark.parametrize("rule, tflops, recompute, days",
+                         [("6ND", 312, "selective", "2.67"), ("8ND", 68, "full", "16.36")])
+def test_82b_whole_run_worked_example(capsys, rule, tflops, recompute, days):
+    """82B parameters, 150B tokens, 1024 A100s: 6·82e9·150e9 / (1024 · 312e12) s = 2.6735
+    days; 8·82e9·150e9 / (1024 · 68e12) s = 16.356 days (PLANNER-NOTES §3.1)."""
+    code, out, _ = _cli(capsys, "--params", "82e9", "--gpu", "a100-80gb", "--gpus", "1024",
+                        "--seq-len", "2048", "--gbs", "1536", "--layout",
+                        f"tp=8,pp=8,zero=1,recompute={recompute}", "--tokens", "150e9",
+                        "--achieved-tflops", str(tflops), "--flops-rule", rule,
+                        "--hw", "price_per_gpu_hour=2", "--json")
+    assert code == 0
+    run = json.loads(out)["run"]
+    assert f"{run['days_rule']:.2f}" == days
+    assert run["num_params"] == 82e9
+    assert run["total_flops"] == int(rule[0]) * 82e9 * 150e9
+    assert run["gpu_hours_rule"] == pytest.approx(run["total_flops"] / (tflops * 1e12) / 3600)
+    assert run["cost"] == pytest.approx(2 * run["gpu_hours"])
+    assert run["days_planned"] > 0
+
+
+def test_model_from_params_counts_to_within_half_a_row():
+    from fivefold.plan.run_cost import model_from_params
+
+    for n in (1e9, 7.5e9, 82e9, 175e9):
+        model = model_from_params(n)
+        assert abs(model.num_params() - n) <= model.hidden_size / 2
+        assert model.num_heads % 8 == 0 and model.hidden_size % 128 == 0

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from fivefold.config import ArgumentParser, ConfigError
+from fivefold.plan.advice import layout_warnings
 from fivefold.plan.evaluate import plan_layout
 from fivefold.plan.hardware import CATALOG, get_hardware, parse_overrides
 from fivefold.plan.inputs import (
@@ -33,6 +34,7 @@ from fivefold.plan.report import (
     search_to_dict,
     workload_to_dict,
 )
+from fivefold.plan.run_cost import model_from_params, run_cost
 from fivefold.plan.search import SearchSpace, search, suggest_fix
 
 
@@ -52,6 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--space", default="", help="restrict the search, e.g. 'tp=4,8 pp=1,2 "
                      "zero=1,3 recompute=selective schedule=1f1b,interleaved uneven_pp=true'")
     src.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    src.add_argument("--params", type=float, help="plan a model from its parameter count "
+                     "(e.g. 7.5e9) with a standard GPT-3 shape, instead of --model")
+    run = ap.add_argument_group("whole run")
+    run.add_argument("--tokens", type=float, help="training budget in tokens (e.g. 15e12): "
+                     "days, GPU-hours and, with --hw price_per_gpu_hour=..., cost")
+    run.add_argument("--flops-rule", default="6ND", choices=("6ND", "8ND"),
+                     help="rule-of-thumb compute: 6·N·D, or 8·N·D with full recomputation")
+    run.add_argument("--achieved-tflops", type=float, help="achieved TFLOP/s per GPU for the "
+                     "rule of thumb (default: the plan's own model TFLOP/s per GPU)")
     hw = ap.add_argument_group("hardware")
     hw.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(CATALOG)}")
     hw.add_argument("--gpus", type=int, default=8, help="number of GPUs (default 8)")
@@ -109,9 +120,36 @@ def _plots(args, plans, title: str) -> list[Path]:
 
 
 def _check(work, layout, hw, strict: bool = False) -> None:
-    problems = check_layout(work, layout, hw.gpus_per_node, strict)
+    """Refuse only what cannot run; what runs but costs (tp across nodes) is explained."""
+    problems = check_layout(work, layout, None, strict)
     if problems:
         raise ConfigError(f"layout {layout.short()}: {problems[0]}")
+
+
+def _explain(plan, work, hw) -> str:
+    warnings = layout_warnings(plan, work, hw)
+    text = format_explain(plan, work)
+    if warnings:
+        text += "\n\nwarnings (the layout runs; at these costs):\n" + "\n".join(
+            f"  - {w}" for w in warnings)
+    return text
+
+
+def _run_cost(args, work, plan, assume):
+    """The whole run at `--tokens` (None without it)."""
+    if not getattr(args, "tokens", None):
+        return None
+    if args.tokens <= 0:
+        raise ConfigError(f"--tokens {args.tokens:g} must be > 0")
+    achieved = (args.achieved_tflops * 1e12 if args.achieved_tflops
+                else plan.mfu * plan.peak_flops)
+    if achieved <= 0:
+        raise ConfigError(f"--achieved-tflops {args.achieved_tflops:g} must be > 0")
+    num_params = args.params or work.model.num_params()
+    return run_cost(args.tokens, plan.world_size, num_params, flops_rule=args.flops_rule,
+                    achieved_flops_per_gpu=achieved,
+                    tokens_per_second=plan.tokens_per_step / plan.time.total,
+                    price_per_gpu_hour=assume.price_per_gpu_hour)
 
 
 def run(argv: list[str]) -> int:
@@ -135,9 +173,18 @@ def run(argv: list[str]) -> int:
         if args.search:
             return _search(args, work, num_gpus, hw, assume)
         return _config_check(args, work, layout, num_gpus, hw, assume)
-    if not args.model:
-        raise ConfigError("give --model (a preset, config.json or .toml) or --config train.toml")
-    model = resolve_model(args.model)
+    if args.model and args.params:
+        raise ConfigError("give --model or --params, not both")
+    if not args.model and not args.params:
+        raise ConfigError("give --model (a preset, config.json or .toml), --params N or "
+                          "--config train.toml")
+    if args.params:
+        try:
+            model = model_from_params(args.params)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    else:
+        model = resolve_model(args.model)
     if args.seq_len < 1 or args.gpus < 1:
         raise ConfigError("--seq-len and --gpus must be >= 1")
     if (args.gbs is not None and args.gbs < 1) or (args.gbs_tokens is not None
@@ -156,11 +203,16 @@ def run(argv: list[str]) -> int:
             raise ConfigError(f"--layout uses {layout.world_size} GPUs but --gpus is {args.gpus}")
         _check(work, layout, hw)
         plan = plan_layout(work, layout, hw, assume)
+        cost = _run_cost(args, work, plan, assume)
         if args.json:
-            _emit_json(args, {"workload": workload_to_dict(work), "layouts": [plan.to_dict()]})
+            _emit_json(args, {"workload": workload_to_dict(work), "layouts": [plan.to_dict()],
+                              "warnings": layout_warnings(plan, work, hw),
+                              "run": cost.to_dict() if cost else None})
         if args.json != "-":
             print(describe_workload(work, hw, args.gpus))
-            print(format_explain(plan, work))
+            print(_explain(plan, work, hw))
+            if cost:
+                print("\n" + cost.describe())
         if args.plot:
             _plots(args, [plan], layout.short())
         return 0
@@ -170,10 +222,16 @@ def run(argv: list[str]) -> int:
 def _search(args, work, num_gpus, hw, assume) -> int:
     space = SearchSpace.parse(args.space)
     result = search(work, num_gpus, hw, assume, space, top=max(args.top, 1))
+    cost = _run_cost(args, work, result.top[0], assume) if result.top else None
     if args.json:
-        _emit_json(args, search_to_dict(result, work, hw, assume))
+        payload = search_to_dict(result, work, hw, assume)
+        payload["run"] = cost.to_dict() if cost else None
+        _emit_json(args, payload)
     if args.json != "-":
         print(format_search(result, work, hw, args.top))
+        if cost:
+            print(f"\nwith the fastest layout, {result.top[0].layout.short()}:")
+            print(cost.describe())
     if args.plot and result.top:
         plans = result.top[:args.top] + result.faster_but_too_big
         _plots(args, plans, f"{work.model.name} on {num_gpus} × {hw.name}")
@@ -190,11 +248,11 @@ def _config_check(args, work, layout, num_gpus, hw, assume) -> int:
         line += f"; try {fix}" if fix else "; no layout of these GPUs fits: add GPUs"
     if args.json:
         _emit_json(args, {"workload": workload_to_dict(work), "layouts": [plan.to_dict()],
-                          "summary": line})
+                          "summary": line, "warnings": layout_warnings(plan, work, hw)})
     if args.json != "-":
         print(line)
         print(describe_workload(work, hw, num_gpus))
-        print(format_explain(plan, work))
+        print(_explain(plan, work, hw))
     if args.plot:
         _plots(args, [plan], layout.short())
     return 0 if plan.fits else 1

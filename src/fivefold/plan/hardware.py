@@ -64,6 +64,7 @@ class Assumptions:
     tp_overlap: float = 0.0  # share of TP/SP communication hidden behind GEMMs (async TP)
     context_gib: float = 1.5  # CUDA context, cuBLAS workspace, NCCL buffers
     fragmentation: float = 0.05  # allocator reserve over what tensors allocate
+    price_per_gpu_hour: float = 0.0  # for the whole-run cost (--tokens); 0: not priced
 
 
 # Sources: NVIDIA A100/H100/H200/B200/L40S and AMD MI300X/MI325X data sheets (dense peaks);

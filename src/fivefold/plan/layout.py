@@ -12,7 +12,12 @@ import math
 from dataclasses import dataclass
 
 from fivefold.models.presets import ModelConfig
-from fivefold.plan.split import check_split, model_stage_layers
+from fivefold.plan.split import (
+    check_split,
+    model_stage_layers,
+    split_costs,
+    stage_layer_counts,
+)
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
@@ -125,6 +130,30 @@ def chunk_layer_counts(model: ModelConfig, layout: Layout) -> tuple[int, ...]:
     return model_stage_layers(model, num_chunks(layout), layout.pp_split, layout.pp_layers)
 
 
+def _split_key(model: ModelConfig, layout: Layout) -> tuple:
+    """What the split depends on, hashable (the costs only matter to the balanced split)."""
+    costs = (split_costs(model) if layout.pp_split == "balanced" and not layout.pp_layers
+             else (1.0, 0.0, 0.0))
+    return (model.num_layers, layout.pp, layout.schedule, layout.virtual_stages,
+            layout.pp_split, layout.pp_layers, costs)
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage(key: tuple, rank: int) -> tuple[int, bool, bool]:
+    num_layers, pp, schedule, v, split, layers, costs = key
+    lay = Layout(pp=pp, schedule=schedule, virtual_stages=v)
+    counts = stage_layer_counts(num_layers, num_chunks(lay), split, layers, *costs)
+    mine = _rank_chunks(pp, schedule, v, rank)
+    return sum(counts[c] for c in mine), 0 in mine, len(counts) - 1 in mine
+
+
+@functools.lru_cache(maxsize=16384)
+def _critical_ranks(key: tuple) -> tuple[int, ...]:
+    pp = key[1]
+    heaviest = max(range(pp), key=lambda r: _stage(key, r)[0])
+    return tuple(sorted({0, pp - 1, heaviest}))
+
+
 def rank_chunks(layout: Layout, rank: int) -> tuple[int, ...]:
     """Chunk indices pipeline rank `rank` holds (interleaved: r, r+p, …; DualPipeV: r, 2p-1-r)."""
     return _rank_chunks(layout.pp, layout.schedule, layout.virtual_stages, rank)
@@ -140,9 +169,7 @@ def _rank_chunks(pp: int, schedule: str, virtual_stages: int, rank: int) -> tupl
 
 def stage(model: ModelConfig, layout: Layout, rank: int) -> tuple[int, bool, bool]:
     """(layers, holds the embedding, holds the head) of one pipeline rank."""
-    counts = chunk_layer_counts(model, layout)
-    mine = rank_chunks(layout, rank)
-    return sum(counts[c] for c in mine), 0 in mine, len(counts) - 1 in mine
+    return _stage(_split_key(model, layout), rank)
 
 
 def layers_on_rank(model: ModelConfig, layout: Layout, rank: int) -> int:
@@ -229,8 +256,7 @@ def bubble_ratio(layout: Layout, num_microbatches: int) -> float:
 def critical_ranks(model: ModelConfig, layout: Layout) -> tuple[int, ...]:
     """Pipeline ranks that can be the most loaded: the first (embedding, most activations),
     the last (output head, logits) and the one holding the most layers."""
-    heaviest = max(range(layout.pp), key=lambda r: stage(model, layout, r)[0])
-    return tuple(sorted({0, layout.pp - 1, heaviest}))
+    return _critical_ranks(_split_key(model, layout))
 
 
 def check_layout(work: Workload, layout: Layout, gpus_per_node: int | None = None,

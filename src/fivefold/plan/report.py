@@ -73,7 +73,9 @@ def format_explain(plan: LayoutPlan, work: Workload) -> str:
     lines.append(f"  {'total':<30} {_gib(p.memory_total):>8}  of {p.memory_limit / GIB:g}")
     if p.cpu_bytes:
         lines.append(f"  {'host memory (offload)':<30} {_gib(p.cpu_bytes):>8}")
-    lines += [f"  bytes/param: {p.bytes_per_param}"]
+    states = p.stages[p.memory_rank]["model_states_bytes"]
+    lines += [f"  bytes/param: {p.bytes_per_param}",
+              f"  model states: {states / 1e9:.1f} GB (1e9 bytes) = {_gib(states)} GiB"]
     if lay.pp > 1:
         lines += ["", *format_stages(p)]
     lines += ["",
@@ -146,13 +148,43 @@ def explain_losses(result: SearchResult, count: int = 4) -> list[str]:
     return lines
 
 
+def why_none(result: SearchResult, work: Workload, hw: Hardware) -> list[str]:
+    """Which constraint removed the layouts (most first), or how far the smallest is from
+    fitting, with the fix each suggests."""
+    n = result.num_gpus
+    if result.considered == 0:
+        lines = [f"no layout of {n} GPUs meets the constraints; what removed them:"]
+        for count, example in sorted(result.removed.values(), key=lambda e: -e[0]):
+            lines.append(f"  {count:>6,} removed: {example}")
+        kinds = " ".join(result.removed)
+        if "gbs" in kinds:
+            near = sorted({max(n, round(work.gbs / n) * n), (work.gbs // n + 1) * n})
+            lines.append(f"fix: the global batch of {work.gbs} sequences must split over the "
+                         f"data-parallel ranks; try --gbs {' or '.join(map(str, near))} "
+                         f"(multiples of {n})")
+        if "num_layers" in kinds:
+            lines.append("fix: allow uneven pipeline stages with --space 'uneven_pp=true', or "
+                         "give --layout ...,pp_split=balanced")
+        if "spans nodes" in kinds:
+            lines.append(f"note: the search keeps tp within a node ({hw.gpus_per_node} GPUs); "
+                         f"--layout tp=... explains a tp across nodes with its cost")
+        return lines
+    need, lay = result.smallest or (0.0, None)
+    lines = [f"none of the {result.considered:,} layouts fits in {hw.memory_gib:g} GiB"]
+    if lay is not None:
+        lines[0] += (f": the smallest ({lay.short()}) needs {_gib(need)} GiB on its first "
+                     f"pipeline rank")
+    lines.append("fix: more GPUs, recompute=full, ZeRO-3, offload, or a GPU with more memory")
+    return lines
+
+
 def format_search(result: SearchResult, work: Workload, hw: Hardware, top: int = 10) -> str:
     head = describe_workload(work, hw, result.num_gpus)
     stats = (f"{result.considered:,} layouts meet the constraints; {result.planned:,} planned, "
              f"{result.dropped:,} do not fit, {result.bounded_out:,} cannot beat the shown ones "
              f"(bound); {result.elapsed_s:.2f} s")
     if not result.top:
-        return f"{head}\n{stats}\nno layout fits; try more GPUs, recompute, ZeRO-3 or offload"
+        return "\n".join([head, stats, *why_none(result, work, hw)])
     out = [head, stats, "", format_table(result.top[:top]), "", "why the others lost:"]
     out += [f"  {line}" for line in explain_losses(result)]
     return "\n".join(out)

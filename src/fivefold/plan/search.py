@@ -11,6 +11,7 @@ sibling with less recomputation already fits is skipped too: it holds more FLOPs
 from __future__ import annotations
 
 import heapq
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -100,6 +101,17 @@ class SearchResult:
     bounded_out: int  # layouts the lower bound proved slower than the shown ones
     elapsed_s: float
     notes: list[str] = field(default_factory=list)
+    # which constraint removed how many layouts: {kind: [count, first example]}
+    removed: dict[str, list] = field(default_factory=dict)
+    smallest: tuple[float, Layout] | None = None  # when none fits: the least memory needed
+
+
+def _note(removed: dict | None, problem: str, count: int = 1) -> None:
+    """Count a removed layout under its kind of constraint (the problem, digits masked)."""
+    if removed is not None:
+        kind = re.sub(r"\d+", "#", problem)
+        entry = removed.setdefault(kind, [0, problem])
+        entry[0] += count
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -115,7 +127,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def enumerate_layouts(work: Workload, num_gpus: int, hw: Hardware,
-                      space: SearchSpace) -> list[Layout]:
+                      space: SearchSpace, removed: dict | None = None) -> list[Layout]:
     """Every layout of `num_gpus` GPUs that meets the constraints (tp within a node; heads,
     kv heads, MLP width, layers and batch divisible; gbs = dp·mbs·m; schedule rules)."""
     mc = work.model
@@ -127,6 +139,7 @@ def enumerate_layouts(work: Workload, num_gpus: int, hw: Hardware,
     for tp in tps:
         for cp in cps:
             if num_gpus % (tp * cp):
+                _note(removed, f"tp·cp = {tp * cp} does not divide the {num_gpus} GPUs")
                 continue
             rest = num_gpus // (tp * cp)
             for pp in space.pp or [p for p in _divisors(rest) if p <= mc.num_layers]:
@@ -134,6 +147,7 @@ def enumerate_layouts(work: Workload, num_gpus: int, hw: Hardware,
                     continue
                 dp = rest // pp
                 if work.gbs % dp:
+                    _note(removed, f"gbs = {work.gbs} is not divisible by dp = {dp}")
                     continue
                 per_dp = work.gbs // dp
                 mbss = space.mbs or [b for b in _divisors(per_dp) if b <= space.max_mbs]
@@ -148,8 +162,10 @@ def enumerate_layouts(work: Workload, num_gpus: int, hw: Hardware,
                             for sp in space.sp if tp > 1 else (False,):
                                 base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mbs=mbs,
                                               schedule=sched, virtual_stages=v, sp=sp)
-                                if check_layout(work, base, hw.gpus_per_node,
-                                                space.strict_layers):
+                                problems = check_layout(work, base, hw.gpus_per_node,
+                                                        space.strict_layers)
+                                if problems:
+                                    _note(removed, problems[0])
                                     continue
                                 zeros = space.zero if dp * cp > 1 else (0,)
                                 for zero in zeros:
@@ -169,7 +185,9 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
     """The `top` fastest layouts that fit, with the faster ones that do not."""
     space = space or SearchSpace()
     start = time.perf_counter()
-    layouts = enumerate_layouts(work, num_gpus, hw, space)
+    removed: dict[str, list] = {}
+    layouts = enumerate_layouts(work, num_gpus, hw, space, removed)
+    smallest: tuple[float, Layout] | None = None
     compute_cache: dict[tuple, float] = {}
 
     def lower_bound(lay: Layout) -> float:
@@ -212,6 +230,8 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
         if sum(first.values()) > hw.memory_bytes or sum(
                 peak_memory(work, lay, assume)[1].values()) > hw.memory_bytes:
             dropped += 1
+            if not best and (smallest is None or sum(first.values()) < smallest[0]):
+                smallest = (sum(first.values()), lay)
             twin = (bound, round(sum(first.values()) / 2**30, 1))
             if not best and len(too_big) < 3 and twin not in seen:
                 seen.add(twin)
@@ -238,7 +258,8 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
     return SearchResult(
         top=ranked, faster_but_too_big=too_big_plans, num_gpus=num_gpus,
         considered=len(layouts), planned=planned + len(too_big_plans), dropped=dropped,
-        bounded_out=bounded, elapsed_s=time.perf_counter() - start)
+        bounded_out=bounded, elapsed_s=time.perf_counter() - start, removed=removed,
+        smallest=None if ranked else smallest)
 
 
 # The training-config key of each layout field, for suggestions a person can paste.
