@@ -163,7 +163,6 @@ SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 
 # Values that later dimensions will implement; until then they are refused with this word.
 NOT_AVAILABLE: dict[str, str] = {
-    "parallel.ep": "expert parallelism is not available yet; set parallel.ep = 1",
 }
 
 
@@ -488,6 +487,7 @@ def validate(cfg: Config) -> None:
         if mc.num_kv_heads % par.tp and par.tp % mc.num_kv_heads:
             raise ConfigError(f"parallel.tp = {par.tp} and model.num_kv_heads = "
                               f"{mc.num_kv_heads}: one must divide the other")
+    _check_expert_parallel(par, mc)
     if par.sp and tr.seq_len % par.tp:
         raise ConfigError(f"train.seq_len = {tr.seq_len} is not divisible by parallel.tp = "
                           f"{par.tp}, which sequence parallelism needs")
@@ -551,3 +551,19 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.resume = '{ck.resume}' is not a checkpoint directory; "
                           f"use 'latest' or a path under checkpoint.dir")
     _positive("log.every", cfg.log.every)
+
+
+def _check_expert_parallel(par, mc) -> None:
+    """ep ranks split the experts and are carved out of dp·cp (parallel/mesh.py)."""
+    if par.ep == 1:
+        return
+    if not mc.num_experts:
+        raise ConfigError(f"parallel.ep = {par.ep} needs a mixture-of-experts model "
+                          f"(model.num_experts > 0); set parallel.ep = 1")
+    if mc.num_experts % par.ep:
+        raise ConfigError(f"parallel.ep = {par.ep} does not divide model.num_experts = "
+                          f"{mc.num_experts}; pick an ep that divides the experts")
+    if (par.dp * par.cp) % par.ep:
+        raise ConfigError(f"parallel.ep = {par.ep} does not divide parallel.dp·cp = "
+                          f"{par.dp * par.cp}; expert ranks are carved out of dp×cp: pick an "
+                          f"ep dividing it or raise dp")

@@ -59,6 +59,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
                               f"kernel with a log-sum-exp is wired for it; use train.device = "
                               f"'cpu' or parallel.cp = 1")
         apply_context_parallel(model, dims["cp"], par.cp_layout, par.cp_comm)
+    if par.ep > 1:
+        from fivefold.parallel.expert import apply_expert_parallel
+
+        apply_expert_parallel(model, dims)
     apply_recompute(model, cfg.train.recompute)
     if par.pp > 1:
         from fivefold.parallel.pipeline.stages import split_stages

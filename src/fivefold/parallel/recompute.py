@@ -6,10 +6,16 @@
     full       only each block's input is kept; the whole block runs again in backward
 
 The wrapped module keeps its parameter names: only its `forward` is replaced.
+
+A recomputed region that communicates (expert parallelism's all-to-alls) should not send
+again what it already received: each checkpointed call carries a `ReplayTape`. In the first
+forward a communicating layer pushes what it received onto the tape; when backward runs the
+region again, the layer pops it instead of communicating (parallel/expert.py).
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 
 import torch
@@ -22,13 +28,49 @@ from fivefold.parallel.memory import note_kept
 MODES = ("none", "selective", "full")
 
 
+class ReplayTape:
+    """What a checkpointed region's communication received in its first forward, in order."""
+
+    def __init__(self):
+        self.items: list = []
+        self.replaying = False
+        self.position = 0
+
+    def push(self, item) -> None:
+        self.items.append(item)
+
+    def pop(self):
+        item = self.items[self.position]
+        self.position += 1
+        return item
+
+
+_TAPE: contextvars.ContextVar[ReplayTape | None] = contextvars.ContextVar(
+    "fivefold_replay_tape", default=None)
+
+
+def replay_tape() -> ReplayTape | None:
+    """The tape of the checkpointed region running now (None outside recomputation)."""
+    return _TAPE.get()
+
+
 def _checkpointed(forward):
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        if torch.is_grad_enabled():
-            note_kept(*(a for a in args if isinstance(a, torch.Tensor)))
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-        return forward(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        note_kept(*(a for a in args if isinstance(a, torch.Tensor)))
+        tape = ReplayTape()
+
+        def taped(*a, **kw):  # first call: record; the recomputation in backward: replay
+            token = _TAPE.set(tape)
+            try:
+                return forward(*a, **kw)
+            finally:
+                _TAPE.reset(token)
+                tape.replaying, tape.position = True, 0
+
+        return checkpoint(taped, *args, use_reentrant=False, **kwargs)
 
     return run
 

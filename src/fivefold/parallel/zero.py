@@ -43,9 +43,10 @@ class DataParallelOptimizer:
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], dims, tr, scaler,
                  stage: int = 0, offload: bool = False, bucket_mb: float = 25.0,
                  chunks: list[nn.Module] | None = None, timeout_s: float = 300.0,
-                 watchdog: Watchdog | None = None, buckets_in_flight: int = BUCKETS_IN_FLIGHT):
+                 watchdog: Watchdog | None = None, buckets_in_flight: int = BUCKETS_IN_FLIGHT,
+                 group: str = "dp_cp"):
         self.dims, self.tr, self.scaler, self.stage, self.offload = dims, tr, scaler, stage, offload
-        self.group = dims["dp_cp"]
+        self.group = dims[group]  # the ranks holding these weights: dp_cp, or edp for experts
         self.names = [n for n, _ in named_params]
         params = [p for _, p in named_params]
         self.dtype, self.device = params[0].dtype, params[0].device
@@ -161,6 +162,14 @@ class DataParallelOptimizer:
             self.gatherer.free_all()
 
     def step(self, lr: float) -> StepStats:
+        grads = self.bind_grads()
+        stats = clipped_step(self.optimizer, grads, lr, self.tr, self.scaler, self.dims["world"],
+                             self._global_grad_norm)
+        self.after_step(stats)
+        return stats
+
+    def bind_grads(self) -> list[torch.Tensor]:
+        """The reduced gradients of this rank's pieces, set as their masters' `.grad`."""
         grads = self.reducer.owned_grads(self.pieces)
         if self.separate_master:
             grads = [g.to(device=self.state_device, dtype=torch.float32, copy=True)
@@ -168,14 +177,14 @@ class DataParallelOptimizer:
         for m, g in zip(self.master_pieces, grads):
             m.grad = g
         peak.sample("optimizer step")
-        stats = clipped_step(self.optimizer, grads, lr, self.tr, self.scaler, self.dims["world"],
-                             self._global_grad_norm)
+        return grads
+
+    def after_step(self, stats: StepStats) -> None:
         for m in self.master_pieces:
             m.grad = None
         if not stats.skipped:
             self._publish_params()
         self._disarm()
-        return stats
 
     def _disarm(self) -> None:
         if self.owns_watchdog:
@@ -184,15 +193,20 @@ class DataParallelOptimizer:
     def _global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """sqrt(sum of squares), every logical element counted once: ZeRO shards are
         disjoint (summed over dp_cp); tp/pp replicas carry `norm_share` (train/optim.py)."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        if grads:
-            norms = torch.stack(torch._foreach_norm(grads)).float()
-            sq += (norms.pow(2) * self.shares).sum().to(self.device)
+        sq = self.local_grad_sq(grads)
         if self.layout.shards > 1:
             comm.all_reduce(sq, self.group)
         for name in ("tp", "pp"):
             comm.all_reduce(sq, self.dims[name])
         return sq.sqrt()
+
+    def local_grad_sq(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's share of the squared gradient norm, before any reduction."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        if grads:
+            norms = torch.stack(torch._foreach_norm(grads)).float()
+            sq += (norms.pow(2) * self.shares).sum().to(self.device)
+        return sq
 
     def _publish_params(self) -> None:
         """Copy the updated master into the parameters; ZeRO-1/2 then all-gather them."""

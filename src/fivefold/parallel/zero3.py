@@ -72,9 +72,11 @@ def zero3_units(chunks: list[nn.Module], named_params) -> tuple[list[list[int]],
         if rest:
             groups.append(rest)
             units.append(Unit(chunk, "rest", c, borrowed))
-        for block in blocks:
-            groups.append([index[id(p)] for p in block.parameters()])
-            units.append(Unit(block, "block", c, []))
+        for block in blocks:  # the block's parameters this optimizer holds (dense or experts)
+            members = [index[id(p)] for p in block.parameters() if id(p) in index]
+            if members:
+                groups.append(members)
+                units.append(Unit(block, "block", c, []))
     return groups, units
 
 

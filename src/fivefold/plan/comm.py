@@ -116,9 +116,11 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
         if size > 1 and calls > 0 and elements > 0:
             out.append(Collective(group, op, dtype, elements, calls, size, phase, note))
 
-    # --- data parallel / ZeRO over dp×cp (experts over dp·cp/ep) ---
+    # --- data parallel / ZeRO over dp×cp (experts over dp·cp/ep; at ep 1 they share the
+    # dense weights' buffers, parallel/expert_optim.py) ---
+    expert_group = "edp" if lay.ep > 1 else dp_group_name(lay)
     for group, n, elems in ((dp_group_name(lay), lay.dp * lay.cp, params["dense"]),
-                            ("edp", lay.dp * lay.cp // lay.ep, params["expert"])):
+                            (expert_group, lay.dp * lay.cp // lay.ep, params["expert"])):
         rs_calls = m if (lay.zero >= 2 and work.grad_sync == "microbatch") else 1
         if lay.zero == 0:
             add(group, "all_reduce", grad_bytes, elems, 1, n, "grad", "gradients")
@@ -138,6 +140,8 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
             "fwd", "tied embedding for the head")
     if lay.zero >= 1:  # the squared norm of the gradient shards, for clipping (fp32 scalar)
         add(dp_group_name(lay), "all_reduce", 4, 1, 1, lay.dp * lay.cp, "step", "grad norm")
+    elif lay.ep > 1 and params["expert"]:  # whole gradients, but each ep rank other experts
+        add("ep", "all_reduce", 4, 1, 1, lay.ep, "step", "grad norm (experts)")
 
     # --- tensor (+ sequence) parallel ---
     t = lay.tp
@@ -206,10 +210,15 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
                 add("cp", op, B, kv, (lay.cp - 1) * layers * m, lay.cp, "bwd", "K,V")
                 add("cp", op, 4, kv, lay.cp * layers * m, lay.cp, "bwd", "dK,dV")
 
-    # --- expert parallel: dispatch + combine ---
+    # --- expert parallel: counts, then dispatch + combine (parallel/expert.py) ---
+    # Per MoE layer and micro-batch: the per-expert counts (E int64), the dispatch and the
+    # combine forward, the same two reversed in backward; under full recomputation the
+    # forward's all-to-alls are replayed, not sent again. A dispatch sends this rank's routed
+    # rows T·k·h; a combine the rows its experts ran, T·k·h on average over the ep group.
     if lay.ep > 1 and mc.num_experts:
         routed = tokens * mc.experts_top_k * h
-        add("ep", "all_to_all", B, routed, fwd_regions * layers * m, lay.ep, "fwd", "tokens")
+        add("ep", "all_to_all", 8, mc.num_experts, layers * m, lay.ep, "fwd", "expert counts")
+        add("ep", "all_to_all", B, routed, 2 * layers * m, lay.ep, "fwd", "tokens")
         add("ep", "all_to_all", B, routed, 2 * layers * m, lay.ep, "bwd", "tokens")
 
     # --- tied embeddings split across the first and last stage (the engine's pp_embed group;

@@ -185,12 +185,26 @@ def load_model_for_inference(path: str):
     model_cfg = ModelConfig(**meta["model"])
     model = build_meta(model_cfg)
     model.to_empty(device="cpu")
-    tensors = {f"model/{n}": torch.empty_like(t, dtype=torch.float32)
-               for n, t in model.state_dict().items()}
+    from fivefold.parallel.expert import expert_param_ids
+    from fivefold.parallel.shards import expert_key
+
+    experts = expert_param_ids([model])  # stacked expert weights are saved one expert a key
+    stacked = {n for n, t in model.named_parameters() if id(t) in experts}
+    tensors = {}
+    for n, t in model.state_dict().items():
+        if n in stacked:
+            tensors.update({f"model/{expert_key(n, j)}": torch.empty(t.shape[1:])
+                            for j in range(t.shape[0])})
+        else:
+            tensors[f"model/{n}"] = torch.empty_like(t, dtype=torch.float32)
     load(p, tensors, {}, fix="--checkpoint")
     with torch.no_grad():
         for name, param in model.state_dict().items():
-            param.copy_(tensors[f"model/{name}"])
+            if name in stacked:
+                param.copy_(torch.stack([tensors[f"model/{expert_key(name, j)}"]
+                                         for j in range(param.shape[0])]))
+            else:
+                param.copy_(tensors[f"model/{name}"])
     from fivefold.models.llama import Rotary, rope_inv_freq
 
     for module in model.modules():

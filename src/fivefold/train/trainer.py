@@ -58,6 +58,10 @@ def ledger_paused(dims: ParallelDims):
 
 def build_optimizer(model: ParallelModel, dims: ParallelDims, cfg: Config, scaler, watchdog):
     named = model.named_parameters()
+    if dims["ep"].size > 1:  # experts over edp, dense weights over dp×cp
+        from fivefold.parallel.expert_optim import build_expert_parallel_optimizer
+
+        return build_expert_parallel_optimizer(model, named, dims, cfg, scaler, watchdog)
     if dims["dp_cp"].size > 1 or cfg.parallel.zero > 0:
         from fivefold.parallel.zero import build_data_parallel_optimizer
 
@@ -225,18 +229,27 @@ class Trainer:
 
     # --- checkpoints ------------------------------------------------------------------
     def logical_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor of this rank under its logical name, gathered to its full shape."""
-        from fivefold.parallel.shards import full_tensor
+        """Every tensor of this rank under its logical name, gathered to its full shape (stacked
+        expert weights: one tensor per expert, `NAME[j]`, only this rank's experts)."""
+        from fivefold.parallel.expert import expert_param_ids
+        from fivefold.parallel.shards import logical_entries
 
         out = {}
         states = self.optimizer.param_states()
+        experts = expert_param_ids(self.model.chunks)
         for name, p in self.model.named_parameters():
             for key, value in states[name].items():
+<<<<<<< HEAD
                 key_name = f"model/{name}" if key == "param" else f"optim/{name}/{key}"
                 out[key_name] = full_tensor(p, value, self.dims)
         if self.moe is not None:  # the aux-loss-free biases are training state too
             for name, bias in self.moe.expert_biases().items():
                 out[f"buffer/{name}"] = bias.detach().clone()
+=======
+                for logical, full in logical_entries(name, p, value, self.dims,
+                                                     id(p) in experts).items():
+                    out[f"model/{logical}" if key == "param" else f"optim/{logical}/{key}"] = full
+>>>>>>> 693e9bb (Expert parallelism: all-to-all dispatcher, experts sharded over ep, expert states over edp, per-expert checkpoint keys, recomputation replays the all-to-alls)
         return out
 
     def trainer_state(self) -> dict:
@@ -278,7 +291,8 @@ class Trainer:
                                 f"checkpoint in {cfg.checkpoint.dir} is untouched") from e
 
     def load_checkpoint(self, path) -> None:
-        from fivefold.parallel.shards import local_piece
+        from fivefold.parallel.expert import expert_param_ids
+        from fivefold.parallel.shards import from_entries
 
         meta = ckpt.read_meta(path)
         ckpt.check_model_shape(meta, self.model_cfg, path)
@@ -286,11 +300,17 @@ class Trainer:
         state = {"step": 0, "optim_step": 0, "loader": self.loader.state_dict(),
                  "scaler": self.scaler.state_dict()}
         ckpt.load(path, tensors, state)
-        states = {}
+        by_key: dict[str, dict[str, torch.Tensor]] = {}  # "param"/"master"/...: name -> tensor
+        for k, v in tensors.items():
+            if k.startswith("model/"):
+                by_key.setdefault("param", {})[k[len("model/"):]] = v
+            else:
+                logical, _, key = k[len("optim/"):].rpartition("/")
+                by_key.setdefault(key, {})[logical] = v
+        states, experts = {}, expert_param_ids(self.model.chunks)
         for name, p in self.model.named_parameters():
-            states[name] = {"param": local_piece(p, tensors[f"model/{name}"])}
-            for key in ("master", "exp_avg", "exp_avg_sq"):
-                states[name][key] = local_piece(p, tensors[f"optim/{name}/{key}"])
+            states[name] = {key: from_entries(name, p, by_key[key], id(p) in experts)
+                            for key in ("param", "master", "exp_avg", "exp_avg_sq")}
         self.optimizer.load_param_states(states, state["optim_step"])
         if self.moe is not None:
             with torch.no_grad():

@@ -1,0 +1,140 @@
+"""The optimizer under expert parallelism: dense weights over dp×cp, experts over edp.
+
+A dense weight is held by every rank of dp×cp; an expert's weight only by the ranks of its
+expert-data-parallel group edp (dp·cp/ep ranks, one per ep group). So the model's weights
+split into two sets, each a `zero.DataParallelOptimizer` over its own group: its own flat
+buffers, buckets, ZeRO shards (stages 1-3 shard expert states over edp) and gradient
+reductions (plain sums: each micro-batch's loss is already divided by the global batch's
+target tokens). One step clips both with one global norm:
+
+    norm² = Σ dense (each element once)  +  Σ experts (each expert once)
+
+ZeRO-1/2/3: dense shards are disjoint over dp×cp and expert shards over edp, with distinct
+experts over ep, so one all-reduce of the summed partial squares over dp×cp counts every
+element once. Stage 0: the dense gradient is whole on every rank and each ep rank holds
+other experts, so the expert part is summed over ep. Then over tp and pp, as for a dense model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fivefold.parallel import comm
+from fivefold.parallel.expert import is_expert_param
+from fivefold.parallel.update import StepStats, clipped_step
+from fivefold.parallel.watchdog import Watchdog
+from fivefold.parallel.zero import DataParallelOptimizer
+
+
+class _Joint:
+    """Two torch optimizers stepped as one by `update.clipped_step`."""
+
+    def __init__(self, optimizers):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self):
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+
+class ExpertParallelOptimizer:
+    def __init__(self, named_params, dims, tr, scaler, stage: int = 0, offload: bool = False,
+                 bucket_mb: float = 25.0, chunks=None, timeout_s: float = 300.0,
+                 watchdog: Watchdog | None = None):
+        self.dims, self.tr, self.scaler, self.stage = dims, tr, scaler, stage
+        self.owns_watchdog = watchdog is None
+        self.watchdog = watchdog or Watchdog(timeout_s)
+        common = dict(stage=stage, offload=offload, bucket_mb=bucket_mb, chunks=chunks,
+                      watchdog=self.watchdog)
+        dense = [(n, p) for n, p in named_params if not is_expert_param(p)]
+        experts = [(n, p) for n, p in named_params if is_expert_param(p)]
+        self.dense = DataParallelOptimizer(dense, dims, tr, scaler, group="dp_cp", **common)
+        # A pipeline stage without MoE layers holds no experts (nor do its edp peers, which
+        # are in the same stage): it runs the dense part alone.
+        self.experts = (DataParallelOptimizer(experts, dims, tr, scaler, group="edp", **common)
+                        if experts else None)
+        self.parts = [self.dense] + ([self.experts] if self.experts else [])
+
+    # --- the trainer's interface --------------------------------------------------------
+    def zero_grad(self) -> None:
+        if self.owns_watchdog:
+            self.watchdog.arm()
+        for part in self.parts:
+            part.zero_grad()
+
+    def prepare_backward(self, final_microbatch: bool) -> None:
+        for part in self.parts:
+            part.prepare_backward(final_microbatch)
+
+    def before_weight_pass(self, params) -> None:
+        for part in self.parts:
+            part.before_weight_pass(params)
+
+    def finish_grad_sync(self) -> None:
+        for part in self.parts:
+            part.finish_grad_sync()
+
+    def step(self, lr: float) -> StepStats:
+        grads = [part.bind_grads() for part in self.parts]
+        joint = _Joint([part.optimizer for part in self.parts])
+        stats = clipped_step(joint, [g for gs in grads for g in gs], lr, self.tr, self.scaler,
+                             self.dims["world"], lambda _: self._global_grad_norm(grads))
+        for part in self.parts:
+            part.after_step(stats)
+        if self.owns_watchdog:
+            self.watchdog.disarm()
+        return stats
+
+    def _global_grad_norm(self, grads: list[list[torch.Tensor]]) -> torch.Tensor:
+        sq = self.dense.local_grad_sq(grads[0])
+        if self.experts is not None:
+            expert_sq = self.experts.local_grad_sq(grads[1])
+            if self.stage == 0:
+                comm.all_reduce(expert_sq, self.dims["ep"])
+            sq = sq + expert_sq
+        if self.stage >= 1:
+            comm.all_reduce(sq, self.dims["dp_cp"])
+        for name in ("tp", "pp"):
+            comm.all_reduce(sq, self.dims[name])
+        return sq.sqrt()
+
+    # --- checkpoints and accounting -----------------------------------------------------
+    def param_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        out = {}
+        for part in self.parts:
+            out.update(part.param_states())
+        return out
+
+    def load_param_states(self, states, step: int) -> None:
+        for part in self.parts:
+            part.load_param_states(states, step)
+
+    def step_count(self) -> int:
+        return self.dense.step_count()
+
+    def memory_bytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for part in self.parts:
+            for key, value in part.memory_bytes().items():
+                out[key] = out.get(key, 0) + value
+        return out
+
+    def close(self) -> None:
+        for part in self.parts:
+            part.reducer.remove_hooks()
+            if part.gatherer is not None:
+                part.gatherer.remove_hooks()
+        self.watchdog.close()
+
+
+def build_expert_parallel_optimizer(model, named_params, dims, cfg, scaler,
+                                    watchdog: Watchdog | None = None) -> ExpertParallelOptimizer:
+    par = cfg.parallel
+    return ExpertParallelOptimizer(named_params, dims, cfg.train, scaler, stage=par.zero,
+                                   offload=par.offload, bucket_mb=par.bucket_mb,
+                                   chunks=model.chunks, timeout_s=par.timeout_s,
+                                   watchdog=watchdog)
