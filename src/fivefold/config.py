@@ -161,11 +161,6 @@ class Config:
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 
-# Values that later dimensions will implement; until then they are refused with this word.
-NOT_AVAILABLE: dict[str, str] = {
-}
-
-
 def _section_class(name: str):
     return {
         "model": ModelSection, "parallel": ParallelSection, "train": TrainSection,
@@ -462,10 +457,6 @@ def validate(cfg: Config) -> None:
 
     for name in ("dp", "tp", "pp", "cp", "ep", "mbs", "virtual_stages"):
         _positive(f"parallel.{name}", getattr(par, name))
-    for key, why in NOT_AVAILABLE.items():
-        section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) != 1:
-            raise ConfigError(f"{key} = {getattr(getattr(cfg, section), name)}: {why}")
     if par.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero = {par.zero} is not a ZeRO stage; use 0, 1, 2 or 3")
     _choice("parallel.schedule", par.schedule, ("afab", "1f1b", "interleaved", "zb", "dualpipev"))

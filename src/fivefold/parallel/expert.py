@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from fivefold.config import ConfigError
+from fivefold.models.moe import moe_layers
 from fivefold.parallel import comm
 from fivefold.parallel.comm import Group
 from fivefold.parallel.memory import note_kept
@@ -121,9 +122,9 @@ class AllToAllDispatcher:
         if tape is not None and not replaying:
             tape.push((recv_counts.reshape(-1), received.detach(), back.detach()))
             note_kept(received, back)
-        unsorted = torch.empty_like(back).index_copy(0, order, back)
-        combined = unsorted.view(num_tokens, k, -1) * weights.unsqueeze(-1).to(back.dtype)
-        return combined.sum(1)
+        # Combined as models.moe.LocalDispatcher does: in fp32, summed in token order.
+        unsorted = torch.empty_like(back).index_copy(0, order, back).view(num_tokens, k, -1)
+        return (unsorted.float() * weights[..., None]).sum(1).to(x.dtype)
 
 
 class EPParams:
@@ -173,14 +174,8 @@ def _shard_experts(experts: nn.Module, group: Group) -> None:
         else:
             new = old.detach()[start:start + local].clone()
         experts._parameters[name] = nn.Parameter(new, requires_grad=old.requires_grad)
-    if hasattr(experts, "num_experts"):
-        experts.num_experts = local
+    experts.num_experts = local
     tag_expert_params(experts)
-
-
-def moe_layers(model: nn.Module) -> list[nn.Module]:
-    """The MoE blocks of a model: modules with a replaceable dispatcher and routed experts."""
-    return [m for m in model.modules() if hasattr(m, "dispatcher") and hasattr(m, "experts")]
 
 
 def apply_expert_parallel(model: nn.Module, dims) -> nn.Module:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from fivefold.parallel import comm
+from fivefold.parallel.data import BUCKETS_IN_FLIGHT
 from fivefold.parallel.expert import is_expert_param
 from fivefold.parallel.update import StepStats, clipped_step
 from fivefold.parallel.watchdog import Watchdog
@@ -44,12 +45,12 @@ class _Joint:
 class ExpertParallelOptimizer:
     def __init__(self, named_params, dims, tr, scaler, stage: int = 0, offload: bool = False,
                  bucket_mb: float = 25.0, chunks=None, timeout_s: float = 300.0,
-                 watchdog: Watchdog | None = None):
+                 watchdog: Watchdog | None = None, buckets_in_flight: int = BUCKETS_IN_FLIGHT):
         self.dims, self.tr, self.scaler, self.stage = dims, tr, scaler, stage
         self.owns_watchdog = watchdog is None
         self.watchdog = watchdog or Watchdog(timeout_s)
         common = dict(stage=stage, offload=offload, bucket_mb=bucket_mb, chunks=chunks,
-                      watchdog=self.watchdog)
+                      watchdog=self.watchdog, buckets_in_flight=buckets_in_flight)
         dense = [(n, p) for n, p in named_params if not is_expert_param(p)]
         experts = [(n, p) for n, p in named_params if is_expert_param(p)]
         self.dense = DataParallelOptimizer(dense, dims, tr, scaler, group="dp_cp", **common)
@@ -137,4 +138,4 @@ def build_expert_parallel_optimizer(model, named_params, dims, cfg, scaler,
     return ExpertParallelOptimizer(named_params, dims, cfg.train, scaler, stage=par.zero,
                                    offload=par.offload, bucket_mb=par.bucket_mb,
                                    chunks=model.chunks, timeout_s=par.timeout_s,
-                                   watchdog=watchdog)
+                                   watchdog=watchdog, buckets_in_flight=par.buckets_in_flight)

@@ -239,17 +239,12 @@ class Trainer:
         experts = expert_param_ids(self.model.chunks)
         for name, p in self.model.named_parameters():
             for key, value in states[name].items():
-<<<<<<< HEAD
-                key_name = f"model/{name}" if key == "param" else f"optim/{name}/{key}"
-                out[key_name] = full_tensor(p, value, self.dims)
-        if self.moe is not None:  # the aux-loss-free biases are training state too
-            for name, bias in self.moe.expert_biases().items():
-                out[f"buffer/{name}"] = bias.detach().clone()
-=======
                 for logical, full in logical_entries(name, p, value, self.dims,
                                                      id(p) in experts).items():
                     out[f"model/{logical}" if key == "param" else f"optim/{logical}/{key}"] = full
->>>>>>> 693e9bb (Expert parallelism: all-to-all dispatcher, experts sharded over ep, expert states over edp, per-expert checkpoint keys, recomputation replays the all-to-alls)
+        if self.moe is not None:  # the aux-loss-free biases are training state too
+            for name, bias in self.moe.expert_biases().items():
+                out[f"buffer/{name}"] = bias.detach().clone()
         return out
 
     def trainer_state(self) -> dict:
@@ -304,7 +299,7 @@ class Trainer:
         for k, v in tensors.items():
             if k.startswith("model/"):
                 by_key.setdefault("param", {})[k[len("model/"):]] = v
-            else:
+            elif k.startswith("optim/"):
                 logical, _, key = k[len("optim/"):].rpartition("/")
                 by_key.setdefault(key, {})[logical] = v
         states, experts = {}, expert_param_ids(self.model.chunks)
