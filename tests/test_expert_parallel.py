@@ -217,6 +217,9 @@ def test_checkpoints_reshard_experts(tmp_path):
 AGREEMENT = {f"dp4-ep{ep}-zero{zero}": ["--parallel.dp", "4", "--parallel.ep", str(ep),
                                          "--parallel.zero", str(zero)]
              for ep in (1, 2, 4) for zero in (0, 1, 3)}
+TP2 = ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.ep", "2"]
+AGREEMENT.update({"dp2-tp2-ep2": TP2, "dp2-tp2-ep2-zero1-full-recompute": [
+    *TP2, "--parallel.zero", "1", "--train.recompute", "full"]})
 
 
 def measure_ranks(rank, world, tmp):
@@ -237,8 +240,8 @@ def test_ledger_and_model_states_agree_with_planner(tmp_path):
         cfg = small_config(tmp_path, *MOE, *AUX, *args)
         par, work_layout = cfg.parallel, training_plan_inputs(cfg)
         plan = ledger_volume(*work_layout)
-        states = model_state_bytes(work_layout[0].model, dp=par.dp, ep=par.ep, zero=par.zero,
-                                   precision="fp32")
+        states = model_state_bytes(work_layout[0].model, dp=par.dp, tp=par.tp, ep=par.ep,
+                                   zero=par.zero, precision="fp32")
         mc, m = cfg.model.resolve(), cfg.train.gbs // (par.dp * par.mbs)
         routed = par.mbs * cfg.train.seq_len * mc.experts_top_k * mc.hidden_size * 4
         for got in (r[name] for r in results):

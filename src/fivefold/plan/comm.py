@@ -15,7 +15,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from fivefold.plan.activations import kv_heads_per_rank
-from fivefold.plan.layout import Layout, Workload, num_chunks, rank_chunks, stage
+from fivefold.plan.layout import (
+    Layout,
+    Workload,
+    moe_layers_on_rank,
+    num_chunks,
+    rank_chunks,
+    stage,
+)
 from fivefold.plan.memory import bytes_per_param, rank_param_counts
 
 REGATHER = "saved shards (SP)"  # backward all-gathers that overlap the input-gradient GEMMs
@@ -148,19 +155,25 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
     # Full recompute runs each block's forward again in backward, but stops at the last tensor
     # backward needs (torch.utils.checkpoint's early stop): the MLP's closing collective (the
     # down projection's all-reduce or reduce-scatter) is not repeated; the other three are.
-    fwd_regions = 4 if lay.recompute == "full" else 2
-    fwd_closing = 3 if lay.recompute == "full" else 2
+    # A MoE layer has one region, the attention: its block runs whole on every tp rank; its
+    # closing collective is repeated under full recompute (the MoE block's tensors come after).
+    full = lay.recompute == "full"
+    moe = moe_layers_on_rank(mc, lay, pp_rank)
+    dense = layers - moe
+    fwd_regions = dense * (4 if full else 2) + moe * (2 if full else 1)
+    fwd_closing = dense * (3 if full else 2) + moe * (2 if full else 1)
+    bwd_regions = 2 * dense + moe
     act = tokens * h
     if lay.sp:
-        add("tp", "all_gather", B, act, fwd_regions * layers * m, t, "fwd", "layers")
-        add("tp", "reduce_scatter", B, act, fwd_closing * layers * m, t, "fwd", "layers")
-        add("tp", "all_gather", B, act, 2 * layers * m, t, "bwd", "layers")
-        add("tp", "reduce_scatter", B, act, 2 * layers * m, t, "bwd", "layers")
+        add("tp", "all_gather", B, act, fwd_regions * m, t, "fwd", "layers")
+        add("tp", "reduce_scatter", B, act, fwd_closing * m, t, "fwd", "layers")
+        add("tp", "all_gather", B, act, bwd_regions * m, t, "bwd", "layers")
+        add("tp", "reduce_scatter", B, act, bwd_regions * m, t, "bwd", "layers")
         if lay.sp_saved == "shard":  # the saved shards gathered again for the weight grads
-            add("tp", "all_gather", B, act, 2 * layers * m, t, "bwd", REGATHER)
+            add("tp", "all_gather", B, act, bwd_regions * m, t, "bwd", REGATHER)
     else:
-        add("tp", "all_reduce", B, act, fwd_closing * layers * m, t, "fwd", "layers")
-        add("tp", "all_reduce", B, act, 2 * layers * m, t, "bwd", "layers")
+        add("tp", "all_reduce", B, act, fwd_closing * m, t, "fwd", "layers")
+        add("tp", "all_reduce", B, act, bwd_regions * m, t, "bwd", "layers")
     if 0 in chunks:
         add("tp", "reduce_scatter" if lay.sp else "all_reduce", B, act, m, t, "fwd", "embedding")
         if lay.sp:  # the reduce-scatter's backward gathers the embedding output's gradient
@@ -217,9 +230,9 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
     # rows T·k·h; a combine the rows its experts ran, T·k·h on average over the ep group.
     if lay.ep > 1 and mc.num_experts:
         routed = tokens * mc.experts_top_k * h
-        add("ep", "all_to_all", 8, mc.num_experts, layers * m, lay.ep, "fwd", "expert counts")
-        add("ep", "all_to_all", B, routed, 2 * layers * m, lay.ep, "fwd", "tokens")
-        add("ep", "all_to_all", B, routed, 2 * layers * m, lay.ep, "bwd", "tokens")
+        add("ep", "all_to_all", 8, mc.num_experts, moe * m, lay.ep, "fwd", "expert counts")
+        add("ep", "all_to_all", B, routed, 2 * moe * m, lay.ep, "fwd", "tokens")
+        add("ep", "all_to_all", B, routed, 2 * moe * m, lay.ep, "bwd", "tokens")
 
     # --- tied embeddings split across the first and last stage (the engine's pp_embed group;
     # none under DualPipeV, whose V puts both ends on rank 0) ---

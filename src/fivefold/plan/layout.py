@@ -176,6 +176,20 @@ def layers_on_rank(model: ModelConfig, layout: Layout, rank: int) -> int:
     return stage(model, layout, rank)[0]
 
 
+def rank_layers(model: ModelConfig, layout: Layout, rank: int) -> list[int]:
+    """Indices, in the unsplit model, of the layers pipeline rank `rank` holds."""
+    counts = chunk_layer_counts(model.num_layers, num_chunks(layout))
+    starts = [sum(counts[:c]) for c in range(len(counts))]
+    return [i for c in rank_chunks(layout, rank) for i in range(starts[c], starts[c] + counts[c])]
+
+
+def moe_layers_on_rank(model: ModelConfig, layout: Layout, rank: int) -> int:
+    """How many of the rank's layers are mixture-of-experts layers (the rest are dense)."""
+    if not model.num_experts:
+        return 0
+    return sum(model.is_moe_layer(i) for i in rank_layers(model, layout, rank))
+
+
 def holds_embedding(layout: Layout, rank: int) -> bool:
     return 0 in rank_chunks(layout, rank)
 

@@ -21,6 +21,7 @@ from fivefold.plan.layout import (
     chunk_layer_counts,
     critical_ranks,
     inflight_microbatches,
+    moe_layers_on_rank,
     num_chunks,
     pending_weight_passes,
     rank_chunks,
@@ -121,17 +122,22 @@ def shard_model_states(num_params: float, bpp: BytesPerParam, zero: int, shards:
     )
 
 
-def layer_param_counts(model: ModelConfig, tp: int = 1, ep: int = 1) -> dict[str, float]:
+def layer_param_counts(model: ModelConfig, tp: int = 1, ep: int = 1,
+                       moe: bool | None = None) -> dict[str, float]:
     """Parameters of one transformer layer on one tp (and ep) rank: 'dense' (incl. replicated
-    norms and router) and 'expert'. Matches ModelConfig.param_counts() at tp = ep = 1."""
+    norms and router) and 'expert'. Matches ModelConfig.param_counts() at tp = ep = 1.
+    `moe`: a MoE layer or a dense one (default: MoE if the model has experts). The engine runs
+    a MoE block whole on every tp rank (router, experts, shared expert; parallel/tensor.py):
+    only expert parallelism splits the routed experts."""
     h, d = model.hidden_size, model.dim_per_head
     q = model.num_heads * d / tp
     kv = kv_heads_per_rank(model, tp) * d
     attn = 2 * h * q + 2 * h * kv + ((q + 2 * kv) if model.qkv_bias else 0)
     norms = 2 * (1 if model.norm == "rmsnorm" else 2) * h
-    if model.num_experts:
-        expert = model.num_experts / ep * 3 * h * model.moe_intermediate_size / tp
-        return {"dense": attn + norms + h * model.num_experts, "expert": expert}
+    if model.num_experts if moe is None else moe:
+        ffn = model.moe_params()
+        return {"dense": attn + norms + ffn["router"] + ffn["shared"],
+                "expert": ffn["routed"] / ep}
     f = model.intermediate_size / tp
     mlp = 3 * h * f if model.mlp == "swiglu" else 2 * h * f + f + h
     return {"dense": attn + mlp + norms, "expert": 0.0}
@@ -142,8 +148,12 @@ def rank_param_counts(model: ModelConfig, layout: Layout, rank: int = 0) -> dict
     on the first chunk, final norm + output head on the last (a tied head is a second copy
     when it sits on another rank, as in Megatron)."""
     layers, embed, head = stage(model, layout, rank)
-    per_layer = layer_param_counts(model, layout.tp, layout.ep)
-    dense, expert = layers * per_layer["dense"], layers * per_layer["expert"]
+    moe = moe_layers_on_rank(model, layout, rank)
+    dense, expert = 0.0, 0.0
+    for count, is_moe in ((layers - moe, False), (moe, True)):
+        per_layer = layer_param_counts(model, layout.tp, layout.ep, is_moe)
+        dense += count * per_layer["dense"]
+        expert += count * per_layer["expert"]
     vocab = model.vocab_size * model.hidden_size / layout.tp
     if embed:
         dense += vocab
