@@ -119,7 +119,8 @@ def run(cfg: Config, dims: ParallelDims | None = None) -> list[dict]:
         progress.message(f"model {trainer.model_cfg.name}: {n / 1e6:.2f}M parameters, "
                          f"{trainer.precision}, device {trainer.device}, "
                          f"layout dp={cfg.parallel.dp}"
-                         f" tp={cfg.parallel.tp} pp={cfg.parallel.pp} zero={cfg.parallel.zero}")
+                         f" tp={cfg.parallel.tp} pp={cfg.parallel.pp} cp={cfg.parallel.cp}"
+                         f" zero={cfg.parallel.zero}")
     warmup = cfg.train.warmup_steps
     if warmup > cfg.train.steps // 10:
         progress.message(f"note: train.warmup_steps = {warmup} is capped at a tenth of "
