@@ -285,3 +285,17 @@ def test_ledger_and_model_states_agree_with_planner(tmp_path):
 def test_bad_expert_parallel_inputs(tmp_path, args, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("·", ".")):
         small_config(tmp_path, *MOE, *args)
+
+
+def test_planner_counts_moe_layers_per_stage(tmp_path):
+    """First layer dense, then MoE: pp 2 over 4 layers puts one MoE layer on rank 0 and two
+    on rank 1; each rank's expert parameters and all-to-alls follow its own MoE layers."""
+    from fivefold.plan.layout import Layout, moe_layers_on_rank
+    from fivefold.plan.memory import rank_param_counts
+
+    mc = small_config(tmp_path, *MOE, "--model.num_layers", "4",
+                      "--model.moe_first_dense", "1").model.resolve()
+    layout = Layout(pp=2, dp=2, ep=2)
+    assert [moe_layers_on_rank(mc, layout, r) for r in (0, 1)] == [1, 2]
+    routed = mc.num_experts // 2 * 3 * mc.hidden_size * mc.moe_intermediate_size
+    assert [rank_param_counts(mc, layout, r)["expert"] for r in (0, 1)] == [routed, 2 * routed]

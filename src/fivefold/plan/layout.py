@@ -178,7 +178,7 @@ def layers_on_rank(model: ModelConfig, layout: Layout, rank: int) -> int:
 
 def rank_layers(model: ModelConfig, layout: Layout, rank: int) -> list[int]:
     """Indices, in the unsplit model, of the layers pipeline rank `rank` holds."""
-    counts = chunk_layer_counts(model.num_layers, num_chunks(layout))
+    counts = chunk_layer_counts(model, layout)
     starts = [sum(counts[:c]) for c in range(len(counts))]
     return [i for c in rank_chunks(layout, rank) for i in range(starts[c], starts[c] + counts[c])]
 
