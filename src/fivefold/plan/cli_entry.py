@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fivefold.config import ArgumentParser, ConfigError
 from fivefold.plan.advice import layout_warnings
+from fivefold.plan.conventions import CONVENTIONS, get_convention
 from fivefold.plan.evaluate import plan_layout
 from fivefold.plan.hardware import CATALOG, get_hardware, parse_overrides
 from fivefold.plan.inputs import (
@@ -28,6 +29,8 @@ from fivefold.plan.inputs import (
 )
 from fivefold.plan.layout import Workload, check_layout
 from fivefold.plan.report import (
+    convention_to_dict,
+    describe_convention,
     describe_workload,
     format_explain,
     format_search,
@@ -54,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--space", default="", help="restrict the search, e.g. 'tp=4,8 pp=1,2 "
                      "zero=1,3 recompute=selective schedule=1f1b,interleaved uneven_pp=true'")
     src.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    src.add_argument("--convention", default="fivefold", help="plan another engine's run "
+                     f"with its defaults: {', '.join(CONVENTIONS)} (flags still override)")
     src.add_argument("--params", type=float, help="plan a model from its parameter count "
                      "(e.g. 7.5e9) with a standard GPT-3 shape, instead of --model")
     run = ap.add_argument_group("whole run")
@@ -197,8 +202,14 @@ def run(argv: list[str]) -> int:
         gbs = args.gbs or max(args.gpus, round(4e6 / args.seq_len))
     work = Workload(model=model, seq_len=args.seq_len, gbs=gbs, precision=args.precision,
                     **options)
+    convention = get_convention(args.convention)
+    work = convention.apply_workload(work, _explicit_workload(args))
+    args.convention_obj = convention
     if args.layout:
         layout = parse_layout(args.layout, args.gpus)
+        given = {item.split("=", 1)[0] for item in args.layout.replace(" ", ",").split(",")
+                 if "=" in item}
+        layout = convention.apply_layout(layout, given | ({"sp"} if layout.tp == 1 else set()))
         if layout.world_size != args.gpus:
             raise ConfigError(f"--layout uses {layout.world_size} GPUs but --gpus is {args.gpus}")
         _check(work, layout, hw)
@@ -207,10 +218,13 @@ def run(argv: list[str]) -> int:
         if args.json:
             _emit_json(args, {"workload": workload_to_dict(work), "layouts": [plan.to_dict()],
                               "warnings": layout_warnings(plan, work, hw),
-                              "run": cost.to_dict() if cost else None})
+                              "run": cost.to_dict() if cost else None,
+                              "convention": convention_to_dict(convention, plan)})
         if args.json != "-":
             print(describe_workload(work, hw, args.gpus))
             print(_explain(plan, work, hw))
+            if convention.name != "fivefold":
+                print("\n" + describe_convention(convention, plan))
             if cost:
                 print("\n" + cost.describe())
         if args.plot:
@@ -219,8 +233,23 @@ def run(argv: list[str]) -> int:
     return _search(args, work, args.gpus, hw, assume)
 
 
+def _explicit_workload(args) -> set[str]:
+    """Workload fields a flag set, which a convention leaves alone."""
+    given = set()
+    if args.grad_dtype_bytes is not None:
+        given.add("grad_dtype_bytes")
+    if args.fp32_grad_accum:
+        given.add("fp32_grad_accum")
+    if args.causal_flops:
+        given.add("causal_flops")
+    return given
+
+
 def _search(args, work, num_gpus, hw, assume) -> int:
     space = SearchSpace.parse(args.space)
+    convention = getattr(args, "convention_obj", None)
+    if convention is not None:  # its layout settings, but the search still explores ZeRO
+        space.fixed = {k: v for k, v in convention.layout.items() if k != "zero"}
     result = search(work, num_gpus, hw, assume, space, top=max(args.top, 1))
     cost = _run_cost(args, work, result.top[0], assume) if result.top else None
     if args.json:

@@ -9,7 +9,12 @@ from fivefold.plan.comm import ledger_volume, wire_volume
 from fivefold.plan.flops import hardware_flops_per_token, model_flops_per_token
 from fivefold.plan.hardware import GIB, Assumptions, Hardware
 from fivefold.plan.layout import Layout, Workload, bubble_ratio, stage
-from fivefold.plan.memory import MEMORY_ITEMS, bytes_per_param, memory_items, peak_memory
+from fivefold.plan.memory import (
+    MEMORY_ITEMS,
+    memory_items,
+    peak_memory,
+    work_bytes_per_param,
+)
 from fivefold.plan.timing import StepTime, rank_compute, step_time
 
 STATE_ITEMS = ("params", "grads", "master", "optimizer", "grad_accum")
@@ -73,7 +78,23 @@ class LayoutPlan:
 
     @property
     def memory_total(self) -> float:
+        """What the device must hold on the most-loaded rank: reserved + the CUDA context."""
         return sum(self.memory.values())
+
+    @property
+    def context_bytes(self) -> float:
+        return self.context[2].context_gib * GIB if self.context else 0.0
+
+    @property
+    def peak_allocated(self) -> float:
+        """torch.cuda.max_memory_allocated: what tensors hold at the peak."""
+        return self.memory_total - self.memory["overhead"]
+
+    @property
+    def peak_reserved(self) -> float:
+        """torch.cuda.max_memory_reserved: allocated + the caching allocator's waste
+        (memory.allocator_waste). An OOM depends on this plus the context, not on allocated."""
+        return self.memory_total - self.context_bytes
 
     @property
     def fits(self) -> bool:
@@ -120,6 +141,9 @@ class LayoutPlan:
             "memory_total_bytes": self.memory_total,
             "memory_limit_bytes": self.memory_limit,
             "memory_rank": self.memory_rank,
+            "peak_allocated_bytes": self.peak_allocated,
+            "peak_reserved_bytes": self.peak_reserved,
+            "context_bytes": self.context_bytes,
             "cpu_offload_bytes": self.cpu_bytes,
             "bytes_per_param": self.bytes_per_param,
             "fits": self.fits,
@@ -144,8 +168,7 @@ def plan_layout(work: Workload, layout: Layout, hw: Hardware, assume: Assumption
     """Predict memory, FLOPs, communication and time for one (valid) layout."""
     m = work.num_microbatches(layout)
     rank, items, cpu = peak_memory(work, layout, assume)
-    bpp = bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes,
-                          work.fp32_grad_accum)
+    bpp = work_bytes_per_param(work)
     tokens = work.tokens_per_step
     return LayoutPlan(
         layout=layout,

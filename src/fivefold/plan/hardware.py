@@ -63,7 +63,8 @@ class Assumptions:
     cpu_adam_gbps: float = 100.0  # host memory bandwidth per node for an offloaded step
     tp_overlap: float = 0.0  # share of TP/SP communication hidden behind GEMMs (async TP)
     context_gib: float = 1.5  # CUDA context, cuBLAS workspace, NCCL buffers
-    fragmentation: float = 0.05  # allocator reserve over what tensors allocate
+    # Reserved beyond the allocator model (memory.allocator_waste), as a share of allocated.
+    fragmentation: float = 0.0
     price_per_gpu_hour: float = 0.0  # for the whole-run cost (--tokens); 0: not priced
 
 
@@ -148,8 +149,8 @@ def parse_overrides(items: list[str]) -> dict:
 
 def group_bandwidth(hw: Hardware, group_size: int, stride: int) -> tuple[float, bool]:
     """Bytes/s per GPU for a group of `group_size` ranks spaced `stride` apart in the rank grid,
-    and whether it crosses nodes. Ranks are laid out tp fastest, then cp, pp, dp (picotron's
-    grid), so a group stays inside a node when stride·size ≤ GPUs per node."""
+    and whether it crosses nodes: a group stays inside a node when stride·size ≤ GPUs per
+    node (the stride comes from the rank order, `Layout.stride`)."""
     inside = stride * group_size <= hw.gpus_per_node
     gbps = hw.intra_node_gbps if inside else hw.inter_node_gbps
     return gbps * 1e9, not inside

@@ -50,6 +50,18 @@ class Layout:
     cp_comm: str = "ring"
     pp_split: str = "even"  # even | balanced (plan/split.py)
     pp_layers: tuple[int, ...] = ()  # explicit layers per pipeline chunk; overrides pp_split
+    # How ranks fill the grid, fastest-varying first: the engine's mesh is (pp, dp, cp, tp)
+    # with tp fastest (parallel/mesh.py), as Megatron-LM's default order "tp-cp-ep-dp-pp".
+    rank_order: str = "tp-cp-dp-pp"
+
+    def stride(self, dim: str) -> int:
+        """Rank distance between neighbours along `dim` (tp, cp, dp or pp)."""
+        stride = 1
+        for d in self.rank_order.split("-"):
+            if d == dim:
+                return stride
+            stride *= getattr(self, d)
+        raise ValueError(f"rank_order {self.rank_order!r} has no {dim}")
 
     @property
     def world_size(self) -> int:
@@ -92,6 +104,8 @@ class Workload:
     optimizer: str = "adamw"
     grad_dtype_bytes: int | None = None  # None: the param dtype; 4 gives Megatron's 18 B/param
     fp32_grad_accum: bool = False  # a separate fp32 accumulation buffer (nanotron: 20 B/param)
+    fp32_params: bool = False  # parameters stored in fp32, cast for compute (FSDP2 mixed
+    #                            precision, torchtitan): no separate master copy
     flash: bool = True  # flash attention (O(s) saved) or math attention (O(s²) saved)
     dropout: bool = False  # dropout masks (GPT-3/Korthikanti); Llama trains without dropout
     causal_flops: bool = False  # halve attention FLOPs (Megatron ≥ 2025) or not (PaLM, Narayanan)
@@ -298,6 +312,9 @@ def check_layout(work: Workload, layout: Layout, gpus_per_node: int | None = Non
     ffn = mc.moe_intermediate_size if mc.num_experts else mc.intermediate_size
     if ffn % lay.tp:
         bad.append(f"tp = {lay.tp} does not divide the MLP width {ffn}")
+    if sorted(lay.rank_order.split("-")) != ["cp", "dp", "pp", "tp"]:
+        bad.append(f"rank_order = '{lay.rank_order}' must order tp, cp, dp and pp, e.g. "
+                   f"tp-cp-dp-pp (fastest first)")
     if lay.sp_saved not in ("full", "shard"):
         bad.append(f"sp_saved = '{lay.sp_saved}' is not one of full, shard")
     if lay.sp and lay.tp == 1:

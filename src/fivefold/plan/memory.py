@@ -72,12 +72,12 @@ class BytesPerParam:
 
 def bytes_per_param(precision: str = "bf16", optimizer: str = "adamw",
                     grad_dtype_bytes: int | None = None,
-                    fp32_grad_accum: bool = False) -> BytesPerParam:
+                    fp32_grad_accum: bool = False, fp32_params: bool = False) -> BytesPerParam:
     """Mixed precision (bf16/fp16): 2 param + 2 grad + 4 fp32 master + 8 Adam = 16 (ZeRO paper,
     Ultra-Scale Playbook); grad_dtype_bytes=4 gives Megatron's 18; fp32_grad_accum adds a 4-byte
     buffer, nanotron's 20. fp32: 4 + 4 + 0 + 8 = 16."""
     opt = OPTIMIZER_BYTES[optimizer]
-    if precision == "fp32":
+    if precision == "fp32" or fp32_params:  # fp32_params: torchtitan's 4 + 4 + 8 = 16
         return BytesPerParam(4, grad_dtype_bytes or 4, 0, opt, 4 if fp32_grad_accum else 0)
     return BytesPerParam(2, grad_dtype_bytes or 2, 4, opt, 4 if fp32_grad_accum else 0)
 
@@ -98,6 +98,12 @@ class ModelStates:
     @property
     def total(self) -> float:
         return self.params + self.grads + self.master + self.optimizer + self.grad_accum
+
+
+def work_bytes_per_param(work: Workload) -> BytesPerParam:
+    """The model-state layout of a workload (every field that shapes it)."""
+    return bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes,
+                           work.fp32_grad_accum, work.fp32_params)
 
 
 def shard_model_states(num_params: float, bpp: BytesPerParam, zero: int, shards: int,
@@ -212,8 +218,7 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
     """Itemised bytes on pipeline rank `rank` at its peak, and the CPU bytes of offload."""
     mc, m = work.model, work.num_microbatches(layout)
     counts = rank_param_counts(mc, layout, rank)
-    bpp = bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes,
-                          work.fp32_grad_accum)
+    bpp = work_bytes_per_param(work)
     shards = layout.dp * layout.cp
     states = shard_model_states(counts["dense"], bpp, layout.zero, shards, layout.offload,
                                 counts["expert"], max(shards // layout.ep, 1))
@@ -253,8 +258,36 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
         "split_grads": split_grads,
         "comm_buffers": comm_buffer_bytes(work, layout, rank),
     }
-    items["overhead"] = assume.context_gib * GIB + assume.fragmentation * sum(items.values())
+    allocated = sum(items.values())
+    waste = allocator_waste(act, layers, inflight, head, _working_set(work, layout))
+    items["overhead"] = (assume.context_gib * GIB + waste
+                         + assume.fragmentation * allocated)
     return items, states.cpu
+
+
+MIB = 2**20
+
+
+def allocator_waste(act: ActivationBytes, layers: int, inflight: float, head: bool,
+                    working_set: float) -> float:
+    """Reserved minus allocated at the peak, under a model of PyTorch's CUDA caching allocator
+    (c10/cuda/CUDACachingAllocator.cpp): a request over 1 MiB is served from a segment
+    rounded up to 2 MiB (requests under 10 MiB from 20 MiB segments), and a freed block stays
+    reserved, serving later requests only that fit in it.
+
+    - rounding: every live saved activation of 1 MiB or more wastes half a 2 MiB granule on
+      average (1 MiB); smaller ones share small-block segments (ignored);
+    - caching: the largest transient block freed before the peak stays cached and cannot
+      hold the activations that follow (they are requested in other sizes): the loss
+      backward's vocabulary-sized buffers on the head's rank, else the recomputation working
+      set. Activation gradients recur at the same sizes layer after layer and reuse their
+      cached blocks, adding nothing.
+    Model states and communication buffers are allocated once, in whole segments.
+    Fragmentation therefore grows with the size and number of activation blocks."""
+    large = sum(1 for v in act.layer_terms.values() if v >= MIB) * layers * inflight
+    large += sum(1 for v in act.outside_terms.values() if v >= MIB) * (2 if head else 1)
+    cached = act.loss_backward if head else working_set
+    return large * MIB + cached
 
 
 def _act_kwargs(work: Workload, layout: Layout) -> dict:

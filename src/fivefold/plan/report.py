@@ -20,7 +20,7 @@ MEMORY_LABELS = {"params": "parameters", "grads": "gradients", "master": "master
                  "logits_loss": "logits and loss",
                  "split_grads": "grads kept for W (split)",
                  "comm_buffers": "communication buffers",
-                 "overhead": "framework overhead"}
+                 "overhead": "context + allocator"}
 
 
 def _gib(x: float) -> str:
@@ -73,6 +73,9 @@ def format_explain(plan: LayoutPlan, work: Workload) -> str:
     lines.append(f"  {'total':<30} {_gib(p.memory_total):>8}  of {p.memory_limit / GIB:g}")
     if p.cpu_bytes:
         lines.append(f"  {'host memory (offload)':<30} {_gib(p.cpu_bytes):>8}")
+    lines.append(f"  peak allocated {_gib(p.peak_allocated)}, reserved {_gib(p.peak_reserved)} "
+                 f"(allocator model), + context {_gib(p.context_bytes)}: an OOM depends on "
+                 f"reserved + context")
     states = p.stages[p.memory_rank]["model_states_bytes"]
     lines += [f"  bytes/param: {p.bytes_per_param}",
               f"  model states: {states / 1e9:.1f} GB (1e9 bytes) = {_gib(states)} GiB"]
@@ -210,3 +213,23 @@ def workload_to_dict(work: Workload) -> dict:
     out = dataclasses.asdict(work)
     out["model"]["num_params"] = work.model.num_params()
     return out
+
+
+def convention_to_dict(convention, plan: LayoutPlan) -> dict:
+    logged = plan.peak_reserved if convention.logged_memory == "reserved" else plan.peak_allocated
+    return {"name": convention.name, "workload": convention.workload,
+            "layout": convention.layout, "logged_memory": convention.logged_memory,
+            "logged_memory_bytes": logged, "sources": list(convention.sources)}
+
+
+def describe_convention(convention, plan: LayoutPlan) -> str:
+    """What the other engine's own logs would show for this plan, and where its defaults
+    come from."""
+    d = convention_to_dict(convention, plan)
+    settings = ", ".join(f"{k}={v}" for k, v in {**convention.workload,
+                                                  **convention.layout}.items())
+    lines = [f"convention {convention.name}: {settings}",
+             f"  its logs report peak {convention.logged_memory} memory: "
+             f"{_gib(d['logged_memory_bytes'])} GiB on the most-loaded rank"]
+    lines += [f"  source: {s}" for s in convention.sources]
+    return "\n".join(lines)

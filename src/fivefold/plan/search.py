@@ -55,6 +55,7 @@ class SearchSpace:
     max_mbs: int = 16
     min_cp_tokens: int = 1024  # keep at least this many tokens per cp rank
     strict_layers: bool = True  # num_layers divisible by the pipeline chunks
+    fixed: dict = field(default_factory=dict)  # Layout fields every layout gets (a convention)
 
     @classmethod
     def parse(cls, text: str) -> SearchSpace:
@@ -161,7 +162,8 @@ def enumerate_layouts(work: Workload, num_gpus: int, hw: Hardware,
                         for ep in eps:
                             for sp in space.sp if tp > 1 else (False,):
                                 base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mbs=mbs,
-                                              schedule=sched, virtual_stages=v, sp=sp)
+                                              schedule=sched, virtual_stages=v, sp=sp,
+                                              **space.fixed)
                                 problems = check_layout(work, base, hw.gpus_per_node,
                                                         space.strict_layers)
                                 if problems:
@@ -176,7 +178,7 @@ def enumerate_layouts(work: Workload, num_gpus: int, hw: Hardware,
                                             for comm in space.cp_comm if cp > 1 else ("ring",):
                                                 out.append(Layout(
                                                     dp, tp, pp, cp, ep, zero, mbs, rc, sched, v,
-                                                    sp, off, cp_comm=comm))
+                                                    sp, off, cp_comm=comm, **space.fixed))
     return out
 
 

@@ -25,7 +25,7 @@ from fivefold.plan.layout import (
     log2_ceil,
     stage,
 )
-from fivefold.plan.memory import bytes_per_param, rank_param_counts
+from fivefold.plan.memory import rank_param_counts, work_bytes_per_param
 
 GEMM_HALF_SIZE = 128  # a GEMM whose smallest side is 128 runs at half the large-GEMM rate
 
@@ -63,20 +63,24 @@ class RankCompute:
 
 
 def group_link(hw: Hardware, layout: Layout, group: str) -> tuple[float, bool]:
-    """(bytes/s per GPU, crosses nodes) for a group, ranks ordered tp, cp, pp, dp (fastest
-    first). EP groups are carved from cp first, then dp."""
+    """(bytes/s per GPU, crosses nodes) for a group, ranks placed in `layout.rank_order`
+    (tp fastest, then cp, dp, pp for the engine; Layout.stride). EP groups are carved from cp
+    first, then dp."""
     lay, node = layout, hw.gpus_per_node
     if group == "tp":
-        return group_bandwidth(hw, lay.tp, 1)
+        return group_bandwidth(hw, lay.tp, lay.stride("tp"))
     if group == "cp":
-        return group_bandwidth(hw, lay.cp, lay.tp)
-    if group == "pp":
-        return group_bandwidth(hw, 2, lay.tp * lay.cp)
+        return group_bandwidth(hw, lay.cp, lay.stride("cp"))
+    if group == "pp":  # neighbours one pp step apart
+        return group_bandwidth(hw, 2, lay.stride("pp"))
     if group == "pp_embed":
-        return group_bandwidth(hw, lay.pp, lay.tp * lay.cp)
+        return group_bandwidth(hw, lay.pp, lay.stride("pp"))
     if group == "ep" and lay.ep <= lay.cp:
-        return group_bandwidth(hw, lay.ep, lay.tp)
-    inside = lay.tp * lay.cp * (lay.pp if lay.dp > 1 else 1) * lay.dp <= node
+        return group_bandwidth(hw, lay.ep, lay.stride("cp"))
+    # dp × cp (and the expert-data group inside it): spans the farther of the two dimensions
+    span = max(lay.stride("dp") * lay.dp if lay.dp > 1 else 1,
+               lay.stride("cp") * lay.cp if lay.cp > 1 else 1)
+    inside = span <= node
     return (hw.intra_node_gbps if inside else hw.inter_node_gbps) * 1e9, not inside
 
 
@@ -202,8 +206,7 @@ def optimizer_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumpt
     """The Adam step streams every state of the rank's shard through HBM once (read param,
     grad, master, moments; write param, master, moments). Offloaded: gradients down and
     parameters up over PCIe, and the update at host-memory bandwidth shared by the node."""
-    bpp = bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes,
-                          work.fp32_grad_accum)
+    bpp = work_bytes_per_param(work)
     counts = rank_param_counts(work.model, layout, 0)
     shards = layout.dp * layout.cp if layout.zero >= 1 else 1
     elems = counts["dense"] / shards + counts["expert"] / max(

@@ -1,0 +1,120 @@
+"""Other engines' defaults, so a user of any of them can plan with fivefold
+(`fivefold plan --convention NAME`). Individual flags still override each setting.
+
+Each convention sets: the model-state layout (bytes per parameter, where fp32 gradient
+accumulation lives, fp32 parameters), what sequence parallelism saves for backward, the
+pipeline stage split, the rank order of the grid, how FLOPs count causal attention, and which
+number the engine's logs call memory (peak allocated or peak reserved). Sources are the
+projects' files at the stated versions (read for /work/shared/PLANNER-NOTES.md and here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from fivefold.config import ConfigError
+from fivefold.plan.layout import Layout, Workload
+
+
+@dataclass(frozen=True)
+class Convention:
+    name: str
+    workload: dict = field(default_factory=dict)  # Workload fields
+    layout: dict = field(default_factory=dict)  # Layout fields, unless --layout gives them
+    logged_memory: str = "allocated"  # what the engine's logs report: allocated | reserved
+    sources: tuple[str, ...] = ()
+
+    def apply_workload(self, work: Workload, explicit: set[str] = frozenset()) -> Workload:
+        """The workload under this convention; fields in `explicit` (flags given) stay."""
+        changes = {k: v for k, v in self.workload.items() if k not in explicit}
+        return dataclasses.replace(work, **changes)
+
+    def apply_layout(self, layout: Layout, explicit: set[str] = frozenset()) -> Layout:
+        changes = {k: v for k, v in self.layout.items() if k not in explicit}
+        return layout.replace(**changes)
+
+
+CONVENTIONS: dict[str, Convention] = {
+    # The engine itself: 2 + 2 + 4 + 8 = 16 B/param (bf16 grads, fp32 master and Adam;
+    # parallel/zero.py), SP keeps the gathered input unless parallel.sp_saved_input = shard,
+    # even split, mesh (pp, dp, cp, tp) with tp fastest (parallel/mesh.py), full-square
+    # attention FLOPs, logs torch.cuda.max_memory_allocated.
+    "fivefold": Convention(
+        "fivefold", {}, {"sp_saved": "full", "pp_split": "even", "rank_order": "tp-cp-dp-pp"},
+        "allocated", ("fivefold: parallel/zero.py, parallel/mesh.py, plan/split.py",)),
+    "megatron": Convention(
+        "megatron",
+        # fp32 main gradients: 2 + 4 + 4 + 8 = 18 B/param; the distributed optimizer shards
+        # only master + Adam: 6 + 12/DP (ZeRO-1 here). Causal attention FLOPs halved since
+        # 8873b55d6a (2025-03-06).
+        {"grad_dtype_bytes": 4, "fp32_grad_accum": False, "fp32_params": False,
+         "causal_flops": True},
+        # SP keeps the sequence shard and all-gathers it again in backward; uniform split
+        # (first/last stage counts only by flag); order "tp-cp-ep-dp-pp".
+        {"sp_saved": "shard", "pp_split": "even", "rank_order": "tp-cp-dp-pp"},
+        "allocated",
+        ("NVIDIA/Megatron-LM @d98e8a64 (2026-08-22): megatron/training/"
+         "theoretical_memory_usage.py (18 B/param; 6 + 12/DP with --use-distributed-optimizer)",
+         "megatron/core/tensor_parallel/layers.py LinearWithGradAccumulationAndAsync"
+         "Communication (sequence_parallel: save the shard, all-gather in backward)",
+         "megatron/core/parallel_state.py order='tp-cp-ep-dp-pp'",
+         "megatron/training/training.py num_floating_point_operations (causal /2 since "
+         "8873b55d6a); megatron/training/utils.py report_memory (max allocated)")),
+    "nanotron": Convention(
+        "nanotron",
+        # bf16 params and grads, fp32 master and Adam, and an fp32 gradient-accumulation
+        # buffer: 2 + 2 + 4 + 8 + 4 = 20 B/param.
+        {"grad_dtype_bytes": 2, "fp32_grad_accum": True, "fp32_params": False,
+         "causal_flops": False},
+        # REDUCE_SCATTER tp mode keeps the shard and gathers in backward; blocks split by
+        # cumulative compute cost (4h·q + 3h·ffn per layer, V·h for the head); ranks
+        # reshaped (pp, dp, tp) with tp fastest.
+        {"sp_saved": "shard", "pp_split": "balanced", "rank_order": "tp-cp-dp-pp"},
+        "allocated",
+        ("huggingface/nanotron @2411b022: scripts/scaling_benchmarks.py "
+         "(ACCUMULATE_GRAD_IN_FP32 = True), src/nanotron/models/llama.py "
+         "(get_block_compute_costs, get_flops: full attention square)",
+         "src/nanotron/parallel/tensor_parallel/functional.py (column linear, "
+         "REDUCE_SCATTER mode), src/nanotron/parallel/context.py (rank grid)",
+         "Ultra-Scale Playbook @924e4d0 index.md: '+4 if fp32 grad accumulation (nanotron "
+         "does this)'; logs peak_allocated and peak_reserved")),
+    "torchtitan": Convention(
+        "torchtitan",
+        # FSDP2 mixed precision: sharded fp32 parameters (the master copy), bf16 compute
+        # copies gathered per unit, fp32 gradient reduction: 4 + 4 + 8 = 16 B/param, sharded.
+        {"grad_dtype_bytes": 4, "fp32_grad_accum": False, "fp32_params": True,
+         "causal_flops": False},
+        # DTensor ColwiseParallel redistributes the sequence shard to Replicate before the
+        # linear, which saves the gathered input; even split; mesh
+        # ["pp", "dp_replicate", "dp_shard", "cp", "tp"]; FSDP (ZeRO-3) by default.
+        {"sp_saved": "full", "pp_split": "even", "rank_order": "tp-cp-dp-pp", "zero": 3},
+        "reserved",
+        ("pytorch/torchtitan @b5bcd76c6: torchtitan/config/job_config.py (config_manager.py "
+         "in older versions) "
+         "(mixed_precision_param = 'bfloat16', mixed_precision_reduce = 'float32', "
+         "data_parallel_shard_degree = -1), torchtitan/distributed/parallel_dims.py (mesh)",
+         "benchmarks @9dec370: MFU = 6·N + 12·L·h·s per token (full square); memory logged "
+         "as torch.cuda.memory_stats()['reserved_bytes.all.peak'] (max reserved, GiB)")),
+    "deepspeed": Convention(
+        "deepspeed",
+        # ZeRO-2 since PR #5099: '18 = 2 grads16 + 4 grads32 + 4 params32 + 8 optimizer',
+        # GPU = 2Ψ + 18Ψ/N: bf16 params and grads, an fp32 gradient buffer, fp32 master, Adam.
+        {"grad_dtype_bytes": 2, "fp32_grad_accum": True, "fp32_params": False,
+         "causal_flops": False},
+        # PipeModelDataParallelTopology axes ['pipe', 'data', 'model']: model (tp) fastest.
+        {"pp_split": "even", "rank_order": "tp-cp-dp-pp"},
+        "allocated",
+        ("microsoft/DeepSpeed @38327e07f: deepspeed/runtime/zero/stage_1_and_2.py "
+         "estimate_zero2_model_states_mem_needs (f4cb866c2, PR #5099: 2Ψ + 18Ψ/N)",
+         "deepspeed/runtime/pipe/topology.py PipeModelDataParallelTopology",
+         "deepspeed/runtime/utils.py see_memory_usage (memory allocated and cached, GB)")),
+}
+
+
+def get_convention(name: str) -> Convention:
+    try:
+        return CONVENTIONS[name.lower()]
+    except KeyError:
+        raise ConfigError(f"--convention {name!r} is unknown; use one of "
+                          f"{', '.join(CONVENTIONS)}") from None
