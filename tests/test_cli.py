@@ -132,12 +132,12 @@ KILLER = textwrap.dedent("""
     import fivefold.train.checkpoint as ck
     from fivefold import config
     from fivefold.train.loop import run
-    real_save = ck.dcp.save
-    def save_then_die(state, checkpoint_id):
-        real_save(state, checkpoint_id=checkpoint_id)
-        if state["trainer"]["step"] == 4:  # die after writing the data, before the rename
+    real_sync = ck._fsync_tree
+    def sync_then_die(path):
+        real_sync(path)
+        if path.name == "step_00000004.tmp":  # written and flushed, not yet published
             os.kill(os.getpid(), signal.SIGKILL)
-    ck.dcp.save = save_then_die
+    ck._fsync_tree = sync_then_die
     run(config.load(None, sys.argv[1:]))
 """)
 

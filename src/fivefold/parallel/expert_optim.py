@@ -110,9 +110,12 @@ class ExpertParallelOptimizer:
             out.update(part.param_states())
         return out
 
-    def load_param_states(self, states, step: int) -> None:
+    def shard_states(self, load: bool = False) -> list[tuple]:
+        return [piece for part in self.parts for piece in part.shard_states(load)]
+
+    def loaded(self, step: int) -> None:
         for part in self.parts:
-            part.load_param_states(states, step)
+            part.loaded(step)
 
     def step_count(self) -> int:
         return self.dense.step_count()

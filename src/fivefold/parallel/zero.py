@@ -208,18 +208,18 @@ class DataParallelOptimizer:
             sq += (norms.pow(2) * self.shares).sum().to(self.device)
         return sq
 
-    def _publish_params(self) -> None:
+    def _publish_params(self, from_master: bool = True) -> None:
         """Copy the updated master into the parameters; ZeRO-1/2 then all-gather them."""
         with torch.no_grad():
             if self.gatherer is not None:
-                if self.separate_master:
+                if self.separate_master and from_master:
                     self.gatherer.shard.copy_(self.master_flat, non_blocking=True)
                 return  # gathered at the next forward
             handles = []
             for seg in self.layout.segments:
                 lo, hi = seg.owned(self.rank, self.layout.shards)
                 owned = self.param_flat[lo:hi]
-                if self.separate_master:
+                if self.separate_master and from_master:
                     owned.copy_(self.layout.segment_shard(self.master_flat, seg))
                 if self.layout.shards > 1:  # in place: our range is already where it belongs
                     full = self.param_flat[seg.start:seg.start + seg.size]
@@ -228,6 +228,34 @@ class DataParallelOptimizer:
                 self.watchdog.wait(h, "ZeRO parameter all-gather")
 
     # --- checkpoints and accounting -----------------------------------------------------
+    def shard_states(self, load: bool = False) -> list[tuple]:
+        """(name, parameter, lo, hi, {key: flat view}) for each piece this rank owns: the
+        elements [lo, hi) of the flattened local parameter, its fp32 master and Adam moments,
+        as views of the flat shards (nothing gathered, nothing copied). A load fills them in
+        place and then calls `loaded(step)`. In fp32 the master *is* the parameter: a load
+        reads it once, from the master."""
+        params = self.gatherer.shard if self.gatherer is not None else self.param_flat
+        out = []
+        for pc in self.pieces:
+            n = pc.hi - pc.lo
+            at = pc.shard if self.gatherer is not None else pc.flat
+            views = {"param": params[at:at + n]}
+            views["master"] = (self.master_flat[pc.shard:pc.shard + n] if self.separate_master
+                               else views["param"])
+            views["exp_avg"] = self.exp_avg[pc.shard:pc.shard + n]
+            views["exp_avg_sq"] = self.exp_avg_sq[pc.shard:pc.shard + n]
+            if load and not self.separate_master:
+                del views["param"]
+            slot = self.layout.params[pc.slot]
+            out.append((slot.name, slot.param, pc.lo, pc.hi, views))
+        return out
+
+    def loaded(self, step: int) -> None:
+        """The owned pieces are filled: gather the parameters' other ranges (ZeRO-1/2 keep
+        whole parameters; ZeRO-3 gathers at the next forward) and restore the moments."""
+        self._publish_params(from_master=False)
+        self._reset_moments(step)
+
     def _full_flat(self, shard: torch.Tensor) -> torch.Tensor:
         """Gather a flat shard (this rank's) into the full flat tensor, on the device."""
         shard = shard.to(self.device)
@@ -240,6 +268,8 @@ class DataParallelOptimizer:
         return full
 
     def param_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every parameter's full local state, gathered onto every rank: for tests and
+        comparisons only (checkpoints use `shard_states`, which gathers nothing)."""
         param_full = self.param_flat if self.gatherer is None else self._full_flat(
             self.gatherer.shard)
         master_full = (self._full_flat(self.master_flat) if self.separate_master
@@ -258,32 +288,6 @@ class DataParallelOptimizer:
         for state in self.optimizer.state.values():
             return int(state["step"])
         return 0
-
-    def load_param_states(self, states: dict[str, dict[str, torch.Tensor]], step: int) -> None:
-        def owned(key: str, dtype) -> torch.Tensor:
-            out = torch.zeros(self.layout.total // self.layout.shards, dtype=dtype)
-            for pc in self.pieces:
-                name = self.layout.params[pc.slot].name
-                src = states[name][key].reshape(-1)[pc.lo:pc.hi]
-                out[pc.shard:pc.shard + pc.hi - pc.lo] = src.to("cpu", dtype)
-            return out
-
-        with torch.no_grad():
-            if self.gatherer is not None:
-                self.gatherer.shard.copy_(owned("param", self.dtype))
-            else:
-                for i, slot in enumerate(self.layout.params):
-                    self.layout.view(self.param_flat, i).copy_(states[slot.name]["param"])
-            if self.separate_master:
-                self.master_flat.copy_(owned("master", torch.float32))
-            elif self.gatherer is not None:
-                self.gatherer.shard.copy_(owned("master", torch.float32))
-            else:
-                for i, slot in enumerate(self.layout.params):
-                    self.layout.view(self.param_flat, i).copy_(states[slot.name]["master"])
-            self.exp_avg.copy_(owned("exp_avg", torch.float32))
-            self.exp_avg_sq.copy_(owned("exp_avg_sq", torch.float32))
-        self._reset_moments(step)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held on this rank, counted from the storages (views of a buffer once)."""

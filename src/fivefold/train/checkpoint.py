@@ -1,19 +1,26 @@
-"""Checkpoints that do not depend on the layout that wrote them.
+"""Checkpoints that do not depend on the layout that wrote them, written and read in shards.
 
 A checkpoint is a torch.distributed.checkpoint (DCP) directory holding one *logical* tensor
 per name — the full, unsplit tensor the single-device model would have — for the weights
 (`model/NAME`), the fp32 master weights and Adam moments (`optim/NAME/master`, ...), plus the
-trainer's small state (step, data position, loss scaler). Every rank contributes the logical
-tensors of its own parameters; DCP writes each key once (its save planner drops duplicates),
-and on load each rank reads back only the keys it needs and cuts its own shard. So a run
-saved at dp 4 with ZeRO-3 resumes at dp 2, at tp 2 or at pp 2: resharding is slicing.
+trainer's small state (step, data position, loss scaler). No rank ever holds a logical
+tensor whole: each describes what it owns as `Chunked` parts — boxes of the logical tensor
+(its tensor-parallel slice, cut to its ZeRO range) that are views of its flat shards — and
+DCP writes those parts as the tensor's chunks (replicas hold identical boxes, which DCP's
+save planner writes once; it also checks that the chunks tile the tensor exactly). On load
+each rank asks for the boxes it owns under its own layout; DCP reads from every saved chunk
+that overlaps one, straight into the views. The logical shapes come from the checkpoint's
+metadata. So a run saved at dp 4 with ZeRO-3 resumes at dp 2, at tp 2 or at pp 2: resharding
+is intersecting boxes, and no rank's memory grows beyond a saved chunk in transit.
 
-Writes are atomic: everything goes into `step_N.tmp`, and only when every rank has finished
-is it renamed to `step_N` and the `latest` pointer replaced. A crash mid-save leaves the last
-good checkpoint untouched; the leftover `.tmp` directory is removed by the next save.
-The last file written before the publish is `manifest.json`, the size and sha256 of every
-file of the step (train/manifest.py); every load checks it first, so a truncated or corrupted
-shard is one line naming the bad step and the newest good one, never NaN losses.
+Writes are atomic and durable: everything goes into `step_N.tmp`; when every rank has
+finished, its files and the directory are fsynced, and only then is it renamed to `step_N`
+and the `latest` pointer replaced (each rename followed by an fsync of the parent). A crash
+before the rename leaves the last good checkpoint untouched; the leftover `.tmp` directory
+is removed by the next save. The last file written before the publish is `manifest.json`,
+the size and sha256 of every file of the step (train/manifest.py); every load checks it
+first, so a truncated or corrupted shard is one line naming the bad step and the newest
+good one, never NaN losses.
 
 Retention keeps the newest `keep` steps at or below the step just saved, by step number: a
 run resumed from an older step never deletes what it has just written, and leaves the steps
@@ -22,17 +29,29 @@ of the abandoned later history alone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from fivefold.config import ConfigError
+from fivefold.parallel import peak
 from fivefold.train.manifest import (  # noqa: F401 - verify_step is this module's API too
     damaged_message,
     published_steps,
@@ -42,6 +61,98 @@ from fivefold.train.manifest import (  # noqa: F401 - verify_step is this module
 
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
               "num_kv_heads", "head_dim", "tie_embeddings", "qkv_bias", "mlp", "norm")
+
+
+@dataclass
+class Chunked:
+    """This rank's parts of one logical tensor: (offsets in the logical tensor, a view of
+    this rank's data shaped like the box). `size` is the logical shape (needed to save;
+    a load takes it from the checkpoint)."""
+
+    size: tuple[int, ...]
+    parts: list[tuple[tuple[int, ...], torch.Tensor]]
+
+
+class _ChunkedSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner plus one write item per part of each `Chunked` tensor."""
+
+    def __init__(self, chunked: dict[str, Chunked]):
+        super().__init__()
+        self.chunked = chunked
+        self.parts = {(key, tuple(off)): t for key, c in chunked.items() for off, t in c.parts}
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        items = []
+        for key, c in self.chunked.items():
+            for offsets, t in c.parts:
+                props = TensorProperties(dtype=t.dtype)
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.shape)
+                items.append(WriteItem(
+                    index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk=chunk, properties=props,
+                                                size=torch.Size(c.size))))
+        self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex):
+        part = self.parts.get((index.fqn, tuple(index.offset or ())))
+        if part is not None:
+            peak.sample("checkpoint save")
+            return part
+        return super().lookup_object(index)
+
+
+class _ChunkedLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner plus reads into the parts of each `Chunked` tensor."""
+
+    def __init__(self, chunked: dict[str, Chunked], path: Path):
+        super().__init__()
+        self.chunked, self.path = chunked, path
+        self.parts = {(key, tuple(off)): t for key, c in chunked.items() for off, t in c.parts}
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        items = []
+        for key, c in self.chunked.items():
+            saved = self.metadata.state_dict_metadata.get(key)
+            if not isinstance(saved, TensorStorageMetadata):
+                raise ConfigError(f"checkpoint {self.path} has no tensor {key}: it holds "
+                                  f"another model; use a checkpoint of this model")
+            local = []
+            for offsets, t in c.parts:
+                if any(o + n > s for o, n, s in zip(offsets, t.shape, saved.size)) or (
+                        len(offsets) != len(saved.size)):
+                    raise ConfigError(f"checkpoint {self.path} holds {key} with shape "
+                                      f"{tuple(saved.size)}, too small for this model's part "
+                                      f"at {tuple(offsets)} of shape {tuple(t.shape)}")
+                local.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.shape))
+            items += create_read_items_for_chunk_list(key, saved, local)
+        self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
+        return self.plan
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        part = self.parts.get((index.fqn, tuple(index.offset or ())))
+        if part is not None:
+            peak.sample("checkpoint load")
+            return part
+        return super().lookup_tensor(index)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under `root`, then the directories (so the names are durable too)."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            _fsync(Path(dirpath) / name)
+        _fsync(Path(dirpath))
 
 
 def _barrier() -> None:
@@ -110,9 +221,10 @@ def check_model_shape(meta: dict, model_cfg, path: Path) -> None:
                 f"a different checkpoint.dir")
 
 
-def save(root: str, step: int, tensors: dict[str, torch.Tensor], trainer_state: dict,
+def save(root: str, step: int, tensors: dict[str, Chunked], trainer_state: dict,
          meta: dict, keep: int) -> Path:
-    """Write one checkpoint atomically; keep the newest `keep`. Every rank calls this."""
+    """Write one checkpoint atomically; keep the newest `keep`. Every rank calls this with
+    the parts it owns (replicas may pass the same parts: each is written once)."""
     root_path = Path(root)
     final = step_dir(root_path, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -124,21 +236,26 @@ def save(root: str, step: int, tensors: dict[str, torch.Tensor], trainer_state: 
     _barrier()
     with warnings.catch_warnings():  # DCP warns that a single process saves without a group
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save({"tensors": tensors, "trainer": trainer_state}, checkpoint_id=str(tmp))
+        dcp.save({"trainer": trainer_state}, checkpoint_id=str(tmp),
+                 planner=_ChunkedSavePlanner(tensors))
     torch.save(torch.get_rng_state(), tmp / f"rng_rank{_rank()}.pt")
     _barrier()
     if _rank() == 0:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         write_manifest(tmp)  # last: it describes every file above
+        _fsync_tree(tmp)  # durable before it is published: a crash cannot publish holes
         aside = final.with_name(final.name + ".old")
         if final.exists():  # the same step saved again: keep the old copy until the new is in
             shutil.rmtree(aside, ignore_errors=True)
             os.replace(final, aside)
         os.replace(tmp, final)
+        _fsync(root_path)
         shutil.rmtree(aside, ignore_errors=True)
         pointer_tmp = root_path / "latest.tmp"
         pointer_tmp.write_text(final.name)
+        _fsync(pointer_tmp)
         os.replace(pointer_tmp, root_path / "latest")
+        _fsync(root_path)
         retire_old_steps(root_path, step, keep)
     _barrier()
     return final
@@ -152,14 +269,17 @@ def retire_old_steps(root: Path, saved_step: int, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load(path: Path, tensors: dict[str, torch.Tensor], trainer_state: dict,
+def load(path: Path, tensors: dict[str, Chunked], trainer_state: dict,
          fix: str = "checkpoint.resume") -> None:
-    """Fill `tensors` (logical shapes, keys this rank needs) and `trainer_state` in place."""
-    state = {"tensors": tensors, "trainer": trainer_state}
+    """Fill the parts of `tensors` (the boxes this rank owns) and `trainer_state` in place."""
+    state = {"trainer": trainer_state}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, checkpoint_id=str(path),
+                     planner=_ChunkedLoadPlanner(tensors, Path(path)))
+        except ConfigError:
+            raise
         except Exception as e:  # a step saved before manifests, damaged: still one line
             first = str(e).strip().splitlines()
             why = f"reading it failed ({type(e).__name__}: {first[-1] if first else ''})"
@@ -192,19 +312,14 @@ def load_model_for_inference(path: str):
     stacked = {n for n, t in model.named_parameters() if id(t) in experts}
     tensors = {}
     for n, t in model.state_dict().items():
+        t = t.detach()
         if n in stacked:
-            tensors.update({f"model/{expert_key(n, j)}": torch.empty(t.shape[1:])
+            tensors.update({f"model/{expert_key(n, j)}": Chunked(tuple(t.shape[1:]),
+                                                                [((0,) * (t.dim() - 1), t[j])])
                             for j in range(t.shape[0])})
         else:
-            tensors[f"model/{n}"] = torch.empty_like(t, dtype=torch.float32)
+            tensors[f"model/{n}"] = Chunked(tuple(t.shape), [((0,) * t.dim(), t)])
     load(p, tensors, {}, fix="--checkpoint")
-    with torch.no_grad():
-        for name, param in model.state_dict().items():
-            if name in stacked:
-                param.copy_(torch.stack([tensors[f"model/{expert_key(name, j)}"]
-                                         for j in range(param.shape[0])]))
-            else:
-                param.copy_(tensors[f"model/{name}"])
     from fivefold.models.llama import Rotary, rope_inv_freq
 
     for module in model.modules():

@@ -131,27 +131,42 @@ class MasterWeightOptimizer:
             out[name] = entry
         return out
 
+    def shard_states(self, load: bool = False) -> list[tuple]:
+        """(name, parameter, 0, numel, {key: flat view}) per parameter: the whole local tensor
+        and its optimizer state, as views. For a load the views are filled in place, then
+        `loaded(step)` installs them (in fp32 the master *is* the parameter: read once)."""
+        out, self._loading = [], []
+        for name, p, master in zip(self.names, self.params, self.master):
+            state = self.optimizer.state.get(master, {})
+            if load or "exp_avg" not in state:
+                moments = (torch.zeros_like(master), torch.zeros_like(master))
+            else:
+                moments = (state["exp_avg"], state["exp_avg_sq"])
+            if load:
+                self._loading.append(moments)
+            views = {"param": p.detach().view(-1), "master": master.detach().view(-1),
+                     "exp_avg": moments[0].view(-1), "exp_avg_sq": moments[1].view(-1)}
+            if load and not self.mixed:
+                del views["param"]
+            out.append((name, p, 0, p.numel(), views))
+        return out
+
+    def loaded(self, step: int) -> None:
+        """The views of `shard_states(load=True)` are filled: make them the optimizer's."""
+        fused = self.optimizer.defaults.get("fused")
+        step_device = self.master[0].device if fused else torch.device("cpu")
+        for master, (avg, avg_sq) in zip(self.master, self._loading):
+            self.optimizer.state.pop(master, None)
+            if step > 0:
+                self.optimizer.state[master] = {
+                    "step": torch.tensor(float(step), device=step_device),
+                    "exp_avg": avg, "exp_avg_sq": avg_sq}
+        self._loading = []
+
     def step_count(self) -> int:
         for state in self.optimizer.state.values():
             return int(state["step"])
         return 0
-
-    def load_param_states(self, states: dict[str, dict[str, torch.Tensor]], step: int) -> None:
-        # Fused AdamW keeps its step counters on the parameters' device (torch's own
-        # load_state_dict moves them there); foreach AdamW keeps them on the CPU.
-        fused = self.optimizer.defaults.get("fused")
-        step_device = self.master[0].device if fused else torch.device("cpu")
-        with torch.no_grad():
-            for name, p, master in zip(self.names, self.params, self.master):
-                master.copy_(states[name]["master"])
-                if self.mixed:
-                    p.copy_(states[name]["param"])
-                if step > 0:
-                    self.optimizer.state[master] = {
-                        "step": torch.tensor(float(step), device=step_device),
-                        "exp_avg": states[name]["exp_avg"].to(master).clone(),
-                        "exp_avg_sq": states[name]["exp_avg_sq"].to(master).clone(),
-                    }
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held per rank, counted from the tensors' storages."""

@@ -230,7 +230,8 @@ class Trainer:
     # --- checkpoints ------------------------------------------------------------------
     def logical_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of this rank under its logical name, gathered to its full shape (stacked
-        expert weights: one tensor per expert, `NAME[j]`, only this rank's experts)."""
+        expert weights: one tensor per expert, `NAME[j]`, only this rank's experts). For
+        comparisons in tests; checkpoints never gather, see `checkpoint_parts`."""
         from fivefold.parallel.expert import expert_param_ids
         from fivefold.parallel.shards import logical_entries
 
@@ -247,15 +248,43 @@ class Trainer:
                 out[f"buffer/{name}"] = bias.detach().clone()
         return out
 
+    def checkpoint_parts(self, load: bool = False) -> dict[str, ckpt.Chunked]:
+        """What this rank owns of every logical tensor, as views of its shards (see
+        train/checkpoint.py). Saving, a tied embedding's second copy (last pipeline stage)
+        is left to the first stage, whose ZeRO layout cuts it differently."""
+        from fivefold.parallel.expert import expert_param_ids
+        from fivefold.parallel.shards import logical_parts, per_expert_parts
+
+        experts = expert_param_ids(self.model.chunks)
+        out: dict[str, ckpt.Chunked] = {}
+        for name, p, lo, hi, views in self.optimizer.shard_states(load):
+            if not load and getattr(p, "_pp_replicas", 1) > 1 and self.dims.pp_rank != 0:
+                continue
+            size = tuple(getattr(p, "_full_shape", p.shape))
+            for key, flat in views.items():
+                parts = logical_parts(p, lo, hi, flat)
+                by_name = (per_expert_parts(name, p, parts) if id(p) in experts
+                           else {name: parts})
+                for logical, pieces in by_name.items():
+                    key_name = (f"model/{logical}" if key == "param"
+                                else f"optim/{logical}/{key}")
+                    shape = size[1:] if id(p) in experts else size
+                    out.setdefault(key_name, ckpt.Chunked(shape, [])).parts.extend(pieces)
+        if self.moe is not None:  # the aux-loss-free biases are training state too
+            for name, bias in self.moe.expert_biases().items():
+                out[f"buffer/{name}"] = ckpt.Chunked(tuple(bias.shape),
+                                                     [((0,) * bias.dim(), bias.detach())])
+        return out
+
     def trainer_state(self) -> dict:
         return {"step": self.step, "optim_step": self.optimizer.step_count(),
                 "loader": self.loader.state_dict(), "scaler": self.scaler.state_dict()}
 
-    def nonfinite_tensors(self, tensors: dict[str, torch.Tensor]) -> int:
-        """How many of the tensors to save hold a NaN or an infinity: the most any rank found
-        (every rank takes the same decision; ranks holding the same tensor count it once)."""
-        bad = torch.tensor([float(sum(not bool(torch.isfinite(t).all())
-                                      for t in tensors.values()))], device=self.device)
+    def nonfinite_tensors(self, tensors: dict[str, ckpt.Chunked]) -> int:
+        """How many of the tensors to save hold a NaN or an infinity in this rank's parts: the
+        most any rank found (every rank takes the same decision)."""
+        bad = torch.tensor([float(sum(not all(bool(torch.isfinite(t).all()) for _, t in c.parts)
+                                      for c in tensors.values()))], device=self.device)
         with ledger_paused(self.dims):
             comm.all_reduce(bad, self.dims["world"], op="max")
         return int(bad.item())
@@ -267,7 +296,7 @@ class Trainer:
         meta = {"step": self.step, "model": dataclasses.asdict(self.model_cfg),
                 "config": cfg.to_dict(), "tokenizer": self.tokenizer_spec,
                 "precision": self.precision}
-        tensors = self.logical_tensors()
+        tensors = self.checkpoint_parts()
         bad = self.nonfinite_tensors(tensors)
         if bad:
             raise NonFiniteError(
@@ -286,31 +315,13 @@ class Trainer:
                                 f"checkpoint in {cfg.checkpoint.dir} is untouched") from e
 
     def load_checkpoint(self, path) -> None:
-        from fivefold.parallel.expert import expert_param_ids
-        from fivefold.parallel.shards import from_entries
-
         meta = ckpt.read_meta(path)
         ckpt.check_model_shape(meta, self.model_cfg, path)
-        tensors = {k: torch.empty_like(v) for k, v in self.logical_tensors().items()}
         state = {"step": 0, "optim_step": 0, "loader": self.loader.state_dict(),
                  "scaler": self.scaler.state_dict()}
-        ckpt.load(path, tensors, state)
-        by_key: dict[str, dict[str, torch.Tensor]] = {}  # "param"/"master"/...: name -> tensor
-        for k, v in tensors.items():
-            if k.startswith("model/"):
-                by_key.setdefault("param", {})[k[len("model/"):]] = v
-            elif k.startswith("optim/"):
-                logical, _, key = k[len("optim/"):].rpartition("/")
-                by_key.setdefault(key, {})[logical] = v
-        states, experts = {}, expert_param_ids(self.model.chunks)
-        for name, p in self.model.named_parameters():
-            states[name] = {key: from_entries(name, p, by_key[key], id(p) in experts)
-                            for key in ("param", "master", "exp_avg", "exp_avg_sq")}
-        self.optimizer.load_param_states(states, state["optim_step"])
-        if self.moe is not None:
-            with torch.no_grad():
-                for name, bias in self.moe.expert_biases().items():
-                    bias.copy_(tensors[f"buffer/{name}"])
+        with torch.no_grad():
+            ckpt.load(path, self.checkpoint_parts(load=True), state)
+        self.optimizer.loaded(state["optim_step"])
         self.loader.load_state_dict(state["loader"])
         self.scaler.load_state_dict(state["scaler"])
         self.step = state["step"]
