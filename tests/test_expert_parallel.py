@@ -16,6 +16,7 @@ model states per rank agree with the planner (states within 1%). One forked star
 ranks runs every layout of a test in turn.
 """
 
+import contextlib
 import pathlib
 
 import pytest
@@ -57,17 +58,24 @@ def loss_of(y):  # position-dependent, so every output element's gradient differ
     return (y * torch.arange(y.numel()).view_as(y)).sum()
 
 
-def ep_rank(rank, world, recompute):
-    layer, x = layer_and_tokens()
+def ep_rank(rank, world):
+    """Without and with full recomputation of the block: {recompute: results}."""
     dims = ParallelDims(dp=world, ep=world, rank=rank)
     dims.build_groups()
-    dims.ledger.enabled = True
-    apply_expert_parallel(layer, dims)
-    mine = x.chunk(world)[rank].clone().requires_grad_()
-    y = (_checkpointed(layer.forward) if recompute else layer.forward)(mine)
-    loss_of(y).backward()
-    ledger = [(e.op, e.group, e.dtype, e.bytes) for e in dims.ledger.entries]
-    return y.detach(), mine.grad, {n: p.grad for n, p in layer.named_parameters()}, ledger
+    out = {}
+    for recompute in (False, True):
+        layer, x = layer_and_tokens()
+        apply_expert_parallel(layer, dims)
+        dims.ledger.reset()
+        dims.ledger.enabled = True
+        mine = x.chunk(world)[rank].clone().requires_grad_()
+        y = (_checkpointed(layer.forward) if recompute else layer.forward)(mine)
+        loss_of(y).backward()
+        dims.ledger.enabled = False
+        ledger = [(e.op, e.group, e.dtype, e.bytes) for e in dims.ledger.entries]
+        out[recompute] = (y.detach(), mine.grad, {n: p.grad for n, p in
+                                                  layer.named_parameters()}, ledger)
+    return out
 
 
 def close(a, b, tol):
@@ -81,8 +89,9 @@ def test_all_to_all_dispatch_matches_local_experts():
         pieces = [layer(c) for c in x.chunk(world)]
         sum(loss_of(y) for y in pieces).backward()
         ledgers, tokens = {}, x.shape[0] * x.shape[1] // world
+        by_rank = run_ranks(ep_rank, world)
         for recompute in (False, True):
-            results = run_ranks(ep_rank, world, recompute)
+            results = [r[recompute] for r in by_rank]
             assert close(torch.cat([r[0] for r in results]), torch.cat(pieces).detach(), 1e-6)
             assert close(torch.cat([r[1] for r in results]), x.grad, 1e-6)
             for name, p in layer.named_parameters():
@@ -152,10 +161,24 @@ def parity_ranks(rank, world, tmp):
     return out
 
 
+@contextlib.contextmanager
+def one_thread():
+    """The in-process runs use one thread, as the forked ranks do: on a machine whose cores
+    are shared, OpenMP threads spinning against other jobs slow a step down 50-fold."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ref")
-    return {id(v): run(build(str(tmp / str(i)), v, 1)[0]) for i, v in enumerate((AUX, BIAS))}
+    with one_thread():
+        return {id(v): run(build(str(tmp / str(i)), v, 1)[0])
+                for i, v in enumerate((AUX, BIAS))}
 
 
 def test_expert_parallel_matches_single_process(references, tmp_path):
@@ -207,7 +230,9 @@ def test_checkpoints_reshard_experts(tmp_path):
     ep4 = tmp_path / "ep4"
     continued = run_ranks(save_then_continue, 4, str(ep4), ["--parallel.dp", "4",
                                                             "--parallel.ep", "4"], 2)[0]
-    for got, expected in zip(resume_losses(0, 1, str(ep4), [], 2), continued):
+    with one_thread():
+        resumed = resume_losses(0, 1, str(ep4), [], 2)
+    for got, expected in zip(resumed, continued):
         assert rel(got, expected) <= 1e-5
     for continued, resumed in run_ranks(save_ep2_resume_tp2, 2, str(tmp_path / "ep2")):
         for got, expected in zip(resumed, continued):

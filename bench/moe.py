@@ -1,0 +1,124 @@
+"""Step time of expert parallelism (ep 2, ep 4) against data parallelism alone, same batch.
+
+    python bench/moe.py [--world 4] [--steps 6] [--rounds 3] [--experts 8]
+
+Ranks are forked gloo processes on this machine (one thread each). Every variant trains the
+same MoE (the `tiny` preset's attention with 8 SwiGLU experts of 128, top-2, in every layer;
+fp32) on the same global batch (16 sequences of 128 tokens) through the trainer, at dp =
+world: ep 1 (every rank holds all experts; experts' gradients all-reduced over dp), ep 2 and
+ep 4 (each rank holds E/ep experts; tokens travel by all-to-all; expert gradients over
+dp/ep ranks). The variants run in turns (`rounds` × `steps` steps each, after a warm-up
+step) so machine noise falls on all alike; the step time is the median over the timed steps
+on rank 0. Ratios are to ep 1 measured in the same run. Results go to bench/results/moe.json.
+
+On a CPU the all-to-alls are memory copies between processes and the experts' matmuls are
+small: the numbers show the engine's overhead, not what EP gains on GPUs (fewer expert
+weights and optimizer states per rank, at the cost of two all-to-alls per layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint  # noqa: F401  (import the submodules before forking)
+import torch.multiprocessing as mp
+
+MODEL = ["--model.preset", "tiny", "--model.num_experts", "{experts}", "--model.experts_top_k",
+         "2", "--model.moe_intermediate_size", "128", "--train.seq_len", "128",
+         "--train.gbs", "16", "--parallel.mbs", "2", "--train.precision", "fp32",
+         "--train.device", "cpu", "--train.steps", "1000", "--train.eval_every", "0",
+         "--checkpoint.every", "0", "--log.progress", "false", "--log.tensorboard", "false"]
+
+
+def _trainer(world: int, ep: int, experts: int, tmp: str):
+    from fivefold import config
+    from fivefold.parallel.mesh import ParallelDims
+    from fivefold.train.trainer import Trainer
+
+    args = [a.format(experts=experts) for a in MODEL] + [
+        "--parallel.dp", str(world), "--parallel.ep", str(ep),
+        "--checkpoint.dir", f"{tmp}/ep{ep}/ckpt", "--log.dir", f"{tmp}/ep{ep}/log"]
+    cfg = config.load(None, args)
+    return Trainer(cfg, ParallelDims.from_config(cfg.parallel), quiet=True)
+
+
+def _rank(rank, world, init_file, eps, experts, steps, rounds, out_path, tmp):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    trainers = {ep: _trainer(world, ep, experts, tmp) for ep in eps}
+    times: dict[int, list[float]] = {ep: [] for ep in eps}
+    losses: dict[int, list[float]] = {ep: [] for ep in eps}
+    for trainer in trainers.values():  # warm-up
+        trainer.train_step()
+    for _ in range(rounds):
+        for ep, trainer in trainers.items():
+            for _ in range(steps):
+                dist.barrier()
+                start = time.perf_counter()
+                record = trainer.train_step()
+                times[ep].append(time.perf_counter() - start)
+                losses[ep].append(record["loss"])
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"times": {ep: statistics.median(t) for ep, t in times.items()},
+                       "losses": losses}, f)
+    dist.destroy_process_group()
+
+
+def _git_revision() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=4, help="ranks (= dp)")
+    parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    device = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores"
+    print(f"device: {device}; torch {torch.__version__}; tiny attention + {args.experts} "
+          f"experts top-2, fp32, dp {args.world}, gbs 16 × 128 tokens")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        mp.start_processes(_rank, args=(args.world, os.path.join(tmp, "rdv"), args.ep,
+                                        args.experts, args.steps, args.rounds, out, tmp),
+                           nprocs=args.world, start_method="fork")
+        measured = json.loads(Path(out).read_text())
+    times = {int(ep): t for ep, t in measured["times"].items()}
+    base = times[min(times)]
+    print(f"{'ep':>3} {'step ms':>8}  ratio")
+    for ep, t in sorted(times.items()):
+        print(f"{ep:>3} {t * 1e3:8.1f}  {t / base:.3f} × ep {min(times)}")
+    # Same seed, data and model at every ep: the losses agree (parity is the tests' business;
+    # here it shows the variants did the same work).
+    first = {ep: losses[0] for ep, losses in measured["losses"].items()}
+    print("first timed loss per ep:", {ep: round(v, 6) for ep, v in first.items()})
+    results = {"device": device, "torch": torch.__version__, "git": _git_revision(),
+               "load": "2 CPU cores shared with other jobs" if os.cpu_count() <= 2 else "",
+               "model": f"tiny + {args.experts} experts top-2", "precision": "fp32",
+               "dp": args.world, "gbs": 16, "seq_len": 128, "step_s": times,
+               "ratio_to_ep1": {ep: t / base for ep, t in times.items()}}
+    path = Path(__file__).parent / "results" / "moe.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
