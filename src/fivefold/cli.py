@@ -18,6 +18,7 @@ commands:
   train      train a model (default: the tiny model on the bundled corpus)
              fivefold train [--config FILE.toml] [--section.key VALUE ...]
   plan       predict memory, time and MFU of a layout, or search for the best one
+  calibrate  measure matmul, attention and collectives here: a profile for plan --hw-profile
   prepare    turn text/jsonl/parquet files into a token file for training
   generate   sample text from a checkpoint or a Hugging Face directory
   convert    export a checkpoint to Hugging Face format
@@ -82,6 +83,8 @@ def _subcommand(name: str):
         return train_main
     if name == "plan":
         from fivefold.plan.cli_entry import main
+    elif name == "calibrate":
+        from fivefold.calibrate import main
     elif name == "prepare":
         from fivefold.data.prepare import main
     elif name == "generate":
@@ -125,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command = _subcommand(argv[0])
     if command is None:
-        print(f"error: unknown command '{argv[0]}'; commands: train, plan, prepare, generate, "
-              f"convert, schedule", file=sys.stderr)
+        print(f"error: unknown command '{argv[0]}'; commands: train, plan, calibrate, prepare, "
+              f"generate, convert, schedule", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         return command(argv[1:]) or 0

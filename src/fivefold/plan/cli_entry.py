@@ -11,6 +11,7 @@ Errors are one line on stderr with exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -20,7 +21,7 @@ from fivefold.config import ArgumentParser, ConfigError
 from fivefold.plan.advice import layout_warnings
 from fivefold.plan.conventions import CONVENTIONS, get_convention
 from fivefold.plan.evaluate import plan_layout
-from fivefold.plan.hardware import CATALOG, get_hardware, parse_overrides
+from fivefold.plan.hardware import CATALOG, get_hardware, load_profile, parse_overrides
 from fivefold.plan.inputs import (
     parse_layout,
     read_training_config,
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     hw.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
                     help="override a hardware figure or assumption, e.g. memory_gib=94, "
                     "inter_node_gbps=100, gpus_per_node=4, matmul_efficiency=0.6")
+    hw.add_argument("--hw-profile", metavar="FILE", help="a profile from `fivefold calibrate`: "
+                    "measured matmul, attention and collective speeds replace the peaks")
     hw.add_argument("--list-gpus", action="store_true", help="print the catalog and exit")
     tr = ap.add_argument_group("training shape")
     tr.add_argument("--seq-len", type=int, default=4096)
@@ -170,6 +173,8 @@ def run(argv: list[str]) -> int:
     if extra and not args.config:
         raise ConfigError(f"unexpected argument {extra[0]!r}; see fivefold plan --help")
     hw, assume = get_hardware(args.gpu, parse_overrides(args.hw))
+    if args.hw_profile:
+        hw = dataclasses.replace(hw, profile=load_profile(args.hw_profile))
     options = _workload_options(args)
     if args.config:
         cfg = read_training_config(args.config, extra)

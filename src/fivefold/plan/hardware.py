@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from fivefold.config import ConfigError
 
@@ -33,6 +36,9 @@ class Hardware:
     # Share of the bf16 peak that large GEMMs reach on this part (cuBLAS/hipBLASLt measured
     # figures are 0.7-0.85 for 8k×8k×8k bf16; end-to-end training sees less).
     matmul_efficiency: float = 0.75
+    # A measured profile (`fivefold calibrate`, read by --hw-profile): matmul and attention
+    # throughput by shape and bus bandwidth per collective and group size; None: the peaks.
+    profile: dict | None = field(default=None, compare=False, repr=False)
 
     @property
     def memory_bytes(self) -> float:
@@ -92,7 +98,7 @@ CATALOG: dict[str, Hardware] = {
 }
 ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "mi300": "mi300x"}
 
-_HW_FIELDS = {f.name: f for f in dataclasses.fields(Hardware)}
+_HW_FIELDS = {f.name: f for f in dataclasses.fields(Hardware) if f.name != "profile"}
 _ASSUME_FIELDS = {f.name: f for f in dataclasses.fields(Assumptions)}
 
 
@@ -173,3 +179,61 @@ def peak_for_device_name(device_name: str, precision: str = "bf16") -> float | N
     """Dense peak FLOP/s of a named device, or None when the catalog does not know it."""
     hw = hardware_for_device_name(device_name)
     return hw.peak_flops(precision) if hw else None
+
+
+PROFILE_KEYS = ("matmul", "attention", "bus_gbps")
+
+
+def load_profile(path: str | Path) -> dict:
+    """A profile written by `fivefold calibrate` (one-line error if it is not one)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--hw-profile {p} does not exist; write one with fivefold calibrate")
+    try:
+        profile = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--hw-profile {p} is not valid JSON ({e})") from None
+    missing = [k for k in PROFILE_KEYS if k not in profile]
+    if missing or not profile["matmul"]:
+        raise ConfigError(f"--hw-profile {p} has no {(missing or ['matmul'])[0]}; write it "
+                          f"with fivefold calibrate")
+    return profile
+
+
+def _interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise log-log interpolation, flat beyond the measured ends."""
+    points = sorted(points)
+    if x <= points[0][0]:
+        return points[0][1]
+    if x >= points[-1][0]:
+        return points[-1][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
+    return points[-1][1]
+
+
+def profile_matmul_rate(hw: Hardware, thin: float) -> float | None:
+    """Measured FLOP/s of a GEMM whose thinnest side is `thin` (None without a profile)."""
+    if not hw.profile:
+        return None
+    return _interpolate([(m["thin"], m["flops_per_s"]) for m in hw.profile["matmul"]], thin)
+
+
+def profile_attention_rate(hw: Hardware, seq_len: float) -> float | None:
+    if not hw.profile or not hw.profile.get("attention"):
+        return None
+    return _interpolate([(a["seq_len"], a["flops_per_s"]) for a in hw.profile["attention"]],
+                        seq_len)
+
+
+def profile_bus_gbps(hw: Hardware, op: str, group_size: int) -> float | None:
+    """Measured bus bandwidth (GB/s) of `op` at the nearest measured group size."""
+    if not hw.profile:
+        return None
+    key = "send_recv" if op in ("send", "recv") else op
+    sizes = {int(n): v for n, v in hw.profile["bus_gbps"].get(key, {}).items()}
+    if not sizes:
+        return None
+    return sizes[min(sizes, key=lambda n: (abs(math.log(n / group_size)), n))]

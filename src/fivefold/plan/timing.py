@@ -16,7 +16,14 @@ from dataclasses import dataclass, fields
 
 from fivefold.plan.comm import REGATHER, Collective, collectives
 from fivefold.plan.flops import forward_flops_per_token
-from fivefold.plan.hardware import Assumptions, Hardware, group_bandwidth
+from fivefold.plan.hardware import (
+    Assumptions,
+    Hardware,
+    group_bandwidth,
+    profile_attention_rate,
+    profile_bus_gbps,
+    profile_matmul_rate,
+)
 from fivefold.plan.layout import (
     Layout,
     Workload,
@@ -90,6 +97,9 @@ def collective_time(c: Collective, hw: Hardware, assume: Assumptions, layout: La
     bandwidth, plus a latency per call (2·log2 n steps; per bucket when bucketed)."""
     bw, inter = group_link(hw, layout, c.group)
     alpha = (assume.inter_latency_us if inter else assume.intra_latency_us) * 1e-6
+    measured = None if inter else profile_bus_gbps(hw, c.op, c.group_size)
+    if measured:  # bus bandwidth as calibrate measured it inside a node: efficiency included
+        bw = measured * 1e9 / assume.bandwidth_efficiency
     calls = c.calls
     if bucket_bytes:
         calls = max(c.calls, c.bytes / bucket_bytes)
@@ -109,13 +119,17 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     q, kv = mc.num_heads * mc.dim_per_head, mc.num_kv_heads * mc.dim_per_head
     ffn = mc.moe_intermediate_size if mc.num_experts else mc.intermediate_size
     thin = min(tokens, q / t, ffn / t, h)
-    gemm_rate = peak * hw.matmul_efficiency * thin / (thin + GEMM_HALF_SIZE)
+    # A GEMM's efficiency grows with its thinnest side: measured (calibrate) or modelled.
+    gemm_rate = (profile_matmul_rate(hw, thin)
+                 or peak * hw.matmul_efficiency * thin / (thin + GEMM_HALF_SIZE))
     hbm = hw.hbm_tbps * 1e12 * assume.hbm_efficiency
     scale = 1 + assume.compute_overhead  # launches, syncs, data loading: not modelled
     gemm = tokens * layers * fwd.layer_matmul / t / gemm_rate * scale
     # flash skips the masked half of the causal square; math attention computes all of it
     attn_flops = tokens * layers * fwd.layer_attention / t * (0.5 if work.flash else 1.0)
-    attn = attn_flops / (peak * hw.matmul_efficiency * assume.attention_efficiency) * scale
+    attn_rate = (profile_attention_rate(hw, work.seq_len / lay.cp)
+                 or peak * hw.matmul_efficiency * assume.attention_efficiency)
+    attn = attn_flops / attn_rate * scale
     # HBM traffic of elementwise kernels per layer: two norms (read+write h each), two
     # residual adds (2 reads + 1 write), RoPE on q and k, the SwiGLU product (3f) or GeLU (2f).
     seq_div = t if lay.sp else 1

@@ -1,0 +1,194 @@
+"""`fivefold calibrate`: measure this machine for the planner and write a hardware profile.
+
+    fivefold calibrate --out profile.json            # GPUs if present, else CPU/gloo
+    fivefold calibrate --out p.json --quick --world 2  # tiny shapes (what CI runs)
+    fivefold plan --model llama-3.1-8b --hw-profile profile.json ...
+
+Measured (median of timed repeats after a warm-up):
+- matmul throughput over GEMM shapes, (tokens × h) @ (h × 4h) from small to large h, so
+  the planner's GEMM efficiency becomes a function of the shape's thinnest side;
+- attention throughput of `scaled_dot_product_attention` (causal) over sequence lengths;
+- bus bandwidth of all_reduce, all_gather, reduce_scatter, all_to_all and point-to-point
+  per group size, through the engine's own communication door (`parallel/comm.py`), in
+  NCCL-tests' convention: algorithm bandwidth × 2(n−1)/n for all-reduce, × (n−1)/n for
+  all-gather, reduce-scatter and all-to-all, × 1 for send/recv.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from fivefold.config import ArgumentParser, ConfigError
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+              "send_recv": lambda n: 1.0}
+
+
+def _timed(fn, sync, min_s: float, repeats: int = 5, inner: int | None = None) -> float:
+    """Median seconds of one call of fn (calls are batched to last at least min_s / repeats,
+    or `inner` calls per sample: collectives need the same count on every rank)."""
+    fn()
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    one = max(time.perf_counter() - start, 1e-7)
+    inner = inner or max(1, int(min_s / repeats / one))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples)
+
+
+def measure_compute(device: str, quick: bool) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    min_s = 0.05 if quick else 0.5
+    tokens = 128 if quick else 4096
+    hiddens = (32, 64, 128) if quick else (256, 512, 1024, 2048, 4096, 8192)
+    matmul = []
+    for h in hiddens:
+        a = torch.randn(tokens, h, device=device, dtype=dtype)
+        b = torch.randn(h, 4 * h, device=device, dtype=dtype)
+        t = _timed(lambda a=a, b=b: a @ b, sync, min_s)
+        matmul.append({"m": tokens, "k": h, "n": 4 * h, "thin": min(tokens, h),
+                       "flops_per_s": 2 * tokens * h * 4 * h / t})
+    attention = []
+    heads, dim = (2, 16) if quick else (16, 128)
+    for s in ((64, 128) if quick else (1024, 2048, 4096, 8192)):
+        q, k, v = (torch.randn(1, heads, s, dim, device=device, dtype=dtype) for _ in range(3))
+        t = _timed(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                   sync, min_s)
+        attention.append({"seq_len": s, "heads": heads, "head_dim": dim,
+                          "flops_per_s": 4 * heads * s * s * dim * 0.5 / t})
+    return {"dtype": str(dtype).replace("torch.", ""), "matmul": matmul, "attention": attention}
+
+
+def _collective_rank(rank: int, world: int, init_file: str, out: str, backend: str,
+                     quick: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from fivefold.parallel.comm import Group, Ledger
+
+    device = "cuda" if backend == "nccl" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sizes = [n for n in (2, 4, 8, 16, 32, 64) if n <= world]
+    groups = {n: dist.new_group(list(range(n))) for n in sizes}  # collective: every rank
+    nbytes = (1 << 16) if quick else (1 << 26)
+    results: dict = {op: {} for op in OPS}
+    for n in sizes:
+        if rank < n:
+            group = Group(f"calib{n}", list(range(n)), groups[n], Ledger())
+            for op, gbps in _measure_group(group, nbytes, device, sync, quick).items():
+                results[op][str(n)] = gbps
+        dist.barrier()
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def _measure_group(group, nbytes: int, device: str, sync, quick: bool) -> dict[str, float]:
+    """Bus bandwidth (GB/s) of each collective over `group`, messages of `nbytes`."""
+    import torch
+
+    from fivefold.parallel import comm
+
+    n = group.size
+    elems = nbytes // 4
+    elems -= elems % n
+    x = torch.ones(elems, device=device)
+    full, shard = torch.empty(elems, device=device), torch.empty(elems // n, device=device)
+    calls = {
+        "all_reduce": lambda: comm.all_reduce(x, group),
+        "all_gather": lambda: comm.all_gather(full, x[:elems // n], group),
+        "reduce_scatter": lambda: comm.reduce_scatter(shard, x, group),
+        "all_to_all": lambda: comm.all_to_all(full, x, group),
+    }
+    if n == 2:
+        peer = 1 - group.rank
+        calls["send_recv"] = lambda: [h.wait() for h in comm.batch_p2p(
+            [comm.P2P("send", x, peer), comm.P2P("recv", full, peer)], group)]
+    out = {}
+    for op, fn in calls.items():
+        comm.barrier(group)
+        t = _timed(fn, sync, 0.0, repeats=3, inner=4 if quick else 20)
+        out[op] = elems * 4 / t * BUS_FACTOR[op](n) / 1e9
+    return out
+
+
+def measure_collectives(world: int, backend: str, quick: bool) -> dict:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init, out = os.path.join(tmp, "init"), os.path.join(tmp, "bus.json")
+        method = "spawn" if backend == "nccl" else "fork"
+        mp.start_processes(_collective_rank, args=(world, init, out, backend, quick),
+                           nprocs=world, join=True, start_method=method)
+        return json.loads(Path(out).read_text())
+
+
+def calibrate(out: str | Path, world: int | None = None, device: str = "auto",
+              quick: bool = False) -> dict:
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no GPU is visible; use --device cpu")
+    if world is None:
+        world = torch.cuda.device_count() if device == "cuda" else 2
+    if device == "cuda" and world > torch.cuda.device_count():
+        raise ConfigError(f"--world {world} is more than the {torch.cuda.device_count()} "
+                          f"visible GPUs")
+    profile = {
+        "machine": platform.node(), "platform": platform.platform(),
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor()
+        or "cpu",
+        "torch": torch.__version__, "quick": quick, "world": world,
+        **measure_compute(device, quick),
+        "bus_gbps": measure_collectives(world, "nccl" if device == "cuda" else "gloo", quick)
+        if world > 1 else {},
+    }
+    Path(out).write_text(json.dumps(profile, indent=2) + "\n")
+    return profile
+
+
+def main(argv: list[str]) -> int:
+    ap = ArgumentParser(prog="fivefold calibrate", description="Measure matmul, attention and "
+                        "collective bandwidth here; write a profile for fivefold plan "
+                        "--hw-profile.")
+    ap.add_argument("--out", required=True, help="the profile JSON to write")
+    ap.add_argument("--world", type=int, help="ranks for the collectives (default: the GPUs, "
+                    "or 2 on CPU)")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--quick", action="store_true", help="tiny shapes and messages (CI)")
+    args = ap.parse_args(argv)
+    if args.world is not None and not 1 <= args.world <= 64:
+        raise ConfigError(f"--world {args.world} must lie in [1, 64]")
+    profile = calibrate(args.out, args.world, args.device, args.quick)
+    best = max(m["flops_per_s"] for m in profile["matmul"]) / 1e12
+    print(f"wrote {args.out}: matmul up to {best:.3g} TFLOP/s ({profile['dtype']}), "
+          f"{len(profile['attention'])} attention shapes, collectives over "
+          f"{profile['world']} ranks")
+    return 0
