@@ -99,8 +99,22 @@ class _ChunkedSavePlanner(DefaultSavePlanner):
         part = self.parts.get((index.fqn, tuple(index.offset or ())))
         if part is not None:
             peak.sample("checkpoint save")
-            return part
+            return _exact_storage(part)
         return super().lookup_object(index)
+
+
+_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _exact_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself, behind a storage of exactly its bytes (no copy). DCP's file writer clones
+    every tensor whose storage is larger than it, and keeps the clones of a file until the
+    file is closed: given views of a flat shard, it would copy the whole shard. numpy can
+    alias a slice of memory exactly (bf16 through a same-width integer view)."""
+    if (t.device.type != "cpu" or not t.is_contiguous()
+            or t.untyped_storage().nbytes() == t.nbytes):
+        return t  # a device tensor is copied to the host whole anyway; a clipped box is small
+    return torch.from_numpy(t.view(_SAME_WIDTH[t.element_size()]).numpy()).view(t.dtype)
 
 
 class _ChunkedLoadPlanner(DefaultLoadPlanner):
