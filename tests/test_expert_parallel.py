@@ -130,6 +130,8 @@ PARITY = {
                                          "--parallel.tp", "2", "--train.recompute", "full"]),
     "dp2-ep2-pp2-1f1b": (AUX, ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.pp", "2",
                                "--parallel.schedule", "1f1b"]),
+    "dp2-ep2-pp2-zb": (AUX, ["--parallel.dp", "2", "--parallel.ep", "2", "--parallel.pp", "2",
+                             "--parallel.schedule", "zb"]),
     "dp2-cp2-ep2": (BIAS, ["--parallel.dp", "2", "--parallel.cp", "2", "--parallel.ep", "2"]),
 }
 KEYS = ("loss", "grad_norm", "moe_aux_loss", "moe_tokens_max", "moe_tokens_min")

@@ -402,5 +402,10 @@ class PipelineRunner:
             self._recording.append((output, [p for p in params if p.requires_grad]))
 
     def _record_module(self, module: nn.Module, args, output) -> None:
+        if isinstance(output, (tuple, list)) and output:
+            # A module returning several tensors computes the others from its first (the MoE
+            # router: logits, then scores and weights from them): the gradient at the first
+            # gathers every path to its weight. Left out, the weight would get no gradient.
+            output = output[0]
         if self._recording is not None and isinstance(output, torch.Tensor):
             self._record(output, list(module.parameters(recurse=False)))
