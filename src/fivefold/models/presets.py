@@ -214,6 +214,46 @@ PRESETS: dict[str, ModelConfig] = {
         num_layers=96, num_heads=96, num_kv_heads=96, max_seq_len=2048, mlp="gelu",
         norm="layernorm", qkv_bias=True,
     ),
+    # --- mixtures of experts (models/moe.py) ---
+    # The tiny model with 8 top-2 experts: the MoE debug run, the tests and the balance study.
+    "tiny-moe": ModelConfig(
+        name="tiny-moe", vocab_size=256, hidden_size=128, intermediate_size=384, num_layers=4,
+        num_heads=4, num_kv_heads=2, max_seq_len=1024, tie_embeddings=True, num_experts=8,
+        experts_top_k=2, moe_intermediate_size=128, aux_loss_coeff=0.01, z_loss_coeff=0.001,
+    ),
+    # OLMoE-1B-7B-0924: 64 experts, top-8, no renormalisation. Its q/k normalisation over the
+    # whole q and k vectors is not modelled (4K parameters; HF import refuses Olmoe).
+    "olmoe-1b-7b": ModelConfig(
+        name="olmoe-1b-7b", vocab_size=50304, hidden_size=2048, intermediate_size=1024,
+        num_layers=16, num_heads=16, num_kv_heads=16, max_seq_len=4096, num_experts=64,
+        experts_top_k=8, moe_intermediate_size=1024, norm_topk_prob=False,
+        aux_loss_coeff=0.01, z_loss_coeff=0.001,
+    ),
+    "mixtral-8x7b": ModelConfig(
+        name="mixtral-8x7b", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, max_seq_len=32768, rope_theta=1e6,
+        num_experts=8, experts_top_k=2, moe_intermediate_size=14336, aux_loss_coeff=0.02,
+    ),
+    "qwen3-30b-a3b": ModelConfig(
+        name="qwen3-30b-a3b", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, max_seq_len=40960,
+        rope_theta=1e6, norm_eps=1e-6, qk_norm=True, num_experts=128, experts_top_k=8,
+        moe_intermediate_size=768, aux_loss_coeff=0.001,
+    ),
+    # DeepSeek-V3's experts and router (Liu et al. 2024, arXiv 2412.19437; config_671B.json):
+    # 3 dense layers, then 256 routed experts (top-8 of 8 groups, 4 kept, sigmoid scores,
+    # scale 2.5) and one shared expert; aux-loss-free bias (γ = 0.001) with the sequence-wise
+    # loss at α = 1e-4. The ATTENTION IS LLAMA-STYLE multi-head attention (128 heads of 128),
+    # not DeepSeek's multi-head latent attention, so attention parameters, FLOPs and the KV
+    # footprint differ from the real model; no multi-token prediction, no YaRN.
+    "deepseek-v3-shaped": ModelConfig(
+        name="deepseek-v3-shaped", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        num_layers=61, num_heads=128, num_kv_heads=128, head_dim=128, max_seq_len=4096,
+        norm_eps=1e-6, num_experts=256, experts_top_k=8, moe_intermediate_size=2048,
+        moe_first_dense=3, router_score="sigmoid", routed_scaling_factor=2.5, router_groups=8,
+        router_topk_groups=4, shared_expert_intermediate_size=2048, aux_loss_coeff=1e-4,
+        expert_bias_rate=1e-3,
+    ),
 }
 
 
