@@ -92,8 +92,8 @@ def activation_bytes_per_microbatch(
       MLP (tp region): SwiGLU saves gate input, SiLU output, up output and the product
         (4·T·f·B: silu(g) and u are multiplied, the product is w2's input). GeLU (GPT) saves the
         GeLU input and fc2 input (2·T·f·B; 16·sbh for f = 4h, as in Korthikanti).
-      MoE (tp region, per routed copy, k per token): router probabilities T·E·4, the dispatched
-        tokens T·k·h·B, the expert SwiGLU 4·T·k·f_e·B and the expert outputs T·k·h·B.
+      MoE layers (replicated over tp) save `moe_layer_terms` instead of the MLP's; with dense
+        and MoE layers mixed, the per-layer figure is their average over the layers.
     recompute = "selective": the attention core (SDPA, or ring attention under CP) runs again
       in backward; its inputs q, k, v (unexpanded) stay saved, its output/lse or scores do not
       (Korthikanti §5, "selective activation recomputation").
@@ -153,15 +153,40 @@ def activation_bytes_per_microbatch(
     terms["mlp_input"] = col_input
     if dropout:
         terms["dropout_masks"] = 2 * tokens * h / seq_div
-    if model.num_experts:
-        k, fe = model.experts_top_k, model.moe_intermediate_size / tp
-        terms["router"] = tokens * model.num_experts * STAT_BYTES
-        terms["mlp_hidden"] = tokens * k * (2 * h * B + 4 * fe * B)
-    elif model.mlp == "swiglu":
+    if model.mlp == "swiglu":
         terms["mlp_hidden"] = 4 * tokens * model.intermediate_size / tp * B
     else:
         terms["mlp_hidden"] = 2 * tokens * model.intermediate_size / tp * B
+    if model.qk_norm:  # the normalised q and k's inputs and statistics
+        terms["qk_norm"] = tokens * (q + kv) * B + tokens * (heads + kv / d) * STAT_BYTES
+    if model.num_experts:  # MoE layers replace the MLP: averaged over the layers
+        n = model.num_moe_layers
+        moe = sum(moe_layer_terms(model, tokens, B).values())
+        terms["mlp_hidden"] = (n * moe + (model.num_layers - n) * terms["mlp_hidden"]) / (
+            model.num_layers)
     return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input)
+
+
+def moe_layer_terms(model: ModelConfig, tokens: float, B: int) -> dict[str, float]:
+    """What an MoE block (models/moe.py) saves for backward, replicated over tp: fp32 router
+    scores and logits (the z-loss's log-sum-exp) and its result, the chosen indices and
+    weights, the dispatch and un-dispatch permutations, the dispatched tokens, the experts'
+    SwiGLU (4 tensors of T·k·f_e), the expert outputs in fp32 for the combine, and the
+    shared expert (SwiGLU, plus its gate's input and sigmoid); bf16 adds the fp32 copy of
+    the router's input."""
+    h, e, k = model.hidden_size, model.num_experts, model.experts_top_k
+    fe, fs = model.moe_intermediate_size, model.shared_expert_intermediate_size
+    out = {
+        "router": tokens * (2 * e + 1) * STAT_BYTES + tokens * k * (INDEX_BYTES + 2 * 4),
+        "dispatch": 2 * tokens * k * INDEX_BYTES + tokens * k * h * B,
+        "experts": 4 * tokens * k * fe * B + tokens * k * h * 4,
+        "shared": 4 * tokens * fs * B,
+    }
+    if fs and model.shared_expert_gate:
+        out["shared"] += tokens * h * B + tokens * B
+    if B != 4:
+        out["router"] += tokens * h * 4
+    return out
 
 
 def _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input) -> ActivationBytes:

@@ -197,6 +197,9 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
         # heads, so the k and v weights (and biases) are summed over tp per micro-batch.
         kv_elems = 2 * mc.kv_size * (h + (1 if mc.qkv_bias else 0))
         add("tp", "all_reduce", grad_bytes, kv_elems, layers * m, t, "bwd", "shared kv heads")
+    if mc.qk_norm:  # one q and one k norm weight shared by heads that tp ranks split
+        add("tp", "all_reduce", grad_bytes, mc.dim_per_head, 2 * layers * m, t, "bwd",
+            "q/k norm weights")
     # The gradient norm's partial sums of squares meet over each dimension that splits them.
     add("tp", "all_reduce", 4, 1, 1, t, "step", "grad norm")
     add("pp", "all_reduce", 4, 1, 1, lay.pp, "step", "grad norm")
@@ -233,6 +236,11 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
         add("ep", "all_to_all", 8, mc.num_experts, moe * m, lay.ep, "fwd", "expert counts")
         add("ep", "all_to_all", B, routed, 2 * moe * m, lay.ep, "fwd", "tokens")
         add("ep", "all_to_all", B, routed, 2 * moe * m, lay.ep, "bwd", "tokens")
+    if mc.num_experts and mc.expert_bias_rate > 0:
+        # the global tokens per expert (and the two aux sums) of this rank's MoE layers, for
+        # the aux-loss-free bias update (train/moe_stats.py)
+        add(dp_group_name(lay), "all_reduce", 4, (mc.num_experts + 2) * moe, 1,
+            lay.dp * lay.cp, "step", "expert counts")
 
     # --- tied embeddings split across the first and last stage (the engine's pp_embed group;
     # none under DualPipeV, whose V puts both ends on rank 0) ---

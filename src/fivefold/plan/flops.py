@@ -39,12 +39,22 @@ def forward_flops_per_token(model: ModelConfig, seq_len: int, causal: bool = Fal
     h, d = model.hidden_size, model.dim_per_head
     q, kv = model.num_heads * d, model.num_kv_heads * d
     attn_proj = 2 * h * q + 2 * h * kv
-    if model.num_experts:
-        mlp = model.experts_top_k * 3 * h * model.moe_intermediate_size + h * model.num_experts
-    else:
-        mlp = (3 if model.mlp == "swiglu" else 2) * h * model.intermediate_size
+    mlp = mlp_weights_per_token(model)
     scores = 2 * 2 * seq_len * q * (0.5 if causal else 1.0)
     return ForwardFlops(2 * (attn_proj + mlp), scores, 2 * h * model.vocab_size, model.num_layers)
+
+
+def mlp_weights_per_token(model: ModelConfig) -> float:
+    """MLP weights one token passes through, averaged over the layers: a dense layer's MLP, or
+    an MoE layer's router, top-k routed experts and shared expert (the ACTIVE parameters:
+    counting all E experts would overstate Mixtral's FLOPs 3.6×, maxtext PR #678)."""
+    h = model.hidden_size
+    dense = (3 if model.mlp == "swiglu" else 2) * h * model.intermediate_size
+    if not model.num_experts:
+        return float(dense)
+    moe = sum(model.moe_params(active=True).values())
+    n = model.num_moe_layers
+    return (n * moe + (model.num_layers - n) * dense) / model.num_layers
 
 
 def model_flops_per_token(model: ModelConfig, seq_len: int, causal: bool = False) -> float:

@@ -309,9 +309,11 @@ def check_layout(work: Workload, layout: Layout, gpus_per_node: int | None = Non
         bad.append(f"tp = {lay.tp} does not divide num_heads = {mc.num_heads}")
     if mc.num_kv_heads % lay.tp and lay.tp % mc.num_kv_heads:
         bad.append(f"tp = {lay.tp} and num_kv_heads = {mc.num_kv_heads}: one must divide the other")
-    ffn = mc.moe_intermediate_size if mc.num_experts else mc.intermediate_size
-    if ffn % lay.tp:
-        bad.append(f"tp = {lay.tp} does not divide the MLP width {ffn}")
+    # Experts replicate over tp (models/moe.py); only dense MLPs are split.
+    if mc.num_moe_layers < mc.num_layers and mc.intermediate_size % lay.tp:
+        bad.append(f"tp = {lay.tp} does not divide the MLP width {mc.intermediate_size}")
+    if lay.sp and mc.num_experts:
+        bad.append("sp with experts: the balance loss needs whole sequences; set sp = false")
     if sorted(lay.rank_order.split("-")) != ["cp", "dp", "pp", "tp"]:
         bad.append(f"rank_order = '{lay.rank_order}' must order tp, cp, dp and pp, e.g. "
                    f"tp-cp-dp-pp (fastest first)")

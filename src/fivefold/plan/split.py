@@ -29,6 +29,8 @@ from __future__ import annotations
 import functools
 import math
 
+from fivefold.plan.flops import mlp_weights_per_token
+
 SPLITS = ("even", "balanced")
 
 
@@ -37,10 +39,7 @@ def split_costs(model) -> tuple[float, float, float]:
     costs; `model` is a ModelConfig)."""
     h, d = model.hidden_size, model.dim_per_head
     q, kv = model.num_heads * d, model.num_kv_heads * d
-    if model.num_experts:
-        mlp = model.experts_top_k * 3 * h * model.moe_intermediate_size + h * model.num_experts
-    else:
-        mlp = (3 if model.mlp == "swiglu" else 2) * h * model.intermediate_size
+    mlp = mlp_weights_per_token(model)  # an MoE layer's active weights, averaged over layers
     return float(h * (2 * q + 2 * kv) + mlp), 0.0, float(model.vocab_size * h)
 
 

@@ -61,13 +61,13 @@ class MoEStats:
                 rows[slot, e:] = layer.aux_sums[:2].float().cpu()
         owned = [slot for slot, index in enumerate(self.all_layers) if index in self.layers]
         local = rows[owned].to(self._device())
-        if self.cfg.expert_bias_rate > 0:
+        if owned and self.cfg.expert_bias_rate > 0:
             comm.all_reduce(local, self.dims["dp_cp"])
-        else:
+        elif owned:
             with self.paused(self.dims):
                 comm.all_reduce(local, self.dims["dp_cp"])
         rows[owned] = local.cpu()
-        if self.cfg.expert_bias_rate > 0:
+        if owned and self.cfg.expert_bias_rate > 0:
             layers = [self.layers[self.all_layers[s]] for s in owned]
             update_expert_bias(layers, local[:, :e], self.cfg.expert_bias_rate)
         with self.paused(self.dims):
