@@ -215,6 +215,8 @@ def run(argv: list[str]) -> int:
         given = {item.split("=", 1)[0] for item in args.layout.replace(" ", ",").split(",")
                  if "=" in item}
         layout = convention.apply_layout(layout, given | ({"sp"} if layout.tp == 1 else set()))
+        if model.num_experts and "sp" not in given:  # experts replicate over tp, without SP
+            layout = layout.replace(sp=False)
         if layout.world_size != args.gpus:
             raise ConfigError(f"--layout uses {layout.world_size} GPUs but --gpus is {args.gpus}")
         _check(work, layout, hw)

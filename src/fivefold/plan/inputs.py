@@ -41,6 +41,13 @@ def model_from_hf_config(path: str | Path) -> ModelConfig:
             raise ConfigError(f"{path} has none of {', '.join(keys)}; is it a decoder config?")
         return default
 
+    from fivefold.models.hf_config import SUPPORTED, model_config_from_hf
+
+    if (cfg.get("architectures") or [None])[0] in SUPPORTED:
+        try:  # the engine's own reading: exact layer kinds, shared experts, q/k norms
+            return model_config_from_hf(path)
+        except ConfigError:
+            pass  # a setting the engine refuses still has a shape worth planning
     gpt_style = cfg.get("model_type") in ("gpt2", "gpt_neox", "gptj", "opt") or "n_embd" in cfg
     hidden = int(get("hidden_size", "n_embd", "d_model"))
     heads = int(get("num_attention_heads", "n_head"))
@@ -68,7 +75,29 @@ def model_from_hf_config(path: str | Path) -> ModelConfig:
         experts_top_k=int(get("num_experts_per_tok", "top_k", default=2)) if experts else 0,
         moe_intermediate_size=int(get("moe_intermediate_size", "intermediate_size",
                                       default=4 * hidden)) if experts else 0,
+        **(_moe_shape(cfg) if experts else {}),
     )
+
+
+def _moe_shape(cfg: dict) -> dict:
+    """Which layers are MoE, shared experts and routing of other MoE families (DeepSeek-V2/V3's
+    first_k_dense_replace, n_shared_experts, sigmoid scores and expert groups; Qwen's
+    decoder_sparse_step and leading mlp_only_layers)."""
+    inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
+    dense = sorted(cfg.get("mlp_only_layers") or [])
+    first = int(cfg.get("first_k_dense_replace") or 0) or (
+        len(dense) if dense == list(range(len(dense))) else 0)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) or int(
+        cfg.get("n_shared_experts") or 0) * inter
+    groups = int(cfg.get("n_group") or 1)
+    return dict(moe_first_dense=first,
+                moe_layer_freq=int(cfg.get("decoder_sparse_step") or 1)
+                if isinstance(cfg.get("decoder_sparse_step", 1), int) else 1,
+                shared_expert_intermediate_size=shared,
+                router_score="sigmoid" if cfg.get("scoring_func") == "sigmoid" else "softmax",
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+                router_groups=groups, router_topk_groups=int(cfg.get("topk_group") or groups),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
 
 
 def _apply_model_overrides(model: ModelConfig, overrides: dict) -> ModelConfig:

@@ -40,7 +40,24 @@ def describe_workload(work: Workload, hw: Hardware, num_gpus: int) -> str:
             f"gbs {work.gbs} seqs ({params(work.tokens_per_step)} tokens), "
             f"{work.precision}, {work.optimizer}, "
             f"{'flash' if work.flash else 'math'} attention — {num_gpus} × {hw.name} "
-            f"({hw.memory_gib:g} GiB, {hw.gpus_per_node}/node)")
+            f"({hw.memory_gib:g} GiB, {hw.gpus_per_node}/node)" + describe_moe(mc))
+
+
+def describe_moe(mc) -> str:
+    """For a mixture of experts: its routing, total vs active parameters, what MFU counts."""
+    if not mc.num_experts:
+        return ""
+    shared = (f", a shared expert of {mc.shared_expert_intermediate_size}"
+              if mc.shared_expert_intermediate_size else "")
+    routing = (f"{mc.router_score}, top-{mc.experts_top_k} of {mc.num_experts}"
+               + (f" in {mc.router_topk_groups} of {mc.router_groups} groups"
+                  if mc.router_groups > 1 else "")
+               + (", renormalised" if mc.norm_topk_prob else ""))
+    return (f"\nmixture of experts: {mc.num_moe_layers} of {mc.num_layers} layers MoE "
+            f"({routing}; experts of {mc.moe_intermediate_size}{shared}); "
+            f"{params(mc.num_active_params())} of {params(mc.num_params())} parameters active "
+            f"per token: FLOPs and MFU count the active ones (6·N_active + attention); experts "
+            f"replicate over tp and split over ep")
 
 
 def format_table(plans: list[LayoutPlan]) -> str:
@@ -212,6 +229,7 @@ def search_to_dict(result: SearchResult, work: Workload, hw: Hardware,
 def workload_to_dict(work: Workload) -> dict:
     out = dataclasses.asdict(work)
     out["model"]["num_params"] = work.model.num_params()
+    out["model"]["num_active_params"] = work.model.num_active_params()
     return out
 
 

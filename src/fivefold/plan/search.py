@@ -160,7 +160,8 @@ def enumerate_layouts(work: Workload, num_gpus: int, hw: Hardware,
                         continue
                     for sched, v in schedules:
                         for ep in eps:
-                            for sp in space.sp if tp > 1 else (False,):
+                            # experts replicate over tp without SP (models/moe.py)
+                            for sp in space.sp if tp > 1 and not mc.num_experts else (False,):
                                 base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mbs=mbs,
                                               schedule=sched, virtual_stages=v, sp=sp,
                                               **space.fixed)
