@@ -34,6 +34,7 @@ from fivefold.parallel.recompute import _checkpointed
 from fivefold.plan.comm import ledger_volume
 from fivefold.plan.inputs import training_plan_inputs
 from fivefold.plan.memory import model_state_bytes
+from fivefold.train.checkpoint import load_model_for_inference
 from fivefold.train.trainer import Trainer
 
 E, H, K = 4, 8, 2
@@ -233,6 +234,14 @@ def test_checkpoints_reshard_experts(tmp_path):
     continued = run_ranks(save_then_continue, 4, str(ep4), ["--parallel.dp", "4",
                                                             "--parallel.ep", "4"], 2)[0]
     with one_thread():
+        # Inference loads the stacked experts (and the expert biases) from the same files.
+        model = load_model_for_inference(str(ep4 / "ckpt"))[0]
+        trainer, _ = build(str(ep4), [*BIAS, "--checkpoint.resume", "latest"], 1)
+        loaded = dict(model.state_dict())
+        for name, value in trainer.model.chunks[0].state_dict().items():
+            assert torch.equal(loaded[name], value), name
+        assert any(name.endswith("expert_bias") and v.abs().sum() > 0 for name, v in
+                   loaded.items())
         resumed = resume_losses(0, 1, str(ep4), [], 2)
     for got, expected in zip(resumed, continued):
         assert rel(got, expected) <= 1e-5

@@ -324,10 +324,13 @@ def load_model_for_inference(path: str):
 
     experts = expert_param_ids([model])  # stacked expert weights are saved one expert a key
     stacked = {n for n, t in model.named_parameters() if id(t) in experts}
+    params = {n for n, _ in model.named_parameters()}
     tensors = {}
     for n, t in model.state_dict().items():
         t = t.detach()
-        if n in stacked:
+        if n not in params:  # a persistent buffer (the MoE router's expert bias)
+            tensors[f"buffer/{n}"] = Chunked(tuple(t.shape), [((0,) * t.dim(), t)])
+        elif n in stacked:
             tensors.update({f"model/{expert_key(n, j)}": Chunked(tuple(t.shape[1:]),
                                                                 [((0,) * (t.dim() - 1), t[j])])
                             for j in range(t.shape[0])})
