@@ -176,6 +176,9 @@ def run(argv: list[str]) -> int:
     if args.hw_profile:
         hw = dataclasses.replace(hw, profile=load_profile(args.hw_profile))
     options = _workload_options(args)
+    if args.config and args.convention != "fivefold":
+        raise ConfigError(f"--convention {args.convention} plans another engine's run; a "
+                          f"--config training file is fivefold's own: drop one of them")
     if args.config:
         cfg = read_training_config(args.config, extra)
         work, layout = training_plan_inputs(cfg, **options)
@@ -262,6 +265,7 @@ def _search(args, work, num_gpus, hw, assume) -> int:
     if args.json:
         payload = search_to_dict(result, work, hw, assume)
         payload["run"] = cost.to_dict() if cost else None
+        payload["convention"] = convention.name if convention else "fivefold"
         _emit_json(args, payload)
     if args.json != "-":
         print(format_search(result, work, hw, args.top))
