@@ -190,9 +190,9 @@ NOTES = [
     "core, so memory differs by design; the rows show by how much.",
     "- With full activation checkpointing only layer inputs are saved, so Float8 and "
     "torch.compile (Tables 2, 4, 5) change memory little; they are planned as bf16. Under "
-    "PP, torchtitan's FSDP likely keeps parameters unsharded from forward to backward "
-    "(`fsdp_reshard_after_forward = 'default'` reshards only without PP), which the "
-    "planner's ZeRO-3 does not model: the likely cause of the Table 5 shortfall.",
+    "PP, torchtitan's FSDP keeps each stage's parameters gathered from forward to backward "
+    "(`reshard_after_forward = not pp_enabled`, llama3/infra/parallelize.py); the torchtitan "
+    "convention models that (`zero3_keep_gathered_pp`).",
     "- Measured memory is max reserved (torchtitan logs `reserved_bytes.all.peak`); the "
     "prediction is the planner's reserved estimate (allocated plus its caching-allocator "
     "model, `plan/memory.py: allocator_waste`), without the CUDA context.",

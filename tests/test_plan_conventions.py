@@ -121,3 +121,28 @@ def test_unknown_convention_is_one_line(capsys):
     code = cli_main(["plan", "--model", "llama-3.1-8b", "--convention", "jax"])
     err = capsys.readouterr().err
     assert code == 2 and "--convention 'jax' is unknown" in err and err.count("\n") == 1
+
+
+def test_torchtitan_keeps_fsdp_parameters_gathered_under_pp():
+    """torchtitan's apply_fsdp: reshard_after_forward = not pp_enabled. Llama-3.1-8B at pp 2,
+    rank 0: 16 layers of 4096·(2·4096 + 2·1024) + 3·4096·14336 + 2·4096 = 218,112,000 plus the
+    embedding 128,256·4096 = 525,336,576: 4,015,128,576 parameters stay gathered in bf16,
+    8,030,257,152 bytes; and the parameters are gathered once per step, not twice per
+    micro-batch."""
+    import dataclasses
+
+    from fivefold.models.presets import preset
+    from fivefold.plan.comm import ledger_volume
+    from fivefold.plan.hardware import Assumptions
+    from fivefold.plan.layout import Workload
+    from fivefold.plan.memory import memory_items
+
+    conv = get_convention("torchtitan")
+    work = conv.apply_workload(Workload(preset("llama-3.1-8b"), 4096, 16))
+    lay = conv.apply_layout(Layout(dp=2, pp=2, mbs=2))  # zero 3 from the convention; m = 4
+    resharding = dataclasses.replace(work, zero3_keep_gathered_pp=False)
+    kept = memory_items(work, lay, Assumptions())[0]["comm_buffers"]
+    freed = memory_items(resharding, lay, Assumptions())[0]["comm_buffers"]
+    assert kept - freed == 8_030_257_152
+    gathers = [ledger_volume(w, lay)["dp_cp"]["all_gather"] for w in (work, resharding)]
+    assert gathers[1] == 2 * 4 * gathers[0] == 2 * 4 * 8_030_257_152

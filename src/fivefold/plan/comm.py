@@ -56,6 +56,12 @@ class Collective:
         return self.bytes * factor
 
 
+def keeps_gathered(work: Workload, layout: Layout) -> bool:
+    """ZeRO-3 under a pipeline that keeps each stage's parameters gathered for the whole step
+    (torchtitan's FSDP default with PP: `reshard_after_forward = not pp_enabled`)."""
+    return work.zero3_keep_gathered_pp and layout.zero == 3 and layout.pp > 1
+
+
 def dp_group_name(layout: Layout) -> str:
     """Gradients are summed over dp×cp: each cp rank saw another slice of the same sequences.
     The engine's mesh names that group dp_cp whatever cp is (parallel/mesh.py)."""
@@ -134,6 +140,8 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
         elif lay.zero in (1, 2):
             add(group, "reduce_scatter", grad_bytes, elems, rs_calls, n, "grad", "gradients")
             add(group, "all_gather", bpp.param, elems, 1, n, "step", "updated parameters")
+        elif keeps_gathered(work, lay):  # gathered once, kept through every micro-batch
+            add(group, "all_gather", bpp.param, elems, 1, n, "fwd", "parameters (kept)")
         else:
             add(group, "all_gather", bpp.param, elems, m, n, "fwd", "parameters (forward)")
             add(group, "all_gather", bpp.param, elems, m, n, "bwd", "parameters (backward)")

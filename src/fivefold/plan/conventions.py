@@ -84,7 +84,7 @@ CONVENTIONS: dict[str, Convention] = {
         # FSDP2 mixed precision: sharded fp32 parameters (the master copy), bf16 compute
         # copies gathered per unit, fp32 gradient reduction: 4 + 4 + 8 = 16 B/param, sharded.
         {"grad_dtype_bytes": 4, "fp32_grad_accum": False, "fp32_params": True,
-         "causal_flops": False},
+         "causal_flops": False, "zero3_keep_gathered_pp": True},
         # DTensor ColwiseParallel redistributes the sequence shard to Replicate before the
         # linear, which saves the gathered input; even split; mesh
         # ["pp", "dp_replicate", "dp_shard", "cp", "tp"]; FSDP (ZeRO-3) by default.
@@ -94,6 +94,8 @@ CONVENTIONS: dict[str, Convention] = {
          "in older versions) "
          "(mixed_precision_param = 'bfloat16', mixed_precision_reduce = 'float32', "
          "data_parallel_shard_degree = -1), torchtitan/distributed/parallel_dims.py (mesh)",
+         "torchtitan/models/llama3/infra/parallelize.py apply_fsdp: reshard_after_forward = "
+         "not pp_enabled by default (parameters stay gathered under PP)",
          "benchmarks @9dec370: MFU = 6·N + 12·L·h·s per token (full square); memory logged "
          "as torch.cuda.memory_stats()['reserved_bytes.all.peak'] (max reserved, GiB)")),
     "deepspeed": Convention(

@@ -106,6 +106,7 @@ class Workload:
     fp32_grad_accum: bool = False  # a separate fp32 accumulation buffer (nanotron: 20 B/param)
     fp32_params: bool = False  # parameters stored in fp32, cast for compute (FSDP2 mixed
     #                            precision, torchtitan): no separate master copy
+    zero3_keep_gathered_pp: bool = False  # ZeRO-3 + PP: parameters stay gathered all step
     flash: bool = True  # flash attention (O(s) saved) or math attention (O(s²) saved)
     dropout: bool = False  # dropout masks (GPT-3/Korthikanti); Llama trains without dropout
     causal_flops: bool = False  # halve attention FLOPs (Megatron ≥ 2025) or not (PaLM, Narayanan)

@@ -258,6 +258,9 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
         "split_grads": split_grads,
         "comm_buffers": comm_buffer_bytes(work, layout, rank),
     }
+    if layout.zero == 3 and layout.pp > 1 and work.zero3_keep_gathered_pp and shards > 1:
+        # the stage's compute-dtype parameters stay gathered from forward to backward
+        items["comm_buffers"] += states.num_params * work.dtype_bytes
     allocated = sum(items.values())
     waste = allocator_waste(act, layers, inflight, head, _working_set(work, layout))
     items["overhead"] = (assume.context_gib * GIB + waste
