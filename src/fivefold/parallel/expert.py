@@ -84,6 +84,14 @@ def expert_major(recv_counts: torch.Tensor) -> torch.Tensor:
     return torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.long)
 
 
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation. Un-permuting by index_select saves only the index for
+    backward (an index_copy into a new tensor would keep its source too)."""
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inverse
+
+
 class AllToAllDispatcher:
     """The MoE layer's dispatcher under expert parallelism (see the module docstring).
 
@@ -116,14 +124,14 @@ class AllToAllDispatcher:
         received = all_to_all_rows(rows, self.group, send, recv, recv_rows)
         perm = expert_major(recv_counts.cpu()).to(x.device)
         out_sorted = experts(received[perm], recv_counts.sum(0))
-        out_recv = torch.empty_like(out_sorted).index_copy(0, perm, out_sorted)
+        out_recv = out_sorted.index_select(0, _inverse(perm))
         back = all_to_all_rows(out_recv, self.group, recv, send, back_rows)
 
         if tape is not None and not replaying:
             tape.push((recv_counts.reshape(-1), received.detach(), back.detach()))
             note_kept(received, back)
         # Combined as models.moe.LocalDispatcher does: in fp32, summed in token order.
-        unsorted = torch.empty_like(back).index_copy(0, order, back).view(num_tokens, k, -1)
+        unsorted = back.index_select(0, _inverse(order)).view(num_tokens, k, -1)
         return (unsorted.float() * weights[..., None]).sum(1).to(x.dtype)
 
 

@@ -68,6 +68,7 @@ def activation_bytes_per_microbatch(
     dropout: bool = False,
     sp_saves_gathered: bool = True,
     cp_comm: str = "ring",
+    ep: int = 1,
 ) -> ActivationBytes:
     """Bytes one micro-batch leaves saved for backward on one rank, per layer and outside.
 
@@ -127,6 +128,12 @@ def activation_bytes_per_microbatch(
     terms: dict[str, float] = {}
     if recompute == "full":
         terms["layer_input"] = seq_tensor
+        if ep > 1 and model.num_experts:
+            # A recomputed MoE layer replays its all-to-alls (parallel/expert.py): the rows it
+            # received and the rows combined back, T·k·h each (on average over the ep group),
+            # stay from the forward to the layer's backward. Averaged over the layers.
+            replay = 2 * tokens * model.experts_top_k * h * B
+            terms["ep_replay"] = replay * model.num_moe_layers / model.num_layers
         return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input)
 
     terms["attn_norm_input"] = seq_tensor
@@ -211,7 +218,7 @@ def recompute_working_set(model: ModelConfig, mbs: int, seq_len: int, *, tp: int
                           sp: bool = False, cp: int = 1, recompute: str = "none",
                           dtype_bytes: int = 2, flash: bool = True,
                           dropout: bool = False, sp_saves_gathered: bool = True,
-                          cp_comm: str = "ring") -> float:
+                          cp_comm: str = "ring", ep: int = 1) -> float:
     """Transient bytes while one layer is recomputed in backward: under full recompute a whole
     layer's activations come back for one micro-batch; under selective, its attention core
     (none under cp > 1, where selective recomputation leaves the ring core alone)."""

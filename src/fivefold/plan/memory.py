@@ -296,7 +296,8 @@ def allocator_waste(act: ActivationBytes, layers: int, inflight: float, head: bo
 def _act_kwargs(work: Workload, layout: Layout) -> dict:
     return {"tp": layout.tp, "sp": layout.sp, "cp": layout.cp, "recompute": layout.recompute,
             "dtype_bytes": work.dtype_bytes, "flash": work.flash, "dropout": work.dropout,
-            "sp_saves_gathered": layout.sp_saved != "shard", "cp_comm": layout.cp_comm}
+            "sp_saves_gathered": layout.sp_saved != "shard", "cp_comm": layout.cp_comm,
+            "ep": layout.ep}
 
 
 def _activations(work: Workload, layout: Layout) -> ActivationBytes:
