@@ -280,7 +280,8 @@ def load(path: str | os.PathLike | None = None, overrides: list[str] | None = No
     if path:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist; give the path of a .toml file")
+            what = "is a directory" if p.is_dir() else "does not exist"
+        raise ConfigError(f"config file {p} {what}; give the path of a .toml file")
         try:
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
@@ -336,7 +337,7 @@ def _check_context(par, tr) -> None:
                           "train.device = 'cpu' or parallel.cp = 1")
 
 
-def _writable_dir(key: str, path: str) -> None:
+def writable_dir(key: str, path: str) -> None:
     """An output directory must be one (or creatable) and writable, before training starts:
     the first save is too late to find out."""
     p = Path(path)
@@ -353,6 +354,13 @@ def _writable_dir(key: str, path: str) -> None:
     except OSError as e:
         raise ConfigError(f"{key} = '{path}' is not writable ({e.strerror} in {existing}); "
                           f"give a directory you can write to") from None
+
+
+def writable_file(key: str, path: str) -> None:
+    """An output file's path must not be a directory, and its directory must be writable."""
+    if Path(path).is_dir():
+        raise ConfigError(f"{key} {path} is a directory; give a file name inside it")
+    writable_dir(key, str(Path(path).parent))
 
 
 def _check_pipeline(par: ParallelSection, num_layers: int, num_micro: int) -> None:
@@ -423,6 +431,22 @@ def _check_moe(mc, par: ParallelSection) -> None:
 
 def validate(cfg: Config) -> None:
     """Every check of a config, in one place. Raises ConfigError with a one-line fix."""
+    validate_layout(cfg)
+    _validate_files(cfg)
+
+
+def engine_refusal(cfg: Config) -> str | None:
+    """Why `fivefold train` would refuse this config's model, layout and batch, or None. The
+    planner asks it before recommending a layout, so it never suggests what train refuses."""
+    try:
+        validate_layout(cfg)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def validate_layout(cfg: Config) -> None:
+    """The checks of the model, the parallel layout and the training shape (no files)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     if not m.hf_path and m.preset.lower() not in PRESETS:
         raise ConfigError(f"model.preset = '{m.preset}' is unknown{_suggest(m.preset, PRESETS)};"
@@ -526,7 +550,13 @@ def validate(cfg: Config) -> None:
     _positive("train.eval_every", tr.eval_every, allow_zero=True)
     _positive("train.eval_batches", tr.eval_batches)
 
+
+def _validate_files(cfg: Config) -> None:
+    """Inputs that must exist and outputs that must be writable."""
     d = cfg.data
+    if d.path and Path(d.path).is_dir():
+        raise ConfigError(f"data.path = '{d.path}' is a directory; give the token file "
+                          f"`fivefold prepare -o FILE` wrote (e.g. {d.path}/tokens.bin)")
     if d.path and not Path(d.path).exists():
         raise ConfigError(f"data.path = '{d.path}' does not exist; run `fivefold prepare` to make "
                           f"a token file, or leave data.path empty for the bundled corpus")
@@ -536,8 +566,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.tokenizer = '{d.tokenizer}' is neither 'byte' nor a "
                           f"tokenizer.json file")
     ck = cfg.checkpoint
-    _writable_dir("checkpoint.dir", ck.dir)
-    _writable_dir("log.dir", cfg.log.dir)
+    writable_dir("checkpoint.dir", ck.dir)
+    writable_dir("log.dir", cfg.log.dir)
     _positive("checkpoint.every", ck.every, allow_zero=True)
     _positive("checkpoint.keep", ck.keep)
     if ck.resume not in ("", "latest") and not Path(ck.resume).is_dir():

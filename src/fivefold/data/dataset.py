@@ -175,5 +175,5 @@ def default_corpus_tokens(tokenizer: str = "byte", cache_dir: str | os.PathLike 
             return out
         except ConfigError:
             pass  # a damaged cache entry: prepare it again below
-    prepare([str(f) for f in files], str(out), tokenizer=tokenizer)
+    prepare([str(f) for f in files], str(out), tokenizer=tokenizer, overwrite=True)
     return out

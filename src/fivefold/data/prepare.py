@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fivefold.config import ArgumentParser, ConfigError
+from fivefold.config import ArgumentParser, ConfigError, writable_file
 from fivefold.data.tokenizer import describe, load_tokenizer, train_bpe
 
 FORMAT = "fivefold-tokens"
@@ -85,7 +85,10 @@ def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
     if SUFFIXES[path.suffix] == "text":
         yield path.read_text(encoding="utf-8", errors="replace")
         return
-    import datasets  # lazily: only jsonl/parquet need it, and it is slow to import
+    from fivefold.extras import require
+
+    # lazily: only jsonl/parquet need it, and it is slow to import
+    datasets = require("datasets", "data", f"reading {path.suffix} files")
 
     datasets.disable_progress_bars()
     # A private cache directory: the Arrow copy is thrown away instead of piling up in ~/.cache.
@@ -191,7 +194,8 @@ def write_tokens(files: list[Path], out: Path, tok, text_field: str = "text") ->
 
 
 def prepare(inputs: list[str], out: str, tokenizer: str = "byte",
-            train_tokenizer: int | None = None, text_field: str = "text") -> dict:
+            train_tokenizer: int | None = None, text_field: str = "text",
+            overwrite: bool = False) -> dict:
     """Tokenise inputs into the token file out (+ out.json); return the metadata.
 
     tokenizer: "byte" or a tokenizer.json path. train_tokenizer: a vocabulary size; trains a
@@ -203,6 +207,14 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte",
                           f"file e.g. tokens.bin")
     if out_path.is_dir():
         raise ConfigError(f"output {out} is a directory; give a file name such as {out}/tokens.bin")
+    writable_file("output", out)
+    written = [out_path, meta_path(out_path)]
+    if train_tokenizer is not None:
+        written.append(out_path.with_suffix(".tokenizer.json"))
+    existing = [str(f) for f in written if f.exists()]
+    if existing and not overwrite:
+        raise ConfigError(f"{existing[0]} already exists; pass --overwrite to replace it, or "
+                          f"give another -o/--out")
     files = expand_inputs(inputs)
     if train_tokenizer is not None:
         if tokenizer != "byte":
@@ -226,6 +238,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--train-tokenizer", type=int, metavar="VOCAB",
                         help="train a byte-level BPE of this vocabulary size on the inputs")
     parser.add_argument("--text-field", default="text", help="text column of jsonl/parquet rows")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing token file (and tokenizer) of the same name")
     return parser
 
 
@@ -236,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     try:
         meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer,
-                       train_tokenizer=args.train_tokenizer, text_field=args.text_field)
+                       train_tokenizer=args.train_tokenizer, text_field=args.text_field,
+                       overwrite=args.overwrite)
     except ConfigError as e:
         print(f"fivefold prepare: error: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ import re
 import sys
 from pathlib import Path
 
-from fivefold.config import ArgumentParser, ConfigError
+from fivefold.config import ArgumentParser, ConfigError, writable_dir
 
 # Files of a Hugging Face model directory that are not weights and travel unchanged.
 COMPANION_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -108,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.to_hf:
             raise ConfigError("give --to-hf OUTDIR: the Hugging Face directory to write")
+        target = Path(args.to_hf)
+        writable_dir("--to-hf", args.to_hf)
+        if target.is_dir() and any(target.iterdir()):  # before the (slow) load, not after
+            raise ConfigError(f"--to-hf {target} already exists and is not empty; choose a new "
+                              f"directory or remove this one")
         shard = parse_size(args.max_shard_size)
         if args.hf:
             out = hf_to_hf(args.hf, args.to_hf, shard, args.dtype)

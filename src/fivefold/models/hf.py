@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -78,13 +78,16 @@ def iter_hf_tensors(directory: str | os.PathLike) -> Iterator[tuple[str, torch.T
 
 def _renamed(directory: Path, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
     for path in _weight_files(directory):
-        with safe_open(str(path), framework="pt") as f:
-            for hf_name in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                if hf_name.endswith("rotary_emb.inv_freq"):
-                    continue
-                if tied and hf_name == "lm_head.weight":
-                    continue
-                yield hf_to_ours(hf_name), f.get_tensor(hf_name)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names = [n for n in f.keys()  # noqa: SIM118 - safe_open is not iterable
+                         if not n.endswith("rotary_emb.inv_freq")
+                         and not (tied and n == "lm_head.weight")]
+                for hf_name in names:
+                    yield hf_to_ours(hf_name), f.get_tensor(hf_name)
+        except SafetensorError as e:  # a truncated or overwritten download
+            raise ConfigError(f"{path} is damaged ({str(e).strip()}); re-download or "
+                              f"re-export it") from None
 
 
 def _reset_rotary(model: nn.Module, device) -> None:

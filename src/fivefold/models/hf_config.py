@@ -12,6 +12,7 @@ other tools) read.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -82,6 +83,40 @@ def _rope(hf: dict, where: Path) -> tuple[float, dict | None]:
     return float(theta), {k: scaling[k] for k in LLAMA3_KEYS}
 
 
+POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "max_position_embeddings", "sliding_window")
+
+
+def check_numbers(hf: dict, where: Path) -> None:
+    """Every size a config.json gives must be a positive whole number (not "128", not null,
+    not 0), and rope_theta / rms_norm_eps plain numbers: one line naming the key otherwise."""
+    for key in POSITIVE_INTS:
+        value = hf.get(key)
+        if value is None and key in ("num_key_value_heads", "head_dim", "sliding_window",
+                                     "max_position_embeddings"):
+            continue  # optional: null means "not set"
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{where}: {key} = {json.dumps(value)} is not a positive whole "
+                              f"number; fix config.json")
+    for key in ("rope_theta", "rms_norm_eps"):
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0):
+            raise ConfigError(f"{where}: {key} = {json.dumps(value)} is not a non-negative "
+                              f"number; fix config.json")
+
+
+def check_shape(cfg: ModelConfig, where: Path) -> None:
+    """Head counts and widths that fit together; one line naming config.json otherwise."""
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ConfigError(f"{where}: num_attention_heads = {cfg.num_heads} is not a multiple of "
+                          f"num_key_value_heads = {cfg.num_kv_heads}; fix config.json")
+    if cfg.head_dim is None and cfg.hidden_size % cfg.num_heads:
+        raise ConfigError(f"{where}: hidden_size = {cfg.hidden_size} is not divisible by "
+                          f"num_attention_heads = {cfg.num_heads}; give head_dim or fix them")
+
+
 def _refuse(where: Path, key: str, value, why: str) -> None:
     raise ConfigError(f"{where}: {key} = {value!r} is not supported ({why})")
 
@@ -99,6 +134,7 @@ def model_config_from_hf(path: str | os.PathLike) -> ModelConfig:
                 "num_attention_heads"):
         if key not in hf:
             raise ConfigError(f"{where}: missing key '{key}'; this config.json is incomplete")
+    check_numbers(hf, where)
     if hf.get("hidden_act", "silu") != "silu":
         _refuse(where, "hidden_act", hf["hidden_act"], "the Llama MLP uses silu")
     if hf.get("mlp_bias"):
@@ -122,7 +158,7 @@ def model_config_from_hf(path: str | os.PathLike) -> ModelConfig:
     if uses_window and window and window < max_len:
         max_len = window
     moe = moe_fields(arch, hf, where) if arch in MOE_ARCHS else {}
-    return ModelConfig(
+    cfg = ModelConfig(
         name=where.parent.name or "hf",
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -139,6 +175,8 @@ def model_config_from_hf(path: str | os.PathLike) -> ModelConfig:
         qkv_bias=qkv_bias,
         **moe,
     )
+    check_shape(cfg, where)
+    return cfg
 
 
 def moe_fields(arch: str, hf: dict, where: Path) -> dict:

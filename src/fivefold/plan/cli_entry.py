@@ -17,12 +17,13 @@ import os
 import sys
 from pathlib import Path
 
-from fivefold.config import ArgumentParser, ConfigError
+from fivefold.config import ArgumentParser, ConfigError, writable_dir, writable_file
 from fivefold.plan.advice import layout_warnings
 from fivefold.plan.conventions import CONVENTIONS, get_convention
 from fivefold.plan.evaluate import plan_layout
 from fivefold.plan.hardware import CATALOG, get_hardware, load_profile, parse_overrides
 from fivefold.plan.inputs import (
+    engine_accepts,
     parse_layout,
     read_training_config,
     resolve_model,
@@ -172,6 +173,13 @@ def run(argv: list[str]) -> int:
         raise ConfigError(f"--top {args.top}: show at least 1 layout")
     if extra and not args.config:
         raise ConfigError(f"unexpected argument {extra[0]!r}; see fivefold plan --help")
+    if args.plot:  # before any work: a missing matplotlib or a read-only DIR is one line
+        from fivefold.extras import require
+
+        require("matplotlib", "plot", "--plot (PNG charts)")
+        writable_dir("--plot", args.plot)
+    if args.json and args.json != "-":
+        writable_file("--json", args.json)
     hw, assume = get_hardware(args.gpu, parse_overrides(args.hw))
     if args.hw_profile:
         hw = dataclasses.replace(hw, profile=load_profile(args.hw_profile))
@@ -184,8 +192,8 @@ def run(argv: list[str]) -> int:
         work, layout = training_plan_inputs(cfg, **options)
         num_gpus = layout.world_size
         if args.search:
-            return _search(args, work, num_gpus, hw, assume)
-        return _config_check(args, work, layout, num_gpus, hw, assume)
+            return _search(args, work, num_gpus, hw, assume, engine_accepts(cfg))
+        return _config_check(args, work, layout, num_gpus, hw, assume, engine_accepts(cfg))
     if args.model and args.params:
         raise ConfigError("give --model or --params, not both")
     if not args.model and not args.params:
@@ -255,8 +263,10 @@ def _explicit_workload(args) -> set[str]:
     return given
 
 
-def _search(args, work, num_gpus, hw, assume) -> int:
+def _search(args, work, num_gpus, hw, assume, allowed=None) -> int:
+    """`allowed`: for a training config, only the layouts `train` runs with it."""
     space = SearchSpace.parse(args.space)
+    space.allowed = allowed
     convention = getattr(args, "convention_obj", None)
     if convention is not None:  # its layout settings, but the search still explores ZeRO
         space.fixed = {k: v for k, v in convention.layout.items() if k != "zero"}
@@ -278,13 +288,13 @@ def _search(args, work, num_gpus, hw, assume) -> int:
     return 0 if result.top else 1
 
 
-def _config_check(args, work, layout, num_gpus, hw, assume) -> int:
+def _config_check(args, work, layout, num_gpus, hw, assume, allowed=None) -> int:
     """'fits: 61.2 of 80 GiB' or 'does not fit: … ; try …' before launch."""
     _check(work, layout, hw)
     plan = plan_layout(work, layout, hw, assume)
     line = plan.why
     if not plan.fits:
-        fix = suggest_fix(work, layout, num_gpus, hw, assume)
+        fix = suggest_fix(work, layout, num_gpus, hw, assume, allowed=allowed)
         line += f"; try {fix}" if fix else "; no layout of these GPUs fits: add GPUs"
     if args.json:
         _emit_json(args, {"workload": workload_to_dict(work), "layouts": [plan.to_dict()],

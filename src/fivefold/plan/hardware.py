@@ -113,6 +113,30 @@ def _coerce(key: str, value, typ):
     return value
 
 
+# --hw values that may be 0 (a device without fp8, no latency, no overhead), and shares.
+_MAY_BE_ZERO = ("fp8_tflops", "compute_overhead", "intra_latency_us", "inter_latency_us",
+                "context_gib", "tp_overlap", "fragmentation")
+_AT_MOST_ONE = ("tp_overlap",)
+
+
+def _check_range(key: str, value: float) -> None:
+    """Finite, and in range: an efficiency in (0, 1], a share in [0, 1], others > 0 (or >= 0
+    where zero means "none"). nan would make everything fit; 0 would divide by zero."""
+    low_ok = value >= 0 if key in _MAY_BE_ZERO else value > 0
+    if key.endswith("_efficiency"):
+        ok, want = 0 < value <= 1, "in (0, 1]"
+    elif key in _AT_MOST_ONE:
+        ok, want = 0 <= value <= 1, "in [0, 1]"
+    elif key == "fragmentation":
+        ok, want = 0 <= value < 1, "in [0, 1)"
+    elif key == "gpus_per_node":
+        ok, want = value >= 1, ">= 1"
+    else:
+        ok, want = low_ok, ">= 0" if key in _MAY_BE_ZERO else "> 0"
+    if not (math.isfinite(value) and ok):
+        raise ConfigError(f"--hw {key}={value:g} must be a finite number {want}")
+
+
 def get_hardware(name: str, overrides: dict | None = None) -> tuple[Hardware, Assumptions]:
     """The catalog entry `name` (or an alias) with `overrides` applied to either dataclass."""
     key = ALIASES.get(name.lower(), name.lower())
@@ -133,8 +157,8 @@ def get_hardware(name: str, overrides: dict | None = None) -> tuple[Hardware, As
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"--hw {k}: unknown hardware field{hint}; fields: "
                               f"{', '.join(names)}")
-    if hw_changes.get("gpus_per_node", 1) < 1:
-        raise ConfigError("--hw gpus_per_node must be >= 1")
+    for k, v in {**hw_changes, **assume_changes}.items():
+        _check_range(k, v)
     return dataclasses.replace(hw, **hw_changes), dataclasses.replace(assume, **assume_changes)
 
 

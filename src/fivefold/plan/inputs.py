@@ -5,12 +5,16 @@ No torch and no engine module is imported: a config.json is read as plain JSON.
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from fivefold import config as fconfig
 from fivefold.config import ConfigError
+from fivefold.models.hf_config import check_shape
 from fivefold.models.presets import MODEL_FIELDS, ModelConfig, preset
 from fivefold.plan.layout import Layout, Workload
 
@@ -41,6 +45,19 @@ def model_from_hf_config(path: str | Path) -> ModelConfig:
             raise ConfigError(f"{path} has none of {', '.join(keys)}; is it a decoder config?")
         return default
 
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path} does not hold a JSON object; it is not a model config")
+
+    def get_number(*keys, default=None, kind=int):
+        value = get(*keys, default=default)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+            kind is float or float(value).is_integer())
+        if not ok or not math.isfinite(value) or value <= 0:
+            what = "a positive whole number" if kind is int else "a positive number"
+            raise ConfigError(f"{path}: {keys[0]} = {json.dumps(value)} is not {what}; fix "
+                              f"config.json")
+        return kind(value)
+
     from fivefold.models.hf_config import SUPPORTED, model_config_from_hf
 
     if (cfg.get("architectures") or [None])[0] in SUPPORTED:
@@ -48,35 +65,43 @@ def model_from_hf_config(path: str | Path) -> ModelConfig:
             return model_config_from_hf(path)
         except ConfigError:
             pass  # a setting the engine refuses still has a shape worth planning
+
     gpt_style = cfg.get("model_type") in ("gpt2", "gpt_neox", "gptj", "opt") or "n_embd" in cfg
-    hidden = int(get("hidden_size", "n_embd", "d_model"))
-    heads = int(get("num_attention_heads", "n_head"))
-    experts = int(get("num_local_experts", "num_experts", "n_routed_experts", default=0))
-    return ModelConfig(
+    hidden = get_number("hidden_size", "n_embd", "d_model")
+    heads = get_number("num_attention_heads", "n_head")
+    has_experts = any(cfg.get(k) for k in ("num_local_experts", "num_experts",
+                                           "n_routed_experts"))
+    experts = get_number("num_local_experts", "num_experts", "n_routed_experts",
+                         default=1) if has_experts else 0
+    head_dim = cfg.get("head_dim")
+    model = ModelConfig(
         name=str(cfg.get("_name_or_path") or path.parent.name or "hf-model"),
-        vocab_size=int(get("vocab_size")),
+        vocab_size=get_number("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(get("intermediate_size", "n_inner", "ffn_dim",
-                                  default=4 * hidden)),
-        num_layers=int(get("num_hidden_layers", "n_layer", "num_layers")),
+        intermediate_size=get_number("intermediate_size", "n_inner", "ffn_dim",
+                                     default=4 * hidden),
+        num_layers=get_number("num_hidden_layers", "n_layer", "num_layers"),
         num_heads=heads,
-        num_kv_heads=int(get("num_key_value_heads", default=heads)),
-        head_dim=cfg.get("head_dim"),
-        max_seq_len=int(get("max_position_embeddings", "n_positions", "n_ctx", default=2048)),
-        rope_theta=float(get("rope_theta", default=10000.0)),
+        num_kv_heads=get_number("num_key_value_heads", default=heads),
+        head_dim=get_number("head_dim") if head_dim is not None else None,
+        max_seq_len=get_number("max_position_embeddings", "n_positions", "n_ctx",
+                               default=2048),
+        rope_theta=get_number("rope_theta", default=10000.0, kind=float),
         rope_scaling=cfg.get("rope_scaling"),
-        norm_eps=float(get("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps",
-                           default=1e-5)),
+        norm_eps=get_number("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps",
+                            default=1e-5, kind=float),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", gpt_style)),
         qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2") or gpt_style),
         mlp="gelu" if gpt_style else "swiglu",
         norm="layernorm" if gpt_style else "rmsnorm",
         num_experts=experts,
-        experts_top_k=int(get("num_experts_per_tok", "top_k", default=2)) if experts else 0,
-        moe_intermediate_size=int(get("moe_intermediate_size", "intermediate_size",
-                                      default=4 * hidden)) if experts else 0,
+        experts_top_k=get_number("num_experts_per_tok", "top_k", default=2) if experts else 0,
+        moe_intermediate_size=get_number("moe_intermediate_size", "intermediate_size",
+                                         default=4 * hidden) if experts else 0,
         **(_moe_shape(cfg) if experts else {}),
     )
+    check_shape(model, path)
+    return model
 
 
 def _moe_shape(cfg: dict) -> dict:
@@ -127,7 +152,8 @@ def read_training_config(path: str | Path, overrides: list[str] | None = None) -
     dimensions the engine does not offer yet (the planner checks the layout itself)."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file {p} does not exist; give the path of a .toml file")
+        what = "is a directory" if p.is_dir() else "does not exist"
+        raise ConfigError(f"config file {p} {what}; give the path of a .toml file")
     try:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -162,6 +188,22 @@ def training_plan_inputs(cfg: fconfig.Config, **workload_options) -> tuple[Workl
                     sp_saved=par.sp_saved_input, cp_comm=par.cp_comm, pp_split=par.pp_split,
                     pp_layers=tuple(par.pp_layers))
     return work, layout
+
+
+def engine_accepts(cfg: fconfig.Config) -> Callable[[Layout], bool]:
+    """A filter of layouts: True for those `fivefold train` runs with this config's model
+    and batch (config.engine_refusal decides, so it follows the engine as it grows)."""
+
+    def accepts(layout: Layout) -> bool:
+        trial = copy.deepcopy(cfg)
+        for name in ("dp", "tp", "pp", "cp", "ep", "zero", "mbs", "schedule", "virtual_stages",
+                     "sp", "offload", "cp_comm"):
+            if hasattr(layout, name) and hasattr(trial.parallel, name):
+                setattr(trial.parallel, name, getattr(layout, name))
+        trial.train.recompute = layout.recompute
+        return fconfig.engine_refusal(trial) is None
+
+    return accepts
 
 
 def parse_layout(text: str, num_gpus: int | None = None) -> Layout:

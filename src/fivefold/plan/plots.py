@@ -23,8 +23,9 @@ COLORS = {"params": "#4e79a7", "grads": "#a0cbe8", "master": "#f28e2b", "optimiz
 
 
 def _pyplot():
-    import matplotlib
+    from fivefold.extras import require
 
+    matplotlib = require("matplotlib", "plot", "--plot (PNG charts)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fivefold.config import ConfigError
@@ -56,6 +57,8 @@ class SearchSpace:
     min_cp_tokens: int = 1024  # keep at least this many tokens per cp rank
     strict_layers: bool = True  # num_layers divisible by the pipeline chunks
     fixed: dict = field(default_factory=dict)  # Layout fields every layout gets (a convention)
+    # Layouts to keep, e.g. only what the engine runs today (plan --config); None: all.
+    allowed: Callable[[Layout], bool] | None = None
 
     @classmethod
     def parse(cls, text: str) -> SearchSpace:
@@ -280,10 +283,12 @@ def _format_value(value) -> str:
 
 
 def suggest_fix(work: Workload, layout: Layout, num_gpus: int, hw: Hardware,
-                assume: Assumptions) -> str:
+                assume: Assumptions, allowed: Callable[[Layout], bool] | None = None) -> str:
     """The fitting layout on the same GPUs and batch with the fewest changed config keys
-    (fastest among equals), as 'train.recompute = 'selective' (fits: 61.2 of 80 GiB, …)'."""
-    space = SearchSpace(strict_layers=False, sp=(True, False), offload=(False, True))
+    (fastest among equals), as 'train.recompute = 'selective' (fits: 61.2 of 80 GiB, …)'.
+    `allowed` keeps only the layouts it accepts (what the engine runs)."""
+    space = SearchSpace(strict_layers=False, sp=(True, False), offload=(False, True),
+                        allowed=allowed)
     fields = [k for k in CONFIG_KEYS if k != "dp"]  # dp follows from the others
 
     def changed(c: Layout) -> list[str]:
@@ -309,3 +314,4 @@ def suggest_fix(work: Workload, layout: Layout, num_gpus: int, hw: Hardware,
     text = ", ".join(f"{CONFIG_KEYS[k]} = {_format_value(getattr(best.layout, k))}"
                      for k in keys)
     return f"{text} ({best.why}, {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU)"
+

@@ -65,8 +65,7 @@ class MetricsWriter:
         if resume_step is not None and self.path.is_file():
             # Steps logged after the checkpoint we resume from are about to run again: keep
             # the history up to it, so the file holds each step once.
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            kept = self._history_up_to(resume_step)
             self.path.write_text("".join(line + "\n" for line in kept))
         self.file = open(self.path, "a" if resume_step is not None else "w")
         if tensorboard:
@@ -78,6 +77,26 @@ class MetricsWriter:
                       file=sys.stderr, flush=True)
             else:
                 self.tb = SummaryWriter(str(Path(log_dir) / "tensorboard"))
+
+    def _history_up_to(self, step: int) -> list[str]:
+        """The file's records up to `step`. A line cut short by a crash mid-write (or any line
+        that is not a JSON record) is dropped with a note instead of blocking the resume."""
+        kept, dropped = [], 0
+        for line in self.path.read_text(errors="replace").splitlines():
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                record_step = int(record.get("step", 0))
+            except (ValueError, TypeError, AttributeError):
+                dropped += 1
+                continue
+            if record_step <= step:
+                kept.append(line)
+        if dropped:
+            print(f"note: dropped {dropped} unreadable line(s) of {self.path} (a write cut "
+                  f"short by a crash); the other records are kept", file=sys.stderr, flush=True)
+        return kept
 
     def write(self, record: dict) -> None:
         if not self.enabled:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from fivefold.config import ArgumentParser
+from fivefold.config import ArgumentParser, writable_file
 from fivefold.parallel.pipeline.check import Costs, Simulation, simulate
 from fivefold.parallel.pipeline.schedules import SCHEDULE_NAMES, Schedule, build_schedule
 
@@ -27,8 +27,9 @@ _WAIT_COLOUR = "#d0d0d0"
 
 
 def _pyplot():
-    import matplotlib
+    from fivefold.extras import require
 
+    matplotlib = require("matplotlib", "plot", "drawing a schedule (PNG)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -158,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backward", type=float, default=1.0, help="cost of B (input part)")
     parser.add_argument("--weight", type=float, default=1.0, help="cost of W")
     args = parser.parse_args(argv)
+    writable_file("--out", args.out)
+    _pyplot()  # a missing matplotlib is one line before any work
     virtual = args.virtual
     if args.schedule.lower() == "interleaved" and virtual == 1:
         virtual = 2
