@@ -57,7 +57,8 @@ class SearchSpace:
     min_cp_tokens: int = 1024  # keep at least this many tokens per cp rank
     strict_layers: bool = True  # num_layers divisible by the pipeline chunks
     fixed: dict = field(default_factory=dict)  # Layout fields every layout gets (a convention)
-    # Layouts to keep, e.g. only what the engine runs today (plan --config); None: all.
+    # Layouts to rank, e.g. only what the engine runs today (plan --config); None: all.
+    # Asked only of the layouts the search reaches, not of every one enumerated.
     allowed: Callable[[Layout], bool] | None = None
 
     @classmethod
@@ -226,6 +227,8 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
             bounded = len(order) - pos
             break
         lay = layouts[i]
+        if space.allowed is not None and not space.allowed(lay):  # asked late: it costs
+            continue
         sibling = (lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.mbs, lay.schedule,
                    lay.virtual_stages, lay.sp, lay.offload, lay.cp_comm)
         if fitting_siblings.get(sibling, 99) < level[lay.recompute]:
@@ -287,8 +290,7 @@ def suggest_fix(work: Workload, layout: Layout, num_gpus: int, hw: Hardware,
     """The fitting layout on the same GPUs and batch with the fewest changed config keys
     (fastest among equals), as 'train.recompute = 'selective' (fits: 61.2 of 80 GiB, …)'.
     `allowed` keeps only the layouts it accepts (what the engine runs)."""
-    space = SearchSpace(strict_layers=False, sp=(True, False), offload=(False, True),
-                        allowed=allowed)
+    space = SearchSpace(strict_layers=False, sp=(True, False), offload=(False, True))
     fields = [k for k in CONFIG_KEYS if k != "dp"]  # dp follows from the others
 
     def changed(c: Layout) -> list[str]:
@@ -304,6 +306,8 @@ def suggest_fix(work: Workload, layout: Layout, num_gpus: int, hw: Hardware,
             break
         _, items, _ = peak_memory(work, cand, assume)
         if sum(items.values()) > hw.memory_bytes:
+            continue
+        if allowed is not None and not allowed(cand):
             continue
         plan = plan_layout(work, cand, hw, assume)
         if best is None or plan.time.total < best.time.total:
