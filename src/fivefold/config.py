@@ -281,7 +281,7 @@ def load(path: str | os.PathLike | None = None, overrides: list[str] | None = No
         p = Path(path)
         if not p.is_file():
             what = "is a directory" if p.is_dir() else "does not exist"
-        raise ConfigError(f"config file {p} {what}; give the path of a .toml file")
+            raise ConfigError(f"config file {p} {what}; give the path of a .toml file")
         try:
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
