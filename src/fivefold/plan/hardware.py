@@ -115,7 +115,7 @@ def _coerce(key: str, value, typ):
 
 # --hw values that may be 0 (a device without fp8, no latency, no overhead), and shares.
 _MAY_BE_ZERO = ("fp8_tflops", "compute_overhead", "intra_latency_us", "inter_latency_us",
-                "context_gib", "tp_overlap", "fragmentation")
+                "context_gib", "tp_overlap", "fragmentation", "price_per_gpu_hour")
 _AT_MOST_ONE = ("tp_overlap",)
 
 
@@ -158,7 +158,8 @@ def get_hardware(name: str, overrides: dict | None = None) -> tuple[Hardware, As
             raise ConfigError(f"--hw {k}: unknown hardware field{hint}; fields: "
                               f"{', '.join(names)}")
     for k, v in {**hw_changes, **assume_changes}.items():
-        _check_range(k, v)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            _check_range(k, v)
     return dataclasses.replace(hw, **hw_changes), dataclasses.replace(assume, **assume_changes)
 
 
