@@ -165,7 +165,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint_usable(tmp_path):
     resumed = Trainer(config.load(None, [*args, "--checkpoint.resume", "latest"]), quiet=True)
     assert resumed.step == 2
     after = [resumed.train_step()["loss"] for _ in range(4)]
-    straight = Trainer(config.load(None, args), quiet=True)
+    straight = Trainer(config.load(None, [*args, "--checkpoint.resume", "never"]), quiet=True)
     losses = [straight.train_step()["loss"] for _ in range(6)]
     assert after == losses[2:]
     resumed.save_checkpoint()  # the next save clears the leftover .tmp

@@ -57,6 +57,7 @@ def train_main(argv: list[str]) -> int:
             f"{launched} process(es) launched but parallel.dp·tp·pp·cp = "
             f"{cfg.parallel.world_size}; launch with torchrun --nproc-per-node "
             f"{cfg.parallel.world_size} or change the layout")
+    from fivefold.train import lifecycle
     from fivefold.train.rundir import open_run
 
     first_rank = int(os.environ.get("RANK", "0")) == 0
@@ -66,15 +67,23 @@ def train_main(argv: list[str]) -> int:
             print(f"note: {note}", flush=True)
         from fivefold.parallel.mesh import ParallelDims, init_distributed
 
+        lifecycle.warn_shared_store_restarts()
         rank, world = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
         dims = ParallelDims.from_config(cfg.parallel, rank)
         from fivefold.train.loop import run
 
         run(cfg, dims)
+    except lifecycle.Terminated as stop:  # every rank agreed: a clean, collective end
+        run_dirs.close()
+        if first_rank:
+            print(f"fivefold: {stop}", file=sys.stderr, flush=True)
+        lifecycle.shutdown_distributed()
+        return lifecycle.EXIT_TERMINATED
     except BaseException:
         run_dirs.close(failed=True)
         raise
     run_dirs.close()
+    lifecycle.shutdown_distributed()  # success: every rank is here, nothing in flight
     return 0
 
 
@@ -111,7 +120,7 @@ def _first_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; every failure ends as one line on stderr and an exit code:
     1 a run stopped for a reason it names, 2 a bad input, 3 a lost rank, 4 an unforeseen
-    error (traceback with --debug), 130 interrupted."""
+    error (traceback with --debug), 130 interrupted, 143 stopped by SIGTERM."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("FIVEFOLD_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
@@ -131,27 +140,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command '{argv[0]}'; commands: train, plan, calibrate, prepare, "
               f"generate, convert, schedule", file=sys.stderr)
         return EXIT_BAD_INPUT
+    from fivefold.train.lifecycle import leave_if_distributed
+
+    # Under torchrun a failed run leaves without waiting on its peers (train/lifecycle.py).
     try:
-        return command(argv[1:]) or 0
+        return leave_if_distributed(command(argv[1:]) or 0)
     except ConfigError as e:
         if debug:
             raise
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return leave_if_distributed(EXIT_BAD_INPUT)
     except RunError as e:
         if debug:
             raise
         print(f"error: {_first_line(e)}", file=sys.stderr)
-        return e.exit_code
+        return leave_if_distributed(e.exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return leave_if_distributed(130)
     except Exception as e:
         if debug:
             raise
         print(f"error: {argv[0]} failed with {type(e).__name__}: {_first_line(e)[:300]}; "
               f"{DEBUG_HINT}", file=sys.stderr)
-        return EXIT_INTERNAL
+        return leave_if_distributed(EXIT_INTERNAL)
 
 
 if __name__ == "__main__":

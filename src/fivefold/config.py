@@ -115,6 +115,7 @@ class TrainSection:
     recompute: str = "none"  # none | selective | full
     seed: int = 1234
     deterministic: bool = False
+    max_bad_steps: int = 3  # non-finite loss/gradient: skip the step; stop after this many in a row
     device: str = "auto"  # auto | cpu | cuda
     eval_every: int = 100  # 0 disables validation
     eval_batches: int = 4
@@ -127,12 +128,17 @@ class DataSection:
     tokenizer: str = "byte"  # byte, or the path of a tokenizer.json
 
 
+# "latest" (the pointer file) and "" (fresh) are the older spellings of auto and never.
+RESUME_MODES = ("auto", "latest", "never", "")
+
+
 @dataclass
 class CheckpointSection:
     dir: str = "runs/default/checkpoints"
     every: int = 100  # 0: only at the end
     keep: int = 2
-    resume: str = ""  # "", "latest", or a checkpoint directory
+    resume: str = "auto"  # auto (newest loadable, if any) | never | a step_* directory
+    save_on_signal: bool = True  # SIGTERM: write a checkpoint at the next step boundary, exit
 
 
 @dataclass
@@ -549,6 +555,7 @@ def validate_layout(cfg: Config) -> None:
     _positive("train.weight_decay", tr.weight_decay, allow_zero=True)
     _positive("train.eval_every", tr.eval_every, allow_zero=True)
     _positive("train.eval_batches", tr.eval_batches)
+    _positive("train.max_bad_steps", tr.max_bad_steps)
 
 
 def _validate_files(cfg: Config) -> None:
@@ -570,9 +577,9 @@ def _validate_files(cfg: Config) -> None:
     writable_dir("log.dir", cfg.log.dir)
     _positive("checkpoint.every", ck.every, allow_zero=True)
     _positive("checkpoint.keep", ck.keep)
-    if ck.resume not in ("", "latest") and not Path(ck.resume).is_dir():
+    if ck.resume not in RESUME_MODES and not Path(ck.resume).is_dir():
         raise ConfigError(f"checkpoint.resume = '{ck.resume}' is not a checkpoint directory; "
-                          f"use 'latest' or a path under checkpoint.dir")
+                          f"use 'auto', 'never' or a step_* path under checkpoint.dir")
     _positive("log.every", cfg.log.every)
 
 

@@ -22,7 +22,7 @@ import torch
 from fivefold.parallel import comm
 from fivefold.parallel.data import BUCKETS_IN_FLIGHT
 from fivefold.parallel.expert import is_expert_param
-from fivefold.parallel.update import StepStats, clipped_step
+from fivefold.parallel.update import StepStats, clipped_step, probe_term
 from fivefold.parallel.watchdog import Watchdog
 from fivefold.parallel.zero import DataParallelOptimizer
 
@@ -79,19 +79,20 @@ class ExpertParallelOptimizer:
         for part in self.parts:
             part.finish_grad_sync()
 
-    def step(self, lr: float) -> StepStats:
+    def step(self, lr: float, loss: torch.Tensor | None = None) -> StepStats:
         grads = [part.bind_grads() for part in self.parts]
         joint = _Joint([part.optimizer for part in self.parts])
         stats = clipped_step(joint, [g for gs in grads for g in gs], lr, self.tr, self.scaler,
-                             self.dims["world"], lambda _: self._global_grad_norm(grads))
+                             self.dims["world"],
+                             lambda _, probe: self._global_grad_norm(grads, probe), loss)
         for part in self.parts:
             part.after_step(stats)
         if self.owns_watchdog:
             self.watchdog.disarm()
         return stats
 
-    def _global_grad_norm(self, grads: list[list[torch.Tensor]]) -> torch.Tensor:
-        sq = self.dense.local_grad_sq(grads[0])
+    def _global_grad_norm(self, grads: list[list[torch.Tensor]], loss=None) -> torch.Tensor:
+        sq = self.dense.local_grad_sq(grads[0]) + probe_term(loss, self.dense.device)
         if self.experts is not None:
             expert_sq = self.experts.local_grad_sq(grads[1])
             if self.stage == 0:

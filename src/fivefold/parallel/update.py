@@ -42,13 +42,19 @@ class StepStats:
 
 
 def clipped_step(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], lr: float, tr,
-                 scaler, world: comm.Group, global_norm) -> StepStats:
+                 scaler, world: comm.Group, global_norm, loss: torch.Tensor | None = None
+                 ) -> StepStats:
     """The update every optimizer here shares, on the gradients it holds (the optimizer's
     `.grad`s, full or sharded): unscale (fp16), the exact global norm (`global_norm`),
-    skip the step when a rank saw inf/nan under loss scaling, clip, set the rate, step."""
+    skip the step when a rank saw inf/nan, clip, set the rate, step.
+
+    A non-finite loss or gradient on any rank is found without a collective of its own:
+    `global_norm` sums this rank's squares plus `0 · loss` (NaN when the loss is not finite)
+    in the reduction it already does, so every rank sees the same non-finite norm and skips
+    the same step (under fp16 the loss scale also halves)."""
     if scaler.enabled:
         torch._foreach_mul_(grads, 1.0 / scaler.scale)
-    norm = global_norm(grads)
+    norm = global_norm(grads, loss)
     found_inf = not bool(torch.isfinite(norm))
     if scaler.enabled:  # every rank skips together, or none does
         flag = torch.tensor([float(found_inf)], device=norm.device)
@@ -56,7 +62,7 @@ def clipped_step(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], lr
         found_inf = bool(flag.item())
     scale = scaler.scale
     scaler.update(found_inf)
-    if found_inf and scaler.enabled:
+    if found_inf:
         return StepStats(float("nan"), True, scale)
     if tr.grad_clip > 0 and grads:
         coef = torch.clamp(tr.grad_clip / (norm + 1e-6), max=1.0)
@@ -65,6 +71,11 @@ def clipped_step(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], lr
         group["lr"] = lr
     optimizer.step()
     return StepStats(float(norm), False, scale)
+
+
+def probe_term(loss: torch.Tensor | None, device: torch.device) -> torch.Tensor | float:
+    """0 for a finite loss, NaN otherwise: added to the squared norm before its reduction."""
+    return 0.0 if loss is None else (loss.detach().float() * 0.0).to(device)
 
 
 def adamw(groups, tr, device: torch.device) -> torch.optim.AdamW:

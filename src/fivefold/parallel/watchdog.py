@@ -14,6 +14,11 @@ skew matters). Then:
 
 Outside a step (checkpoint writing, evaluation, the end of training) silence is not an
 error, and a failing store ends the thread quietly: the run may be shutting down.
+
+The thread must be stopped and joined (`close`) before the interpreter exits. A daemon
+thread still inside `store.add` when Python finalizes is cut off by `pthread_exit` as it
+retakes the GIL; the forced unwind crosses a `noexcept` C++ frame and the process aborts
+("terminate called without an active exception", SIGABRT) after the run has finished.
 """
 
 from __future__ import annotations
@@ -104,8 +109,9 @@ class Watchdog:
         self.store = store
         self.state = _State(dist.get_rank(), dist.get_world_size(), timeout_s)
         # The thread holds the state, not this object, so the optimizer can be collected.
-        threading.Thread(target=_beat, args=(store, self.state), daemon=True,
-                         name="fivefold-watchdog").start()
+        self.thread = threading.Thread(target=_beat, args=(store, self.state), daemon=True,
+                                       name="fivefold-watchdog")
+        self.thread.start()
 
     def arm(self) -> None:
         if self.active:
@@ -116,11 +122,18 @@ class Watchdog:
             self.state.armed.clear()
 
     def close(self) -> None:
-        if self.active:
-            self.state.stop.set()
+        """Stop the heartbeat thread and wait for it to leave the store (see above)."""
+        if not self.active:
+            return
+        self.state.armed.clear()
+        self.state.stop.set()
+        if self.thread is not threading.current_thread():
+            # One store round trip at most; bounded in case the store's host is gone.
+            self.thread.join(timeout=self.state.interval + 10.0)
 
     def __del__(self):
-        self.close()
+        if getattr(self, "active", False):
+            self.state.stop.set()  # no join here: finalizers may run on any thread
 
     def _reported_failure(self, rank: int) -> bool:
         try:

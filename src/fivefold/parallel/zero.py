@@ -35,7 +35,14 @@ from torch import nn
 from fivefold.parallel import comm, peak
 from fivefold.parallel.buffers import FlatLayout, bucket_groups, storage_bytes
 from fivefold.parallel.data import BUCKETS_IN_FLIGHT, GradReducer
-from fivefold.parallel.update import StepStats, adamw, clipped_step, decays, norm_share
+from fivefold.parallel.update import (
+    StepStats,
+    adamw,
+    clipped_step,
+    decays,
+    norm_share,
+    probe_term,
+)
 from fivefold.parallel.watchdog import Watchdog
 
 
@@ -161,10 +168,10 @@ class DataParallelOptimizer:
         if self.gatherer is not None:
             self.gatherer.free_all()
 
-    def step(self, lr: float) -> StepStats:
+    def step(self, lr: float, loss: torch.Tensor | None = None) -> StepStats:
         grads = self.bind_grads()
         stats = clipped_step(self.optimizer, grads, lr, self.tr, self.scaler, self.dims["world"],
-                             self._global_grad_norm)
+                             self._global_grad_norm, loss)
         self.after_step(stats)
         return stats
 
@@ -190,10 +197,10 @@ class DataParallelOptimizer:
         if self.owns_watchdog:
             self.watchdog.disarm()
 
-    def _global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+    def _global_grad_norm(self, grads: list[torch.Tensor], loss=None) -> torch.Tensor:
         """sqrt(sum of squares), every logical element counted once: ZeRO shards are
         disjoint (summed over dp_cp); tp/pp replicas carry `norm_share` (train/optim.py)."""
-        sq = self.local_grad_sq(grads)
+        sq = self.local_grad_sq(grads) + probe_term(loss, self.device)  # NaN: bad loss
         if self.layout.shards > 1:
             comm.all_reduce(sq, self.group)
         for name in ("tp", "pp"):

@@ -182,23 +182,46 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
+def _step_of(path: Path) -> int | None:
+    name = path.name.removesuffix(".old")
+    digits = name.removeprefix("step_")
+    return int(digits) if name.startswith("step_") and digits.isdigit() else None
+
+
+def candidates(root: str, resume: str) -> list[Path]:
+    """The checkpoints to resume from, best first.
+
+    'never' (or ''): none. A path: that one alone. 'auto' (or 'latest'): the step the
+    `latest` pointer names, then every older published step, newest first; a step's `.old`
+    copy stands in for it when a re-save crashed between its two renames. Steps above the
+    one `latest` names belong to a history that a resume replaced and are not offered. The
+    trainer loads the first that loads and says why it skipped any before it.
+    """
+    if resume in ("", "never"):
+        return []
+    if resume not in ("auto", "latest"):
+        return [Path(resume)]
+    root_path = Path(root)
+    if not root_path.is_dir():
+        return []
+    steps: dict[int, Path] = {}
+    for path in root_path.glob("step_*"):
+        step = _step_of(path)
+        if step is None or path.suffix == ".tmp" or not path.is_dir():
+            continue
+        if path.suffix != ".old" or step not in steps:
+            steps[step] = path  # the renamed-in copy wins over the one moved aside
+    pointer = root_path / "latest"
+    named = _step_of(Path(pointer.read_text().strip())) if pointer.is_file() else None
+    if named is not None:
+        steps = {s: p for s, p in steps.items() if s <= named}
+    return [steps[s] for s in sorted(steps, reverse=True)]
+
+
 def resolve(root: str, resume: str) -> Path | None:
-    """The checkpoint to resume from: 'latest' reads the pointer file; a path is itself."""
-    if not resume:
-        return None
-    if resume != "latest":
-        return Path(resume)
-    pointer = Path(root) / "latest"
-    if not pointer.is_file():
-        return None  # nothing saved yet: start fresh
-    path = Path(root) / pointer.read_text().strip()
-    aside = path.with_name(path.name + ".old")
-    if not path.exists() and (aside / "meta.json").is_file():
-        return aside  # a crash between the two renames of a re-save: the old copy is whole
-    if not (path / "meta.json").is_file():
-        raise ConfigError(damaged_message(path, f"{pointer} names it but it is incomplete",
-                                          "checkpoint.resume"))
-    return path
+    """The first of `candidates` (None: start fresh)."""
+    found = candidates(root, resume)
+    return found[0] if found else None
 
 
 def ensure_intact(path: Path, fix: str = "checkpoint.resume") -> None:

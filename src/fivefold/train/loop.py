@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from fivefold.config import Config
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.text import count
+from fivefold.train import checkpoint as ckpt
+from fivefold.train.lifecycle import StopSignal, Terminated
 from fivefold.train.metrics import MetricsWriter
 from fivefold.train.rundir import memory_warning, start_notes
 from fivefold.train.trainer import Trainer
@@ -16,7 +19,10 @@ from fivefold.train.trainer import Trainer
 def _fmt(rec: dict) -> str:
     mem = rec["memory_bytes"] / 2**30
     mfu = f"{100 * rec['mfu']:.1f}%" if rec.get("mfu") is not None else "n/a"
-    skip = " (skipped, fp16 overflow)" if rec.get("skipped") else ""
+    skip = ""
+    if rec.get("skipped"):
+        skip = " (skipped: non-finite loss or gradient)" if rec.get("bad") else \
+            " (skipped, fp16 overflow)"
     return (f"step {rec['step']:>6}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
             f"grad_norm {rec['grad_norm']:.3f}  tok/s {rec['tokens_per_s']:,.0f}  mfu {mfu}  "
             f"mem {mem:.2f} GiB{skip}")
@@ -106,8 +112,17 @@ def compare_states(planned: dict, measured: dict) -> str:
 
 
 def run(cfg: Config, dims: ParallelDims | None = None) -> list[dict]:
-    """Train for `train.steps` steps (from a checkpoint if asked); return the step records."""
-    trainer = Trainer(cfg, dims)
+    """Train for `train.steps` steps (from a checkpoint if asked); return the step records.
+    However it ends, the trainer's threads are stopped and the metrics files closed."""
+    stop = StopSignal().install()
+    try:
+        with Trainer(cfg, dims) as trainer:
+            return _train(cfg, trainer, stop)
+    finally:
+        stop.restore()
+
+
+def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
     log = trainer.is_logger
     writer = MetricsWriter(cfg.log.dir, cfg.log.tensorboard, enabled=log,
                            resume_step=trainer.step if trainer.resumed_from else None)
@@ -166,9 +181,20 @@ def run(cfg: Config, dims: ParallelDims | None = None) -> list[dict]:
                 writer.write(val)
                 progress.message(f"step {val['step']:>6}  val_loss {val['val_loss']:.4f}  "
                                  f"perplexity {val['val_perplexity']:.2f}")
+            if rec.get("bad"):
+                progress.message(f"step {rec['step']} skipped: non-finite loss or gradient "
+                                 f"({trainer.bad_steps} in a row)")
             every = cfg.checkpoint.every
-            if (every and trainer.step % every == 0) or trainer.step == cfg.train.steps:
+            saved = (every and trainer.step % every == 0) or trainer.step == cfg.train.steps
+            if saved:
                 trainer.save_checkpoint()
+            if stop.agreed(trainer.dims["world"]):  # SIGTERM: every rank stops here together
+                path = None
+                if cfg.checkpoint.save_on_signal:
+                    if not saved:
+                        trainer.save_checkpoint()
+                    path = str(ckpt.step_dir(Path(cfg.checkpoint.dir), trainer.step))
+                raise Terminated(trainer.step, path)
     finally:
         progress.close()
         writer.close()

@@ -23,6 +23,7 @@ from fivefold.parallel.update import (  # noqa: F401  (re-exported)
     clipped_step,
     decays,
     norm_share,
+    probe_term,
 )
 
 
@@ -91,16 +92,18 @@ class MasterWeightOptimizer:
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
 
-    def global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """sqrt of the sum of squares over every logical element, each counted once."""
+    def global_grad_norm(self, grads: list[torch.Tensor], loss=None) -> torch.Tensor:
+        """sqrt of the sum of squares over every logical element, each counted once (NaN if
+        any rank's `loss` is not finite: `probe_term`)."""
         sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+        sq += probe_term(loss, sq.device)
         for g, share in zip(grads, self.shares):
             sq += g.float().pow(2).sum() * share
         for name in ("tp", "pp"):
             comm.all_reduce(sq, self.dims[name])
         return sq.sqrt()
 
-    def step(self, lr: float) -> StepStats:
+    def step(self, lr: float, loss: torch.Tensor | None = None) -> StepStats:
         grads = self._grads()
         if self.mixed:
             for m, g in zip(self.master, grads):
@@ -109,7 +112,7 @@ class MasterWeightOptimizer:
             for p, g in zip(self.params, grads):
                 p.grad = g
         stats = clipped_step(self.optimizer, [m.grad for m in self.master], lr, self.tr,
-                             self.scaler, self.dims["world"], self.global_grad_norm)
+                             self.scaler, self.dims["world"], self.global_grad_norm, loss)
         if self.mixed:
             if not stats.skipped:
                 with torch.no_grad():

@@ -3,7 +3,8 @@
 `fivefold train` calls `open_run` after the config is validated and before any process group
 exists, so every rank decides from the same, untouched directories:
 
-- a fresh run (no `checkpoint.resume`) into a `checkpoint.dir` holding checkpoints, or a
+- a fresh run (`checkpoint.resume = never`; the default `auto` resumes whatever is there)
+  into a `checkpoint.dir` holding checkpoints, or a
   `log.dir` holding metrics, is refused in one line: resume it, pick other directories, or
   pass `--overwrite` (which then removes the old checkpoints and metrics, and says so);
 - the first rank takes an exclusive lock (flock on the directory itself) on both directories
@@ -112,11 +113,12 @@ def _clean_temporaries(ck: Path) -> list[str]:
 def open_run(cfg: Config, first_rank: bool, overwrite: bool = False) -> RunDirs:
     """Check the run directories for this launch; on the first rank, lock and tidy them."""
     resume = cfg.checkpoint.resume
-    if overwrite and resume:
+    fresh = resume in ("", "never")
+    if overwrite and not fresh and resume != "auto":
         raise ConfigError(f"--overwrite starts afresh but checkpoint.resume = '{resume}' "
                           f"continues a run; give one of them")
     existing = _existing_work(cfg)
-    if existing and not resume and not overwrite:
+    if existing and fresh and not overwrite:
         raise ConfigError(f"this run would overwrite an earlier one ({'; '.join(existing)}); "
                           f"continue it with --checkpoint.resume latest, give another log.dir "
                           f"and checkpoint.dir, or pass --overwrite to replace it")
@@ -151,7 +153,7 @@ def start_notes(cfg: Config, resumed_meta: dict | None, resumed_step: int) -> li
     schedule."""
     notes = []
     resume = cfg.checkpoint.resume
-    if resume and resumed_meta is None:
+    if resume not in ("", "never", "auto") and resumed_meta is None:
         notes.append(f"note: checkpoint.resume = '{resume}' but {cfg.checkpoint.dir} holds no "
                      f"checkpoint yet: starting fresh")
     if resumed_meta is not None:

@@ -14,8 +14,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
+import sys
 
 import torch
+from torch.distributed.checkpoint import CheckpointException
 
 from fivefold.config import Config, ConfigError, RunError
 from fivefold.models.init import build_meta
@@ -94,6 +97,14 @@ class Trainer:
         # Every rank beats a heartbeat; while a step runs, a silent peer ends the run within
         # parallel.timeout_s with its rank named (parallel/watchdog.py).
         self.watchdog = Watchdog(cfg.parallel.timeout_s)
+        self.optimizer = None
+        try:  # a failure from here on must still stop the watchdog thread (see close)
+            self._finish_init(cfg)
+        except BaseException:
+            self.close()
+            raise
+
+    def _finish_init(self, cfg: Config) -> None:
         self.optimizer = build_optimizer(self.model, self.dims, cfg, self.scaler, self.watchdog)
         self.pipeline = None
         if cfg.parallel.pp > 1:
@@ -106,14 +117,13 @@ class Trainer:
 
             self.moe = MoEStats(self.model.chunks, self.model_cfg, self.dims, ledger_paused)
         self.step = 0
-        self.throughput = Throughput(flops_per_token(self.model_cfg, tr.seq_len),
+        self.throughput = Throughput(flops_per_token(self.model_cfg, cfg.train.seq_len),
                                      device_peak_flops(self.device, cfg.log.peak_tflops),
                                      self.dims.world_size)
         self.resumed_from = None
         self.resumed_meta: dict | None = None  # the meta.json of the checkpoint resumed from
-        resume = ckpt.resolve(cfg.checkpoint.dir, cfg.checkpoint.resume)
-        if resume is not None:
-            self.load_checkpoint(resume)
+        self.bad_steps = 0  # non-finite steps in a row (skipped)
+        self.resume(cfg.checkpoint.dir, cfg.checkpoint.resume)
 
     # --- set-up -----------------------------------------------------------------------
     def _open_data(self):
@@ -191,15 +201,26 @@ class Trainer:
         loss_sum = self.forward_backward(micro_batches, num_tokens)
         self.optimizer.finish_grad_sync()
         lr = lr_at(self.step, self.cfg.train)
-        stats = self.optimizer.step(lr)
+        stats = self.optimizer.step(lr, loss=loss_sum)
         moe = self.moe.finish_step(self.cfg.train.gbs) if self.moe is not None else {}
         loss = self.global_loss(loss_sum, num_tokens)
         self.watchdog.disarm()
         self.step += 1
+        bad = stats.skipped and not self.scaler.enabled  # fp16 overflows are the scaler's
+        self.bad_steps = self.bad_steps + 1 if bad else 0
+        if self.bad_steps >= self.cfg.train.max_bad_steps:
+            from fivefold.train.lifecycle import BadStepsError
+
+            last = ckpt.resolve(self.cfg.checkpoint.dir, "auto")
+            raise BadStepsError(
+                f"steps {self.step - self.bad_steps + 1}-{self.step} had a non-finite loss or "
+                f"gradient (train.max_bad_steps = {self.cfg.train.max_bad_steps} in a row); "
+                f"stopping without saving. The last good checkpoint is "
+                f"{last or 'none (nothing was saved)'}: lower train.lr, or check the data")
         tokens = self.cfg.train.gbs * self.cfg.train.seq_len
         tps, mfu, elapsed = self.throughput.lap(tokens)
         return {"kind": "train", "step": self.step, "loss": loss, "lr": lr,
-                "grad_norm": stats.grad_norm, "skipped": stats.skipped,
+                "grad_norm": stats.grad_norm, "skipped": stats.skipped, "bad": bad,
                 "loss_scale": stats.loss_scale, "tokens": tokens, "tokens_per_s": tps,
                 "step_time_s": elapsed, "mfu": mfu, "memory_bytes": memory_bytes(self.device),
                 **moe}
@@ -306,7 +327,11 @@ class Trainer:
         try:
             ckpt.save(cfg.checkpoint.dir, self.step, tensors, self.trainer_state(), meta,
                       cfg.checkpoint.keep)
-        except RuntimeError as e:
+        except (Exception, CheckpointException) as e:  # DCP raises on every rank together
+            if _is_write_error(e):  # disk full, unwritable
+                self._save_failed(e)
+            if not isinstance(e, RuntimeError):
+                raise
             lost = self.watchdog.lost_ranks() if self.watchdog.active else []
             if not lost:
                 raise
@@ -314,16 +339,112 @@ class Trainer:
             raise RankLostError(f"saving step {self.step} failed: lost {who}; the previous "
                                 f"checkpoint in {cfg.checkpoint.dir} is untouched") from e
 
-    def load_checkpoint(self, path) -> None:
-        meta = ckpt.read_meta(path)
+    def _save_failed(self, error: BaseException) -> None:
+        from pathlib import Path
+
+        from fivefold.train.lifecycle import CheckpointWriteError
+
+        root = Path(self.cfg.checkpoint.dir)
+        final = ckpt.step_dir(root, self.step)
+        if self.dims.rank == 0:  # half-written: never left for a resume to trip on
+            shutil.rmtree(final.with_name(final.name + ".tmp"), ignore_errors=True)
+        last = ckpt.resolve(str(root), "auto")
+        raise CheckpointWriteError(
+            f"saving step {self.step} to {root} failed ({_one_line(error)}); the previous "
+            f"checkpoint {last.name if last else '(none)'} is intact and `latest` still names "
+            f"it. Free space or fix the directory's permissions, then rerun: it resumes from "
+            f"there") from error
+
+    def resume(self, root: str, mode: str) -> None:
+        """Load the first checkpoint of `ckpt.candidates` that loads. With 'auto', one that
+        fails to load (garbled metadata, a truncated shard) is named in one line and the one
+        before it is tried; a named path that fails is an error."""
+        skipped = []
+        for path in ckpt.candidates(root, mode):
+            problem = self.load_checkpoint(path)
+            if problem is None:
+                return
+            if mode not in ("auto", "latest"):
+                raise ConfigError(f"checkpoint {path} cannot be loaded: {problem}; point "
+                                  f"checkpoint.resume at another step_* directory")
+            skipped.append(path.name)
+            if self.dims.rank == 0:
+                print(f"fivefold: checkpoint {path} cannot be loaded ({problem}); trying the "
+                      f"previous one", file=sys.stderr, flush=True)
+        if skipped:
+            raise ConfigError(f"no checkpoint in {root} loads (tried {', '.join(skipped)}); "
+                              f"set checkpoint.resume = never to start afresh, or another "
+                              f"checkpoint.dir")
+
+    def _agree(self, problem: str | None) -> str | None:
+        """Every rank takes the same decision: a problem on any rank is a problem on all."""
+        flag = torch.tensor([0.0 if problem is None else 1.0], device=self.device)
+        with ledger_paused(self.dims):
+            comm.all_reduce(flag, self.dims["world"], op="max")
+        if flag.item() and problem is None:
+            problem = "another rank could not read it"
+        return problem
+
+    def load_checkpoint(self, path) -> str | None:
+        """Load `path` into this trainer; returns why it could not be read (None: loaded).
+        A checkpoint of another model shape or data position is a ConfigError, raised. A
+        failed read may have filled some shards: the caller loads another checkpoint over
+        them, or stops."""
+        meta = problem = None
+        try:
+            meta = ckpt.read_meta(path)
+        except (ConfigError, OSError) as e:
+            problem = _one_line(e)
+        problem = self._agree(problem)
+        if problem is not None:
+            return problem
         ckpt.check_model_shape(meta, self.model_cfg, path)
         state = {"step": 0, "optim_step": 0, "loader": self.loader.state_dict(),
                  "scaler": self.scaler.state_dict()}
-        with torch.no_grad():
-            ckpt.load(path, self.checkpoint_parts(load=True), state)
+        try:
+            with torch.no_grad():
+                ckpt.load(path, self.checkpoint_parts(load=True), state)
+        except (Exception, CheckpointException) as e:  # DCP raises on every rank together;
+            problem = _one_line(e)  # the rng file is read per rank
+        problem = self._agree(problem)
+        if problem is not None:
+            return problem
         self.optimizer.loaded(state["optim_step"])
         self.loader.load_state_dict(state["loader"])
         self.scaler.load_state_dict(state["scaler"])
         self.step = state["step"]
         self.resumed_from = str(path)
         self.resumed_meta = meta
+        return None
+
+    # --- the end -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the watchdog thread (joined) and detach the optimizer's hooks. Idempotent;
+        every exit path of a run calls it before the process group is destroyed."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        self.watchdog.close()
+        close = getattr(self.optimizer, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _is_write_error(exc: BaseException) -> bool:
+    """An OSError, or DCP's wrapper of one raised on some rank."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        return any(isinstance(pair[0], OSError) for pair in failures.values())
+    return isinstance(exc, OSError) or isinstance(exc.__cause__, OSError)
+
+
+def _one_line(exc: BaseException) -> str:
+    """The last non-empty line of an exception's message (DCP's carry whole tracebacks)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[-1][:200] if lines else ''}"

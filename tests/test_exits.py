@@ -1,0 +1,224 @@
+"""How runs end, on forked gloo ranks: SIGTERM, non-finite steps, a damaged newest
+checkpoint, a failing save — and the watchdog thread stopped on every path.
+
+Each case is compared with an uninterrupted run of the same config (fp32, same seed and
+global batch): resumed losses equal it within 1e-6 relative (they are bit-exact in practice).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from common import small_config
+from harness import run_ranks
+
+from fivefold.parallel.mesh import ParallelDims
+
+LAYOUT = ("--parallel.dp", "2", "--parallel.zero", "1", "--train.gbs", "8",
+          "--parallel.timeout_s", "60")
+
+
+def cfg_for(root: Path, name: str, *extra: str):
+    return small_config(root / name, *LAYOUT, *extra)
+
+
+def watchdogs() -> int:
+    return sum(t.name == "fivefold-watchdog" and t.is_alive() for t in threading.enumerate())
+
+
+def same(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= 1e-6 * abs(y) for x, y in zip(a, b))
+
+
+def _signal_and_resume(rank, world, tmp):
+    from fivefold.train import lifecycle
+    from fivefold.train.loop import run
+    from fivefold.train.trainer import Trainer
+
+    root = Path(tmp)
+    out = {}
+    dims = ParallelDims.from_config(cfg_for(root, "ref").parallel)
+    ref = run(cfg_for(root, "ref", "--train.steps", "6"), dims)
+    out["reference"] = [r["loss"] for r in ref]
+    out["watchdogs_after_run"] = watchdogs()
+
+    # SIGTERM reaches rank 1 alone during step 3: both ranks stop after it, with a checkpoint.
+    real_step = Trainer.train_step
+
+    def step_then_signal(self):
+        rec = real_step(self)
+        if dist.get_rank() == 1 and rec["step"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return rec
+
+    Trainer.train_step = step_then_signal
+    try:
+        run(cfg_for(root, "term", "--train.steps", "6"), dims)
+        out["terminated"] = None
+    except lifecycle.Terminated as stop:
+        out["terminated"] = (stop.step, stop.saved)
+    finally:
+        Trainer.train_step = real_step
+    out["handler_restored"] = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    out["watchdogs_after_term"] = watchdogs()
+    resumed = run(cfg_for(root, "term", "--train.steps", "6"), dims)  # resume = auto
+    out["resumed"] = [(r["step"], r["loss"]) for r in resumed]
+    return out
+
+
+def test_sigterm_saves_at_the_step_boundary_and_auto_resume_continues(tmp_path):
+    """SIGTERM to one rank mid-step: every rank finishes that step, one checkpoint is written,
+    `Terminated` ends the run (exit 143 in the CLI), the handler is restored, the watchdog
+    thread is gone; the rerun resumes by itself and repeats the uninterrupted losses."""
+    results = run_ranks(_signal_and_resume, 2, str(tmp_path))
+    for out in results:
+        assert out["watchdogs_after_run"] == 0 and out["watchdogs_after_term"] == 0
+        assert out["handler_restored"]
+        step, saved = out["terminated"]
+        assert step == 3 and saved.endswith("step_00000003"), out["terminated"]
+        assert [s for s, _ in out["resumed"]] == [4, 5, 6]
+        assert same([loss for _, loss in out["resumed"]], out["reference"][3:])
+    assert (tmp_path / "term" / "ckpt" / "step_00000006").is_dir()
+
+
+def _bad_numbers(rank, world, tmp):
+    from fivefold.train.lifecycle import BadStepsError
+    from fivefold.train.trainer import Trainer
+
+    root = Path(tmp)
+    out = {}
+    cfg = cfg_for(root, "nan", "--train.steps", "8", "--train.max_bad_steps", "2",
+                  "--checkpoint.every", "1")
+    dims = ParallelDims.from_config(cfg.parallel)
+    poison_at = {3, 5, 6}  # 3: one bad step, then a good one; 5, 6: two in a row -> stop
+    with Trainer(cfg, dims, quiet=True) as t:
+        name, param = next(iter(t.model.named_parameters()))
+        if rank == 1:  # NaN into one parameter's gradient on rank 1 only, before reduction
+            param.register_hook(
+                lambda g: g * float("nan") if t.step + 1 in poison_at else g)
+        records, snapshots = [], {}
+        try:
+            while t.step < cfg.train.steps:
+                snapshots[t.step] = param.detach().clone()
+                records.append(t.train_step())
+                t.save_checkpoint()
+        except BadStepsError as e:
+            out["error"] = str(e)
+        out["records"] = [(r["step"], r["skipped"], r["bad"]) for r in records]
+        out["unchanged_by_bad_step"] = torch.equal(snapshots[2], snapshots[3])
+        out["finite"] = all(bool(torch.isfinite(p).all()) for _, p in t.model.named_parameters())
+    out["watchdogs"] = watchdogs()
+    return out
+
+
+def test_a_nan_gradient_on_one_rank_skips_the_step_everywhere_then_stops(tmp_path):
+    """NaN in rank 1's gradient: the norm's own reduction tells every rank; the step is
+    skipped on both (weights untouched); two bad steps in a row stop the run with one line
+    naming the last good checkpoint, written before the bad steps."""
+    results = run_ranks(_bad_numbers, 2, str(tmp_path))
+    for out in results:
+        assert out["records"] == [(1, False, False), (2, False, False), (3, True, True),
+                                  (4, False, False), (5, True, True)], out["records"]
+        assert out["unchanged_by_bad_step"] and out["finite"]
+        msg = out["error"]
+        assert "steps 5-6 had a non-finite loss or gradient" in msg, msg
+        assert "train.max_bad_steps = 2" in msg and "step_00000005" in msg, msg
+        assert "\n" not in msg and out["watchdogs"] == 0
+    # The run stopped inside step 6: nothing after step 5 was written.
+    assert (tmp_path / "nan" / "ckpt" / "latest").read_text() == "step_00000005"
+
+
+def _damaged_newest(rank, world, tmp, damage):
+    from fivefold.train.trainer import Trainer
+
+    root = Path(tmp)
+    cfg = cfg_for(root, damage, "--train.steps", "6", "--checkpoint.keep", "3")
+    dims = ParallelDims.from_config(cfg.parallel)
+    with Trainer(cfg, dims, quiet=True) as t:
+        reference = []
+        for _ in range(6):
+            reference.append(t.train_step()["loss"])
+            if t.step in (2, 4):
+                t.save_checkpoint()
+    ck = root / damage / "ckpt"
+    if rank == 0:
+        newest = ck / "step_00000004"
+        if damage == "truncated":
+            shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+            os.truncate(shard, shard.stat().st_size // 3)
+        else:
+            (newest / "meta.json").write_text('{"model": ')
+    dist.barrier()
+    with Trainer(cfg, dims, quiet=True) as t:
+        resumed_from = t.resumed_from
+        after = [t.train_step()["loss"] for _ in range(4)]
+    return {"resumed_from": resumed_from, "after": after, "reference": reference,
+            "watchdogs": watchdogs()}
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, capfd):
+    """A truncated shard, then garbled metadata, in the newest checkpoint: resume = auto
+    names it in one line and resumes from the one before, with the uninterrupted losses."""
+    for damage in ("truncated", "garbled"):
+        results = run_ranks(_damaged_newest, 2, str(tmp_path), damage)
+        for out in results:
+            assert out["resumed_from"].endswith("step_00000002"), out["resumed_from"]
+            assert same(out["after"], out["reference"][2:]) and out["watchdogs"] == 0
+        err = capfd.readouterr().err
+        lines = [ln for ln in err.splitlines() if "cannot be loaded" in ln]
+        assert len(lines) == 1 and "step_00000004" in lines[0], err[-3000:]
+        assert "trying the previous one" in lines[0]
+
+
+def _save_fails(rank, world, tmp):
+    from fivefold.train import checkpoint as ckpt
+    from fivefold.train.lifecycle import CheckpointWriteError
+    from fivefold.train.trainer import Trainer
+
+    root = Path(tmp)
+    cfg = cfg_for(root, "full", "--train.steps", "4")
+    dims = ParallelDims.from_config(cfg.parallel)
+    out = {}
+    with Trainer(cfg, dims, quiet=True) as t:
+        t.train_step()
+        t.save_checkpoint()
+        t.train_step()
+        real_save = ckpt.torch.save
+
+        def disk_full(*args, **kwargs):  # after DCP wrote its shards into step_N.tmp
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        ckpt.torch.save = disk_full
+        try:
+            t.save_checkpoint()
+        except CheckpointWriteError as e:
+            out["error"] = str(e)
+        finally:
+            ckpt.torch.save = real_save
+        dist.barrier()
+    out["watchdogs"] = watchdogs()
+    return out
+
+
+def test_a_full_disk_during_save_is_one_line_and_keeps_the_previous(tmp_path):
+    """ENOSPC on every rank in the middle of saving step 2: one line naming the step, the
+    cause and the intact previous checkpoint; `latest` still names step 1 and nothing half
+    written is left behind."""
+    for out in run_ranks(_save_fails, 2, str(tmp_path)):
+        msg = out["error"]
+        assert "saving step 2" in msg and "No space left on device" in msg, msg
+        assert "step_00000001 is intact" in msg and "\n" not in msg, msg
+    ck = tmp_path / "full" / "ckpt"
+    assert (ck / "latest").read_text() == "step_00000001"
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000001"]
+
+
+if __name__ == "__main__":
+    sys.exit("run with pytest")
