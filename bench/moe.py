@@ -1,7 +1,18 @@
-"""Step time of expert parallelism (ep 2, ep 4) against data parallelism alone, same batch.
+"""MoE speed: grouped-matmul experts against the per-expert loop, then the step time of
+expert parallelism (ep 2, ep 4) against data parallelism alone, same batch.
 
     python bench/moe.py [--world 4] [--steps 6] [--rounds 3] [--experts 8]
+                        [--gmm-tokens 2048] [--gmm-hidden 512] [--gmm-inter 1024]
+                        [--gmm-experts 8 32] [--gmm-dtype fp32 bf16] [--gmm-rounds 5]
 
+Grouped matmul: `GroupedExperts` (models/moe.py) runs the tokens of all experts with one
+`torch._grouped_mm` per projection; `impl="loop"` slices them per expert, three matmuls each.
+Both get the same weights and routed tokens (a router on random inputs, sorted as the
+LocalDispatcher sorts them) and time one forward + backward of the experts on this process
+(two threads), alternating `gmm_rounds` times after a warm-up; the median is reported, and
+the ratio loop / grouped measured in the same run.
+
+Expert parallelism:
 Ranks are forked gloo processes on this machine (one thread each). Every variant trains the
 same MoE (the `tiny` preset's attention with 8 SwiGLU experts of 128, top-2, in every layer;
 fp32) on the same global batch (16 sequences of 128 tokens) through the trainer, at dp =
@@ -33,11 +44,73 @@ import torch.distributed as dist
 import torch.distributed.checkpoint  # noqa: F401  (import the submodules before forking)
 import torch.multiprocessing as mp
 
+from fivefold.models.moe import GroupedExperts, Router, grouped_mm_available
+
 MODEL = ["--model.preset", "tiny", "--model.num_experts", "{experts}", "--model.experts_top_k",
          "2", "--model.moe_intermediate_size", "128", "--train.seq_len", "128",
          "--train.gbs", "16", "--parallel.mbs", "2", "--train.precision", "fp32",
          "--train.device", "cpu", "--train.steps", "1000", "--train.eval_every", "0",
          "--checkpoint.every", "0", "--log.progress", "false", "--log.tensorboard", "false"]
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def routed_tokens(tokens: int, hidden: int, experts: int, top_k: int, dtype):
+    """Tokens sorted by expert and the per-expert counts, as the LocalDispatcher makes them."""
+    gen = torch.Generator().manual_seed(0)
+    router = Router(hidden, experts, top_k)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.02, generator=gen)
+        x = torch.randn(tokens, hidden, generator=gen)
+        _, _, idx, _ = router(x)
+    order = torch.argsort(idx.flatten(), stable=True)
+    counts = torch.bincount(idx.flatten(), minlength=experts)
+    return x.index_select(0, order // top_k).to(dtype), counts
+
+
+def time_once(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor,
+              grad: torch.Tensor) -> float:
+    xi = x.detach().requires_grad_()
+    start = time.perf_counter()
+    experts(xi, counts).backward(grad)
+    elapsed = time.perf_counter() - start
+    experts.zero_grad(set_to_none=True)
+    return elapsed
+
+
+def grouped_vs_loop(args) -> list[dict]:
+    """Experts alone, one process: grouped matmul against the per-expert loop."""
+    rows = []
+    for dtype_name in args.gmm_dtype:
+        dtype = DTYPES[dtype_name]
+        for e in args.gmm_experts:
+            x, counts = routed_tokens(args.gmm_tokens, args.gmm_hidden, e, 2, dtype)
+            if not grouped_mm_available(x, args.gmm_hidden, args.gmm_inter):
+                print(f"{dtype_name} E={e}: no grouped matmul in this torch; skipped")
+                continue
+            grouped = GroupedExperts(e, args.gmm_hidden, args.gmm_inter, impl="grouped_mm")
+            with torch.no_grad():
+                for p in grouped.parameters():
+                    p.normal_(0, 0.02)
+            grouped.to(dtype)
+            loop = GroupedExperts(e, args.gmm_hidden, args.gmm_inter, impl="loop").to(dtype)
+            loop.load_state_dict(grouped.state_dict())
+            grad = torch.randn(x.shape[0], args.gmm_hidden).to(dtype)
+            times = {"grouped_mm": [], "loop": []}
+            for impl in ("grouped_mm", "loop"):  # warm-up
+                time_once(grouped if impl == "grouped_mm" else loop, x, counts, grad)
+            for _ in range(args.gmm_rounds):
+                for impl, mod in (("grouped_mm", grouped), ("loop", loop)):
+                    times[impl].append(time_once(mod, x, counts, grad))
+            g, lp = statistics.median(times["grouped_mm"]), statistics.median(times["loop"])
+            row = {"dtype": dtype_name, "experts": e, "routed_rows": int(x.shape[0]),
+                   "grouped_mm_s": g, "loop_s": lp, "loop_over_grouped": lp / g}
+            rows.append(row)
+            print(f"{dtype_name} E={e:>3} rows={x.shape[0]}: grouped_mm {1e3 * g:8.2f} ms, "
+                  f"loop {1e3 * lp:8.2f} ms, loop/grouped {lp / g:.2f}x  (fwd+bwd, median of "
+                  f"{args.gmm_rounds})")
+    return rows
 
 
 def _trainer(world: int, ep: int, experts: int, tmp: str):
@@ -91,7 +164,15 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--gmm-tokens", type=int, default=2048)
+    parser.add_argument("--gmm-hidden", type=int, default=512)
+    parser.add_argument("--gmm-inter", type=int, default=1024)
+    parser.add_argument("--gmm-experts", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--gmm-dtype", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    parser.add_argument("--gmm-rounds", type=int, default=5)
     args = parser.parse_args()
+    torch.set_num_threads(2)
+    grouped = grouped_vs_loop(args)
     device = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores"
     print(f"device: {device}; torch {torch.__version__}; tiny attention + {args.experts} "
           f"experts top-2, fp32, dp {args.world}, gbs 16 × 128 tokens")
@@ -114,7 +195,8 @@ def main() -> None:
                "load": "2 CPU cores shared with other jobs" if os.cpu_count() <= 2 else "",
                "model": f"tiny + {args.experts} experts top-2", "precision": "fp32",
                "dp": args.world, "gbs": 16, "seq_len": 128, "step_s": times,
-               "ratio_to_ep1": {ep: t / base for ep, t in times.items()}}
+               "ratio_to_ep1": {ep: t / base for ep, t in times.items()},
+               "grouped_vs_loop": grouped}
     path = Path(__file__).parent / "results" / "moe.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(results, indent=1))

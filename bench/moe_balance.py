@@ -4,10 +4,12 @@
     aux   the sequence-wise balance loss, coefficient 0.01 (and z-loss 0.001)
     bias  the aux-loss-free expert bias, rate 0.001 per step (DeepSeek-V3's γ), no aux loss
 
-    python bench/moe_balance.py [--steps 200] [--plot docs/moe-balance.png]
+    python bench/moe_balance.py [--steps 200] [--gbs 4] [--plot docs/moe-balance.png]
+    python bench/moe_balance.py --variants none --parts DIR   # one variant, saved in DIR
+    python bench/moe_balance.py --parts DIR                   # combine the saved variants
 
 Same seed, data and model otherwise (the `tiny-moe` preset, 8 experts, top-2, 4 layers;
-train defaults: 16 sequences of 128 tokens per step). Imbalance of a layer in a step is
+`gbs` sequences of 128 tokens per step). Imbalance of a layer in a step is
 max / mean tokens per expert over the global batch (1.0 = even); the script reports its
 mean over layers, averaged over the last 50 steps, and the final losses, writes
 bench/results/moe_balance.json and a plot of the curves.
@@ -33,7 +35,7 @@ VARIANTS = {
 }
 
 
-def run(variant: str, steps: int) -> list[dict]:
+def run(variant: str, steps: int, gbs: int) -> list[dict]:
     from fivefold import config
     from fivefold.train.trainer import Trainer
 
@@ -42,6 +44,7 @@ def run(variant: str, steps: int) -> list[dict]:
         "--model.preset", "tiny-moe", "--train.steps", str(steps), "--train.device", "cpu",
         "--train.precision", "fp32", "--train.eval_every", "0", "--checkpoint.every", "0",
         "--checkpoint.dir", str(tmp / "ck"), "--log.dir", str(tmp / "log"),
+        "--train.gbs", str(gbs),
         *VARIANTS[variant]])
     trainer = Trainer(cfg, quiet=True)
     out = []
@@ -75,10 +78,23 @@ def plot(curves: dict, path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--gbs", type=int, default=4)
     p.add_argument("--plot", default="docs/moe-balance.png")
+    p.add_argument("--variants", nargs="*", default=None, choices=list(VARIANTS))
+    p.add_argument("--parts", default="", help="a directory for one variant's curve each")
     args = p.parse_args()
     torch.set_num_threads(1)
-    curves = {name: run(name, args.steps) for name in VARIANTS}
+    if args.variants:  # run these and save their curves, for a later combining call
+        for name in args.variants:
+            recs = run(name, args.steps, args.gbs)
+            Path(args.parts).mkdir(parents=True, exist_ok=True)
+            (Path(args.parts) / f"{name}.json").write_text(json.dumps(recs))
+        return
+    if args.parts:
+        curves = {n: json.loads((Path(args.parts) / f"{n}.json").read_text()) for n in VARIANTS}
+        args.steps = len(curves["none"])
+    else:
+        curves = {name: run(name, args.steps, args.gbs) for name in VARIANTS}
     tail = min(50, args.steps)
     summary = {}
     for name, recs in curves.items():
@@ -98,7 +114,8 @@ def main() -> None:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True).stdout.strip()
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared)",
-              "torch": torch.__version__, "git": rev, "steps": args.steps,
+              "torch": torch.__version__, "git": rev, "steps": args.steps, "gbs": args.gbs,
+              "seq_len": 128,
               "summary": summary, "curves": curves}
     out = Path("bench/results/moe_balance.json")
     out.parent.mkdir(parents=True, exist_ok=True)

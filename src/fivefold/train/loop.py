@@ -136,6 +136,12 @@ def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
                          f"layout dp={cfg.parallel.dp}"
                          f" tp={cfg.parallel.tp} pp={cfg.parallel.pp} cp={cfg.parallel.cp}"
                          f" zero={cfg.parallel.zero}")
+        mc = trainer.model_cfg
+        if mc.num_experts:
+            progress.message(f"mixture of experts: {mc.num_moe_layers} MoE layers of "
+                             f"{mc.num_experts} experts, top-{mc.experts_top_k}; "
+                             f"{mc.num_active_params() / 1e6:.2f}M parameters active per "
+                             f"token: MFU counts the active ones (6·N_active + attention)")
     warmup = cfg.train.warmup_steps
     if warmup > cfg.train.steps // 10:
         progress.message(f"note: train.warmup_steps = {warmup} is capped at a tenth of "
