@@ -270,6 +270,7 @@ def _search(args, work, num_gpus, hw, assume, allowed=None) -> int:
     convention = getattr(args, "convention_obj", None)
     if convention is not None:  # its layout settings, but the search still explores ZeRO
         space.fixed = {k: v for k, v in convention.layout.items() if k != "zero"}
+        space.schedule = tuple(s for s in space.schedule if s in convention.schedules)
     result = search(work, num_gpus, hw, assume, space, top=max(args.top, 1))
     cost = _run_cost(args, work, result.top[0], assume) if result.top else None
     if args.json:

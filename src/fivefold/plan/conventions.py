@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from fivefold.config import ConfigError
-from fivefold.plan.layout import Layout, Workload
+from fivefold.plan.layout import SCHEDULES, Layout, Workload
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class Convention:
     layout: dict = field(default_factory=dict)  # Layout fields, unless --layout gives them
     logged_memory: str = "allocated"  # what the engine's logs report: allocated | reserved
     sources: tuple[str, ...] = ()
+    schedules: tuple[str, ...] = SCHEDULES  # the pipeline schedules the engine offers
 
     def apply_workload(self, work: Workload, explicit: set[str] = frozenset()) -> Workload:
         """The workload under this convention; fields in `explicit` (flags given) stay."""
@@ -60,7 +61,9 @@ CONVENTIONS: dict[str, Convention] = {
          "Communication (sequence_parallel: save the shard, all-gather in backward)",
          "megatron/core/parallel_state.py order='tp-cp-ep-dp-pp'",
          "megatron/training/training.py num_floating_point_operations (causal /2 since "
-         "8873b55d6a); megatron/training/utils.py report_memory (max allocated)")),
+         "8873b55d6a); megatron/training/utils.py report_memory (max allocated)",
+         "megatron/core/pipeline_parallel/schedules.py: 1F1B and interleaved 1F1B"),
+        ("1f1b", "interleaved")),
     "nanotron": Convention(
         "nanotron",
         # bf16 params and grads, fp32 master and Adam, and an fp32 gradient-accumulation
@@ -78,7 +81,10 @@ CONVENTIONS: dict[str, Convention] = {
          "src/nanotron/parallel/tensor_parallel/functional.py (column linear, "
          "REDUCE_SCATTER mode), src/nanotron/parallel/context.py (rank grid)",
          "Ultra-Scale Playbook @924e4d0 index.md: '+4 if fp32 grad accumulation (nanotron "
-         "does this)'; logs peak_allocated and peak_reserved")),
+         "does this)'; logs peak_allocated and peak_reserved",
+         "src/nanotron/parallel/pipeline_parallel/engine.py: AllForwardAllBackward and "
+         "OneForwardOneBackward engines"),
+        ("afab", "1f1b")),
     "torchtitan": Convention(
         "torchtitan",
         # FSDP2 mixed precision: sharded fp32 parameters (the master copy), bf16 compute
@@ -96,8 +102,11 @@ CONVENTIONS: dict[str, Convention] = {
          "data_parallel_shard_degree = -1), torchtitan/distributed/parallel_dims.py (mesh)",
          "torchtitan/models/llama3/infra/parallelize.py apply_fsdp: reshard_after_forward = "
          "not pp_enabled by default (parameters stay gathered under PP)",
+         "torch.distributed.pipelining schedules: GPipe, 1F1B, Interleaved1F1B, DualPipeV "
+         "(its zero-bubble schedules are interleaved, not fivefold's one-chunk ZB-H1)",
          "benchmarks @9dec370: MFU = 6·N + 12·L·h·s per token (full square); memory logged "
-         "as torch.cuda.memory_stats()['reserved_bytes.all.peak'] (max reserved, GiB)")),
+         "as torch.cuda.memory_stats()['reserved_bytes.all.peak'] (max reserved, GiB)"),
+        ("afab", "1f1b", "interleaved", "dualpipev")),
     "deepspeed": Convention(
         "deepspeed",
         # ZeRO-2 since PR #5099: '18 = 2 grads16 + 4 grads32 + 4 params32 + 8 optimizer',
@@ -110,7 +119,9 @@ CONVENTIONS: dict[str, Convention] = {
         ("microsoft/DeepSpeed @38327e07f: deepspeed/runtime/zero/stage_1_and_2.py "
          "estimate_zero2_model_states_mem_needs (f4cb866c2, PR #5099: 2Ψ + 18Ψ/N)",
          "deepspeed/runtime/pipe/topology.py PipeModelDataParallelTopology",
-         "deepspeed/runtime/utils.py see_memory_usage (memory allocated and cached, GB)")),
+         "deepspeed/runtime/utils.py see_memory_usage (memory allocated and cached, GB)",
+         "deepspeed/runtime/pipe/schedule.py TrainSchedule (1F1B)"),
+        ("1f1b",)),
 }
 
 
