@@ -8,7 +8,8 @@ The structure and parameter names follow Hugging Face's `LlamaForCausalLM` (with
 
 Every piece a parallel dimension replaces is its own module: the attention core (`core`,
 recomputed by selective recomputation, replaced by ring attention for context parallelism),
-the loss (`loss_fn`, replaced by the vocab-parallel loss under tensor parallelism). Heads are
+the loss (`loss_fn`, which also applies the head, in chunks of tokens; replaced by the
+vocab-parallel loss under tensor parallelism). Heads are
 instance attributes, so tensor parallelism can shrink them to the local count.
 """
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fivefold.models.loss import chunked_linear_cross_entropy, cross_entropy_sum
 from fivefold.models.presets import ModelConfig
 
 
@@ -215,15 +217,20 @@ class Block(nn.Module):
 
 
 class CrossEntropySum(nn.Module):
-    """Sum of token cross-entropies in fp32; targets of -100 are ignored.
+    """Sum of token cross-entropies in fp32 from the head's input and weight; targets of -100
+    are ignored. The head runs in chunks of tokens inside the loss, so the full logits never
+    exist (models/loss.py).
 
     The trainer divides by the number of target tokens in the whole global batch, so that
     accumulation and data parallelism give the same loss as one big batch.
     """
 
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                               ignore_index=-100, reduction="sum")
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor,
+                targets: torch.Tensor) -> torch.Tensor:
+        return chunked_linear_cross_entropy(hidden, weight, targets)
+
+    def from_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_sum(logits, targets)
 
 
 class Llama(nn.Module):
@@ -245,16 +252,16 @@ class Llama(nn.Module):
         return F.linear(self.norm(h), self.output_weight())
 
     def forward(self, tokens, targets=None, cache: KVCache | None = None, start: int = 0):
-        """tokens (b, s) -> logits (b, s, V); with targets, the summed fp32 loss instead."""
+        """tokens (b, s) -> logits (b, s, V); with targets, the summed fp32 loss instead
+        (computed without materialising the logits)."""
         h = self.embed_tokens(tokens)
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         cos, sin = self.rotary(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cache, i, start)
-        logits = self.logits(h)
         if targets is None:
-            return logits
-        return self.loss_fn(logits, targets)
+            return self.logits(h)
+        return self.loss_fn(self.norm(h), self.output_weight(), targets)
 
 
 class KVCache:

@@ -10,8 +10,9 @@ column-parallel, down row-parallel; so each block has two regions and, per micro
 two all-reduces forward and two backward (with SP: all-gathers and reduce-scatters of the
 same bytes; see tensor_ops). The embedding and the head split the vocabulary (padded up to
 a multiple of tp; padding rows are zero and masked out of the logits' loss), and the loss
-reduces per-token scalars instead of gathering the logits. Tied embeddings share the one
-sharded weight. `model.logits(h)` returns the local (b, s, V_pad/tp) logits.
+reduces per-token scalars instead of gathering the logits (and runs the head in chunks of
+tokens, so even the local logits never exist whole). Tied embeddings share the one sharded
+weight. `model.logits(h)` returns the local (b, s, V_pad/tp) logits.
 
 Parameter metadata (set on every parameter, and put back whenever `.to()`/`to_empty()`
 replaces the Parameter objects, because the module that owns a parameter keeps it):
@@ -58,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config import ConfigError
+from fivefold.models.loss import chunked_linear_cross_entropy
 from fivefold.models.moe import MoE
 from fivefold.parallel import comm
 from fivefold.parallel.comm import Group
@@ -240,13 +242,29 @@ class VocabParallelEmbedding(TPParams, nn.Module):
 
 
 class VocabParallelCrossEntropy(nn.Module):
-    """Replaces `CrossEntropySum`: the summed fp32 loss from vocab-split logits."""
+    """Replaces `CrossEntropySum`: the summed fp32 loss from this rank's vocabulary rows of
+    the head, in chunks of tokens (models/loss.py); only per-token maxima and sums cross
+    the wire. The head's input gradient is a partial sum here; the head's column region
+    (entered by the final norm's hook) all-reduces it in backward."""
 
     def __init__(self, group: Group, vocab_start: int, num_valid: int):
         super().__init__()
         self.group, self.vocab_start, self.num_valid = group, vocab_start, num_valid
 
-    def forward(self, logits, targets):
+    def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce(t, self.group, op="max")
+        return t
+
+    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce(t, self.group)
+        return t
+
+    def forward(self, hidden, weight, targets):
+        return chunked_linear_cross_entropy(hidden, weight, targets, self.vocab_start,
+                                            self.num_valid, self._all_reduce_max,
+                                            self._all_reduce_sum)
+
+    def from_logits(self, logits, targets):
         return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.num_valid,
                                             self.group)
 

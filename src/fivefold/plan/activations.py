@@ -21,6 +21,7 @@ from fivefold.models.presets import ModelConfig
 
 INDEX_BYTES = 8  # int64 token ids and targets
 STAT_BYTES = 4  # fp32 norm statistics and softmax log-sum-exp
+LOGITS_CHUNK_ELEMENTS = 1 << 22  # logits per chunk of the engine's loss (models/loss.py)
 
 
 @dataclass
@@ -107,10 +108,14 @@ def activation_bytes_per_microbatch(
     all cp ranks for backward: (cp − 1)·2·T·kv·B more than the ring.
 
     Outside the layers: embedding = token ids T·8 (+ a 1-byte dropout mask T·h); final_norm =
-    its input and statistics; head_input = the output projection's input T·h·B; logits = the
-    fp32 log-softmax the cross-entropy saves, T·V/tp·4 (vocab-parallel under TP; Korthikanti's
-    4sbV/t); loss = targets T·8. `loss_backward` is the transient of the loss backward: the fp32
-    gradient of the log-softmax and its cast to the logits dtype, T·V/tp·(4 + B).
+    its input and statistics. The head and the loss run together in chunks of tokens
+    (models/loss.py), which finish their gradients in forward: head_input = the gradient of
+    the head's input, T·h·B (all T tokens, also under SP); logits = the gradient of the
+    head's weight, V/tp·h·B (vocab-parallel under TP) — where an unchunked loss would keep
+    T·V/tp·4 fp32 log-softmax (Korthikanti's 4sbV/t); loss = 0 (nothing else is kept).
+    `loss_backward` is the larger transient of the loss: one chunk's fp32 logits, their
+    exponentials in place and the compute-dtype cast, rows·V/tp·(4 + B), or in backward the
+    two gradients scaled by the loss's gradient, T·h·B + V/tp·h·B.
     """
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, not {recompute!r}")
@@ -198,19 +203,21 @@ def moe_layer_terms(model: ModelConfig, tokens: float, B: int) -> dict[str, floa
 
 def _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input) -> ActivationBytes:
     h = model.hidden_size
+    vocab_local = -(-model.vocab_size // tp)  # padded to tp pieces
     stats = STAT_BYTES * (2 if model.norm == "layernorm" else 1)
     outside = {
         "embedding": tokens * INDEX_BYTES + (tokens * h / seq_div if dropout else 0),
         "final_norm": tokens * h * B / seq_div + tokens * stats / seq_div,
-        "head_input": tokens * h * B if seq_div > 1 else col_input,
-        "logits": tokens * model.vocab_size / tp * 4,
-        "loss": tokens * INDEX_BYTES,
+        "head_input": tokens * h * B,
+        "logits": vocab_local * h * B,
+        "loss": 0.0,
     }
+    rows = min(tokens, max(1, LOGITS_CHUNK_ELEMENTS // vocab_local))
     return ActivationBytes(
         layer_terms=terms,
         layer=sum(terms.values()),
         outside_terms=outside,
-        loss_backward=tokens * model.vocab_size / tp * (4 + B),
+        loss_backward=max(rows * vocab_local * (4 + B), tokens * h * B + vocab_local * h * B),
     )
 
 

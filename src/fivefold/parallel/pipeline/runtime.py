@@ -284,6 +284,7 @@ class PipelineRunner:
         split = step.train and schedule.split_backward and key not in step.fused
         uses = [] if split else None
         self._recording = uses
+        module.split_weight_pass = split
         try:
             counting = torch.autograd.graph.saved_tensors_hooks(
                 lambda t: _Held(t, self._live, key), lambda held: held.tensor

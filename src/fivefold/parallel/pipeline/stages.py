@@ -93,6 +93,8 @@ class PipelineStage(nn.Module):
         # Set by the runner under a split backward: called with (tensor, params) for each
         # weight use that is not a module call (the head's F.linear), see runtime.py.
         self.record = None
+        # Set by the runner for a forward whose backward is split (B now, W later).
+        self.split_weight_pass = False
 
     def output_weight(self) -> torch.Tensor:
         head = getattr(self, "lm_head", None)
@@ -109,10 +111,14 @@ class PipelineStage(nn.Module):
         if not self.last:
             return h
         weight = self.output_weight()
+        if targets is not None and not self.split_weight_pass:  # as Llama.forward: chunked
+            return self.loss_fn(self.norm(h), weight, targets)
+        # A split backward defers the head's weight gradient to its W pass, which needs the
+        # logits' gradient: there the logits are materialised.
         logits = F.linear(self.norm(h), weight)  # as Llama.logits
         if self.record is not None:
             self.record(logits, [weight])
-        return logits if targets is None else self.loss_fn(logits, targets)
+        return logits if targets is None else self.loss_fn.from_logits(logits, targets)
 
     def _seq_split(self) -> int:
         # Token ids arrive whole on the first stage; hidden states between stages carry

@@ -1,0 +1,109 @@
+"""The output head and cross-entropy together, in chunks of tokens: full logits never exist.
+
+The plain way (logits = h·Wᵀ, then cross-entropy) holds batch × sequence × vocabulary logits
+in fp32, their log-softmax for backward and, in backward, a gradient of the same size: at a
+128k vocabulary that is the largest activation of a small model. Here the head runs on a
+chunk of token rows at a time (`LOGITS_CHUNK_ELEMENTS` logits), and each chunk's gradients
+are finished while its logits exist: softmax − one-hot gives the logits' gradient, which is
+multiplied out at once into the gradient of the head's input (rows × h) and added into the
+weight's gradient (accumulated in fp32). Backward then only scales the two by the loss's
+incoming gradient. No matmul is repeated; what stays saved for backward is the input's and
+the weight's gradient (T·h and V·h in the compute dtype) instead of T·V fp32 logits.
+The same idea as Liger-Kernel's fused linear cross-entropy (Hsu et al. 2024, §3.3) and
+Wijmans et al. 2024 ("Cut your losses"), written here in plain PyTorch ops.
+
+The model stays plain: under tensor parallelism each rank holds a slice of the vocabulary,
+and the per-token maximum and sums are completed by `reduce_max` / `reduce_sum`, which the
+tensor-parallel loss (parallel/tensor.py) passes in as all-reduces over the tp group. Per
+chunk they carry rows, 2·rows floats: over all chunks the same bytes as one all-reduce of
+the whole batch's per-token scalars (Megatron-LM's vocab-parallel cross-entropy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+# Logits per chunk: 2^22 fp32 values = 16 MiB (32 MiB with the exponentials' in-place copy
+# reused, plus the compute-dtype cast). Rows per chunk = this / local vocabulary.
+LOGITS_CHUNK_ELEMENTS = 1 << 22
+
+
+def chunk_rows(num_tokens: int, vocab_local: int) -> int:
+    return max(1, min(num_tokens, LOGITS_CHUNK_ELEMENTS // max(vocab_local, 1)))
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, vocab_start: int, num_valid: int,
+                reduce_max: Callable, reduce_sum: Callable, with_grads: bool):
+        x = hidden.reshape(-1, hidden.shape[-1])
+        t = targets.reshape(-1)
+        vocab_local = weight.shape[0]
+        token_loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        if with_grads:
+            grad_x = torch.empty_like(x)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        rows = chunk_rows(x.shape[0], vocab_local)
+        for start in range(0, x.shape[0], rows):
+            xc, tc = x[start:start + rows], t[start:start + rows]
+            logits = (xc @ weight.t()).float()
+            if num_valid < vocab_local:  # padding rows of a split head are not words
+                logits[:, num_valid:] = float("-inf")
+            row_max = reduce_max(logits.max(dim=-1).values)
+            logits -= row_max.unsqueeze(-1)
+            local = tc - vocab_start
+            mine = (local >= 0) & (local < num_valid)
+            local = torch.where(mine, local, torch.zeros_like(local))
+            target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
+            exp = logits.exp_()
+            sum_exp, target_logit = reduce_sum(torch.stack((exp.sum(dim=-1), target_logit)))
+            keep = tc != -100
+            token_loss[start:start + rows] = (sum_exp.log() - target_logit) * keep
+            if not with_grads:
+                continue
+            # d(loss)/d(logits) = softmax − one-hot(target), for kept tokens only
+            exp.mul_((keep / sum_exp).unsqueeze(-1))
+            exp.scatter_add_(-1, local.unsqueeze(-1), -(mine & keep).unsqueeze(-1).float())
+            grad_logits = exp.to(weight.dtype)
+            torch.mm(grad_logits, weight, out=grad_x[start:start + rows])
+            if weight.dtype == torch.float32:
+                grad_w.addmm_(grad_logits.t(), xc)
+            else:
+                grad_w += grad_logits.t() @ xc
+        # One sum over all tokens, in the same order as an unchunked loss would take it.
+        loss = token_loss.sum()
+        if with_grads:
+            ctx.save_for_backward(grad_x.view_as(hidden), grad_w.to(weight.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_loss, grad_w * grad_loss, None, None, None, None, None, None
+
+
+def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
+                                 targets: torch.Tensor, vocab_start: int = 0,
+                                 num_valid: int | None = None,
+                                 reduce_max: Callable = _identity,
+                                 reduce_sum: Callable = _identity) -> torch.Tensor:
+    """Σ over target tokens of cross-entropy(hidden·weightᵀ, target), in fp32; targets of -100
+    are ignored. `weight` holds vocabulary rows [vocab_start, vocab_start + num_valid) (all
+    of them on one device); rows past num_valid are padding."""
+    num_valid = weight.shape[0] if num_valid is None else num_valid
+    with_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, vocab_start, num_valid,
+                                            reduce_max, reduce_sum, with_grads)
+
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The same loss from materialised logits (the pipeline's split backward needs them)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+                           reduction="sum")
