@@ -3,6 +3,7 @@ materialised logits, and a peak memory without them."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fivefold.models import loss as loss_module
 from fivefold.models.init import build_model
@@ -17,8 +18,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 def test_chunked_loss_matches_materialised_logits(monkeypatch, dtype, tol):
     """A Llama's summed loss and every gradient, chunked (7 token rows per chunk, so chunks
-    do not divide the batch) against logits + F.cross_entropy: fp32 within 1e-6 (loss) and
-    1e-5 (gradients), bf16 within 1e-2; ignored targets (-100) included."""
+    do not divide the batch) and the same arithmetic on materialised logits (the pipeline's
+    split backward) against logits + F.cross_entropy: fp32 within 1e-6 (loss) and 1e-5
+    (gradients), bf16 within 1e-2; ignored targets (-100) included."""
     monkeypatch.setattr(loss_module, "LOGITS_CHUNK_ELEMENTS", 7 * 64)
     cfg = preset("nano")  # vocabulary 64, untied head
     model = build_model(cfg, seed=3, dtype=dtype)
@@ -27,21 +29,26 @@ def test_chunked_loss_matches_materialised_logits(monkeypatch, dtype, tol):
     targets = torch.randint(0, cfg.vocab_size, (3, 10))
     targets[1, 4:] = -100
 
-    def run(chunked: bool):
+    def run(kind: str):
         model.zero_grad()
-        if chunked:
+        if kind == "chunked":
             loss = model(tokens, targets)
-        else:
+        elif kind == "from_logits":
             loss = cross_entropy_sum(model(tokens), targets)
+        else:
+            loss = F.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten(),
+                                   ignore_index=-100, reduction="sum")
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    loss_c, grads_c = run(True)
-    loss_p, grads_p = run(False)
-    assert abs(float(loss_c - loss_p)) / float(loss_p) <= tol
+    loss_p, grads_p = run("reference")
     grad_tol = 1e-5 if dtype == torch.float32 else tol
-    for name in grads_p:
-        assert _rel(grads_c[name], grads_p[name]) <= grad_tol, name
+    for kind in ("chunked", "from_logits"):
+        loss_c, grads_c = run(kind)
+        assert abs(float(loss_c - loss_p)) / float(loss_p) <= tol, kind
+        for name in grads_p:
+            assert _rel(grads_c[name], grads_p[name]) <= grad_tol, (kind, name)
+    loss_c = run("chunked")[0]
     # Without gradients (evaluation) the loss alone, equal to the one with them.
     with torch.no_grad():
         assert torch.equal(model(tokens, targets), loss_c)
@@ -68,7 +75,8 @@ def test_chunked_loss_peak_memory_at_a_128k_vocabulary():
         return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"], loss.detach()
 
     chunked, loss_c = peak(lambda: chunked_linear_cross_entropy(x, w, y))
-    plain, loss_p = peak(lambda: cross_entropy_sum(x @ w.t(), y))
+    plain, loss_p = peak(lambda: F.cross_entropy((x @ w.t()).flatten(0, 1), y.flatten(),
+                                                 reduction="sum"))
     logits_bytes = tokens * vocab * 4
     assert abs(float(loss_c - loss_p)) / float(loss_p) <= 1e-6
     assert plain - chunked >= logits_bytes, (plain, chunked, logits_bytes)

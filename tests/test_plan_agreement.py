@@ -160,6 +160,7 @@ def planned(tmp, args, precision, pp_rank):
         sp_saves_gathered=par.sp_saved_input == "full")
     layers, embed, head = stage(work.model, layout, pp_rank)
     activations = acts.layer * layers + (acts.embedding if embed else 0)
+    activations += acts.rope_tables if layers else 0
     if head:
         activations += acts.final_norm + acts.logits + acts.loss
     items, _ = memory_items(work, layout, Assumptions(), pp_rank)

@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 # Logits per chunk: 2^22 fp32 values = 16 MiB (32 MiB with the exponentials' in-place copy
 # reused, plus the compute-dtype cast). Rows per chunk = this / local vocabulary.
@@ -39,39 +38,48 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _rows_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, num_valid: int,
+               reduce_max: Callable, reduce_sum: Callable, with_grads: bool):
+    """Per-token losses of fp32 logits rows (overwritten), and with `with_grads` the logits'
+    gradient softmax − one-hot(target) for kept tokens (in the same storage)."""
+    if num_valid < logits.shape[-1]:  # padding rows of a split head are not words
+        logits[:, num_valid:] = float("-inf")
+    row_max = reduce_max(logits.max(dim=-1).values)
+    logits -= row_max.unsqueeze(-1)
+    local = targets - vocab_start
+    mine = (local >= 0) & (local < num_valid)
+    local = torch.where(mine, local, torch.zeros_like(local))
+    target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
+    exp = logits.exp_()
+    sum_exp, target_logit = reduce_sum(torch.stack((exp.sum(dim=-1), target_logit)))
+    keep = targets != -100
+    token_loss = (sum_exp.log() - target_logit) * keep
+    if not with_grads:
+        return token_loss, None
+    exp.mul_((keep / sum_exp).unsqueeze(-1))
+    exp.scatter_add_(-1, local.unsqueeze(-1), -(mine & keep).unsqueeze(-1).float())
+    return token_loss, exp
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_start: int, num_valid: int,
                 reduce_max: Callable, reduce_sum: Callable, with_grads: bool):
         x = hidden.reshape(-1, hidden.shape[-1])
         t = targets.reshape(-1)
-        vocab_local = weight.shape[0]
         token_loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         if with_grads:
             grad_x = torch.empty_like(x)
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        rows = chunk_rows(x.shape[0], vocab_local)
+        rows = chunk_rows(x.shape[0], weight.shape[0])
         for start in range(0, x.shape[0], rows):
             xc, tc = x[start:start + rows], t[start:start + rows]
-            logits = (xc @ weight.t()).float()
-            if num_valid < vocab_local:  # padding rows of a split head are not words
-                logits[:, num_valid:] = float("-inf")
-            row_max = reduce_max(logits.max(dim=-1).values)
-            logits -= row_max.unsqueeze(-1)
-            local = tc - vocab_start
-            mine = (local >= 0) & (local < num_valid)
-            local = torch.where(mine, local, torch.zeros_like(local))
-            target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
-            exp = logits.exp_()
-            sum_exp, target_logit = reduce_sum(torch.stack((exp.sum(dim=-1), target_logit)))
-            keep = tc != -100
-            token_loss[start:start + rows] = (sum_exp.log() - target_logit) * keep
+            token_loss[start:start + rows], grad_logits = _rows_loss(
+                (xc @ weight.t()).float(), tc, vocab_start, num_valid, reduce_max, reduce_sum,
+                with_grads)
             if not with_grads:
                 continue
-            # d(loss)/d(logits) = softmax − one-hot(target), for kept tokens only
-            exp.mul_((keep / sum_exp).unsqueeze(-1))
-            exp.scatter_add_(-1, local.unsqueeze(-1), -(mine & keep).unsqueeze(-1).float())
-            grad_logits = exp.to(weight.dtype)
+            grad_logits = grad_logits.to(weight.dtype)
             torch.mm(grad_logits, weight, out=grad_x[start:start + rows])
             if weight.dtype == torch.float32:
                 grad_w.addmm_(grad_logits.t(), xc)
@@ -89,6 +97,26 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_x * grad_loss, grad_w * grad_loss, None, None, None, None, None, None
 
 
+class _CrossEntropyFromLogits(torch.autograd.Function):
+    """The same per-row arithmetic on materialised logits (saving their gradient)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start: int, num_valid: int, reduce_max: Callable,
+                reduce_sum: Callable):
+        flat = logits.reshape(-1, logits.shape[-1]).float().clone()
+        token_loss, grad_logits = _rows_loss(flat, targets.reshape(-1), vocab_start, num_valid,
+                                             reduce_max, reduce_sum, logits.requires_grad)
+        if grad_logits is not None:
+            ctx.save_for_backward(grad_logits.view_as(logits))
+        ctx.dtype = logits.dtype
+        return token_loss.sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad_logits,) = ctx.saved_tensors
+        return (grad_logits * grad_loss).to(ctx.dtype), None, None, None, None, None
+
+
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                                  targets: torch.Tensor, vocab_start: int = 0,
                                  num_valid: int | None = None,
@@ -103,7 +131,12 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                                             reduce_max, reduce_sum, with_grads)
 
 
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The same loss from materialised logits (the pipeline's split backward needs them)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
-                           reduction="sum")
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int = 0,
+                      num_valid: int | None = None, reduce_max: Callable = _identity,
+                      reduce_sum: Callable = _identity) -> torch.Tensor:
+    """The same loss from materialised logits: the pipeline's split backward needs the
+    logits' gradient, and a materialised loss is the reference the chunked one is tested
+    against."""
+    num_valid = logits.shape[-1] if num_valid is None else num_valid
+    return _CrossEntropyFromLogits.apply(logits, targets, vocab_start, num_valid, reduce_max,
+                                         reduce_sum)

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config import ConfigError
-from fivefold.models.loss import chunked_linear_cross_entropy
+from fivefold.models.loss import chunked_linear_cross_entropy, cross_entropy_sum
 from fivefold.models.moe import MoE
 from fivefold.parallel import comm
 from fivefold.parallel.comm import Group
@@ -69,7 +69,6 @@ from fivefold.parallel.tensor_ops import (
     leave_region,
     sum_grad_over_replicas,
     sum_grad_over_tp,
-    vocab_parallel_cross_entropy,
 )
 
 
@@ -265,8 +264,8 @@ class VocabParallelCrossEntropy(nn.Module):
                                             self._all_reduce_sum)
 
     def from_logits(self, logits, targets):
-        return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.num_valid,
-                                            self.group)
+        return cross_entropy_sum(logits, targets, self.vocab_start, self.num_valid,
+                                 self._all_reduce_max, self._all_reduce_sum)
 
 
 def _vocab_info(shape, group: Group) -> ParamInfo:

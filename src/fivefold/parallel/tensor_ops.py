@@ -223,52 +223,6 @@ def leave_region(x: torch.Tensor, group: Group, sp: bool) -> torch.Tensor:
     return _ReduceFromRegion.apply(x, group, sp)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy over logits split along the vocabulary, never gathered.
-
-    Megatron-LM (Shoeybi et al. 2019, section 3, "we fuse the output of the parallel GEMM
-    with the cross entropy loss"): each rank reduces its own columns to per-token scalars,
-    and only those cross the wire: the max (for a stable softmax), then the sum of
-    exponentials and the target's logit together in one all-reduce.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, vocab_start: int, num_valid: int, group: Group):
-        x = logits.float()
-        if num_valid < x.shape[-1]:  # padded rows of the head are not words: exclude them
-            x = x.clone()
-            x[..., num_valid:] = float("-inf")
-        row_max = x.max(dim=-1).values
-        comm.all_reduce(row_max, group, op="max")
-        x = x - row_max.unsqueeze(-1)
-        local = targets - vocab_start
-        mine = (local >= 0) & (local < num_valid)
-        local = torch.where(mine, local, torch.zeros_like(local))
-        target_logit = x.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
-        exp = x.exp_()
-        sums = torch.stack((exp.sum(dim=-1), target_logit))
-        comm.all_reduce(sums, group)
-        sum_exp, target_logit = sums
-        keep = targets != -100
-        loss = ((sum_exp.log() - target_logit) * keep).sum()
-        exp.div_(sum_exp.unsqueeze(-1))  # now the softmax, kept for backward
-        ctx.save_for_backward(exp, local, mine & keep, keep)
-        ctx.dtype = logits.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, local, hit, keep = ctx.saved_tensors
-        g = softmax * keep.unsqueeze(-1)
-        g.scatter_add_(-1, local.unsqueeze(-1), -hit.unsqueeze(-1).to(g.dtype))
-        return (g * grad).to(ctx.dtype), None, None, None, None
-
-
-def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, num_valid: int,
-                                 group: Group) -> torch.Tensor:
-    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, num_valid, group)
-
-
 def sum_grad_over_tp(grad: torch.Tensor, group: Group) -> torch.Tensor:
     """Complete a gradient that each tp rank holds only a partial sum of."""
     return _all_reduced(grad, group)

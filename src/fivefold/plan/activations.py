@@ -49,6 +49,10 @@ class ActivationBytes:
     def loss(self) -> float:
         return self.outside_terms.get("loss", 0.0)
 
+    @property
+    def rope_tables(self) -> float:
+        return self.outside_terms.get("rope_tables", 0.0)
+
 
 def kv_heads_per_rank(model: ModelConfig, tp: int) -> int:
     """GQA under TP: kv heads are split when tp ≤ kv heads, else each rank keeps one copy."""
@@ -107,7 +111,9 @@ def activation_bytes_per_microbatch(
     LSE), so the attention core term stays. `cp_comm = "allgather"` keeps the gathered K/V of
     all cp ranks for backward: (cp − 1)·2·T·kv·B more than the ring.
 
-    Outside the layers: embedding = token ids T·8 (+ a 1-byte dropout mask T·h); final_norm =
+    Outside the layers: rope_tables = the cos and sin tables every layer of a stage shares,
+    2·s·d·B (kept by each layer's rotation, and by a fully recomputed layer as its inputs);
+    embedding = token ids T·8 (+ a 1-byte dropout mask T·h); final_norm =
     its input and statistics. The head and the loss run together in chunks of tokens
     (models/loss.py), which finish their gradients in forward: head_input = the gradient of
     the head's input, T·h·B (all T tokens, also under SP); logits = the gradient of the
@@ -139,7 +145,7 @@ def activation_bytes_per_microbatch(
             # stay from the forward to the layer's backward. Averaged over the layers.
             replay = 2 * tokens * model.experts_top_k * h * B
             terms["ep_replay"] = replay * model.num_moe_layers / model.num_layers
-        return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input)
+        return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq_len / cp)
 
     terms["attn_norm_input"] = seq_tensor
     terms["norm_stats"] = 2 * tokens * stats / seq_div
@@ -176,7 +182,7 @@ def activation_bytes_per_microbatch(
         moe = sum(moe_layer_terms(model, tokens, B).values())
         terms["mlp_hidden"] = (n * moe + (model.num_layers - n) * terms["mlp_hidden"]) / (
             model.num_layers)
-    return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input)
+    return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq_len / cp)
 
 
 def moe_layer_terms(model: ModelConfig, tokens: float, B: int) -> dict[str, float]:
@@ -201,11 +207,13 @@ def moe_layer_terms(model: ModelConfig, tokens: float, B: int) -> dict[str, floa
     return out
 
 
-def _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input) -> ActivationBytes:
+def _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input,
+            seq: float) -> ActivationBytes:
     h = model.hidden_size
     vocab_local = -(-model.vocab_size // tp)  # padded to tp pieces
     stats = STAT_BYTES * (2 if model.norm == "layernorm" else 1)
     outside = {
+        "rope_tables": 2 * seq * model.dim_per_head * B,
         "embedding": tokens * INDEX_BYTES + (tokens * h / seq_div if dropout else 0),
         "final_norm": tokens * h * B / seq_div + tokens * stats / seq_div,
         "head_input": tokens * h * B,
