@@ -1,4 +1,4 @@
-"""fivefold train | plan | prepare | generate | convert | schedule
+"""fivefold train | plan | prepare | generate | convert | schedule | bench
 
 Every subcommand turns a bad input into one line on stderr and exit code 2, before anything
 is written; any other failure is one line too, with the exit codes `main` lists.
@@ -23,6 +23,7 @@ commands:
   generate   sample text from a checkpoint or a Hugging Face directory
   convert    export a checkpoint to Hugging Face format
   schedule   draw the timeline of a pipeline schedule as a PNG
+  bench      measure tokens/s, MFU and peak memory (--peer hf: beside transformers)
 
 Run `fivefold COMMAND --help` for a command's options; `fivefold --version` for the version.
 Add --debug to any command to see a failure's traceback."""
@@ -102,6 +103,8 @@ def _subcommand(name: str):
         from fivefold.models.convert import main
     elif name == "schedule":
         from fivefold.parallel.pipeline.draw import main
+    elif name == "bench":
+        from fivefold.train.bench import main
     else:
         return None
     return main
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     command = _subcommand(argv[0])
     if command is None:
         print(f"error: unknown command '{argv[0]}'; commands: train, plan, calibrate, prepare, "
-              f"generate, convert, schedule", file=sys.stderr)
+              f"generate, convert, schedule, bench", file=sys.stderr)
         return EXIT_BAD_INPUT
     from fivefold.train.lifecycle import leave_if_distributed
 
