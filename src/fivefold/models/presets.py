@@ -150,6 +150,12 @@ PRESETS: dict[str, ModelConfig] = {
         name="tiny", vocab_size=256, hidden_size=128, intermediate_size=384, num_layers=4,
         num_heads=4, num_kv_heads=2, max_seq_len=1024, tie_embeddings=True,
     ),
+    # The CPU benchmark's model: 25.3M parameters in 8 layers of width 512 (SwiGLU 8h/3),
+    # plus a tied 32,000-token embedding (Llama 2's vocabulary) of 16.4M.
+    "llama-25m": ModelConfig(
+        name="llama-25m", vocab_size=32000, hidden_size=512, intermediate_size=1376,
+        num_layers=8, num_heads=8, num_kv_heads=8, max_seq_len=2048, tie_embeddings=True,
+    ),
     # Even smaller, for the unit tests.
     "nano": ModelConfig(
         name="nano", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
