@@ -10,17 +10,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from safety_cases import SMALL, cases, dirs, make_world
 
 from fivefold.cli import main
-
-SMALL = ["--model.hidden_size", "32", "--model.intermediate_size", "64", "--model.num_layers",
-         "2", "--train.seq_len", "32", "--train.gbs", "4", "--train.eval_every", "0",
-         "--train.warmup_steps", "0", "--train.device", "cpu", "--log.progress", "false",
-         "--log.tensorboard", "false"]
-
-
-def dirs(run: Path) -> list[str]:
-    return ["--checkpoint.dir", str(run / "ck"), "--log.dir", str(run)]
 
 
 def cli(capsys, *args) -> tuple[int, str, str]:
@@ -54,7 +46,7 @@ def run_copy(finished_run, tmp_path) -> Path:
 
 def snapshot(run: Path) -> dict[str, bytes]:
     return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
-            if p.is_file() and p.name != "train.lock"}
+            if p.is_file()}
 
 
 # --- 3. checkpoint integrity -------------------------------------------------------------
@@ -88,3 +80,29 @@ def test_damaged_checkpoints_are_one_line_naming_the_newest_good_one(run_copy, c
     line = one_line(err)
     assert code == 2 and ".metadata is missing" in line and "step_00000003" in line, line
     assert not (run_copy / "hf").exists()
+
+
+# --- the sweep: every command, one line each, the completed run untouched ----------------
+@pytest.fixture(scope="module")
+def world(finished_run, tmp_path_factory):
+    return make_world(tmp_path_factory.mktemp("world"), finished_run)
+
+
+def test_bad_input_sweep(world, capsys):
+    """Every case: the expected exit code, one line on stderr holding the expected words, no
+    traceback, and the completed run's checkpoints and metrics byte-identical afterwards."""
+    all_cases = cases(world)
+    assert len(all_cases) >= 60
+    before = snapshot(world["run"])
+    failures = []
+    for name, argv, want_code, want_text in all_cases:
+        code, _, err = cli(capsys, *argv)
+        lines = err.strip().splitlines()
+        if code != want_code or len(lines) != 1 or want_text not in lines[0] or (
+                "Traceback" in err):
+            failures.append((name, code, err.strip()[:300]))
+        if snapshot(world["run"]) != before:
+            failures.append((name, "changed the completed run", ""))
+            before = snapshot(world["run"])
+    assert not failures, failures
+    assert not (world["root"] / "fresh").exists()  # no bad input made its run directory

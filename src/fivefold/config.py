@@ -347,18 +347,19 @@ def writable_dir(key: str, path: str) -> None:
     """An output directory must be one (or creatable) and writable, before training starts:
     the first save is too late to find out."""
     p = Path(path)
+    named = f"{key} {path}" if key.startswith("-") else f"{key} = '{path}'"
     if p.exists() and not p.is_dir():
-        raise ConfigError(f"{key} = '{path}' is a file, not a directory; give a directory path")
+        raise ConfigError(f"{named} is a file, not a directory; give a directory path")
     existing = p
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(f"{key} = '{path}' cannot be created: {existing} is a file; give "
+        raise ConfigError(f"{named} cannot be created: {existing} is a file; give "
                           f"another directory path")
     try:  # a real probe: permission bits say nothing for root or on a read-only mount
         tempfile.TemporaryDirectory(dir=existing, prefix=".fivefold-probe-").cleanup()
     except OSError as e:
-        raise ConfigError(f"{key} = '{path}' is not writable ({e.strerror} in {existing}); "
+        raise ConfigError(f"{named} is not writable ({e.strerror} in {existing}); "
                           f"give a directory you can write to") from None
 
 

@@ -207,7 +207,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte",
                           f"file e.g. tokens.bin")
     if out_path.is_dir():
         raise ConfigError(f"output {out} is a directory; give a file name such as {out}/tokens.bin")
-    writable_file("output", out)
+    writable_file("-o/--out", out)
     written = [out_path, meta_path(out_path)]
     if train_tokenizer is not None:
         written.append(out_path.with_suffix(".tokenizer.json"))

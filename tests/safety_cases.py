@@ -1,0 +1,195 @@
+"""The bad-input sweep: every command, every kind of mistake, each one line and an exit code.
+
+`make_world(root)` builds the inputs once (broken Hugging Face directories, a token file, a
+damaged copy of a run); `cases(world)` lists (name, argv, exit code, text the line must hold).
+tests/test_safety.py runs them in-process after a completed run and checks that run's files
+byte for byte; bench/bad_inputs.py runs them as real processes and prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+SMALL = ["--model.hidden_size", "32", "--model.intermediate_size", "64", "--model.num_layers",
+         "2", "--train.seq_len", "32", "--train.gbs", "4", "--train.eval_every", "0",
+         "--train.warmup_steps", "0", "--train.device", "cpu", "--log.progress", "false",
+         "--log.tensorboard", "false"]
+UNWRITABLE = "/sys/kernel/fivefold-sweep"  # refuses writes even to root
+
+
+def dirs(run: Path) -> list[str]:
+    return ["--checkpoint.dir", str(run / "ck"), "--log.dir", str(run)]
+
+
+def make_world(root: Path, finished_run: Path) -> dict[str, Path]:
+    """Inputs the cases need, next to (never inside) the completed run."""
+    import torch
+
+    from fivefold.data.prepare import prepare
+    from fivefold.models.hf import save_hf
+    from fivefold.models.init import build_meta
+    from fivefold.models.presets import preset
+
+    w = {"run": finished_run, "root": root}
+    (root / "text.txt").write_text("To be, or not to be, that is the question. " * 20)
+    (root / "empty.txt").write_text("")
+    prepare([str(root / "text.txt")], str(root / "tokens.bin"))
+    (root / "bad.toml").write_text("[train\nsteps = 3\n")
+    (root / "afile").write_text("not a directory")
+    (root / "full").mkdir()
+    (root / "full" / "x").write_text("taken")
+    (root / "adir").mkdir()
+    cfg = preset("tiny").replace(hidden_size=32, intermediate_size=64, num_layers=2)
+    model = build_meta(cfg)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    save_hf(model, cfg, root / "hf_good", max_shard_bytes=10**9)
+    good = json.loads((root / "hf_good" / "config.json").read_text())
+    for name, change in (("hf_heads0", {"num_attention_heads": 0}),
+                         ("hf_hidden_str", {"hidden_size": "128"}),
+                         ("hf_vocab_null", {"vocab_size": None})):
+        shutil.copytree(root / "hf_good", root / name)
+        (root / name / "config.json").write_text(json.dumps({**good, **change}))
+    shutil.copytree(root / "hf_good", root / "hf_truncated")
+    weights = root / "hf_truncated" / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    shutil.copytree(finished_run / "ck", root / "damaged")
+    latest = root / "damaged" / (root / "damaged" / "latest").read_text().strip()
+    os.truncate(next(latest.glob("*.distcp")), 5000)
+    w.update({k: root / k for k in ("hf_good", "hf_heads0", "hf_hidden_str", "hf_vocab_null",
+                                     "hf_truncated", "damaged", "tokens.bin")})
+    return w
+
+
+def cases(w: dict[str, Path]) -> list[tuple[str, list[str], int, str]]:
+    r, run = w["root"], w["run"]
+    new = dirs(r / "fresh")  # a run directory nothing has been written to
+    t = ["train", *SMALL, *new]
+    gen = ["--prompt", "hi", "--max-new-tokens", "2"]
+    ck = str(run / "ck")
+    plan = ["plan", "--model", "tiny", "--gpus", "1", "--seq-len", "128", "--gbs", "4"]
+    sched = ["schedule", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4"]
+    return [
+        # train: values
+        ("lr nan", [*t, "--train.lr", "nan"], 2, "train.lr = 'nan' is not a finite"),
+        ("lr inf", [*t, "--train.lr", "inf"], 2, "train.lr = 'inf' is not a finite"),
+        ("lr negative", [*t, "--train.lr", "-1"], 2, "train.lr = -1.0 must be > 0"),
+        ("seed negative", [*t, "--train.seed", "-1"], 2, "train.seed = -1"),
+        ("seed too big", [*t, "--train.seed", str(2**40)], 2, "train.seed"),
+        ("timeout zero", [*t, "--parallel.timeout_s", "0"], 2, "parallel.timeout_s = 0.0"),
+        ("bucket nan", [*t, "--parallel.bucket_mb", "nan"], 2, "parallel.bucket_mb = 'nan'"),
+        ("bucket zero", [*t, "--parallel.bucket_mb", "0"], 2, "parallel.bucket_mb = 0.0"),
+        ("steps zero", [*t, "--train.steps", "0"], 2, "train.steps = 0"),
+        ("steps word", [*t, "--train.steps", "many"], 2, "not an integer"),
+        ("min_lr above lr", [*t, "--train.min_lr", "1"], 2, "train.min_lr"),
+        ("beta out of range", [*t, "--train.beta2", "1.5"], 2, "train.beta2"),
+        ("unknown key", [*t, "--train.lrr", "1"], 2, "did you mean 'lr'"),
+        ("unknown section", [*t, "--trian.lr", "1"], 2, "did you mean 'train'"),
+        ("override no value", [*t, "--train.lr"], 2, "has no value"),
+        ("stray word", [*t, "oops"], 2, "unexpected argument 'oops'"),
+        ("gbs vs mbs", [*t, "--train.gbs", "6", "--parallel.mbs", "4"], 2, "train.gbs = 6"),
+        ("bad precision", [*t, "--train.precision", "fp8"], 2, "train.precision"),
+        ("seq_len too long", [*t, "--train.seq_len", "4096"], 2, "max_seq_len"),
+        ("tp vs heads", [*t, "--parallel.tp", "3"], 2, "parallel.tp = 3"),
+        ("sp without tp", [*t, "--parallel.sp", "true"], 2, "parallel.sp"),
+        ("zero stage", [*t, "--parallel.zero", "4"], 2, "parallel.zero = 4"),
+        ("hidden size 0", [*t, "--model.hidden_size", "0"], 2, "model.hidden_size = 0"),
+        ("kv heads", [*t, "--model.num_kv_heads", "3"], 2, "num_kv_heads"),
+        ("unknown preset", [*t, "--model.preset", "llama-9b"], 2, "model.preset"),
+        ("not launched", [*t, "--parallel.dp", "2"], 2, "torchrun"),
+        # train: files and directories
+        ("config missing", [*t, "--config", str(r / "none.toml")], 2, "does not exist"),
+        ("config is a dir", [*t, "--config", str(r / "adir")], 2, "is a directory"),
+        ("config bad toml", [*t, "--config", str(r / "bad.toml")], 2, "not valid TOML"),
+        ("data missing", [*t, "--data.path", str(r / "no.bin")], 2, "does not exist"),
+        ("data is a dir", [*t, "--data.path", str(r / "adir")], 2, "is a directory"),
+        ("tokenizer missing", [*t, "--data.tokenizer", str(r / "t.json")], 2, "data.tokenizer"),
+        ("checkpoint.dir a file", ["train", *SMALL, "--checkpoint.dir", str(r / "afile")], 2,
+         "is a file, not a directory"),
+        ("log.dir a file", ["train", *SMALL, "--log.dir", str(r / "afile")], 2, "log.dir"),
+        ("checkpoint.dir unwritable", ["train", *SMALL, "--checkpoint.dir", UNWRITABLE], 2,
+         "not writable"),
+        ("log.dir unwritable", ["train", *SMALL, "--log.dir", UNWRITABLE], 2, "not writable"),
+        ("resume path missing", [*t, "--checkpoint.resume", str(r / "nowhere")], 2,
+         "checkpoint.resume"),
+        # train: an earlier run
+        ("fresh run over a run", ["train", *SMALL, *dirs(run)], 2, "--overwrite"),
+        ("overwrite and resume", ["train", *SMALL, *dirs(run), "--overwrite",
+                                  "--checkpoint.resume", "latest"], 2, "give one of them"),
+        ("resume, other model", ["train", *SMALL, "--model.hidden_size", "64", *dirs(run),
+                                 "--checkpoint.resume", "latest"], 2, "hidden_size = 32"),
+        ("resume damaged", ["train", *SMALL, "--checkpoint.dir", str(w["damaged"]), "--log.dir",
+                            str(r / "dmg-log"), "--checkpoint.resume", "latest"], 2,
+         "is damaged"),
+        # train: Hugging Face inputs
+        ("hf heads 0", [*t, "--model.hf_path", str(w["hf_heads0"])], 2, "num_attention_heads"),
+        ("hf hidden str", [*t, "--model.hf_path", str(w["hf_hidden_str"])], 2, "hidden_size"),
+        ("hf vocab null", [*t, "--model.hf_path", str(w["hf_vocab_null"])], 2, "vocab_size"),
+        ("hf truncated", [*t, "--model.hf_path", str(w["hf_truncated"])], 2, "is damaged"),
+        ("hf no config", [*t, "--model.hf_path", str(r / "adir")], 2, "no config.json"),
+        # generate
+        ("generate no source", ["generate", *gen], 2, "required"),
+        ("generate missing", ["generate", "--checkpoint", str(r / "nope"), *gen], 2, "nope"),
+        ("generate 0 tokens", ["generate", "--checkpoint", ck, "--prompt", "hi",
+                               "--max-new-tokens", "0"], 2, "--max-new-tokens"),
+        ("generate top_p", ["generate", "--checkpoint", ck, *gen, "--top-p", "2"], 2, "top"),
+        ("generate damaged", ["generate", "--checkpoint", str(w["damaged"]), *gen], 2,
+         "is damaged"),
+        ("generate hf heads 0", ["generate", "--hf", str(w["hf_heads0"]), *gen], 2,
+         "num_attention_heads"),
+        ("generate hf truncated", ["generate", "--hf", str(w["hf_truncated"]), *gen], 2,
+         "is damaged"),
+        # convert
+        ("convert no output", ["convert", "--checkpoint", ck], 2, "--to-hf"),
+        ("convert into non-empty", ["convert", "--checkpoint", ck, "--to-hf", str(r / "full")],
+         2, "not empty"),
+        ("convert unwritable", ["convert", "--checkpoint", ck, "--to-hf", UNWRITABLE], 2,
+         "not writable"),
+        ("convert shard size", ["convert", "--checkpoint", ck, "--to-hf", str(r / "o1"),
+                                "--max-shard-size", "big"], 2, "--max-shard-size"),
+        ("convert damaged", ["convert", "--checkpoint", str(w["damaged"]), "--to-hf",
+                             str(r / "o2")], 2, "is damaged"),
+        ("convert hf vocab null", ["convert", "--hf", str(w["hf_vocab_null"]), "--to-hf",
+                                   str(r / "o3")], 2, "vocab_size"),
+        ("convert hf truncated", ["convert", "--hf", str(w["hf_truncated"]), "--to-hf",
+                                  str(r / "o4")], 2, "is damaged"),
+        # prepare
+        ("prepare no output", ["prepare", str(r / "text.txt")], 2, "-o/--out"),
+        ("prepare empty", ["prepare", str(r / "empty.txt"), "-o", str(r / "e.bin")], 2,
+         "hold no text"),
+        ("prepare missing input", ["prepare", str(r / "none.txt"), "-o", str(r / "m.bin")], 2,
+         "does not exist"),
+        ("prepare exists", ["prepare", str(r / "text.txt"), "-o", str(w["tokens.bin"])], 2,
+         "--overwrite"),
+        ("prepare into a dir", ["prepare", str(r / "text.txt"), "-o", str(r / "adir")], 2,
+         "is a directory"),
+        ("prepare unwritable", ["prepare", str(r / "text.txt"), "-o", UNWRITABLE + "/t.bin"],
+         2, "not writable"),
+        ("prepare tiny vocab", ["prepare", str(r / "text.txt"), "-o", str(r / "v.bin"),
+                                "--train-tokenizer", "100"], 2, "too small"),
+        # plan
+        ("hw memory nan", [*plan, "--hw", "memory_gib=nan"], 2, "memory_gib=nan"),
+        ("hw memory negative", [*plan, "--hw", "memory_gib=-5"], 2, "memory_gib=-5"),
+        ("hw efficiency 0", [*plan, "--hw", "matmul_efficiency=0"], 2, "matmul_efficiency"),
+        ("hw unknown field", [*plan, "--hw", "memroy_gib=80"], 2, "did you mean"),
+        ("hw not a number", [*plan, "--hw", "memory_gib=lots"], 2, "not a number"),
+        ("plan unknown gpu", [*plan, "--gpu", "h900"], 2, "unknown GPU"),
+        ("plan unknown model", ["plan", "--model", "nope", "--gpus", "1"], 2, "nope"),
+        ("plan hf heads 0", ["plan", "--model", str(w["hf_heads0"]), "--gpus", "1"], 2,
+         "num_attention_heads"),
+        ("plan bad layout", [*plan, "--layout", "tp=3"], 2, "tp"),
+        ("plan config dir", ["plan", "--config", str(r / "adir")], 2, "is a directory"),
+        ("plan top 0", [*plan, "--top", "0"], 2, "--top 0"),
+        ("plan plot unwritable", [*plan, "--plot", UNWRITABLE], 2, "not writable"),
+        # schedule and the command itself
+        ("schedule unknown", ["schedule", "--schedule", "nope", "--pp", "2", "--microbatches",
+                              "4", "--out", str(r / "s.png")], 2, "nope"),
+        ("schedule pp 0", [*sched[:4], "0", *sched[5:], "--out", str(r / "s.png")], 2, "pp"),
+        ("schedule unwritable", [*sched, "--out", UNWRITABLE + "/s.png"], 2, "not writable"),
+        ("unknown command", ["trian"], 2, "unknown command"),
+    ]
