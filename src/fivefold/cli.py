@@ -143,7 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command '{argv[0]}'; commands: train, plan, calibrate, prepare, "
               f"generate, convert, schedule, bench", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from fivefold.train.lifecycle import leave_if_distributed
+    def leave_if_distributed(code: int) -> int:
+        # Only a command that imported torch can have a process group up; `plan` never
+        # imports torch (tests/test_plan_search.py), so it must not be imported here.
+        if "torch.distributed" not in sys.modules:
+            return code
+        from fivefold.train.lifecycle import leave_if_distributed as leave
+
+        return leave(code)
 
     # Under torchrun a failed run leaves without waiting on its peers (train/lifecycle.py).
     try:
