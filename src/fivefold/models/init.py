@@ -28,8 +28,10 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def init_value(cfg: ModelConfig, name: str, shape, seed: int) -> torch.Tensor:
-    """The full fp32 initial value of the logical tensor `name` (a CPU tensor).
+def init_value(cfg: ModelConfig, name: str, shape, seed: int,
+               experts: range | None = None) -> torch.Tensor:
+    """The full fp32 initial value of the logical tensor `name` (a CPU tensor); for stacked
+    expert weights, `experts` draws only those experts (a rank's block under ep).
 
     Norm weights are ones and biases zeros; matrices are N(0, init_std), with the output
     projections of each residual branch (o_proj, down_proj) scaled by 1/sqrt(2·layers) as in
@@ -47,7 +49,7 @@ def init_value(cfg: ModelConfig, name: str, shape, seed: int) -> torch.Tensor:
         # Stacked experts [E, ...]: expert j is drawn from its own name, so a rank holding
         # experts a..b (expert parallelism) draws the same values a single device does.
         return torch.stack([_normal(shape[1:], std, name_seed(seed, f"{name}.{j}"))
-                            for j in range(shape[0])])
+                            for j in (experts or range(shape[0]))])
     return _normal(shape, std, name_seed(seed, name))
 
 
@@ -68,18 +70,24 @@ def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device="cpu",
 
     `names` maps a local parameter name to its logical name where the two differ (a pipeline
     stage holding layers 4..7 as layers 0..3). Tensors whose parallel transformation left a
-    `_shard_fn` attribute (tensor parallelism) are drawn in full and then sliced by it.
+    `_shard_fn` attribute (tensor parallelism) are drawn in full and then sliced by it;
+    stacked experts split by expert parallelism (`_ep_slice`) draw only this rank's experts.
     """
     shard_fns = {n: getattr(p, "_shard_fn", None) for n, p in model.named_parameters()}
+    ep_slices = {n: getattr(p, "_ep_slice", None) for n, p in model.named_parameters()}
     full_shapes = {n: getattr(p, "_full_shape", p.shape) for n, p in model.named_parameters()}
     model.to(dtype=dtype)
     model.to_empty(device=device)
     with torch.no_grad():
         for name, param in model.named_parameters():
             logical = (names or {}).get(name, name)
-            value = init_value(cfg, logical, full_shapes[name], seed)
-            if shard_fns.get(name) is not None:
-                value = shard_fns[name](value)
+            if ep_slices.get(name) is not None:
+                _, start, stop = ep_slices[name]
+                value = init_value(cfg, logical, full_shapes[name], seed, range(start, stop))
+            else:
+                value = init_value(cfg, logical, full_shapes[name], seed)
+                if shard_fns.get(name) is not None:
+                    value = shard_fns[name](value)
             param.copy_(value.to(dtype))
     for module in model.modules():
         if isinstance(module, Rotary):  # fp32 frequencies whatever the parameters' dtype
