@@ -33,7 +33,7 @@ from fivefold.plan.memory import memory_items, peak_memory
 from fivefold.plan.timing import rank_compute
 
 SPACE_KEYS = ("tp", "pp", "cp", "ep", "zero", "mbs", "recompute", "schedule",
-              "virtual_stages", "sp", "offload", "cp_comm")
+              "virtual_stages", "sp", "offload", "cp_comm", "sp_saved")
 CP_COMMS = ("ring", "allgather")
 
 
@@ -53,6 +53,7 @@ class SearchSpace:
     sp: tuple = (True,)  # with tp > 1; SP halves nothing in time and saves memory
     offload: tuple = (False,)
     cp_comm: tuple = CP_COMMS  # with cp > 1
+    sp_saved: tuple = ("full",)  # with sp: "full", "shard" or both (parallel.sp_saved_input)
     max_mbs: int = 16
     min_cp_tokens: int = 1024  # keep at least this many tokens per cp rank
     strict_layers: bool = True  # num_layers divisible by the pipeline chunks
@@ -78,9 +79,9 @@ class SearchSpace:
                 continue
             if key not in SPACE_KEYS:
                 raise ConfigError(f"--space key {key!r} is unknown; use {', '.join(SPACE_KEYS)}")
-            if key in ("recompute", "schedule", "cp_comm"):
+            if key in ("recompute", "schedule", "cp_comm", "sp_saved"):
                 allowed = {"recompute": RECOMPUTE, "schedule": SCHEDULES,
-                           "cp_comm": CP_COMMS}[key]
+                           "cp_comm": CP_COMMS, "sp_saved": ("full", "shard")}[key]
                 bad = [v for v in vals if v not in allowed]
                 if bad:
                     raise ConfigError(f"--space {key}={bad[0]} is not one of {', '.join(allowed)}")
@@ -165,10 +166,15 @@ def enumerate_layouts(work: Workload, num_gpus: int, hw: Hardware,
                     for sched, v in schedules:
                         for ep in eps:
                             # experts replicate over tp without SP (models/moe.py)
-                            for sp in space.sp if tp > 1 and not mc.num_experts else (False,):
+                            sps = space.sp if tp > 1 and not mc.num_experts else (False,)
+                            saved = ((space.fixed["sp_saved"],) if "sp_saved" in space.fixed
+                                     else space.sp_saved)
+                            for sp, kept in [(s, k) for s in sps
+                                             for k in (saved if s else saved[:1])]:
+                                fixed = {**space.fixed, "sp_saved": kept}
                                 base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mbs=mbs,
                                               schedule=sched, virtual_stages=v, sp=sp,
-                                              **space.fixed)
+                                              **fixed)
                                 problems = check_layout(work, base, hw.gpus_per_node,
                                                         space.strict_layers)
                                 if problems:
@@ -183,7 +189,7 @@ def enumerate_layouts(work: Workload, num_gpus: int, hw: Hardware,
                                             for comm in space.cp_comm if cp > 1 else ("ring",):
                                                 out.append(Layout(
                                                     dp, tp, pp, cp, ep, zero, mbs, rc, sched, v,
-                                                    sp, off, cp_comm=comm, **space.fixed))
+                                                    sp, off, cp_comm=comm, **fixed))
     return out
 
 
@@ -230,7 +236,7 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
         if space.allowed is not None and not space.allowed(lay):  # asked late: it costs
             continue
         sibling = (lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.mbs, lay.schedule,
-                   lay.virtual_stages, lay.sp, lay.offload, lay.cp_comm)
+                   lay.virtual_stages, lay.sp, lay.offload, lay.cp_comm, lay.sp_saved)
         if fitting_siblings.get(sibling, 99) < level[lay.recompute]:
             bounded += 1
             continue
