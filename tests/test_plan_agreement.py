@@ -97,13 +97,14 @@ LAYOUTS.update({
 
 # Mixtures of experts: a dense first layer, then MoE layers; experts replicate over tp; the
 # expert-bias update adds its all-reduce of the global tokens per expert.
-MOE = ["--model.num_experts", "4", "--model.experts_top_k", "2", "--model.moe_intermediate_size",
-       "64", "--model.aux_loss_coeff", "0.01", "--model.z_loss_coeff", "0.001"]
+MOE_BASE = ["--model.num_experts", "4", "--model.experts_top_k", "2",
+            "--model.moe_intermediate_size", "64"]
+MOE = [*MOE_BASE, "--model.aux_loss_coeff", "0.01", "--model.z_loss_coeff", "0.001"]
 LAYOUTS.update({
     "moe-single-dense-first": [*MOE, "--model.moe_first_dense", "1", "--model.num_layers", "3"],
     "moe-tp2-shared": [*MOE, "--parallel.tp", "2", "--model.shared_expert_intermediate_size",
                        "32", "--model.shared_expert_gate", "true"],
-    "moe-dp2-zero3-bias": [*MOE, "--parallel.dp", "2", "--parallel.zero", "3",
+    "moe-dp2-zero3-bias": [*MOE_BASE, "--parallel.dp", "2", "--parallel.zero", "3",
                            "--model.expert_bias_rate", "0.001"],
     "moe-pp2-1f1b": [*PP, *MOE],
     "moe-single-full": [*MOE, "--train.recompute", "full"],

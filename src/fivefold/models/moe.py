@@ -280,13 +280,17 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
         out = out.view(b, s, h)
-        balance, z = self._losses(logits, scores, expert_idx, b, s)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self._weighted()):
+            balance, z = self._losses(logits, scores, expert_idx, b, s)  # (else: metrics only)
         self._record(expert_idx, balance, z, b)
         total = self.cfg.aux_loss_coeff * balance + self.cfg.z_loss_coeff * z
         if torch.is_grad_enabled() and total.requires_grad:
             scale = self.aux_grad_scale if self.aux_grad_scale is not None else 1.0 / b
             out = AuxLossInjector.apply(out, total, scale)
         return out
+
+    def _weighted(self) -> bool:
+        return self.cfg.aux_loss_coeff > 0 or self.cfg.z_loss_coeff > 0
 
     def _losses(self, logits, scores, expert_idx, b: int, s: int):
         """Sums over the b sequences of the per-sequence balance loss and z-loss (fp32)."""

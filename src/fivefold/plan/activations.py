@@ -187,7 +187,7 @@ def activation_bytes_per_microbatch(
 
 def moe_layer_terms(model: ModelConfig, tokens: float, B: int) -> dict[str, float]:
     """What an MoE block (models/moe.py) saves for backward, replicated over tp: fp32 router
-    scores and logits (the z-loss's log-sum-exp) and its result, the chosen indices and
+    scores, with a z-loss its logits and log-sum-exp, the chosen indices and
     weights, the dispatch and un-dispatch permutations, the dispatched tokens, the experts'
     SwiGLU (4 tensors of T·k·f_e), the expert outputs in fp32 for the combine, and the
     shared expert (SwiGLU, plus its gate's input and sigmoid); bf16 adds the fp32 copy of
@@ -195,7 +195,9 @@ def moe_layer_terms(model: ModelConfig, tokens: float, B: int) -> dict[str, floa
     h, e, k = model.hidden_size, model.num_experts, model.experts_top_k
     fe, fs = model.moe_intermediate_size, model.shared_expert_intermediate_size
     out = {
-        "router": tokens * (2 * e + 1) * STAT_BYTES + tokens * k * (INDEX_BYTES + 2 * 4),
+        # scores (softmax/gather backward); the z-loss's logits and log-sum-exp
+        "router": tokens * (e + (e + 1 if model.z_loss_coeff else 0)) * STAT_BYTES
+        + tokens * k * (INDEX_BYTES + 2 * 4),
         "dispatch": 2 * tokens * k * INDEX_BYTES + tokens * k * h * B,
         "experts": 4 * tokens * k * fe * B + tokens * k * h * 4,
         "shared": 4 * tokens * fs * B,
