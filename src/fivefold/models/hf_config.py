@@ -173,6 +173,8 @@ def model_config_from_hf(path: str | os.PathLike) -> ModelConfig:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
+        # Only what export would not pick by itself (Llama, Qwen2 and the MoE classes it does).
+        hf_architecture=arch if arch == "MistralForCausalLM" else "",
         **moe,
     )
     check_shape(cfg, where)
@@ -266,6 +268,9 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str | None = None) -> dict:
     qwen = cfg.qkv_bias
     arch = _moe_arch(cfg) if cfg.num_experts else (
         "Qwen2ForCausalLM" if qwen else "LlamaForCausalLM")
+    mistral = arch == "LlamaForCausalLM" and cfg.hf_architecture == "MistralForCausalLM"
+    if mistral:  # imported from Mistral: exported as Mistral (the same computation here)
+        arch = "MistralForCausalLM"
     if cfg.qk_norm and not cfg.num_experts:
         raise ConfigError(f"model '{cfg.name}': qk_norm exports only with experts (Qwen3-MoE)")
     out = {
@@ -296,6 +301,8 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str | None = None) -> dict:
     elif qwen:
         out.update(use_sliding_window=False, sliding_window=None,
                    max_window_layers=cfg.num_layers)
+    elif mistral:  # the window capped max_seq_len on import: within it, attention is full
+        out.update(sliding_window=None)
     else:
         out.update(attention_bias=False, mlp_bias=False)
     if dtype:

@@ -35,6 +35,7 @@ class ModelConfig:
     mlp: str = "swiglu"  # "swiglu" (Llama) or "gelu" (GPT-3 style, 2 matrices)
     norm: str = "rmsnorm"  # "rmsnorm" or "layernorm"
     init_std: float = 0.02
+    hf_architecture: str = ""  # imported from this HF class (Mistral); export names it again
     # Mixture of experts (0 experts: dense); see models/moe.py.
     num_experts: int = 0
     experts_top_k: int = 0

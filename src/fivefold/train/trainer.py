@@ -145,16 +145,10 @@ class Trainer:
         return ds
 
     def _load_hf_weights(self) -> None:
-        from fivefold.models.hf import iter_hf_tensors
+        """Checked like `load_hf`; each rank reads only its slices (models/hf_slices.py)."""
+        from fivefold.models.hf_slices import load_hf_slices
 
-        self.load_logical_weights(dict(iter_hf_tensors(self.cfg.model.hf_path)))
-
-    def load_logical_weights(self, full: dict[str, torch.Tensor]) -> None:
-        from fivefold.parallel.shards import local_piece
-
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                p.copy_(local_piece(p, full[name]).to(p.dtype))
+        load_hf_slices(self.cfg.model.hf_path, self.model.named_parameters(), self.model_cfg)
 
     # --- one step ---------------------------------------------------------------------
     def shard_sequences(self, micro_batches):
