@@ -86,6 +86,7 @@ class GradReducer:
         self.launch_log.clear()
 
     def prepare_backward(self, final_microbatch: bool) -> None:
+        peak.sample("before a micro-batch's backward")  # = the end of the previous one's
         self.final = final_microbatch
         self.counts = [0] * len(self.counts)
 
@@ -151,14 +152,21 @@ class GradReducer:
 
     def finish(self) -> None:
         """Launch what backward did not (buckets of parameters without a gradient), wait."""
+        peak.sample("end of backward")
         if self.final:
-            if not self.keep_full:  # a gradient still in .grad was never staged: stage it
+            # A gradient still in .grad was never staged (its hook ran on a non-final pass, or
+            # not at all): stage and launch bucket by bucket, in launch order, so that the
+            # bound on buckets alive holds here too.
+            leftover: dict[int, list[int]] = {}
+            if not self.keep_full:
                 for i, slot in enumerate(self.layout.params):
                     if slot.param.grad is not None and not self.ready[slot.segment]:
-                        self._stage_leftover(i)
-            self.ready = [True] * len(self.ready)
-            self._launch_ready()
-        peak.sample("end of backward")
+                        leftover.setdefault(slot.segment, []).append(i)
+            for seg in self.order[self.launched:]:
+                for i in leftover.get(seg, []):
+                    self._stage_leftover(i)
+                self.ready[seg] = True
+                self._launch_ready()
         while self.handles:
             self._wait_oldest()
         self.staging.clear()
@@ -168,6 +176,7 @@ class GradReducer:
         start = slot.start - self.layout.segments[slot.segment].start
         self._staging(slot.segment)[start:start + slot.numel].copy_(slot.param.grad.view(-1))
         slot.param.grad = None
+        peak.sample("gradient staged")
 
     # --- the optimizer's view of the reduced gradients -----------------------------------
     def owned_grads(self, pieces) -> list[torch.Tensor]:

@@ -118,6 +118,12 @@ class ExpertParallelOptimizer:
         for part in self.parts:
             part.loaded(step)
 
+    def peak_sources(self) -> dict:
+        """Both parts' storages, by planner item (see `zero.DataParallelOptimizer`)."""
+        sources = [part.peak_sources() for part in self.parts]
+        return {item: (lambda item=item: [t for s in sources for t in s[item]()])
+                for item in sources[0]}
+
     def step_count(self) -> int:
         return self.dense.step_count()
 
