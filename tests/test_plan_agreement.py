@@ -1,4 +1,5 @@
-"""The planner and the engine agree: model-state bytes (1%), saved activations (10%) and the
+"""The planner and the engine agree: model-state bytes (1%), saved activations (10%), the peak
+items both name (gradients accumulating whole, DP/ZeRO buckets and gathered units: 10%) and the
 communication ledger (exactly) of every layout the engine runs, measured on the engine, on
 every rank (pipeline ranks differ: each is compared with the planner's prediction for it)."""
 
@@ -12,13 +13,14 @@ from harness import run_ranks
 
 from fivefold.parallel.memory import SavedActivations
 from fivefold.parallel.mesh import ParallelDims
+from fivefold.parallel.peak import PeakTracker
 from fivefold.plan.activations import activation_bytes_per_microbatch
 from fivefold.plan.comm import ledger_volume
 from fivefold.plan.evaluate import plan_layout
 from fivefold.plan.hardware import Assumptions, get_hardware
 from fivefold.plan.inputs import training_plan_inputs
 from fivefold.plan.layout import stage
-from fivefold.plan.memory import memory_items, model_state_bytes
+from fivefold.plan.memory import dp_comm_buffer_bytes, memory_items, model_state_bytes
 from fivefold.train.trainer import Trainer
 
 # A model big enough that per-tensor terms dominate: hidden 64, 4 heads of 16, 2 kv heads.
@@ -118,7 +120,9 @@ def measure(rank, world, tmp, args):
     if trainer.pipeline is not None:
         trainer.pipeline.count_activations = True  # also measures the kept output gradients
     dims.ledger.enabled = True
-    trainer.train_step()
+    sources = getattr(trainer.optimizer, "peak_sources", dict)()  # DP/ZeRO optimizers
+    with PeakTracker(sources) as tracker:
+        trainer.train_step()
     ledger = {}
     for (group, op), t in dims.ledger.totals().items():
         ledger.setdefault(group, {})[op] = t["bytes"]
@@ -139,7 +143,9 @@ def measure(rank, world, tmp, args):
     kept = trainer.pipeline.peak_kept_bytes if trainer.pipeline is not None else 0
     return {"ledger": ledger, "memory": trainer.optimizer.memory_bytes(),
             "activations": activations, "precision": trainer.precision,
-            "pp_rank": dims.pp_rank, "split_grads": kept}
+            "pp_rank": dims.pp_rank, "split_grads": kept,
+            "peaks": {item: tracker.item_peaks.get(item, 0)
+                      for item in ("grad_buffer", "comm_buffers")}}
 
 
 def planned(tmp, args, precision, pp_rank):
@@ -169,8 +175,11 @@ def planned(tmp, args, precision, pp_rank):
     hw, assume = get_hardware("h100-sxm")
     report = json.loads(json.dumps(plan_layout(work, layout, hw, assume).to_dict(), default=float))
     stage_json = report["stages"][pp_rank]
+    # The items of the peak the engine's tracker also counts (comm buffers: DP/ZeRO's part).
+    peaks = {"grad_buffer": items["grad_buffer"],
+             "comm_buffers": dp_comm_buffer_bytes(work, layout, pp_rank)}
     return (states, activations, ledger_volume(work, layout, pp_rank), items["split_grads"],
-            stage_json)
+            stage_json, peaks)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -190,10 +199,14 @@ def test_planner_agrees_with_engine(name, tmp_path, capsys):
 
 
 def check_rank(got, tmp_path, name, args, capsys):
-    states, activations, ledger, split_grads, stage_json = planned(
+    states, activations, ledger, split_grads, stage_json, peaks = planned(
         tmp_path, args, got["precision"], got["pp_rank"])
     # A split backward keeps output gradients from B to W: exactly what the planner counts.
     assert got["split_grads"] == split_grads, (got["split_grads"], split_grads)
+    # Peak items, measured from storages where the peak can occur (parallel/peak.py): the
+    # gradients accumulating whole over micro-batches, and DP/ZeRO's buckets and gathered units.
+    for item, plan in peaks.items():
+        assert abs(got["peaks"][item] - plan) <= 0.10 * plan, (item, got["peaks"], peaks)
     plan_items = {k: getattr(states, k) for k in ("params", "grads", "master", "optimizer")}
     measured = dict(got["memory"])
     if "--parallel.offload" in args:  # the planner books offloaded states as host memory

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from fivefold.parallel import comm
+from fivefold.parallel import comm, peak
 from fivefold.parallel.buffers import FlatLayout
 
 FREE, GATHERING, READY = "free", "gathering", "ready"
@@ -119,6 +119,7 @@ class ParamGatherer:
         self.handles[u] = comm.all_gather(full, self.layout.segment_shard(self.shard, seg),
                                           self.group, async_op=True)
         self.state[u] = GATHERING
+        peak.sample("unit gathered")
 
     def ensure(self, u: int) -> None:
         self.gather(u)

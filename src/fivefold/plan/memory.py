@@ -189,21 +189,62 @@ def model_state_bytes(model: ModelConfig, *, tp: int = 1, pp: int = 1, dp: int =
                               counts["expert"], max(dp * cp // ep, 1))
 
 
+def dp_comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
+    """The gradient buckets and gathered ZeRO-3 units pipeline rank `rank` holds at its peak,
+    as parallel/data.py and parallel/zero3.py run them (checked against the engine's peak
+    tracker, parallel/peak.py).
+
+    DP and ZeRO-1 reduce in place in the gradient buffer: nothing extra. ZeRO-2 stages at
+    most `buckets_in_flight` buckets (k), never more than the rank's gradient. ZeRO-3's units
+    are a chunk's blocks and its rest (embedding, final norm, head); per chunk, the most of:
+      forward/backward  its rest + 2 blocks gathered (current + prefetched), as parameters
+      hooks staging     that + the rest's staging, alive from the first gradient (final norm,
+                        head) to the last, if the chunk ends the model + (k-1) blocks
+    and, when a tied embedding spans two pipeline ranks (its gradient is complete only after
+    the holders' all-reduce, so every gradient is staged after backward): k of the rank's
+    largest units, as gradients."""
+    mc = work.model
+    if layout.dp * layout.cp == 1 or layout.zero <= 1:
+        return 0.0
+    bpp = bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes)
+    k = work.buckets_in_flight
+    counts = rank_param_counts(mc, layout, rank)
+    if layout.zero == 2:
+        return min(k * work.bucket_mb * 1e6, (counts["dense"] + counts["expert"]) * bpp.grad)
+    per_layer = sum(layer_param_counts(mc, layout.tp, layout.ep).values())
+    vocab = mc.vocab_size * mc.hidden_size / layout.tp
+    norm = (1 if mc.norm == "rmsnorm" else 2) * mc.hidden_size
+    layers, chunks = chunk_layer_counts(mc, layout), rank_chunks(layout, rank)
+    last = num_chunks(layout) - 1
+    # A tied head on another rank than the embedding holds its own copy; on the same rank
+    # it uses the embedding (the same weight, or borrowed and gathered again: DualPipeV).
+    tied_across = mc.tie_embeddings and layout.pp > 1 and ((0 in chunks) != (last in chunks))
+    peak, units = 0.0, []
+    for c in chunks:
+        rest, borrowed = (vocab if c == 0 else 0.0), 0.0
+        if c == last:
+            head = vocab if not mc.tie_embeddings or 0 not in chunks else 0.0
+            rest += norm + head
+            borrowed = vocab if mc.tie_embeddings and c != 0 and 0 in chunks else 0.0
+        gathered = (rest + borrowed + min(2, layers[c]) * per_layer) * bpp.param
+        staged = 0.0
+        if not tied_across:
+            staged = ((rest if c == last else 0.0)
+                      + min(k - 1, layers[c]) * per_layer) * bpp.grad
+        peak = max(peak, gathered + staged)
+        units += [rest] * (rest > 0) + [per_layer] * layers[c]
+    if tied_across:
+        peak = max(peak, sum(sorted(units)[-k:]) * bpp.grad)
+    return peak
+
+
 def comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
-    """Transient buffers of the collectives: the DP buckets in flight; ZeRO-3's gathered layer
-    (current + prefetched params, one layer of full grads before its reduce-scatter); PP receive
+    """Transient buffers of the collectives: DP/ZeRO's (`dp_comm_buffer_bytes`); PP receive
     buffers for an activation and a gradient; CP's double-buffered K/V chunk;
     EP's dispatch buffers."""
     mc, B = work.model, work.dtype_bytes
-    bpp = bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes)
     tokens = layout.mbs * work.seq_len / layout.cp
-    total = 0.0
-    if layout.dp * layout.cp > 1:
-        if layout.zero == 3:
-            per_layer = sum(layer_param_counts(mc, layout.tp, layout.ep).values())
-            total += per_layer * (2 * bpp.param + bpp.grad)
-        else:
-            total += work.buckets_in_flight * work.bucket_mb * 1e6
+    total = dp_comm_buffer_bytes(work, layout, rank)
     if layout.pp > 1:
         total += 2 * tokens * mc.hidden_size * B / (layout.tp if layout.sp else 1)
     if layout.cp > 1:
