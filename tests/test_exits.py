@@ -203,18 +203,40 @@ def _save_fails(rank, world, tmp):
         finally:
             ckpt.torch.save = real_save
         dist.barrier()
+        # An unwritable directory, seen by rank 0 only (root ignores permission bits, so the
+        # refusal is injected where the kernel would give it): every rank stops together.
+        real_write = Path.write_bytes
+
+        def refused(path, data):
+            if ".write-probe" in path.name:
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return real_write(path, data)
+
+        if rank == 0:
+            Path.write_bytes = refused
+        try:
+            t.save_checkpoint()
+        except CheckpointWriteError as e:
+            out["unwritable"] = str(e)
+        finally:
+            Path.write_bytes = real_write
+        dist.barrier()
     out["watchdogs"] = watchdogs()
     return out
 
 
-def test_a_full_disk_during_save_is_one_line_and_keeps_the_previous(tmp_path):
-    """ENOSPC on every rank in the middle of saving step 2: one line naming the step, the
-    cause and the intact previous checkpoint; `latest` still names step 1 and nothing half
-    written is left behind."""
+def test_a_full_disk_or_unwritable_dir_during_save_is_one_line_and_keeps_the_previous(
+        tmp_path):
+    """ENOSPC on every rank in the middle of saving step 2, then a directory rank 0 may not
+    write: one line on every rank naming the step, the cause and the intact previous
+    checkpoint; `latest` still names step 1 and nothing half written is left behind."""
     for out in run_ranks(_save_fails, 2, str(tmp_path)):
         msg = out["error"]
         assert "saving step 2" in msg and "No space left on device" in msg, msg
         assert "step_00000001 is intact" in msg and "\n" not in msg, msg
+        msg = out["unwritable"]
+        assert "saving step 2" in msg and "step_00000001 is intact" in msg, msg
+        assert "Permission denied" in msg or "rank 0 cannot write there" in msg, msg
     ck = tmp_path / "full" / "ckpt"
     assert (ck / "latest").read_text() == "step_00000001"
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000001"]

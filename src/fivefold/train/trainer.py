@@ -14,8 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import shutil
-import sys
 
 import torch
 from torch.distributed.checkpoint import CheckpointException
@@ -35,6 +33,13 @@ from fivefold.train.metrics import (
 )
 from fivefold.train.optim import MasterWeightOptimizer, lr_at
 from fivefold.train.precision import DTYPES, LossScaler, resolve_precision
+from fivefold.train.recovery import (
+    agree,
+    is_write_error,
+    one_line,
+    save_failed,
+    unwritable,
+)
 
 
 class NonFiniteError(RunError):
@@ -318,12 +323,15 @@ class Trainer:
                 f"step {self.step}: {bad} weight/optimizer tensor(s) hold NaN or inf, so no "
                 f"checkpoint is saved and the earlier ones in {cfg.checkpoint.dir} are kept; "
                 f"resume from the latest one with a lower train.lr (or train.grad_clip)")
+        problem = unwritable(cfg.checkpoint.dir) if self.dims.rank == 0 else None
+        if agree(self, problem) is not None:  # rank 0 alone writes there first: all stop here
+            raise save_failed(self, OSError(problem or "rank 0 cannot write there"))
         try:
             ckpt.save(cfg.checkpoint.dir, self.step, tensors, self.trainer_state(), meta,
                       cfg.checkpoint.keep)
         except (Exception, CheckpointException) as e:  # DCP raises on every rank together
-            if _is_write_error(e):  # disk full, unwritable
-                self._save_failed(e)
+            if is_write_error(e):  # disk full, unwritable
+                raise save_failed(self, e) from e
             if not isinstance(e, RuntimeError):
                 raise
             lost = self.watchdog.lost_ranks() if self.watchdog.active else []
@@ -333,51 +341,11 @@ class Trainer:
             raise RankLostError(f"saving step {self.step} failed: lost {who}; the previous "
                                 f"checkpoint in {cfg.checkpoint.dir} is untouched") from e
 
-    def _save_failed(self, error: BaseException) -> None:
-        from pathlib import Path
-
-        from fivefold.train.lifecycle import CheckpointWriteError
-
-        root = Path(self.cfg.checkpoint.dir)
-        final = ckpt.step_dir(root, self.step)
-        if self.dims.rank == 0:  # half-written: never left for a resume to trip on
-            shutil.rmtree(final.with_name(final.name + ".tmp"), ignore_errors=True)
-        last = ckpt.resolve(str(root), "auto")
-        raise CheckpointWriteError(
-            f"saving step {self.step} to {root} failed ({_one_line(error)}); the previous "
-            f"checkpoint {last.name if last else '(none)'} is intact and `latest` still names "
-            f"it. Free space or fix the directory's permissions, then rerun: it resumes from "
-            f"there") from error
-
     def resume(self, root: str, mode: str) -> None:
-        """Load the first checkpoint of `ckpt.candidates` that loads. With 'auto', one that
-        fails to load (garbled metadata, a truncated shard) is named in one line and the one
-        before it is tried; a named path that fails is an error."""
-        skipped = []
-        for path in ckpt.candidates(root, mode):
-            problem = self.load_checkpoint(path)
-            if problem is None:
-                return
-            if mode not in ("auto", "latest"):
-                raise ConfigError(f"checkpoint {path} cannot be loaded: {problem}; point "
-                                  f"checkpoint.resume at another step_* directory")
-            skipped.append(path.name)
-            if self.dims.rank == 0:
-                print(f"fivefold: checkpoint {path} cannot be loaded ({problem}); trying the "
-                      f"previous one", file=sys.stderr, flush=True)
-        if skipped:
-            raise ConfigError(f"no checkpoint in {root} loads (tried {', '.join(skipped)}); "
-                              f"set checkpoint.resume = never to start afresh, or another "
-                              f"checkpoint.dir")
+        """Load the first of `ckpt.candidates` that loads (train/recovery.py)."""
+        from fivefold.train.recovery import resume
 
-    def _agree(self, problem: str | None) -> str | None:
-        """Every rank takes the same decision: a problem on any rank is a problem on all."""
-        flag = torch.tensor([0.0 if problem is None else 1.0], device=self.device)
-        with ledger_paused(self.dims):
-            comm.all_reduce(flag, self.dims["world"], op="max")
-        if flag.item() and problem is None:
-            problem = "another rank could not read it"
-        return problem
+        resume(self, root, mode)
 
     def load_checkpoint(self, path) -> str | None:
         """Load `path` into this trainer; returns why it could not be read (None: loaded).
@@ -388,8 +356,8 @@ class Trainer:
         try:
             meta = ckpt.read_meta(path)
         except (ConfigError, OSError) as e:
-            problem = _one_line(e)
-        problem = self._agree(problem)
+            problem = one_line(e)
+        problem = agree(self, problem)
         if problem is not None:
             return problem
         ckpt.check_model_shape(meta, self.model_cfg, path)
@@ -399,8 +367,8 @@ class Trainer:
             with torch.no_grad():
                 ckpt.load(path, self.checkpoint_parts(load=True), state)
         except (Exception, CheckpointException) as e:  # DCP raises on every rank together;
-            problem = _one_line(e)  # the rng file is read per rank
-        problem = self._agree(problem)
+            problem = one_line(e)  # the rng file is read per rank
+        problem = agree(self, problem)
         if problem is not None:
             return problem
         self.optimizer.loaded(state["optim_step"])
@@ -428,17 +396,3 @@ class Trainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _is_write_error(exc: BaseException) -> bool:
-    """An OSError, or DCP's wrapper of one raised on some rank."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict):
-        return any(isinstance(pair[0], OSError) for pair in failures.values())
-    return isinstance(exc, OSError) or isinstance(exc.__cause__, OSError)
-
-
-def _one_line(exc: BaseException) -> str:
-    """The last non-empty line of an exception's message (DCP's carry whole tracebacks)."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return f"{type(exc).__name__}: {lines[-1][:200] if lines else ''}"
