@@ -30,6 +30,7 @@ from fivefold.plan.layout import (
     bubble_ratio,
     critical_ranks,
     log2_ceil,
+    moe_layers_on_rank,
     stage,
 )
 from fivefold.plan.memory import rank_param_counts, work_bytes_per_param
@@ -118,13 +119,27 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     h, t = mc.hidden_size, lay.tp
     q, kv = mc.num_heads * mc.dim_per_head, mc.num_kv_heads * mc.dim_per_head
     ffn = mc.moe_intermediate_size if mc.num_experts else mc.intermediate_size
-    thin = min(tokens, q / t, ffn / t, h)
+    thin = min(tokens, q / t, (mc.intermediate_size if mc.num_moe_layers < mc.num_layers
+                               else ffn) / t, h)
     # A GEMM's efficiency grows with its thinnest side: measured (calibrate) or modelled.
     gemm_rate = (profile_matmul_rate(hw, thin)
                  or peak * hw.matmul_efficiency * thin / (thin + GEMM_HALF_SIZE))
     hbm = hw.hbm_tbps * 1e12 * assume.hbm_efficiency
     scale = 1 + assume.compute_overhead  # launches, syncs, data loading: not modelled
-    gemm = tokens * layers * fwd.layer_matmul / t / gemm_rate * scale
+    moe = moe_layers_on_rank(mc, lay, rank)
+    # MoE blocks run whole on every tp rank (router, k experts, shared expert), as grouped
+    # GEMMs whose groups hold tokens·k·ep/E rows each on average: thin for many experts.
+    moe_mm = 2 * sum(mc.moe_params(active=True).values()) if moe else 0.0
+    rows = tokens * mc.experts_top_k * lay.ep / mc.num_experts if moe else 1.0
+    thin_e = min(rows, mc.moe_intermediate_size or 1, h)
+    expert_rate = (profile_matmul_rate(hw, thin_e)
+                   or peak * hw.matmul_efficiency * thin_e / (thin_e + GEMM_HALF_SIZE))
+    other_mm = layers * fwd.layer_matmul - moe * moe_mm
+    if moe:  # layer_matmul averages dense and MoE layers over the model; this rank's mix
+        attn_mm = 2 * (2 * h * q + 2 * h * kv)
+        other_mm = layers * attn_mm + (layers - moe) * 2 * (
+            3 if mc.mlp == "swiglu" else 2) * h * mc.intermediate_size
+    gemm = tokens * (other_mm / t / gemm_rate + moe * moe_mm / expert_rate) * scale
     # flash skips the masked half of the causal square; math attention computes all of it
     attn_flops = tokens * layers * fwd.layer_attention / t * (0.5 if work.flash else 1.0)
     attn_rate = (profile_attention_rate(hw, work.seq_len / lay.cp)
