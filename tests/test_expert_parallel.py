@@ -360,3 +360,27 @@ def test_planner_counts_moe_layers_per_stage(tmp_path):
     assert [moe_layers_on_rank(mc, layout, r) for r in (0, 1)] == [1, 2]
     routed = mc.num_experts // 2 * 3 * mc.hidden_size * mc.moe_intermediate_size
     assert [rank_param_counts(mc, layout, r)["expert"] for r in (0, 1)] == [routed, 2 * routed]
+
+
+def ep2_hf_logits(rank, world, tmp, path):
+    from test_hf_moe import tokens
+
+    cfg = small_config(pathlib.Path(tmp), "--model.hf_path", str(path), "--parallel.dp", "2",
+                       "--parallel.ep", "2")
+    trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel), quiet=True)
+    with torch.no_grad():  # both ranks route the same tokens, each through its 3 experts
+        return trainer.model.chunks[0].eval()(tokens())
+
+
+def test_hf_moe_checkpoint_loads_at_ep2(tmp_path):
+    """A Qwen3-MoE checkpoint (6 experts, top-3, renormalised) imported at dp 2 × ep 2:
+    logits within 1e-5 of `transformers`."""
+    pytest.importorskip("transformers")
+    from test_hf_moe import hf_model, tokens
+
+    with one_thread(), torch.no_grad():
+        hf = hf_model("qwen3_moe-norm1")
+        hf.save_pretrained(tmp_path / "hf")
+        expected = hf(tokens()).logits
+    for logits in run_ranks(ep2_hf_logits, 2, str(tmp_path), tmp_path / "hf"):
+        assert (logits - expected).abs().max().item() <= 1e-5
