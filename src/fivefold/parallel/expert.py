@@ -76,12 +76,14 @@ def all_to_all_rows(x: torch.Tensor, group: Group, send: list[int], recv: list[i
 def expert_major(recv_counts: torch.Tensor) -> torch.Tensor:
     """The permutation that regroups received rows from (source rank, expert) order into
     (expert, source rank) order. recv_counts [ep, E_local]: rows from each source per expert."""
-    ep, local = recv_counts.shape
     flat = recv_counts.reshape(-1)
     starts = torch.cumsum(flat, 0) - flat  # where each (source, expert) block starts
-    blocks = [torch.arange(int(starts[s * local + e]), int(starts[s * local + e] + flat[
-        s * local + e])) for e in range(local) for s in range(ep)]
-    return torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.long)
+    sizes, starts = recv_counts.t().reshape(-1), starts.view_as(recv_counts).t().reshape(-1)
+    # Block b of the new order holds rows starts[b] .. starts[b] + sizes[b] - 1.
+    offsets = torch.cumsum(sizes, 0) - sizes
+    within = torch.arange(int(sizes.sum()), device=flat.device)
+    within = within - torch.repeat_interleave(offsets, sizes)
+    return torch.repeat_interleave(starts, sizes) + within
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
@@ -122,7 +124,7 @@ class AllToAllDispatcher:
         recv = recv_counts.sum(1).tolist()
 
         received = all_to_all_rows(rows, self.group, send, recv, recv_rows)
-        perm = expert_major(recv_counts.cpu()).to(x.device)
+        perm = expert_major(recv_counts)
         out_sorted = experts(received[perm], recv_counts.sum(0))
         out_recv = out_sorted.index_select(0, _inverse(perm))
         back = all_to_all_rows(out_recv, self.group, recv, send, back_rows)
