@@ -96,6 +96,8 @@ def check_numbers(hf: dict, where: Path) -> None:
         if value is None and key in ("num_key_value_heads", "head_dim", "sliding_window",
                                      "max_position_embeddings"):
             continue  # optional: null means "not set"
+        if key == "sliding_window" and value == 0 and not hf.get("use_sliding_window"):
+            continue  # Qwen2-MoE writes 0 with use_sliding_window false: no window
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{where}: {key} = {json.dumps(value)} is not a positive whole "
                               f"number; fix config.json")
