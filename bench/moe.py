@@ -196,7 +196,9 @@ def main() -> None:
                "model": f"tiny + {args.experts} experts top-2", "precision": "fp32",
                "dp": args.world, "gbs": 16, "seq_len": 128, "step_s": times,
                "ratio_to_ep1": {ep: t / base for ep, t in times.items()},
-               "grouped_vs_loop": grouped}
+               "grouped_vs_loop": grouped,
+               "grouped_config": {k: getattr(args, k) for k in (
+                   "gmm_tokens", "gmm_hidden", "gmm_inter", "gmm_rounds")}}
     path = Path(__file__).parent / "results" / "moe.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
