@@ -59,13 +59,27 @@ from fivefold.models.presets import ModelConfig
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+_WORKS: dict[tuple[str, torch.dtype], bool] = {}
+
+
 def grouped_mm_available(x: torch.Tensor, hidden: int, inter: int) -> bool:
-    """Rows must be 16-byte aligned (CPU and CUDA); CUDA's kernel also wants bf16."""
+    """Rows must be 16-byte aligned, and this torch must run the kernel on x's device and
+    dtype (CPU support arrived after CUDA's; CUDA wants bf16): tried once on a tiny input."""
     if _GROUPED_MM is None:
         return False
     if (hidden * x.element_size()) % 16 or (inter * x.element_size()) % 16:
         return False
-    return x.device.type == "cpu" or x.dtype == torch.bfloat16
+    key = (x.device.type, x.dtype)
+    if key not in _WORKS:
+        a = torch.zeros(2, 8, device=x.device, dtype=x.dtype)
+        b = torch.zeros(1, 8, 8, device=x.device, dtype=x.dtype)
+        offs = torch.tensor([2], device=x.device, dtype=torch.int32)
+        try:
+            _GROUPED_MM(a, b.transpose(-2, -1), offs=offs)
+            _WORKS[key] = True
+        except (RuntimeError, NotImplementedError):
+            _WORKS[key] = False
+    return _WORKS[key]
 
 
 class _ContiguousGrad(torch.autograd.Function):
