@@ -25,7 +25,9 @@ def _fmt(rec: dict) -> str:
             " (skipped, fp16 overflow)"
     return (f"step {rec['step']:>6}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
             f"grad_norm {rec['grad_norm']:.3f}  tok/s {rec['tokens_per_s']:,.0f}  mfu {mfu}  "
-            f"mem {mem:.2f} GiB{skip}")
+            f"mem {mem:.2f} GiB{skip}" + (f"  experts max/mean {rec['moe_imbalance']:.2f}"
+                                          f"  aux {rec['moe_aux_loss']:.4f}"
+                                          if "moe_imbalance" in rec else ""))
 
 
 class Progress:
