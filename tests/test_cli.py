@@ -87,6 +87,8 @@ def bad_inputs(w: Path):
                        "log-sum-exp"),
         "experts top-k": (["train", "--model.num_experts", "4", "--model.experts_top_k", "8",
                            "--model.moe_intermediate_size", "32"], "model.experts_top_k = 8"),
+        "whole q/k norm under tp": (["train", "--model.qk_norm", "true", "--model.qk_norm_whole",
+                                     "true", "--parallel.tp", "2"], "model.qk_norm_whole"),
         "experts with sp": (["train", "--model.num_experts", "4", "--model.experts_top_k", "2",
                              "--model.moe_intermediate_size", "32", "--parallel.tp", "2",
                              "--parallel.sp", "true"], "sequence parallelism"),

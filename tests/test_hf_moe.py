@@ -1,4 +1,4 @@
-"""Hugging Face mixture-of-experts import/export: Mixtral, Qwen2-MoE, Qwen3-MoE.
+"""Hugging Face mixture-of-experts import/export: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE.
 
 Tolerance: max |logit difference| <= 1e-5 in fp32, against `transformers` on small random
 checkpoints (weights std 0.1, norms in [0.5, 1.5]), both directions, with norm_topk_prob
@@ -40,8 +40,11 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
                        head_dim=16)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24)),
 }
-CASES = ["mixtral", "qwen2_moe-norm0", "qwen2_moe-norm1", "qwen3_moe-norm0", "qwen3_moe-norm1"]
+CASES = ["mixtral", "qwen2_moe-norm0", "qwen2_moe-norm1", "qwen3_moe-norm0", "qwen3_moe-norm1",
+         "olmoe-norm0"]
 
 
 def randomize(model: torch.nn.Module, seed: int = 0) -> None:
@@ -116,7 +119,7 @@ def test_fused_expert_layout_is_read(tmp_path):
 
 @pytest.mark.parametrize("arch,change,words", [
     ("DeepseekV3ForCausalLM", {}, "architecture 'DeepseekV3ForCausalLM' is not supported"),
-    ("OlmoeForCausalLM", {}, "architecture 'OlmoeForCausalLM' is not supported"),
+    ("OlmoeForCausalLM", {"clip_qkv": 8.0}, "clip_qkv"),
     ("MixtralForCausalLM", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
     ("Qwen2MoeForCausalLM", {"mlp_only_layers": [1]}, "mlp_only_layers"),
 ])

@@ -485,6 +485,9 @@ def validate_layout(cfg: Config) -> None:
     _positive("model.num_experts", mc.num_experts, allow_zero=True)
     if mc.num_experts:
         _check_moe(mc, par)
+    if mc.qk_norm and mc.qk_norm_whole and par.tp > 1:
+        raise ConfigError(f"model.qk_norm_whole = true with parallel.tp = {par.tp}: a norm over "
+                          f"all heads' q and k spans the tp ranks; use tp = 1")
     _choice("model.mlp", mc.mlp, ("swiglu", "gelu"))
     _choice("model.norm", mc.norm, ("rmsnorm", "layernorm"))
 

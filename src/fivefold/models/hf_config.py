@@ -26,8 +26,10 @@ SUPPORTED = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
-MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+             "OlmoeForCausalLM")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -187,7 +189,8 @@ def moe_fields(arch: str, hf: dict, where: Path) -> dict:
     """The ModelConfig fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json.
 
     Mixtral: every layer MoE, softmax over all experts, top-k, always renormalised; its
-    `intermediate_size` is the experts'. Qwen2/3-MoE: softmax, top-k, renormalised iff
+    `intermediate_size` is the experts'. OLMoE: as Mixtral, renormalised iff `norm_topk_prob`,
+    with RMSNorm over the whole q and k vectors. Qwen2/3-MoE: softmax, top-k, renormalised iff
     `norm_topk_prob`; layer i is MoE when (i+1) % decoder_sparse_step == 0 and i is not in
     `mlp_only_layers` (supported when those are the first layers); Qwen2-MoE adds a shared
     expert scaled by sigmoid(x·w); Qwen3-MoE normalises each head's q and k.
@@ -195,6 +198,14 @@ def moe_fields(arch: str, hf: dict, where: Path) -> dict:
     if hf.get("router_jitter_noise"):
         _refuse(where, "router_jitter_noise", hf["router_jitter_noise"],
                 "multiplicative router noise in training is not modelled; set it to 0")
+    if arch == "OlmoeForCausalLM":
+        if hf.get("clip_qkv") is not None:
+            _refuse(where, "clip_qkv", hf["clip_qkv"], "clamping q, k, v is not modelled")
+        return dict(num_experts=hf.get("num_experts", hf.get("num_local_experts", 64)),
+                    experts_top_k=hf.get("num_experts_per_tok", 8),
+                    moe_intermediate_size=hf["intermediate_size"],
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)), qk_norm=True,
+                    qk_norm_whole=True)
     if arch == "MixtralForCausalLM":
         return dict(num_experts=hf.get("num_local_experts", 8),
                     experts_top_k=hf.get("num_experts_per_tok", 2),
@@ -229,6 +240,11 @@ def _moe_arch(cfg: ModelConfig) -> str:
             raise ConfigError(f"{where}: a shared expert exports only as Qwen2-MoE (gated, "
                               f"no qk_norm)")
         return "Qwen2MoeForCausalLM"
+    if cfg.qk_norm and cfg.qk_norm_whole:
+        if cfg.num_moe_layers != cfg.num_layers or cfg.qkv_bias:
+            raise ConfigError(f"{where}: whole-vector q/k norms export only as OLMoE (every "
+                              f"layer MoE, no qkv bias)")
+        return "OlmoeForCausalLM"
     if cfg.qk_norm:
         return "Qwen3MoeForCausalLM"
     if cfg.norm_topk_prob and cfg.num_moe_layers == cfg.num_layers and not cfg.qkv_bias:
@@ -238,6 +254,11 @@ def _moe_arch(cfg: ModelConfig) -> str:
 
 
 def _moe_export(cfg: ModelConfig, arch: str) -> dict:
+    if arch == "OlmoeForCausalLM":
+        return {"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_top_k,
+                "intermediate_size": cfg.moe_intermediate_size, "clip_qkv": None,
+                "norm_topk_prob": cfg.norm_topk_prob, "output_router_logits": False,
+                "attention_bias": False}
     if arch == "MixtralForCausalLM":
         return {"num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_top_k,
                 "intermediate_size": cfg.moe_intermediate_size, "router_jitter_noise": 0.0,

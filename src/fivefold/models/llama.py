@@ -159,17 +159,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, h, bias=cfg.mlp == "gelu")
-        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before RoPE
-            self.q_norm = RMSNorm(cfg.dim_per_head, cfg.norm_eps)
-            self.k_norm = RMSNorm(cfg.dim_per_head, cfg.norm_eps)
-        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # RMSNorm of q and k before RoPE: per head (Qwen3) or whole (OLMoE)
+            whole = cfg.qk_norm_whole
+            self.q_norm = RMSNorm(cfg.q_size if whole else cfg.dim_per_head, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.kv_size if whole else cfg.dim_per_head, cfg.norm_eps)
+        self.qk_norm, self.qk_norm_whole = cfg.qk_norm, cfg.qk_norm_whole
         self.core = AttentionCore()
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, start: int = 0):
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.head_dim)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim)
-        if self.qk_norm:
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm and self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim)
+        if self.qk_norm and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)

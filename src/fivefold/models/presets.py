@@ -31,7 +31,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm on each head's queries and keys
+    qk_norm: bool = False  # RMSNorm on the queries and keys, before RoPE
+    qk_norm_whole: bool = False  # over all heads' q and k at once (OLMoE), not per head (Qwen3)
     mlp: str = "swiglu"  # "swiglu" (Llama) or "gelu" (GPT-3 style, 2 matrices)
     norm: str = "rmsnorm"  # "rmsnorm" or "layernorm"
     init_std: float = 0.02
@@ -100,7 +101,7 @@ class ModelConfig:
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
-            attn += 2 * self.dim_per_head
+            attn += self.q_size + self.kv_size if self.qk_norm_whole else 2 * self.dim_per_head
         return attn + 2 * self._norm_size * h
 
     def moe_params(self, active: bool = False) -> dict[str, int]:
@@ -228,11 +229,11 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=4, num_kv_heads=2, max_seq_len=1024, tie_embeddings=True, num_experts=8,
         experts_top_k=2, moe_intermediate_size=128, aux_loss_coeff=0.01, z_loss_coeff=0.001,
     ),
-    # OLMoE-1B-7B-0924: 64 experts, top-8, no renormalisation. Its q/k normalisation over the
-    # whole q and k vectors is not modelled (4K parameters; HF import refuses Olmoe).
+    # OLMoE-1B-7B-0924: 64 experts, top-8, no renormalisation, q/k norms over whole vectors.
     "olmoe-1b-7b": ModelConfig(
         name="olmoe-1b-7b", vocab_size=50304, hidden_size=2048, intermediate_size=1024,
-        num_layers=16, num_heads=16, num_kv_heads=16, max_seq_len=4096, num_experts=64,
+        num_layers=16, num_heads=16, num_kv_heads=16, max_seq_len=4096, qk_norm=True,
+        qk_norm_whole=True, num_experts=64,
         experts_top_k=8, moe_intermediate_size=1024, norm_topk_prob=False,
         aux_loss_coeff=0.01, z_loss_coeff=0.001,
     ),

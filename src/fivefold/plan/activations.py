@@ -176,7 +176,8 @@ def activation_bytes_per_microbatch(
     else:
         terms["mlp_hidden"] = 2 * tokens * model.intermediate_size / tp * B
     if model.qk_norm:  # the normalised q and k's inputs and statistics
-        terms["qk_norm"] = tokens * (q + kv) * B + tokens * (heads + kv / d) * STAT_BYTES
+        rows = 2 if model.qk_norm_whole else heads + kv / d  # statistics per token
+        terms["qk_norm"] = tokens * (q + kv) * B + tokens * rows * STAT_BYTES
     if model.num_experts:  # MoE layers replace the MLP: averaged over the layers
         n = model.num_moe_layers
         moe = sum(moe_layer_terms(model, tokens, B).values())

@@ -313,6 +313,8 @@ def check_layout(work: Workload, layout: Layout, gpus_per_node: int | None = Non
     # Experts replicate over tp (models/moe.py); only dense MLPs are split.
     if mc.num_moe_layers < mc.num_layers and mc.intermediate_size % lay.tp:
         bad.append(f"tp = {lay.tp} does not divide the MLP width {mc.intermediate_size}")
+    if lay.tp > 1 and mc.qk_norm and mc.qk_norm_whole:
+        bad.append(f"tp = {lay.tp} with whole-vector q/k norms (OLMoE): use tp = 1")
     if lay.sp and mc.num_experts:
         bad.append("sp with experts: the balance loss needs whole sequences; set sp = false")
     if sorted(lay.rank_order.split("-")) != ["cp", "dp", "pp", "tp"]:

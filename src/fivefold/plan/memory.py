@@ -139,7 +139,9 @@ def layer_param_counts(model: ModelConfig, tp: int = 1, ep: int = 1,
     q = model.num_heads * d / tp
     kv = kv_heads_per_rank(model, tp) * d
     attn = 2 * h * q + 2 * h * kv + ((q + 2 * kv) if model.qkv_bias else 0)
-    norms = 2 * (1 if model.norm == "rmsnorm" else 2) * h + (2 * d if model.qk_norm else 0)
+    norms = 2 * (1 if model.norm == "rmsnorm" else 2) * h
+    if model.qk_norm:  # replicated over tp (whole-vector q/k norms run only at tp 1)
+        norms += model.q_size + model.kv_size if model.qk_norm_whole else 2 * d
     if model.num_experts if moe is None else moe:
         ffn = model.moe_params()
         return {"dense": attn + norms + ffn["router"] + ffn["shared"],
