@@ -1,5 +1,5 @@
 """Hugging Face `config.json` <-> `ModelConfig`, for Llama, Mistral and Qwen2 checkpoints and
-the Mixtral, Qwen2-MoE and Qwen3-MoE mixtures of experts (their tensors: models/hf_moe.py).
+the Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE mixtures of experts (tensors: models/hf_moe.py).
 
 This module imports no torch: `config.py` resolves `model.hf_path` through it, and the
 planner must stay instant.

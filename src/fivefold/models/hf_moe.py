@@ -6,7 +6,7 @@ as `layers.i.mlp.router.weight [E, H]`. Checkpoints name them differently:
 
     Mixtral (as transformers 5 writes them): layers.i.block_sparse_moe.gate.weight,
         layers.i.block_sparse_moe.experts.j.{w1 (gate), w3 (up), w2 (down)}.weight
-    Qwen2-MoE / Qwen3-MoE: layers.i.mlp.gate.weight,
+    Qwen2-MoE / Qwen3-MoE / OLMoE: layers.i.mlp.gate.weight,
         layers.i.mlp.experts.j.{gate_proj, up_proj, down_proj}.weight
     transformers 5's in-memory fused layout, read too: layers.i.mlp.experts.gate_up_proj
         [E, 2I, H] (gate rows first, then up) and layers.i.mlp.experts.down_proj [E, H, I]
