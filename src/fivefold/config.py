@@ -113,6 +113,7 @@ class TrainSection:
     grad_clip: float = 1.0  # 0 disables clipping
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
     recompute: str = "none"  # none | selective | full
+    compile: bool = False  # torch.compile each transformer block (inductor)
     seed: int = 1234
     deterministic: bool = False
     max_bad_steps: int = 3  # non-finite loss/gradient: skip the step; stop after this many in a row

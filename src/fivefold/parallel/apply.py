@@ -76,4 +76,18 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
         from fivefold.parallel.pipeline.stages import tag_replicas
 
         tag_replicas(chunks)
+    if cfg.train.compile:
+        compile_blocks(chunks)
     return ParallelModel(chunks, dims)
+
+
+def compile_blocks(chunks: list[nn.Module]) -> None:
+    """train.compile: each transformer block goes through `torch.compile` (inductor: Triton
+    kernels on CUDA, C++ built with the system compiler on a CPU), in place, so parameter
+    names and every hook stay. Per block rather than the whole model: the blocks share one
+    compiled graph (their code is the same; weights are inputs), the first compile is
+    short, and what sits between blocks (pipeline sends, the chunked loss) stays eager."""
+    for chunk in chunks:
+        layers = chunk.layers
+        for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
+            block.compile()

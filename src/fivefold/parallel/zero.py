@@ -42,6 +42,7 @@ from fivefold.parallel.update import (
     decays,
     norm_share,
     probe_term,
+    squared_grad_norm,
 )
 from fivefold.parallel.watchdog import Watchdog
 
@@ -209,11 +210,7 @@ class DataParallelOptimizer:
 
     def local_grad_sq(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """This rank's share of the squared gradient norm, before any reduction."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        if grads:
-            norms = torch.stack(torch._foreach_norm(grads)).float()
-            sq += (norms.pow(2) * self.shares).sum().to(self.device)
-        return sq
+        return squared_grad_norm(grads, self.shares, self.device)
 
     def _publish_params(self, from_master: bool = True) -> None:
         """Copy the updated master into the parameters; ZeRO-1/2 then all-gather them."""

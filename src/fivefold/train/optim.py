@@ -24,6 +24,7 @@ from fivefold.parallel.update import (  # noqa: F401  (re-exported)
     decays,
     norm_share,
     probe_term,
+    squared_grad_norm,
 )
 
 
@@ -95,10 +96,8 @@ class MasterWeightOptimizer:
     def global_grad_norm(self, grads: list[torch.Tensor], loss=None) -> torch.Tensor:
         """sqrt of the sum of squares over every logical element, each counted once (NaN if
         any rank's `loss` is not finite: `probe_term`)."""
-        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+        sq = squared_grad_norm(grads, self.shares, grads[0].device)
         sq += probe_term(loss, sq.device)
-        for g, share in zip(grads, self.shares):
-            sq += g.float().pow(2).sum() * share
         for name in ("tp", "pp"):
             comm.all_reduce(sq, self.dims[name])
         return sq.sqrt()
