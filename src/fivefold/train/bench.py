@@ -246,6 +246,8 @@ def _progress(runner, step: int, total: int, rec: StepRecord, tokens: int) -> No
 
 def run_bench(args, cfg, dims) -> dict:
     """Warm up and time fivefold (and the peer), measure memory; the JSON record."""
+    from fivefold.train.loop import attention_backend
+
     runners = [FivefoldRunner(cfg, dims)]
     trainer = runners[0].trainer
     if args.peer == "hf":
@@ -298,6 +300,7 @@ def run_bench(args, cfg, dims) -> dict:
                 "layout": {k: getattr(cfg.parallel, k) for k in (
                     "dp", "tp", "pp", "cp", "zero", "sp", "offload")},
                 "recompute": cfg.train.recompute, "warmup_steps": args.warmup,
+                "attention_kernel": attention_backend(trainer),
                 "steps": args.steps, "rounds": args.rounds},
         "flops_convention": "model FLOPs per token 6N + 12·L·(heads·head_dim)·s (PaLM "
                             "appendix B, no causal halving); MFU over the device's dense "

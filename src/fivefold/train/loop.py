@@ -78,6 +78,14 @@ class Progress:
 STATE_ITEMS = ("params", "grads", "master", "optimizer")
 
 
+def attention_backend(trainer: Trainer) -> str:
+    from fivefold.train.metrics import sdpa_backend
+
+    mc, tp = trainer.model_cfg, trainer.cfg.parallel.tp
+    return sdpa_backend(trainer.device, trainer.dtype, mc.num_heads // tp,
+                        max(mc.num_kv_heads // tp, 1), mc.dim_per_head)
+
+
 def planned_model_states(trainer: Trainer) -> dict[str, float]:
     """The planner's model-state bytes for this rank, for the layout being run."""
     from fivefold.plan.memory import model_state_bytes
@@ -139,6 +147,8 @@ def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
                          f" tp={cfg.parallel.tp} pp={cfg.parallel.pp} cp={cfg.parallel.cp}"
                          f" zero={cfg.parallel.zero}")
         mc = trainer.model_cfg
+        progress.message(f"attention: SDPA {attention_backend(trainer)} kernel"
+                         + (", blocks compiled (train.compile)" if cfg.train.compile else ""))
         if mc.num_experts:
             progress.message(f"mixture of experts: {mc.num_moe_layers} MoE layers of "
                              f"{mc.num_experts} experts, top-{mc.experts_top_k}; "

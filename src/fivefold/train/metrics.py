@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -49,6 +50,43 @@ def memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_reserved_bytes(device: torch.device) -> int | None:
+    """CUDA peak reserved bytes (what the caching allocator took from the device); None on
+    a CPU, which has no caching allocator to ask."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    return None
+
+
+def sdpa_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> str:
+    """Which kernel `scaled_dot_product_attention` runs for the model's causal attention
+    here: the first of flash, memory-efficient and math (the dispatcher's order of
+    preference) that accepts this device, dtype and head shape, found by running a small
+    causal call restricted to each in turn. "math" on CUDA means no fused kernel applies
+    (an fp32 model, or a head dimension the kernels do not take)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fivefold.models.llama import SDPA_GQA
+
+    gqa = {"enable_gqa": True} if num_heads != num_kv_heads and SDPA_GQA else {}
+    kv_heads = num_kv_heads if gqa else num_heads
+    q = torch.zeros(1, num_heads, 16, head_dim, device=device, dtype=dtype)
+    kv = torch.zeros(1, kv_heads, 16, head_dim, device=device, dtype=dtype)
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                          ("math", SDPBackend.MATH)):
+        try:
+            with sdpa_kernel(backend), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # each refusal also warns why
+                F.scaled_dot_product_attention(q, kv, kv, is_causal=True, **gqa)
+            return name
+        except RuntimeError:
+            continue
+    return "none"
 
 
 class MetricsWriter:

@@ -30,6 +30,7 @@ from fivefold.train.metrics import (
     device_peak_flops,
     flops_per_token,
     memory_bytes,
+    memory_reserved_bytes,
 )
 from fivefold.train.optim import MasterWeightOptimizer, lr_at
 from fivefold.train.precision import DTYPES, LossScaler, resolve_precision
@@ -222,7 +223,8 @@ class Trainer:
                 "grad_norm": stats.grad_norm, "skipped": stats.skipped, "bad": bad,
                 "loss_scale": stats.loss_scale, "tokens": tokens, "tokens_per_s": tps,
                 "step_time_s": elapsed, "mfu": mfu, "memory_bytes": memory_bytes(self.device),
-                **moe}
+                **moe, **({"memory_reserved_bytes": memory_reserved_bytes(self.device)}
+                          if self.device.type == "cuda" else {})}
 
     @torch.no_grad()
     def evaluate(self) -> dict:
