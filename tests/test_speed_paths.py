@@ -11,16 +11,20 @@ from fivefold.train.trainer import Trainer
 
 
 def test_grad_norm_squares_accumulate_in_float64_on_cpu():
-    """Over 6M fp32 gradient values the norm equals the float64 sum of their squares to
-    1e-12 relative (fp32 accumulation is off by about 1e-6 to 1e-5 at this size), shares
-    included."""
+    """Over 6M fp32 gradient values the squared norm equals the float64 sum of their squares
+    to fp32 rounding of the total (1.2e-7 relative; fp32 `_foreach_norm` is off by far more
+    at this size, checked below), shares included."""
     torch.manual_seed(0)
     grads = [torch.randn(2_000_000) * scale for scale in (1e-3, 1.0, 30.0)]
     shares = [1.0, 0.5, 0.25]
     got = squared_grad_norm(grads, shares, torch.device("cpu"))
     exact = sum(float((g.double() ** 2).sum()) * s for g, s in zip(grads, shares))
-    assert got.dtype == torch.float64
-    assert abs(float(got) - exact) / exact <= 1e-12
+    assert got.dtype == torch.float32
+    assert abs(float(got) - exact) / exact <= 1.2e-7
+    # What the ZeRO optimizer did before: fp32 `_foreach_norm`, here 6e-5 off.
+    norms = torch.stack(torch._foreach_norm(grads))
+    before = float((norms.pow(2) * torch.tensor(shares)).sum())
+    assert abs(before - exact) / exact > 100 * abs(float(got) - exact) / exact
 
 
 def test_cpu_step_uses_fused_adamw_and_logs_the_attention_kernel(tmp_path):

@@ -95,17 +95,16 @@ def squared_grad_norm(grads: list[torch.Tensor], shares: torch.Tensor | list[flo
 
     On a CPU every square is accumulated in float64 (torch's fp32 norm kernels there sum in
     fp32: over a 25M-element model the norm came out about 5e-6 relative off, which moves the
-    clipping coefficient by as much), and the result stays float64 through the reductions
-    and the clipping arithmetic. On CUDA one fused fp32 `_foreach_norm` (tree reductions,
-    accurate to about 1e-7) keeps the step fast.
+    clipping coefficient by as much) and the total is rounded once to fp32 (3e-8 relative on
+    the norm), the dtype the reductions over ranks carry and the planner's ledger counts.
+    On CUDA one fused fp32 `_foreach_norm` (tree reductions) keeps the step fast.
     """
     if not grads:
-        dtype = torch.float64 if device.type == "cpu" else torch.float32
-        return torch.zeros((), dtype=dtype, device=device)
+        return torch.zeros((), dtype=torch.float32, device=device)
     shares = torch.as_tensor(shares, dtype=torch.float64)
     if grads[0].device.type == "cpu":
         squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64).square()
                                for g in grads])
-        return (squares * shares).sum().to(device)
+        return (squares * shares).sum().float().to(device)
     norms = torch.stack(torch._foreach_norm(grads)).float()
     return (norms.pow(2) * shares.to(norms)).sum().to(device)
