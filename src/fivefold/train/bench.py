@@ -130,7 +130,8 @@ def machine(device: torch.device) -> dict:
     info = {"host_cpu": platform.processor() or platform.machine(),
             "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.version.cuda}
+            "cuda": torch.version.cuda,
+            "load_average_1m": os.getloadavg()[0]}  # others' work on a shared machine
     if device.type == "cuda":
         info["device"] = torch.cuda.get_device_name(device)
     else:
