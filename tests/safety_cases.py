@@ -118,7 +118,9 @@ def cases(w: dict[str, Path]) -> list[tuple[str, list[str], int, str]]:
         ("resume path missing", [*t, "--checkpoint.resume", str(r / "nowhere")], 2,
          "checkpoint.resume"),
         # train: an earlier run
-        ("fresh run over a run", ["train", *SMALL, *dirs(run)], 2, "--overwrite"),
+        # checkpoint.resume = auto (the default) continues a run; a fresh start is asked for
+        ("fresh run over a run", ["train", *SMALL, *dirs(run), "--checkpoint.resume",
+                                  "never"], 2, "--overwrite"),
         ("overwrite and resume", ["train", *SMALL, *dirs(run), "--overwrite",
                                   "--checkpoint.resume", "latest"], 2, "give one of them"),
         ("resume, other model", ["train", *SMALL, "--model.hidden_size", "64", *dirs(run),

@@ -83,9 +83,9 @@ def stored_tensors(directory: str | os.PathLike, tied: bool) -> dict[str, Stored
                                   f"({info}); re-export the checkpoint") from None
             nbytes = math.prod(shape) * dtype.itemsize
             if end - start != nbytes or base + end > size:
-                raise ConfigError(f"{path}: tensor '{hf_name}' claims {nbytes} bytes at "
-                                  f"{start}-{end} of a {size}-byte file; the file is truncated "
-                                  f"or damaged, re-download it")
+                raise ConfigError(f"{path} is damaged: tensor '{hf_name}' needs bytes "
+                                  f"{start}-{end} of a {size}-byte file (truncated?); "
+                                  f"re-download or re-export it")
             out[name] = Stored(path, dtype, shape, base + start)
     return out
 

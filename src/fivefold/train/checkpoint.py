@@ -191,15 +191,18 @@ def _step_of(path: Path) -> int | None:
 def candidates(root: str, resume: str) -> list[Path]:
     """The checkpoints to resume from, best first.
 
-    'never' (or ''): none. A path: that one alone. 'auto' (or 'latest'): the step the
-    `latest` pointer names, then every older published step, newest first; a step's `.old`
-    copy stands in for it when a re-save crashed between its two renames. Steps above the
-    one `latest` names belong to a history that a resume replaced and are not offered. The
-    trainer loads the first that loads and says why it skipped any before it.
+    'never' (or ''): none. A path: that one alone. 'auto': the step the `latest` pointer
+    names, then every older published step, newest first; a step's `.old` copy stands in for
+    it when a re-save crashed between its two renames. Steps above the one `latest` names
+    belong to a history that a resume replaced and are not offered. The trainer loads the
+    first that loads and says why it skipped any before it. 'latest': the first of auto's
+    alone (no fallback: a damaged one is an error naming the newest good one).
     """
     if resume in ("", "never"):
         return []
-    if resume not in ("auto", "latest"):
+    if resume == "latest":
+        return candidates(root, "auto")[:1]
+    if resume != "auto":
         return [Path(resume)]
     root_path = Path(root)
     if not root_path.is_dir():

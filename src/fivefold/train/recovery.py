@@ -1,7 +1,8 @@
 """Recovering from a damaged checkpoint or a failed save; the trainer calls these.
 
 - `resume`: try the checkpoints `checkpoint.candidates` offers, newest first; one that cannot
-  be read is named in one line and the one before it is tried (resume = auto).
+  be read is named in one line and the one before it is tried (resume = auto; `latest` or a
+  path is that checkpoint alone, and its failure is the error).
 - `agree`: every rank takes the same decision about a checkpoint it tried to read.
 - `unwritable`: rank 0's probe of the checkpoint directory before a save, agreed on by all
   ranks, so an unwritable directory stops every rank at the same point (rank 0 alone would
@@ -31,7 +32,9 @@ def resume(trainer, root: str, mode: str) -> None:
         problem = trainer.load_checkpoint(path)
         if problem is None:
             return
-        if mode not in ("auto", "latest"):
+        if mode != "auto":  # asked for this one: its own error, or one line about it
+            if problem.startswith("ConfigError: "):
+                raise ConfigError(problem.removeprefix("ConfigError: "))
             raise ConfigError(f"checkpoint {path} cannot be loaded: {problem}; point "
                               f"checkpoint.resume at another step_* directory")
         skipped.append(path.name)
@@ -101,7 +104,7 @@ def is_write_error(exc: BaseException) -> bool:
 def one_line(exc: BaseException) -> str:
     """The last non-empty line of an exception's message (DCP's carry whole tracebacks)."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return f"{type(exc).__name__}: {lines[-1][:200] if lines else ''}"
+    return f"{type(exc).__name__}: {lines[-1][:400] if lines else ''}"
 
 
 def _ledger_paused(dims):
