@@ -3,10 +3,11 @@
 A run ends in one of these ways, each with its own exit code:
 
     0    it finished (or `fivefold.train` returned)
-    1    an unexpected error (a traceback, or one line with the safety hooks)
+    1    the run stopped for a reason it names in one line: `train.max_bad_steps` non-finite
+         steps in a row, a checkpoint that could not be written, NaN weights
     2    a bad input, found before anything started (config.py)
     3    a peer rank was lost: named by the watchdog (parallel/watchdog.py)
-    4    `train.max_bad_steps` steps in a row had a non-finite loss or gradient
+    4    an unforeseen error (cli.py: one line, the traceback with --debug)
     130  Ctrl-C (SIGINT)
     143  SIGTERM, the scheduler's "stop now" (Slurm, Kubernetes, torchrun): the run stops at
          the next step boundary, after writing a checkpoint when
@@ -31,18 +32,20 @@ import threading
 import torch
 import torch.distributed as dist
 
-EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_RANK_LOST, EXIT_BAD_STEPS = 0, 1, 2, 3, 4
+from fivefold.config import RunError
+
+EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_RANK_LOST = 0, 1, 2, 3
 EXIT_INTERRUPT, EXIT_TERMINATED = 130, 143
 
 
-class RunFailed(RuntimeError):
-    """A failure the run explains in one line, with its own exit code."""
+class RunFailed(RunError):
+    """A failure the run explains in one line (the CLI prints it, exit code 1)."""
 
     exit_code = EXIT_ERROR
 
 
 class BadStepsError(RunFailed):
-    exit_code = EXIT_BAD_STEPS
+    exit_code = EXIT_ERROR
 
 
 class CheckpointWriteError(RunFailed):
