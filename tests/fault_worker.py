@@ -49,8 +49,8 @@ def install(point: str, step: int) -> None:
     if point == "save":
         real_save = ckpt.dcp.save
 
-        def save_then_die(state, checkpoint_id):
-            real_save(state, checkpoint_id=checkpoint_id)
+        def save_then_die(state, *args, **kwargs):
+            real_save(state, *args, **kwargs)
             if state["trainer"]["step"] == step:
                 _die()
         ckpt.dcp.save = save_then_die
