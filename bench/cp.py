@@ -5,6 +5,10 @@ Every run trains the `tiny` preset (4 layers, hidden 128, 4 heads, 2 kv heads) o
 sequence of `--seq` tokens per step (fp32, one thread per process), timing whole training
 steps (forward, backward, gradient reduction over dp×cp, AdamW) as the trainer runs them;
 the median of the timed steps after warm-up. cp = 1 is one process; cp = n is n gloo ranks.
+Besides wall time it reports CPU time per step (the process's, gloo's threads included; for
+cp, the busiest rank's): on a machine whose cores are oversubscribed, wall time mostly
+measures the scheduler, while CPU time estimates the step on dedicated cores (it leaves out
+time spent waiting for a transfer, which `comm waits` shows).
 
 Hidden communication: every wait on a ring transfer is timed inside the step (`waits`);
 then the same transfers are timed alone, back to back, with nothing to overlap (`alone`).
@@ -13,9 +17,12 @@ so hidden = 1 − min(waits, alone) / alone is a lower bound of what the overlap
 alone / step bounds what the ring could cost if nothing were hidden at all.
 
     python bench/cp.py                          # seq 8192: cp 1, 2, 4; writes bench/results/cp.json
-    python bench/cp.py --seq 32768 --degrees 4 --steps 1 --warmup 0 --out bench/results/cp_32k.json
+    python bench/cp.py --seq 32768 --degrees 4 --schemes ring --no-single --steps 1 --warmup 0 \
+        --out bench/results/cp_32k.json   # a 32k-token sequence at cp 4
 
 The cores may be shared with other work: compare the ratios of one run, not absolute times.
+Each cp run alternates step by step with a cp = 1 run on rank 0 (the other ranks wait at a
+barrier), and its ratio is taken against that cp = 1 run.
 """
 
 from __future__ import annotations
@@ -65,27 +72,43 @@ def config(tmp: Path, args, cp: int, comm: str):
         "--parallel.cp", str(cp), "--parallel.cp_comm", comm, "--train.steps", "1000")
 
 
-def time_steps(trainer, args, clock):
-    times, waits = [], []
-    for i in range(args.warmup + args.steps):
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-        clock[0] = 0.0
-        start = time.perf_counter()
-        trainer.train_step()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-            waits.append(clock[0])
-    return statistics.median(times), statistics.median(waits)
+def install_timers(clock: list[float]) -> None:
+    """Time every wait on a cp transfer (ring) and every cp collective call (all-gather)."""
+    from fivefold.parallel import comm
+
+    send_recv = comm.batch_p2p
+
+    def batch_p2p(ops, group):
+        works = send_recv(ops, group)
+        return [TimedWork(w, clock) for w in works] if group.name == "cp" else works
+
+    comm.batch_p2p = batch_p2p
+    def timer(fn):
+        def timed(*a, **kw):
+            group = a[2] if len(a) > 2 else kw["group"]
+            start = time.perf_counter()
+            out = fn(*a, **kw)
+            if group.name == "cp":
+                clock[0] += time.perf_counter() - start
+            return out
+
+        return timed
+
+    for name in ("all_gather", "reduce_scatter"):
+        setattr(comm, name, timer(getattr(comm, name)))
 
 
 def transfers_alone(trainer, repeats: int) -> float:
     """Seconds of one step's ring transfers run back to back with no compute between."""
     from fivefold.parallel import comm
 
-    ledger = trainer.dims.ledger
-    sends = [e for e in ledger.entries if e.op == "send" and e.group == "cp"]
-    group = trainer.dims["cp"]
+    dims = trainer.dims
+    dims.ledger.enabled = True
+    dims.ledger.reset()
+    trainer.train_step()
+    dims.ledger.enabled = False
+    sends = [e for e in dims.ledger.entries if e.op == "send" and e.group == "cp"]
+    group = dims["cp"]
     rank, cp = group.rank, group.size
     best = float("inf")
     for _ in range(repeats):
@@ -102,68 +125,54 @@ def transfers_alone(trainer, repeats: int) -> float:
 
 
 def _rank_main(rank, world, args, out_dir):
-    from fivefold.parallel import comm
+    """Rounds of: one cp step per scheme on all ranks, then (unless --no-single) one step of
+    the single-process run on rank 0 while the others wait. The runs alternate, so a change
+    of load on a shared machine hits them alike."""
     from fivefold.parallel.mesh import ParallelDims
     from fivefold.train.trainer import Trainer
 
     clock = [0.0]
-    original = comm.batch_p2p
-    comm.batch_p2p = lambda ops, group: [TimedWork(w, clock) for w in original(ops, group)]
-    rows = []
+    install_timers(clock)
+    runs = {}
     for scheme in args.schemes:
-        tmp = Path(tempfile.mkdtemp())
-        cfg = config(tmp, args, world, scheme)
-        trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel), quiet=True)
-        if scheme == "allgather":  # a collective: time its whole call instead of the waits
-            for name in ("all_gather", "reduce_scatter"):
-                fn = getattr(comm, name)
-
-                def timed(*a, _fn=fn, **kw):
-                    start = time.perf_counter()
-                    out = _fn(*a, **kw)
-                    clock[0] += time.perf_counter() - start
-                    return out
-
-                setattr(comm, name, timed)
-        step_s, exposed_s = time_steps(trainer, args, clock)
-        row = {"cp": world, "scheme": scheme, "step_s": step_s, "comm_exposed_s": exposed_s,
-               "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        cfg = config(Path(tempfile.mkdtemp()), args, world, scheme)
+        runs[scheme] = Trainer(cfg, ParallelDims.from_config(cfg.parallel), quiet=True)
+    if rank == 0 and not args.no_single:
+        cfg = config(Path(tempfile.mkdtemp()), args, 1, "ring")
+        runs["single"] = Trainer(cfg, ParallelDims.single(), quiet=True)
+    times = {name: [] for name in [*args.schemes, "single"]}
+    cpu = {name: [] for name in [*args.schemes, "single"]}
+    waits = {name: [] for name in args.schemes}
+    for i in range(args.warmup + args.steps):
+        for name in [*args.schemes, "single"]:
+            torch.distributed.barrier()
+            if name not in runs:  # the single run's turn, on rank 0 only
+                continue
+            clock[0] = 0.0
+            start, start_cpu = time.perf_counter(), time.process_time()
+            runs[name].train_step()
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
+                if name in waits:
+                    waits[name].append(clock[0])
+    rows = []
+    if "single" in runs:
+        rows.append({"cp": 1, "scheme": "-", "step_s": statistics.median(times["single"]),
+                     "cpu_s": statistics.median(cpu["single"])})
+    for scheme in args.schemes:
+        step_s = statistics.median(times[scheme])
+        row = {"cp": world, "scheme": scheme, "step_s": step_s,
+               "cpu_s": statistics.median(cpu[scheme]),
+               "comm_waits_s": statistics.median(waits[scheme]),
+               "peak_rss_mib_last_rank": None}
         if scheme == "ring":
-            trainer.dims.ledger.enabled = True
-            trainer.dims.ledger.reset()
-            trainer.train_step()
-            trainer.dims.ledger.enabled = False
-            comm.batch_p2p = original
-            row["comm_alone_s"] = transfers_alone(trainer, 3)
-            comm.batch_p2p = lambda ops, group: [TimedWork(w, clock)
-                                                 for w in original(ops, group)]
-            alone = row["comm_alone_s"]
-            row["hidden_lower_bound"] = 1 - min(exposed_s, alone) / alone
-            row["alone_share_of_step"] = alone / step_s
+            alone = transfers_alone(runs[scheme], 3)
+            row.update(comm_alone_s=alone, alone_share_of_step=alone / step_s,
+                       hidden_lower_bound=1 - min(row["comm_waits_s"], alone) / alone)
         rows.append(row)
-    if rank == 0:
-        Path(out_dir, f"cp{world}.json").write_text(json.dumps(rows))
-
-
-def single_process(args) -> dict:
-    """The cp = 1 run in a fresh process with one thread, like each rank of the others."""
-    code = (f"import sys, json; sys.path.insert(0, {str(ROOT / 'bench')!r}); import cp; "
-            f"print(json.dumps(cp.single_main({json.dumps(vars(args))!r})))")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def single_main(arg_json: str) -> dict:
-    from fivefold.train.trainer import Trainer
-
-    torch.set_num_threads(1)
-    args = argparse.Namespace(**json.loads(arg_json))
-    cfg = config(Path(tempfile.mkdtemp()), args, 1, "ring")
-    step_s, _ = time_steps(Trainer(cfg, quiet=True), args, [0.0])
-    return {"cp": 1, "scheme": "-", "step_s": step_s,
-            "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"rows": rows, "rss": rss}))
 
 
 def git_revision() -> str:
@@ -189,27 +198,41 @@ def main(argv=None) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from harness import run_ranks
 
-    rows = [] if args.no_single else [single_process(
-        argparse.Namespace(seq=args.seq, steps=args.steps, warmup=args.warmup))]
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for cp in degrees:
             run_ranks(_rank_main, cp, args, tmp)
-            rows += json.loads(Path(tmp, f"cp{cp}.json").read_text())
-    base = rows[0]["step_s"] if not args.no_single else None
+            ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(cp)]
+            first = ranks[0]["rows"]
+            single = next((r for r in first if r["cp"] == 1), None)
+            for r in first:
+                r["peak_rss_mib_last_rank"] = ranks[-1]["rss"] if r["cp"] > 1 else None
+                if r["cp"] > 1:  # the slowest rank sets the pace
+                    r["cpu_s"] = max(row["cpu_s"] for k in ranks for row in k["rows"]
+                                     if row["cp"] > 1 and row["scheme"] == r["scheme"])
+                if single:
+                    r["ratio_to_cp1"] = r["step_s"] / single["step_s"]
+                    r["cpu_ratio_to_cp1"] = r["cpu_s"] / single["cpu_s"]
+                r["group"] = cp
+            rows += first
     print(f"tiny model, seq {args.seq}, one sequence per step, fp32, gloo, 1 thread per "
-          f"process, {os.cpu_count()} CPUs (shared), median of {args.steps} steps")
-    print(f"{'cp':>3} {'scheme':<10} {'step s':>8} {'vs cp 1':>8} {'comm waits s':>13} "
-          f"{'ring alone s':>13} {'alone/step':>10} {'hidden ≥':>9} {'max RSS MiB':>12}")
+          f"process, {os.cpu_count()} CPUs (shared, load {os.getloadavg()[0]:.1f}), median of "
+          f"{args.steps} steps" + ("" if args.no_single else
+                                   "; each cp run alternates with a cp 1 run beside it"))
+    print(f"{'cp':>3} {'scheme':<10} {'step s':>8} {'vs cp 1':>8} {'CPU s':>7} {'vs cp 1':>8} "
+          f"{'comm waits s':>13} "
+          f"{'ring alone s':>13} {'alone/step':>10} {'hidden ≥':>9} {'RSS MiB':>8}")
     for r in rows:
-        ratio = f"{r['step_s'] / base:.2f}" if base else "-"
+        ratio = f"{r['ratio_to_cp1']:.2f}" if "ratio_to_cp1" in r else "-"
         alone = f"{r['comm_alone_s']:.3f}" if "comm_alone_s" in r else "-"
         hidden = f"{100 * r['hidden_lower_bound']:.0f}%" if "comm_alone_s" in r else "-"
         share = f"{100 * r['alone_share_of_step']:.1f}%" if "comm_alone_s" in r else "-"
-        exposed = f"{r['comm_exposed_s']:.3f}" if "comm_exposed_s" in r else "-"
-        print(f"{r['cp']:>3} {r['scheme']:<10} {r['step_s']:>8.3f} {ratio:>8} {exposed:>13} "
-              f"{alone:>13} {share:>10} {hidden:>9} {r['max_rss_mib']:>12.0f}")
-        if base:
-            r["ratio_to_cp1"] = r["step_s"] / base
+        waits = f"{r['comm_waits_s']:.3f}" if "comm_waits_s" in r else "-"
+        rss = f"{r['peak_rss_mib_last_rank']:.0f}" if r.get("peak_rss_mib_last_rank") else "-"
+        cpu_ratio = f"{r['cpu_ratio_to_cp1']:.2f}" if "cpu_ratio_to_cp1" in r else "-"
+        print(f"{r['cp']:>3} {r['scheme']:<10} {r['step_s']:>8.3f} {ratio:>8} {r['cpu_s']:>7.2f} "
+              f"{cpu_ratio:>8} {waits:>13} "
+              f"{alone:>13} {share:>10} {hidden:>9} {rss:>8}")
     record = {"device": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "torch": torch.__version__, "git": git_revision(),
               "load_average": os.getloadavg(),

@@ -249,8 +249,13 @@ def comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
     total = dp_comm_buffer_bytes(work, layout, rank)
     if layout.pp > 1:
         total += 2 * tokens * mc.hidden_size * B / (layout.tp if layout.sp else 1)
-    if layout.cp > 1:
-        total += 2 * 2 * tokens * kv_heads_per_rank(mc, layout.tp) * mc.dim_per_head * B
+    if layout.cp > 1:  # the backward of one layer's core (parallel/context/attention.py)
+        kv = 2 * tokens * kv_heads_per_rank(mc, layout.tp) * mc.dim_per_head
+        dq = tokens * mc.num_heads / layout.tp * mc.dim_per_head * 4  # fp32 accumulator
+        if layout.cp_comm == "allgather":  # fp32 dK/dV of all cp ranks, and the own slice
+            total += (layout.cp + 1) * kv * 4 + dq
+        else:  # K/V held and arriving; a dK/dV block being summed and one arriving, fp32
+            total += 2 * kv * B + 2 * kv * 4 + dq
     if layout.ep > 1:
         total += 2 * tokens * mc.experts_top_k * mc.hidden_size * B
     return total
