@@ -24,6 +24,7 @@ MEANINGS = {
     "parallel.pp": "pipeline stages",
     "parallel.cp": "context-parallel ranks (the sequence is split over them)",
     "parallel.ep": "expert-parallel ranks (mixture-of-experts models)",
+    "parallel.sp_saved_input": "full | shard: what SP column linears keep for backward",
     "train.steps": "optimizer steps of the run (the lr schedule spans them)",
     "train.seq_len": "tokens per sequence",
     "train.lr": "peak learning rate",
