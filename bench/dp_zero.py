@@ -1,13 +1,18 @@
 """Step time of fivefold's DP, ZeRO-1/2/3 against torch DDP and FSDP2, same model and data.
 
     python bench/dp_zero.py [--dp 2 4] [--steps 12] [--rounds 3] [--precision fp32]
+                            [--bucket-mb 25]
 
 Ranks are forked gloo processes on this machine (one thread each). Each variant trains the
 `tiny` preset (0.8M parameters) on the same batches (2 sequences of 128 tokens per rank per
 step), with AdamW and gradient clipping at 1.0 in every variant. The variants run in turns
 (`rounds` times `steps` steps each, after a warm-up) so that machine noise falls on all of
 them alike; the step time is the median over the timed steps on rank 0. Ratios are to DDP
-(FSDP2 for ZeRO-3) measured in the same run. Results go to bench/results/dp_zero.json.
+(FSDP2 for ZeRO-3) measured in the same run. `zero2-all` and `zero3-all` run ZeRO-2/3 with
+every gradient bucket allowed in flight at once (parallel.buckets_in_flight unbounded: the
+behaviour before the bound, when staging was freed only after the last reduction), so the
+cost of the bound (default 2) is the ratio zero2 / zero2-all in the same run. Results go to
+bench/results/dp_zero.json (bench/results/dp_zero_bucket{MB}.json for another --bucket-mb).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -25,10 +31,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-VARIANTS = ("ddp", "fsdp2", "dp", "zero1", "zero2", "zero3")
+VARIANTS = ("ddp", "fsdp2", "dp", "zero1", "zero2", "zero3", "zero2-all", "zero3-all")
+PEERS = {"zero3": "fsdp2", "zero2-all": "zero2", "zero3-all": "zero3"}
+UNBOUNDED = 10**6  # more buckets than any model here has
 
 
-def _build(kind: str, world: int, dtype):
+def _build(kind: str, world: int, dtype, bucket_mb: float):
     from fivefold.config import Config, ParallelSection
     from fivefold.models.init import build_model
     from fivefold.parallel.apply import ParallelModel
@@ -40,9 +48,11 @@ def _build(kind: str, world: int, dtype):
     cfg = Config()
     cfg.model.preset = "tiny"
     model = build_model(cfg.model.resolve(), cfg.train.seed, dtype=dtype)
-    if kind in ("dp", "zero1", "zero2", "zero3"):
-        zero = 0 if kind == "dp" else int(kind[-1])
-        cfg.parallel = ParallelSection(dp=world, zero=zero)
+    if kind.startswith(("dp", "zero")):
+        zero = 0 if kind == "dp" else int(kind[4])
+        in_flight = UNBOUNDED if kind.endswith("-all") else ParallelSection.buckets_in_flight
+        cfg.parallel = ParallelSection(dp=world, zero=zero, bucket_mb=bucket_mb,
+                                       buckets_in_flight=in_flight)
         dims = ParallelDims.from_config(cfg.parallel)
         opt = build_data_parallel_optimizer(ParallelModel([model], dims),
                                             list(model.named_parameters()), dims, cfg,
@@ -85,7 +95,7 @@ def _build(kind: str, world: int, dtype):
     return step
 
 
-def _rank(rank, world, init_file, steps, rounds, precision, out_path):
+def _rank(rank, world, init_file, steps, rounds, precision, bucket_mb, out_path):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
@@ -93,7 +103,7 @@ def _rank(rank, world, init_file, steps, rounds, precision, out_path):
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randint(256, (2, 129), generator=gen) for _ in range(4)]
     batches = [(b[:, :-1], b[:, 1:]) for b in batches]
-    steppers = {kind: _build(kind, world, dtype) for kind in VARIANTS}
+    steppers = {kind: _build(kind, world, dtype, bucket_mb) for kind in VARIANTS}
     times = {kind: [] for kind in VARIANTS}
     for step in steppers.values():  # warm-up
         for i in range(3):
@@ -117,29 +127,35 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
     args = parser.parse_args()
     # Import the submodules the ranks use before forking them.
     import torch.distributed.fsdp
     import torch.nn.parallel
 
     device = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores"
+    revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).parent).stdout.strip()
     results = {"device": device, "torch": torch.__version__, "precision": args.precision,
-               "model": "tiny", "runs": {}}
-    print(f"device: {device}; torch {torch.__version__}; tiny preset, {args.precision}")
+               "model": "tiny", "bucket_mb": args.bucket_mb, "git": revision, "runs": {}}
+    print(f"device: {device}; torch {torch.__version__}; tiny preset, {args.precision}, "
+          f"bucket_mb {args.bucket_mb}; git {revision}")
     print(f"{'dp':>3} {'variant':<7} {'step ms':>8}  ratio")
     for world in args.dp:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "times.json")
             mp.start_processes(_rank, args=(world, os.path.join(tmp, "rdv"), args.steps,
-                                            args.rounds, args.precision, out),
+                                            args.rounds, args.precision, args.bucket_mb,
+                                            out),
                                nprocs=world, start_method="fork")
             times = json.loads(Path(out).read_text())
         results["runs"][str(world)] = times
         for kind in VARIANTS:
-            peer = "fsdp2" if kind == "zero3" else "ddp"
+            peer = PEERS.get(kind, "ddp")
             ratio = "" if kind in ("ddp", "fsdp2") else f"{times[kind] / times[peer]:.3f} × {peer}"
             print(f"{world:>3} {kind:<7} {times[kind] * 1e3:8.2f}  {ratio}")
-    path = Path(__file__).parent / "results" / "dp_zero.json"
+    name = "dp_zero" + ("" if args.bucket_mb == 25.0 else f"_bucket{args.bucket_mb:g}")
+    path = Path(__file__).parent / "results" / f"{name}.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from fivefold.parallel import comm
+from fivefold.parallel.buffers import storage_bytes
 from fivefold.parallel.update import (  # noqa: F401  (re-exported)
     StepStats,
     adamw,
@@ -171,10 +172,8 @@ class MasterWeightOptimizer:
         return 0
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes held per rank, counted from the tensors' storages."""
-        def size(ts):
-            return sum(t.numel() * t.element_size() for t in ts)
-
+        """Bytes held per rank, counted from the tensors' storages (views of one once)."""
+        size = storage_bytes
         states = [s for st in self.optimizer.state.values() for k, s in st.items()
                   if k in ("exp_avg", "exp_avg_sq")]
         return {
