@@ -16,6 +16,7 @@ that names it; a storage resized to 0 bytes (a freed ZeRO-3 unit) counts nothing
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Callable, Iterable
 
@@ -86,6 +87,13 @@ class PeakTracker:
         _ACTIVE.remove(self)
 
 
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 class ResidentPeak:
     """The most resident memory the process gained inside the block, in bytes (Linux).
 
@@ -105,6 +113,10 @@ class ResidentPeak:
         raise KeyError(key)
 
     def __enter__(self) -> ResidentPeak:
+        # Hand free heap pages back to the kernel first: a forked child (or a process that
+        # freed a lot earlier) would otherwise reuse pages already resident, and the growth
+        # of the block would not show in RSS at all.
+        _malloc_trim()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         self.start = self._status("VmRSS")

@@ -243,4 +243,6 @@ def sum_grad_over_replicas(grad: torch.Tensor, group: Group, slot: int, slots: i
     size = grad.shape[dim]
     buf.narrow(dim, slot * size, size).copy_(grad)
     comm.all_reduce(buf, group)
-    return buf.narrow(dim, slot * size, size).contiguous()
+    # clone, not contiguous(): a dim-0 slice is already contiguous, and returning the view
+    # would keep the whole logical-size buffer alive as this parameter's gradient.
+    return buf.narrow(dim, slot * size, size).clone()
