@@ -24,7 +24,7 @@ from fivefold.parallel.data import BUCKETS_IN_FLIGHT
 from fivefold.parallel.expert import is_expert_param
 from fivefold.parallel.update import StepStats, clipped_step, probe_term
 from fivefold.parallel.watchdog import Watchdog
-from fivefold.parallel.zero import DataParallelOptimizer
+from fivefold.parallel.zero import DataParallelOptimizer, optimizer_options
 
 
 class _Joint:
@@ -144,8 +144,5 @@ class ExpertParallelOptimizer:
 
 def build_expert_parallel_optimizer(model, named_params, dims, cfg, scaler,
                                     watchdog: Watchdog | None = None) -> ExpertParallelOptimizer:
-    par = cfg.parallel
-    return ExpertParallelOptimizer(named_params, dims, cfg.train, scaler, stage=par.zero,
-                                   offload=par.offload, bucket_mb=par.bucket_mb,
-                                   chunks=model.chunks, timeout_s=par.timeout_s,
-                                   watchdog=watchdog, buckets_in_flight=par.buckets_in_flight)
+    return ExpertParallelOptimizer(named_params, dims, cfg.train, scaler,
+                                   **optimizer_options(model, cfg, watchdog))

@@ -330,8 +330,13 @@ class DataParallelOptimizer:
 def build_data_parallel_optimizer(model, named_params, dims, cfg, scaler,
                                   watchdog: Watchdog | None = None) -> DataParallelOptimizer:
     """The optimizer for dp_cp > 1 or ZeRO (called by train/trainer.py build_optimizer)."""
+    return DataParallelOptimizer(named_params, dims, cfg.train, scaler,
+                                 **optimizer_options(model, cfg, watchdog))
+
+
+def optimizer_options(model, cfg, watchdog: Watchdog | None) -> dict:
+    """The `[parallel]` settings every data-parallel optimizer takes (dense and expert)."""
     par = cfg.parallel
-    return DataParallelOptimizer(named_params, dims, cfg.train, scaler, stage=par.zero,
-                                 offload=par.offload, bucket_mb=par.bucket_mb,
-                                 chunks=model.chunks, timeout_s=par.timeout_s,
-                                 watchdog=watchdog, buckets_in_flight=par.buckets_in_flight)
+    return dict(stage=par.zero, offload=par.offload, bucket_mb=par.bucket_mb,
+                chunks=model.chunks, timeout_s=par.timeout_s, watchdog=watchdog,
+                buckets_in_flight=par.buckets_in_flight)
