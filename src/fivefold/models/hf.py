@@ -41,6 +41,17 @@ def ours_to_hf(name: str) -> str:
     return name if name == "lm_head.weight" else f"model.{name}"
 
 
+def check_tensor(source, name: str, shape: tuple, logical_shapes: dict) -> None:
+    """One line naming a stored tensor the model does not have, or one of the wrong shape."""
+    if name not in logical_shapes:
+        raise ConfigError(f"{source}: unexpected tensor '{ours_to_hf(name)}' for this "
+                          f"model config; check config.json matches the weights")
+    if shape != logical_shapes[name]:
+        raise ConfigError(f"{source}: tensor '{ours_to_hf(name)}' has shape {shape}, "
+                          f"config.json implies {logical_shapes[name]}; the weights do not "
+                          f"fit the config")
+
+
 def _weight_files(directory: Path) -> list[Path]:
     """The safetensors files of a checkpoint: the index's shards, or the single file."""
     index = directory / INDEX_FILE
@@ -120,13 +131,7 @@ def load_hf_into(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
     filled: set[str] = set()
     with torch.no_grad():
         for name, tensor in tensors:
-            if name not in logical_shapes:
-                raise ConfigError(f"{source}: unexpected tensor '{ours_to_hf(name)}' for this "
-                                  f"model config; check config.json matches the weights")
-            if tuple(tensor.shape) != logical_shapes[name]:
-                raise ConfigError(f"{source}: tensor '{ours_to_hf(name)}' has shape "
-                                  f"{tuple(tensor.shape)}, config.json implies "
-                                  f"{logical_shapes[name]}; the weights do not fit the config")
+            check_tensor(source, name, tuple(tensor.shape), logical_shapes)
             if name in filled:
                 raise ConfigError(f"{source}: tensor '{ours_to_hf(name)}' is stored twice; "
                                   f"fix the safetensors index")

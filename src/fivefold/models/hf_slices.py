@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from fivefold.config import ConfigError
-from fivefold.models.hf import _weight_files, hf_to_ours, ours_to_hf
+from fivefold.models.hf import _weight_files, check_tensor, hf_to_ours, ours_to_hf
 from fivefold.models.init import build_meta
 from fivefold.models.presets import ModelConfig
 
@@ -94,13 +94,7 @@ def check_against(stored: dict[str, Stored], cfg: ModelConfig, source: str) -> N
     """Every logical parameter present with its shape, nothing else: one line otherwise."""
     logical = {n: tuple(p.shape) for n, p in build_meta(cfg).named_parameters()}
     for name, entry in stored.items():
-        if name not in logical:
-            raise ConfigError(f"{source}: unexpected tensor '{ours_to_hf(name)}' for this "
-                              f"model config; check config.json matches the weights")
-        if entry.shape != logical[name]:
-            raise ConfigError(f"{source}: tensor '{ours_to_hf(name)}' has shape {entry.shape}, "
-                              f"config.json implies {logical[name]}; the weights do not fit "
-                              f"the config")
+        check_tensor(source, name, tuple(entry.shape), logical)
     missing = [n for n in logical if n not in stored]
     if missing:
         raise ConfigError(f"{source}: missing tensor '{ours_to_hf(missing[0])}'"
@@ -171,13 +165,7 @@ def _load_streamed(directory, named_params, cfg: ModelConfig, source: str) -> No
     seen = set()
     with torch.no_grad():
         for name, tensor in iter_hf_tensors(directory):
-            if name not in logical:
-                raise ConfigError(f"{source}: unexpected tensor '{ours_to_hf(name)}' for this "
-                                  f"model config; check config.json matches the weights")
-            if tuple(tensor.shape) != logical[name]:
-                raise ConfigError(f"{source}: tensor '{ours_to_hf(name)}' has shape "
-                                  f"{tuple(tensor.shape)}, config.json implies {logical[name]}"
-                                  f"; the weights do not fit the config")
+            check_tensor(source, name, tuple(tensor.shape), logical)
             seen.add(name)
             if name in local:
                 local[name].copy_(local_piece(local[name], tensor).to(local[name].dtype))
