@@ -143,15 +143,20 @@ def test_inflight_microbatches():
 
 
 def test_logits_live_as_long_as_the_head_ranks_microbatches():
-    """The last rank's logits: one micro-batch's under 1F1B, p under ZB-H1 (its graph waits for
-    W), all m under AFAB."""
+    """The last rank's logits: one micro-batch's under 1F1B, all m under AFAB (chunked loss);
+    under ZB-H1 the split backward materialises them, and p micro-batches keep the fp32
+    logits' gradient while their graph waits for W."""
     model = preset("llama-3.2-1b")
     work = Workload(model, seq_len=4096, gbs=32)
     act = activation_bytes_per_microbatch(model, 1, 4096)
     one = act.final_norm + act.logits + act.loss
-    for schedule, live in (("1f1b", 1), ("zb", 4), ("afab", 32)):
+    for schedule, live in (("1f1b", 1), ("afab", 32)):
         items, _ = memory_items(work, Layout(pp=4, schedule=schedule), Assumptions(), rank=3)
         assert items["logits_loss"] == pytest.approx(live * one + act.loss_backward), schedule
+    items, _ = memory_items(work, Layout(pp=4, schedule="zb"), Assumptions(), rank=3)
+    tokens, bf16 = 4096, 2
+    split = act.final_norm + tokens * model.hidden_size * bf16 + tokens * model.vocab_size * 4
+    assert items["logits_loss"] == pytest.approx(4 * split)
 
 
 def test_first_stage_holds_all_layers_worth_under_1f1b():

@@ -30,6 +30,22 @@ import torch
 LOGITS_CHUNK_ELEMENTS = 1 << 22
 
 
+# Called as (point, tensors) where the loss holds large tensors it does not save (a chunk's
+# logits, the gradients being formed), so that a memory tracker (parallel/peak.py) can count
+# them; None costs nothing.
+_transient_observer: Callable[[str, list[torch.Tensor]], None] | None = None
+
+
+def observe_transients(observer: Callable[[str, list[torch.Tensor]], None] | None) -> None:
+    global _transient_observer
+    _transient_observer = observer
+
+
+def _observe(point: str, tensors: list[torch.Tensor]) -> None:
+    if _transient_observer is not None:
+        _transient_observer(point, tensors)
+
+
 def chunk_rows(num_tokens: int, vocab_local: int) -> int:
     return max(1, min(num_tokens, LOGITS_CHUNK_ELEMENTS // max(vocab_local, 1)))
 
@@ -79,7 +95,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 with_grads)
             if not with_grads:
                 continue
-            grad_logits = grad_logits.to(weight.dtype)
+            cast = grad_logits.to(weight.dtype)
+            _observe("loss chunk", [grad_logits, cast, grad_x, grad_w])
+            grad_logits = cast  # the fp32 logits are freed here
             torch.mm(grad_logits, weight, out=grad_x[start:start + rows])
             if weight.dtype == torch.float32:
                 grad_w.addmm_(grad_logits.t(), xc)
@@ -94,7 +112,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad_loss, grad_w * grad_loss, None, None, None, None, None, None
+        grad_x, grad_w = grad_x * grad_loss, grad_w * grad_loss
+        _observe("loss backward", [grad_x, grad_w])
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 class _CrossEntropyFromLogits(torch.autograd.Function):
@@ -114,7 +134,10 @@ class _CrossEntropyFromLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         (grad_logits,) = ctx.saved_tensors
-        return (grad_logits * grad_loss).to(ctx.dtype), None, None, None, None, None
+        grad = grad_logits * grad_loss
+        cast = grad.to(ctx.dtype)
+        _observe("loss backward", [grad, cast])
+        return cast, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,

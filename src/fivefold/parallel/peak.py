@@ -12,15 +12,30 @@ Sources are named after the planner's memory items (plan/memory.py): `params`, `
 `comm_buffers` (gradient buckets in flight, ZeRO-3's gathered units), plus whatever a caller
 registers (a checkpoint's read buffers). A storage is counted once, under the first source
 that names it; a storage resized to 0 bytes (a freed ZeRO-3 unit) counts nothing.
+
+Activations are counted the same way, from what autograd really keeps: inside `saving()` (the
+trainer's and the pipeline's forwards) every tensor saved for backward is packed into a
+holder that lives exactly as long as the graph keeps it, and the tracker's `activations`
+and `logits_loss` sources (`activation_sources`) count the live holders' storages, leaving
+out the parameters'. A tensor is `logits_loss` when it is saved between the final norm's
+entry and its chunk's exit (`mark_head`), else `activations`. Also counted: the inputs a
+recomputed region keeps (parallel/recompute.py), the tensors its recomputation brings back
+in backward (the working set), and the loss's transient chunk of logits (models/loss.py
+reports it through `loss.observe_transients`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import itertools
 import os
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
+
+from fivefold.models import loss
 
 # A process-wide slot, not a context variable: on CUDA, backward hooks run on autograd's
 # device threads, which do not see the caller's context.
@@ -33,6 +48,130 @@ def sample(point: str) -> None:
     """Let the active tracker (if any) count the live bytes now; `point` names the moment."""
     if _ACTIVE:
         _ACTIVE[-1].sample(point)
+
+
+def active() -> bool:
+    return bool(_ACTIVE)
+
+
+# --- activations: what autograd keeps, alive exactly as long as it keeps it -----------------
+ACTIVATIONS, LOGITS_LOSS = "activations", "logits_loss"
+_REGION = [ACTIVATIONS]  # the item a tensor saved now belongs to
+_LIVE: dict[int, tuple[weakref.ref, str]] = {}  # key -> (holder or tensor, item)
+_KEYS = itertools.count()
+_TRANSIENT: dict[str, list[torch.Tensor]] = {}  # item -> tensors a computation holds now
+
+
+class Saved:
+    """A tensor saved for backward. Detached: a saved *output* holding its own grad_fn would be
+    a reference cycle that outlives the graph (autograd ignores the metadata on unpack)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor.detach()
+
+
+def track(obj, item: str | None = None):
+    """Count `obj` (a holder with `.tensor`, or a tensor) under `item` (default: the region
+    running now) while it is alive. Returns obj."""
+    key = next(_KEYS)
+    _LIVE[key] = (weakref.ref(obj, lambda _, key=key: _LIVE.pop(key, None)),
+                  item or _REGION[-1])
+    return obj
+
+
+def _pack(t: torch.Tensor) -> Saved:
+    return track(Saved(t))
+
+
+def saving():
+    """Count what autograd saves inside the block (a forward), if a tracker is active."""
+    if not _ACTIVE:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_pack, lambda held: held.tensor)
+
+
+_RECOMPUTED: list[torch.Tensor] = []  # what the recomputation running now brought back
+
+
+@contextlib.contextmanager
+def recomputing():
+    """Inside a checkpointed region's recomputation (backward): count what it stores through
+    the checkpoint's own saved-tensor hooks, sampling as this working set grows. All of it is
+    alive at the end of the recomputation, before the region's backward consumes it."""
+    pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if not _ACTIVE or pack is None:
+        yield
+        return
+
+    def counting_pack(t):
+        _RECOMPUTED.append(t.detach())
+        sample("recomputed")
+        return pack(t)
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(counting_pack, unpack):
+            yield
+    finally:
+        _RECOMPUTED.clear()
+
+
+def _live_tensors(item: str) -> list[torch.Tensor]:
+    out = []
+    for ref, kind in list(_LIVE.values()):
+        obj = ref() if kind == item else None
+        if obj is not None:
+            out.append(obj if isinstance(obj, torch.Tensor) else obj.tensor)
+    out += _TRANSIENT.get(item, [])
+    return out + _RECOMPUTED if item == ACTIVATIONS else out
+
+
+def activation_sources(params: Iterable[torch.Tensor]) -> dict[str, Source]:
+    """`activations` and `logits_loss` for a tracker: the live saved tensors, less the
+    parameters' storages (weights are model state, counted under params)."""
+    param_keys = {p.untyped_storage()._cdata for p in params}
+
+    def source(item):
+        return lambda: [t for t in _live_tensors(item)
+                        if t.untyped_storage()._cdata not in param_keys]
+
+    return {ACTIVATIONS: source(ACTIVATIONS), LOGITS_LOSS: source(LOGITS_LOSS)}
+
+
+def transient(item: str, point: str, tensors: list[torch.Tensor]) -> None:
+    """Sample with `tensors` (held by a computation, not saved) counted under `item`."""
+    if _ACTIVE:
+        _TRANSIENT[item] = tensors
+        try:
+            sample(point)
+        finally:
+            _TRANSIENT.pop(item, None)
+
+
+loss.observe_transients(lambda point, tensors: transient(LOGITS_LOSS, point, tensors))
+
+
+def _head(module, args) -> None:
+    _REGION[-1] = LOGITS_LOSS
+
+
+def _body(*_) -> None:
+    _REGION[-1] = ACTIVATIONS
+
+
+def mark_head(chunks: Iterable[torch.nn.Module]) -> list:
+    """Tensors a chunk saves from its final norm's entry to its exit are `logits_loss` (the
+    planner's item: final norm, head and loss), the rest `activations`: hooks on each chunk
+    and its `norm`. Returns the hook handles."""
+    handles = []
+    for chunk in chunks:
+        handles.append(chunk.register_forward_pre_hook(_body))
+        handles.append(chunk.register_forward_hook(_body))
+        norm = getattr(chunk, "norm", None)
+        if norm is not None:
+            handles.append(norm.register_forward_pre_hook(_head))
+    return handles
 
 
 class PeakTracker:

@@ -15,6 +15,7 @@ region again, the layer pops it instead of communicating (parallel/expert.py).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fivefold.models.llama import AttentionCore, Block
+from fivefold.parallel import peak
 from fivefold.parallel.memory import note_kept
 
 MODES = ("none", "selective", "full")
@@ -59,13 +61,18 @@ def _checkpointed(forward):
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        note_kept(*(a for a in args if isinstance(a, torch.Tensor)))
+        kept = [a for a in args if isinstance(a, torch.Tensor)]
+        note_kept(*kept)
+        if peak.active():  # alive while the checkpoint keeps them, i.e. until its backward
+            for t in kept:
+                peak.track(t)
         tape = ReplayTape()
 
         def taped(*a, **kw):  # first call: record; the recomputation in backward: replay
             token = _TAPE.set(tape)
             try:
-                return forward(*a, **kw)
+                with peak.recomputing() if tape.replaying else contextlib.nullcontext():
+                    return forward(*a, **kw)
             finally:
                 _TAPE.reset(token)
                 tape.replaying, tape.position = True, 0

@@ -91,7 +91,9 @@ def activation_bytes_per_microbatch(
         tensor). Flash attention saves its output T·q·B and log-sum-exp T·heads/hd·4, i.e.
         O(s) (Dao 2022). Math attention saves q, k and v expanded to all heads (3·T·q·B) and
         the softmax output heads·b·s²/cp·B, O(s²) (the s² term of Korthikanti eq. 1). Then the
-        output-projection input T·q·B (a reshaped copy of the attention output).
+        output-projection input T·q·B (a reshaped copy of the attention output; with a saved
+        flash core it is a view of the core's output, written in (b, s, heads, d) order, so
+        it adds nothing).
       dropout (Korthikanti): attention-probability mask (1 byte) and dropout output (B) on the
         s² scores, and a 1-byte mask after each of the two projections back to h.
       MLP (seq region): norm input, statistics, MLP input as above.
@@ -120,8 +122,10 @@ def activation_bytes_per_microbatch(
     head's weight, V/tp·h·B (vocab-parallel under TP) — where an unchunked loss would keep
     T·V/tp·4 fp32 log-softmax (Korthikanti's 4sbV/t); loss = 0 (nothing else is kept).
     `loss_backward` is the larger transient of the loss: one chunk's fp32 logits, their
-    exponentials in place and the compute-dtype cast, rows·V/tp·(4 + B), or in backward the
-    two gradients scaled by the loss's gradient, T·h·B + V/tp·h·B.
+    exponentials in place and the compute-dtype cast, rows·V/tp·(4 + B) (4 in fp32, where
+    there is no cast), with the head's weight gradient accumulating in fp32 ((4 − B)·V/tp·h
+    over the saved one), or in backward the two gradients scaled by the loss's gradient,
+    T·h·B + V/tp·h·B.
     """
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, not {recompute!r}")
@@ -166,7 +170,10 @@ def activation_bytes_per_microbatch(
             # scores per rank: (s/cp) queries × s keys per head, for b sequences
             scores = mbs * heads * (seq_len / cp) * seq_len
             terms["attn_core"] = scores * B + (scores * (1 + B) if dropout else 0)
-    terms["attn_out"] = tokens * q * B
+    if not (flash and cp == 1 and recompute == "none"):
+        # The output-projection input. A saved flash core's output is the same storage: the
+        # kernel writes it in (b, s, heads, d) order, so the transpose-reshape is a view.
+        terms["attn_out"] = tokens * q * B
     terms["mlp_norm_input"] = seq_tensor
     terms["mlp_input"] = col_input
     if dropout:
@@ -224,11 +231,16 @@ def _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input,
         "loss": 0.0,
     }
     rows = min(tokens, max(1, LOGITS_CHUNK_ELEMENTS // vocab_local))
+    # Forward, per chunk: fp32 logits, their cast to the compute dtype (none in fp32), and
+    # the weight's gradient accumulating in fp32 (saved in the compute dtype: 4 − B more).
+    # Backward: both saved gradients scaled by the loss's, beside the saved ones.
+    cast = B if B < 4 else 0
+    forward = rows * vocab_local * (4 + cast) + (4 - B) * vocab_local * h
     return ActivationBytes(
         layer_terms=terms,
         layer=sum(terms.values()),
         outside_terms=outside,
-        loss_backward=max(rows * vocab_local * (4 + B), tokens * h * B + vocab_local * h * B),
+        loss_backward=max(forward, tokens * h * B + vocab_local * h * B),
     )
 
 
@@ -242,9 +254,9 @@ def recompute_working_set(model: ModelConfig, mbs: int, seq_len: int, *, tp: int
     (none under cp > 1, where selective recomputation leaves the ring core alone)."""
     kwargs = {"tp": tp, "sp": sp, "cp": cp, "dtype_bytes": dtype_bytes, "flash": flash,
               "dropout": dropout, "sp_saves_gathered": sp_saves_gathered, "cp_comm": cp_comm}
-    if recompute == "full":
-        return activation_bytes_per_microbatch(model, mbs, seq_len, recompute="none",
-                                               **kwargs).layer
+    if recompute == "full":  # the layer's input is already kept: it comes back as itself
+        full = activation_bytes_per_microbatch(model, mbs, seq_len, recompute="none", **kwargs)
+        return full.layer - full.layer_terms["attn_norm_input"]
     if recompute == "selective" and cp == 1:
         full = activation_bytes_per_microbatch(model, mbs, seq_len, recompute="none", **kwargs)
         return full.layer_terms.get("attn_core", 0.0)

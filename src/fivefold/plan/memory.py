@@ -285,6 +285,18 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
         # Interleaved and DualPipeV run the head chunk's backward right after its forward.
         live = inflight if num_chunks(layout) == layout.pp else 1
         logits_loss = (act.final_norm + act.logits + act.loss) * live + act.loss_backward
+        waiting = _head_weight_passes(layout, m, rank)
+        if waiting:
+            # A split backward (ZB-H1) materialises the head's logits (parallel/pipeline/
+            # stages.py): each micro-batch waiting for its W keeps the final norm's tensors,
+            # the head's input and the fp32 logits' gradient, graph retained from B to W. The
+            # loss's backward (its gradient, and the cast) runs while one is kept.
+            vocab = -(-mc.vocab_size // layout.tp)
+            tokens = layout.mbs * work.seq_len / layout.cp
+            split = act.final_norm + tokens * mc.hidden_size * work.dtype_bytes
+            split += tokens * vocab * 4
+            cast = work.dtype_bytes if work.dtype_bytes < 4 else 0
+            logits_loss = max(waiting * split, split + tokens * vocab * (4 + cast))
     split_grads = 0.0
     pending = pending_weight_passes(layout, m, rank)
     if any(pending):
@@ -316,6 +328,16 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
     items["overhead"] = (assume.context_gib * GIB + waste
                          + assume.fragmentation * allocated)
     return items, states.cpu
+
+
+def _head_weight_passes(layout: Layout, num_microbatches: int, rank: int) -> int:
+    """Micro-batches of the head's chunk on `rank` waiting for their W at the peak (0 when
+    the rank has no head or runs its backward whole)."""
+    last = num_chunks(layout) - 1
+    chunks = rank_chunks(layout, rank)
+    if last not in chunks:
+        return 0
+    return pending_weight_passes(layout, num_microbatches, rank)[chunks.index(last)]
 
 
 MIB = 2**20

@@ -171,6 +171,15 @@ class MasterWeightOptimizer:
             return int(state["step"])
         return 0
 
+    def peak_sources(self) -> dict:
+        """What this rank holds, by planner item, for a `parallel.peak.PeakTracker`."""
+        return {
+            "params": lambda: self.params,
+            "grads": lambda: [p.grad for p in self.params],
+            "master": lambda: self.master if self.mixed else [],
+            "optimizer": lambda: [s for st in self.optimizer.state.values()
+                                  for k, s in st.items() if k in ("exp_avg", "exp_avg_sq")]}
+
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held per rank, counted from the tensors' storages (views of one once)."""
         size = storage_bytes

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from fivefold.config import Config, ConfigError, RunError
 from fivefold.models.init import build_meta
-from fivefold.parallel import comm
+from fivefold.parallel import comm, peak
 from fivefold.parallel.apply import ParallelModel, parallelize
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.parallel.watchdog import RankLostError, Watchdog
@@ -112,6 +112,7 @@ class Trainer:
 
     def _finish_init(self, cfg: Config) -> None:
         self.optimizer = build_optimizer(self.model, self.dims, cfg, self.scaler, self.watchdog)
+        peak.mark_head(self.model.chunks)  # saved tensors of the head and loss: logits_loss
         self.pipeline = None
         if cfg.parallel.pp > 1:
             from fivefold.parallel.pipeline.runtime import PipelineRunner
@@ -173,10 +174,18 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             self.optimizer.prepare_backward(final_microbatch=i == len(micro_batches) - 1)
-            loss_sum = model(inputs.to(self.device), targets.to(self.device))
+            with peak.saving():
+                loss_sum = model(inputs.to(self.device), targets.to(self.device))
+            peak.sample("end of forward")
             (loss_sum * (self.scaler.scale / num_tokens)).backward()
             total += loss_sum.detach()
         return total
+
+    def peak_sources(self) -> dict[str, peak.Source]:
+        """Everything this rank holds, by planner item, for a `peak.PeakTracker` around a
+        step: the optimizer's model states and buffers, then the saved activations."""
+        params = [p for _, p in self.model.named_parameters()]
+        return {**self.optimizer.peak_sources(), **peak.activation_sources(params)}
 
     def global_loss(self, local_sum: torch.Tensor, num_tokens: int) -> float:
         """Mean loss per target token of the global batch, known on every rank."""

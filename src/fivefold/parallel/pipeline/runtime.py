@@ -52,13 +52,12 @@ ranks' shard boundaries differ, so summing after the reduce-scatter would be wro
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 
 import torch
 from torch import nn
 
-from fivefold.parallel import comm
+from fivefold.parallel import comm, peak
 from fivefold.parallel.pipeline.check import fused_backwards
 from fivefold.parallel.pipeline.schedules import (
     BACKWARD,
@@ -77,7 +76,7 @@ from fivefold.parallel.pipeline.stages import embedding_group, schedule_for, tie
 class _Held:
     """A tensor saved for backward, counted per (micro-batch, chunk) while it is alive."""
 
-    __slots__ = ("counts", "key", "tensor")
+    __slots__ = ("counts", "key", "tensor", "__weakref__")
 
     def __init__(self, tensor, counts, key):
         # Detached: a saved *output* holding its own grad_fn would be a reference cycle
@@ -230,6 +229,7 @@ class PipelineRunner:
             {FORWARD: self._forward, BACKWARD: self._backward, WEIGHT: self._weight}[item.kind](
                 item, step, schedule
             )
+            peak.sample(f"after {item.kind}")
             self.peak_stored = max(self.peak_stored, sum(1 for c in self._live.values() if c))
             if self.count_activations:
                 kept = sum(g.numel() * g.element_size() for grads in step.use_grads.values()
@@ -286,10 +286,14 @@ class PipelineRunner:
         self._recording = uses
         module.split_weight_pass = split
         try:
-            counting = torch.autograd.graph.saved_tensors_hooks(
-                lambda t: _Held(t, self._live, key), lambda held: held.tensor
-            )
-            with counting if self.count_activations else contextlib.nullcontext():
+            if self.count_activations:  # a peak tracker, if active, counts the same holders
+                track = peak.track if peak.active() else (lambda held: held)
+                saving = torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: track(_Held(t, self._live, key)), lambda held: held.tensor
+                )
+            else:
+                saving = peak.saving()
+            with saving:
                 out = module(x, targets.to(self.device) if module.last else None)
         finally:
             self._recording = None
