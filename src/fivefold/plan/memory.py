@@ -274,8 +274,8 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
     layers, embed, head = stage(mc, layout, rank)
     inflight = inflight_microbatches(layout, m, rank)
     activations = act.layer * layers * inflight + _working_set(work, layout)
-    if layers:
-        activations += act.rope_tables * inflight
+    if layers:  # each chunk's forward computes its own tables
+        activations += act.rope_tables * inflight * len(rank_chunks(layout, rank))
     if embed:
         activations += act.embedding * inflight
     logits_loss = 0.0
