@@ -226,11 +226,20 @@ class PeakTracker:
         _ACTIVE.remove(self)
 
 
-def _malloc_trim() -> None:
+def _libc():
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return None
+
+
+def _malloc_trim() -> None:
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
 
 class ResidentPeak:
@@ -239,9 +248,31 @@ class ResidentPeak:
     Counts every allocation, the engine's and its libraries' (DCP's read and write buffers
     included), which storage counting cannot see. The kernel's high-water mark is reset on
     entry (`/proc/self/clear_refs`, "5"), so `grown` = peak RSS in the block − RSS on entry.
-    Only figures far above the allocator's noise (a few MB) mean anything."""
+
+    Resident memory follows what is allocated only if the allocator gives freed buffers back:
+    call `pin_allocator()` once at the start of a measured process (see there). Without it
+    the growth can be several MB above the most bytes alive at once."""
 
     available = os.path.exists("/proc/self/clear_refs")
+
+    @staticmethod
+    def pin_allocator(threshold: int = 128 * 1024) -> bool:
+        """Make glibc map every buffer of `threshold` bytes or more on its own and unmap it
+        when freed, for the rest of the process. Returns whether the allocator took it.
+
+        By default glibc raises its mmap threshold to the size of each large buffer freed (up
+        to 32 MB) and its trim threshold to twice that, so later buffers of that size are cut
+        from the heap and stay resident once freed: the peak RSS of a block then adds up
+        buffers that were never alive together (a checkpoint load's checksum reads, DCP's
+        read of each chunk, the tensor made of it), by how much depends on the heap's layout
+        at the time. Setting the thresholds switches that adjustment off. Call it before the
+        process allocates what is measured: a buffer freed into the heap earlier is reused
+        from there."""
+        libc = _libc()
+        if libc is None or not hasattr(libc, "mallopt"):
+            return False
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold)
+                    and libc.mallopt(_M_TRIM_THRESHOLD, threshold))
 
     @staticmethod
     def _status(key: str) -> int:

@@ -22,10 +22,13 @@ STEP_NAME = re.compile(r"step_(\d+)")
 
 
 def _sha256(path: Path) -> str:
+    # One reused buffer: `f.read` would allocate a new 1 MB chunk while the last is still
+    # bound, two at once in a load that promises to hold about one saved chunk.
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
+    buffer = memoryview(bytearray(1 << 20))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(buffer[:n])
     return digest.hexdigest()
 
 
