@@ -123,14 +123,10 @@ EP_LAYOUTS = {
 
 PEAK_ITEMS = ("grad_buffer", "comm_buffers", "activations", "logits_loss")
 PEAK_TOLERANCE = 0.10
-# Where the planner's formula is known not to follow the engine, and why (not checked):
-PEAK_GAPS = {
-    # The planner counts interleaved in-flight micro-batches as an average over the rank's
-    # chunks (Megatron's warm-up count / v); with uneven chunks (layers 1,2,2,1) the engine
-    # keeps more micro-batches of one chunk than of the other: measured -6.5% on pp rank 0,
-    # +33% on pp rank 1. Even chunks agree within 0.1%.
-    ("pp2-interleaved-layers", "activations"): "per-chunk in-flight counts",
-}
+# Where the planner's formula is known not to follow the engine, and why (not checked): none.
+# (Interleaved chunks of uneven size, pp_layers 1,2,2,1, were one until the planner counted
+# each chunk's micro-batches in flight along the engine's order: +33% on pp rank 1 before.)
+PEAK_GAPS: dict[tuple[str, str], str] = {}
 
 
 def measure(rank, world, tmp, args):

@@ -19,6 +19,7 @@ from fivefold.plan.layout import (
     Workload,
     bubble_ratio,
     inflight_microbatches,
+    inflight_per_chunk,
     pending_weight_passes,
 )
 
@@ -171,3 +172,24 @@ def test_pipeline_closed_forms_equal_the_engines_schedules(schedule):
                 # Micro-batches between their B and W (split backward), chunk by chunk.
                 pending = [pending_weight_passes(lay, m, k) for k in range(p)]
                 assert pending == peak_pending_weights(sched), where
+
+
+def test_interleaved_uneven_chunks_peak_where_the_engines_order_does():
+    """With chunks of unequal weight (an uneven pp_layers) the planner's per-chunk in-flight
+    micro-batches give the heaviest moment of the engine's interleaved order: walked action
+    by action, each F adding its chunk's weight and each B taking it off."""
+    for p in (2, 3, 4):
+        for v in (2, 3, 4):
+            for m in (p, 2 * p, 3 * p, 5 * p):
+                sched = build_schedule("interleaved", p, m, v)
+                lay = Layout(pp=p, schedule="interleaved", virtual_stages=v)
+                for weights in ((1.0, 2.0, 2.0, 1.0)[:v], (5.0,) + (1.0,) * (v - 1),
+                                (1.0,) * (v - 1) + (7.0,), tuple(range(1, v + 1))):
+                    for rank in range(p):
+                        held = peak = 0.0
+                        for a in sched.compute_actions(rank):
+                            held += weights[a.chunk] * (1 if a.kind == "F" else -1)
+                            peak = max(peak, held)
+                        alive = inflight_per_chunk(lay, m, rank, weights)
+                        planned = sum(n * w for n, w in zip(alive, weights))
+                        assert planned == peak, (p, v, m, weights, rank, alive)

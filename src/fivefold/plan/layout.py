@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 
 from fivefold.models.presets import ModelConfig
+from fivefold.parallel.pipeline.actions import BACKWARD, FORWARD
+from fivefold.parallel.pipeline.schedules import interleaved_chunk, interleaved_warmup
 from fivefold.plan.split import (
     check_split,
     model_stage_layers,
@@ -239,6 +241,44 @@ def inflight_microbatches(layout: Layout, num_microbatches: int, rank: int) -> f
         chunk_mbs = min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)
         return chunk_mbs / v
     return float(min(m, p + 0.5))  # dualpipev
+
+
+def inflight_per_chunk(layout: Layout, num_microbatches: int, rank: int,
+                       weights: tuple[float, ...]) -> tuple[float, ...]:
+    """Per chunk of `rank` (in `rank_chunks` order), the micro-batches whose activations are
+    alive at the rank's peak, where a micro-batch of chunk c weighs `weights[c]` (its bytes).
+
+    With one chunk per rank, or chunks of equal weight, every chunk holds the average,
+    `inflight_microbatches`. Interleaved chunks of unequal weight (an uneven `pp_layers`)
+    are not held equally: the peak is found along the order the engine runs
+    (`parallel.pipeline.schedules`): w warm-up forwards, then each forward followed by a
+    backward, the k-th forward through `interleaved_chunk(F, k)`, the k-th backward
+    `interleaved_chunk(B, k)`. What is alive after steady forward w+i and before backward i
+    repeats with period p·v in i (each period adds and frees p micro-batches of every
+    chunk), so the peak lies in the first p·v steady steps. DualPipeV keeps the average
+    (its peak is not split by chunk here)."""
+    chunks = len(rank_chunks(layout, rank))
+    p, m, v = layout.pp, num_microbatches, layout.virtual_stages
+    if layout.schedule != "interleaved" or p == 1 or len(set(weights)) <= 1:
+        return (inflight_microbatches(layout, m, rank),) * chunks
+    return _interleaved_inflight(p, m, v, rank, tuple(weights))
+
+
+@functools.lru_cache(maxsize=16384)
+def _interleaved_inflight(p: int, m: int, v: int, rank: int,
+                          weights: tuple[float, ...]) -> tuple[float, ...]:
+    warmup = interleaved_warmup(p, m, v, rank)
+    alive = [0] * v
+    for k in range(warmup):
+        alive[interleaved_chunk(FORWARD, k, p, v)] += 1
+    best = tuple(alive)
+    for i in range(min(m * v - warmup, p * v)):
+        alive[interleaved_chunk(FORWARD, warmup + i, p, v)] += 1
+        if sum(n * w for n, w in zip(alive, weights)) > sum(
+                n * w for n, w in zip(best, weights)):
+            best = tuple(alive)
+        alive[interleaved_chunk(BACKWARD, i, p, v)] -= 1
+    return tuple(float(n) for n in best)
 
 
 def pending_weight_passes(layout: Layout, num_microbatches: int, rank: int) -> tuple[int, ...]:

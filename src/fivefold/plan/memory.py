@@ -21,6 +21,7 @@ from fivefold.plan.layout import (
     chunk_layer_counts,
     critical_ranks,
     inflight_microbatches,
+    inflight_per_chunk,
     moe_layers_on_rank,
     num_chunks,
     pending_weight_passes,
@@ -271,13 +272,16 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
     states = shard_model_states(counts["dense"], bpp, layout.zero, shards, layout.offload,
                                 counts["expert"], max(shards // layout.ep, 1))
     act = act or _activations(work, layout)
-    layers, embed, head = stage(mc, layout, rank)
+    head = stage(mc, layout, rank)[2]
     inflight = inflight_microbatches(layout, m, rank)
-    activations = act.layer * layers * inflight + _working_set(work, layout)
-    if layers:  # each chunk's forward computes its own tables
-        activations += act.rope_tables * inflight * len(rank_chunks(layout, rank))
-    if embed:
-        activations += act.embedding * inflight
+    # A micro-batch's activations in each of the rank's chunks: its layers, the rotary tables
+    # its forward computes (when it has layers to use them), the embedding's in chunk 0.
+    chunk_layers = [chunk_layer_counts(mc, layout)[c] for c in rank_chunks(layout, rank)]
+    per_microbatch = [act.layer * n + (act.rope_tables if n else 0)
+                      + (act.embedding if c == 0 else 0)
+                      for c, n in zip(rank_chunks(layout, rank), chunk_layers)]
+    alive = inflight_per_chunk(layout, m, rank, tuple(per_microbatch))
+    activations = sum(n * b for n, b in zip(alive, per_microbatch)) + _working_set(work, layout)
     logits_loss = 0.0
     if head:
         # With one chunk per rank (AFAB, 1F1B, ZB-H1) the head's logits live as long as the
@@ -324,7 +328,8 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
         # the stage's compute-dtype parameters stay gathered from forward to backward
         items["comm_buffers"] += states.num_params * work.dtype_bytes
     allocated = sum(items.values())
-    waste = allocator_waste(act, layers, inflight, head, _working_set(work, layout))
+    layer_microbatches = sum(n * k for n, k in zip(alive, chunk_layers))
+    waste = allocator_waste(act, layer_microbatches, head, _working_set(work, layout))
     items["overhead"] = (assume.context_gib * GIB + waste
                          + assume.fragmentation * allocated)
     return items, states.cpu
@@ -343,7 +348,7 @@ def _head_weight_passes(layout: Layout, num_microbatches: int, rank: int) -> int
 MIB = 2**20
 
 
-def allocator_waste(act: ActivationBytes, layers: int, inflight: float, head: bool,
+def allocator_waste(act: ActivationBytes, layer_microbatches: float, head: bool,
                     working_set: float) -> float:
     """Reserved minus allocated at the peak, under a model of PyTorch's CUDA caching allocator
     (c10/cuda/CUDACachingAllocator.cpp): a request over 1 MiB is served from a segment
@@ -359,7 +364,7 @@ def allocator_waste(act: ActivationBytes, layers: int, inflight: float, head: bo
       cached blocks, adding nothing.
     Model states and communication buffers are allocated once, in whole segments.
     Fragmentation therefore grows with the size and number of activation blocks."""
-    large = sum(1 for v in act.layer_terms.values() if v >= MIB) * layers * inflight
+    large = sum(1 for v in act.layer_terms.values() if v >= MIB) * layer_microbatches
     large += sum(1 for v in act.outside_terms.values() if v >= MIB) * (2 if head else 1)
     cached = act.loss_backward if head else working_set
     return large * MIB + cached

@@ -102,21 +102,32 @@ def _one_f_one_b_order(pp: int, num_microbatches: int, rank: int) -> list[Action
     return order
 
 
+def interleaved_chunk(kind: str, k: int, pp: int, virtual: int) -> int:
+    """The chunk of a rank's k-th forward (kind F) or k-th backward (B) in interleaved 1F1B:
+    groups of pp micro-batches go through chunk 0, then 1, ..., v-1; backwards walk the
+    chunks in reverse. The planner counts each chunk's activations in flight with it."""
+    chunk = (k % (pp * virtual)) // pp
+    return virtual - 1 - chunk if kind == BACKWARD else chunk
+
+
+def interleaved_warmup(pp: int, num_microbatches: int, virtual: int, rank: int) -> int:
+    """Chunk-forwards rank `rank` runs before its first backward: 2(pp-r-1) + (v-1)pp
+    (Narayanan et al. 2021, sec. 2.2; Megatron `forward_backward_pipelining_with_interleaving`);
+    after them each forward is followed by a backward."""
+    return min(num_microbatches * virtual, 2 * (pp - rank - 1) + (virtual - 1) * pp)
+
+
 def _interleaved_order(pp: int, num_microbatches: int, virtual: int, rank: int) -> list[Group]:
     # Megatron-LM's interleaved 1F1B: the k-th forward on a rank takes groups of pp
     # micro-batches through chunk 0, then the same group through chunk 1, ...; backwards walk
-    # the chunks in reverse. Warm-up is 2(pp-r-1) + (v-1)pp chunk-forwards (Narayanan et al.
-    # 2021, sec. 2.2; Megatron `forward_backward_pipelining_with_interleaving`).
+    # the chunks in reverse.
     total = num_microbatches * virtual
     group = pp * virtual
 
     def action(kind: str, k: int) -> Action:
-        chunk = (k % group) // pp
-        if kind == BACKWARD:
-            chunk = virtual - 1 - chunk
-        return Action(kind, (k // group) * pp + k % pp, chunk)
+        return Action(kind, (k // group) * pp + k % pp, interleaved_chunk(kind, k, pp, virtual))
 
-    warmup = min(total, 2 * (pp - rank - 1) + (virtual - 1) * pp)
+    warmup = interleaved_warmup(pp, num_microbatches, virtual, rank)
     order: list[Group] = [action(FORWARD, k) for k in range(warmup)]
     # Each steady F is paired with the next B so that one batch carries both sends and both
     # receives (Megatron's send_forward_backward_recv_forward_backward).
