@@ -45,6 +45,11 @@ LAYOUTS = {
     "dp2-zero2": ["--parallel.dp", "2", "--parallel.zero", "2"],
     "dp4-zero3-bf16": ["--parallel.dp", "4", "--parallel.zero", "3", "--train.precision", "bf16",
                        "--train.gbs", "8"],
+    # Enough blocks that ZeRO-3's backward peak has k blocks staged beside the rest unit.
+    "dp2-zero3-layers6": ["--parallel.dp", "2", "--parallel.zero", "3", "--model.num_layers",
+                          "6"],
+    "dp2-zero3-layers6-k1": ["--parallel.dp", "2", "--parallel.zero", "3",
+                             "--model.num_layers", "6", "--parallel.buckets_in_flight", "1"],
     "dp2-zero1-offload": ["--parallel.dp", "2", "--parallel.zero", "1", "--parallel.offload",
                           "true"],
     "dp2-tp2-sp-zero1": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.sp", "true",

@@ -18,6 +18,29 @@ from fivefold.train.trainer import Trainer
 UNBOUNDED = 1000  # more buckets than the model has: the behaviour before the bound
 
 
+def _watch_waits(reducer) -> list[int]:
+    """For each reduction waited for, how many gradients were staged between its launch and
+    the wait: 1 means it was waited for as soon as the next bucket started (no overlap)."""
+    staged, launched_at, gaps = [0], {}, []
+    grad_ready, launch, wait = reducer._grad_ready, reducer._launch, reducer._wait_oldest
+
+    def counting_grad_ready(index, param):
+        staged[0] += 1
+        grad_ready(index, param)
+
+    def noting_launch(index):
+        launch(index)
+        launched_at[index] = staged[0]
+
+    def noting_wait():
+        gaps.append(staged[0] - launched_at[reducer.handles[0][0]])
+        wait()
+
+    reducer._grad_ready, reducer._launch = counting_grad_ready, noting_launch
+    reducer._wait_oldest = noting_wait
+    return gaps
+
+
 def _gradient_peaks(rank, world):
     out = {}
     for zero in (2, 3):
@@ -32,6 +55,7 @@ def _gradient_peaks(rank, world):
                 "shard": lambda r=reducer: [r.grad_shard],
                 "whole": lambda lay=layout: [s.param.grad for s in lay.params],
                 "staging": lambda r=reducer: list(r.staging.values())})
+            gaps = _watch_waits(reducer)
             x, y = global_batch(0, 64)
             per = GBS // world
             opt.zero_grad()
@@ -39,6 +63,7 @@ def _gradient_peaks(rank, world):
             with tracker:
                 loss = model(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
                 (loss / (GBS * SEQ)).backward()
+                in_backward = list(gaps)
                 opt.finish_grad_sync()
             shards[in_flight] = reducer.grad_shard.clone()
             out[(zero, in_flight)] = {
@@ -47,7 +72,8 @@ def _gradient_peaks(rank, world):
                 "shard": reducer.grad_shard.numel() * 4,
                 "largest": max(s.size for s in layout.segments) * 4,
                 "smallest": min(s.size for s in layout.segments) * 4,
-                "segments": len(layout.segments), "full": layout.total * 4}
+                "segments": len(layout.segments), "full": layout.total * 4,
+                "gaps": in_backward}
             opt.close()
         # The bound changes when buckets are freed, never what they reduce to.
         for in_flight in (1, 2):
@@ -66,12 +92,17 @@ def test_gradient_side_peak_is_shard_plus_buckets_in_flight(dp):
             assert r["staging"] == r["full"], r
             continue
         # ZeRO-3's rest unit (embedding and head) fills from backward's first gradient (the
-        # head's) to its last (the embedding's), so one bucket in flight means two there.
-        alive = max(in_flight, 2) if zero == 3 else in_flight
+        # head's) to its last (the embedding's), beside the k buckets of the blocks.
+        alive = in_flight + 1 if zero == 3 else in_flight
         bound = r["shard"] + alive * r["largest"]
         assert r["peak"] <= bound, (zero, in_flight, r)
         assert r["staging"] >= min(in_flight, 2) * r["smallest"], r  # it measured buckets
         assert r["staging"] < r["full"], r
+        if in_flight >= 2:
+            # Each reduction waited for during backward had at least a whole later bucket's
+            # gradients to overlap with, ZeRO-3's blocks included (the rest unit filling
+            # across them once took a slot and left them none).
+            assert r["gaps"] and min(r["gaps"]) >= 2, r
 
 
 # --- checkpoints: no rank gathers what it does not own --------------------------------------

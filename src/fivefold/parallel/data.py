@@ -16,14 +16,16 @@ order even if a parameter got no gradient (its bucket then goes out in `finish`)
     stage 2, 3     no full buffer: on the final micro-batch each gradient is copied into its
                    bucket's staging buffer and dropped; the full bucket exists only until its
                    reduce-scatter into the persistent gradient shard (Rajbhandari et al. 2020,
-                   "ZeRO", §5.2) has finished. At most `buckets_in_flight` staging buffers
-                   are alive at once: before a new one is allocated, the oldest launched
-                   reduction is waited for and its staging freed (reductions complete in
-                   launch order), so a rank holds its shard plus that many buckets, never
-                   the whole gradient. Two are enough to keep the overlap: one bucket fills
-                   while the one before it is on the wire. (Under ZeRO-3 the rest unit,
-                   embedding and head, fills from backward's first gradient to its last,
-                   so at least two are alive there whatever the setting.)
+                   "ZeRO", §5.2) has finished. At most `buckets_in_flight` (k) buckets
+                   are alive at once, the one filling and k-1 launched: before a new one is
+                   allocated, the oldest launched reductions are waited for and their
+                   staging freed (reductions complete in launch order), so a rank holds its
+                   shard plus k buckets, never the whole gradient. Two are enough to keep
+                   the overlap: one bucket fills while the one before it is on the wire.
+                   A bucket that fills across others (ZeRO-3's rest unit, embedding and
+                   head, from backward's first gradient to its last) is not one of the k:
+                   counted, it would leave no room for a reduction on the wire, and every
+                   block's reduction would be waited for as soon as it was launched.
 
 Every reduction is a plain SUM: the loss of each micro-batch is divided by the number of
 target tokens of the whole global batch, so the summed gradient is the single-device one.
@@ -115,9 +117,10 @@ class GradReducer:
     def _staging(self, seg: int) -> torch.Tensor:
         if seg not in self.staging:
             # Make room first: wait for the oldest reductions until fewer than the allowed
-            # number of buckets are alive. (If none has been launched yet, e.g. buckets
-            # completing out of launch order, the bound cannot be kept without deadlock.)
-            while len(self.staging) >= self.buckets_in_flight and self.handles:
+            # number of launched buckets are alive, so that with this one filling there are
+            # at most that many. A bucket still filling (in `staging`, not in `handles`)
+            # cannot be waited for and is not counted.
+            while len(self.handles) >= self.buckets_in_flight:
                 self._wait_oldest()
             size = self.layout.segments[seg].size
             self.staging[seg] = torch.zeros(size, dtype=self.dtype, device=self.device)

@@ -200,9 +200,12 @@ def dp_comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
     DP and ZeRO-1 reduce in place in the gradient buffer: nothing extra. ZeRO-2 stages at
     most `buckets_in_flight` buckets (k), never more than the rank's gradient. ZeRO-3's units
     are a chunk's blocks and its rest (embedding, final norm, head); per chunk, the most of:
-      forward/backward  its rest + 2 blocks gathered (current + prefetched), as parameters
-      hooks staging     that + the rest's staging, alive from the first gradient (final norm,
-                        head) to the last, if the chunk ends the model + (k-1) blocks
+      forward   its rest + 2 blocks gathered (current + prefetched), as parameters
+      backward  its rest gathered, and staged if the chunk ends the model (from the first
+                gradient, final norm and head, to the last); then, when block n (counting
+                down) starts filling: blocks n and n-1 gathered, n staged and up to k-1
+                later blocks staged, their reductions on the wire (the rest, filling across
+                them, is not one of the k: parallel/data.py)
     and, when a tied embedding spans two pipeline ranks (its gradient is complete only after
     the holders' all-reduce, so every gradient is staged after backward): k of the rank's
     largest units, as gradients."""
@@ -229,12 +232,14 @@ def dp_comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
             head = vocab if not mc.tie_embeddings or 0 not in chunks else 0.0
             rest += norm + head
             borrowed = vocab if mc.tie_embeddings and c != 0 and 0 in chunks else 0.0
-        gathered = (rest + borrowed + min(2, layers[c]) * per_layer) * bpp.param
-        staged = 0.0
+        gathered = (rest + borrowed) * bpp.param
+        peak = max(peak, gathered + min(2, layers[c]) * per_layer * bpp.param)
         if not tied_across:
-            staged = ((rest if c == last else 0.0)
-                      + min(k - 1, layers[c]) * per_layer) * bpp.grad
-        peak = max(peak, gathered + staged)
+            staged = (rest if c == last else 0.0) * bpp.grad
+            blocks = max((min(2, n + 1) * bpp.param
+                          + (1 + min(k - 1, layers[c] - 1 - n)) * bpp.grad
+                          for n in range(layers[c])), default=0)
+            peak = max(peak, gathered + staged + blocks * per_layer)
         units += [rest] * (rest > 0) + [per_layer] * layers[c]
     if tied_across:
         peak = max(peak, sum(sorted(units)[-k:]) * bpp.grad)
