@@ -5,13 +5,14 @@
 
 Ranks are forked gloo processes on this machine (one thread each). Each variant trains the
 `tiny` preset (0.8M parameters) on the same batches (2 sequences of 128 tokens per rank per
-step), with AdamW and gradient clipping at 1.0 in every variant. The variants run in turns
-(`rounds` times `steps` steps each, after a warm-up) so that machine noise falls on all of
-them alike; the step time is the median over the timed steps on rank 0. Ratios are to DDP
-(FSDP2 for ZeRO-3) measured in the same run. `zero2-all` and `zero3-all` run ZeRO-2/3 with
-every gradient bucket allowed in flight at once (parallel.buckets_in_flight unbounded: the
-behaviour before the bound, when staging was freed only after the last reduction), so the
-cost of the bound (default 2) is the ratio zero2 / zero2-all in the same run. Results go to
+step), with AdamW and gradient clipping at 1.0 in every variant. The variants take turns
+step by step (`rounds` times `steps` steps each, after a warm-up, the order reversed every
+step) so that machine noise falls on all of them alike; the step time is the median over
+the timed steps on rank 0. Ratios are to DDP (FSDP2 for ZeRO-3) measured in the same run.
+`zero2-all` and `zero3-all` run ZeRO-2/3 with every gradient bucket allowed in flight at
+once (parallel.buckets_in_flight unbounded: the behaviour before the bound, when staging was
+freed only after the last reduction), so the cost of the bound (default 2) is the ratio
+zero2 / zero2-all in the same run. Results go to
 bench/results/dp_zero.json (bench/results/dp_zero_bucket{MB}.json for another --bucket-mb).
 """
 
@@ -108,12 +109,15 @@ def _rank(rank, world, init_file, steps, rounds, precision, bucket_mb, out_path)
     for step in steppers.values():  # warm-up
         for i in range(3):
             step(batches[i % 4])
-    for _ in range(rounds):
-        for kind, step in steppers.items():
-            for i in range(steps):
+    kinds = list(steppers)
+    for r in range(rounds):
+        for i in range(steps):
+            # Every variant runs each step, in an order reversed step by step, so that a
+            # burst of machine noise lands on all of them alike and none is always first.
+            for kind in kinds if (r * steps + i) % 2 == 0 else kinds[::-1]:
                 dist.barrier()
                 start = time.perf_counter()
-                step(batches[i % 4])
+                steppers[kind](batches[i % 4])
                 times[kind].append(time.perf_counter() - start)
     if rank == 0:
         with open(out_path, "w") as f:
