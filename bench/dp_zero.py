@@ -1,7 +1,7 @@
 """Step time of fivefold's DP, ZeRO-1/2/3 against torch DDP and FSDP2, same model and data.
 
     python bench/dp_zero.py [--dp 2 4] [--steps 12] [--rounds 3] [--precision fp32]
-                            [--bucket-mb 25]
+                            [--bucket-mb 25] [--repeats 1]
 
 Ranks are forked gloo processes on this machine (one thread each). Each variant trains the
 `tiny` preset (0.8M parameters) on the same batches (2 sequences of 128 tokens per rank per
@@ -12,8 +12,12 @@ the timed steps on rank 0. Ratios are to DDP (FSDP2 for ZeRO-3) measured in the 
 `zero2-all` and `zero3-all` run ZeRO-2/3 with every gradient bucket allowed in flight at
 once (parallel.buckets_in_flight unbounded: the behaviour before the bound, when staging was
 freed only after the last reduction), so the cost of the bound (default 2) is the ratio
-zero2 / zero2-all in the same run. Results go to
-bench/results/dp_zero.json (bench/results/dp_zero_bucket{MB}.json for another --bucket-mb).
+zero2 / zero2-all in the same run (`bound_cost`: with --repeats N, the median over N fresh
+sets of ranks). At the default 25 MB the tiny model's ZeRO-2 gradient is two buckets, no
+more than the bound allows, so zero2 / zero2-all there shows the noise alone; --bucket-mb
+0.25 cuts it into nine. Results
+go to bench/results/dp_zero.json (bench/results/dp_zero_bucket{MB}.json for another
+--bucket-mb).
 """
 
 from __future__ import annotations
@@ -132,6 +136,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="fresh sets of ranks per dp; the step times are their medians")
     args = parser.parse_args()
     # Import the submodules the ranks use before forking them.
     import torch.distributed.fsdp
@@ -145,19 +151,32 @@ def main() -> None:
     print(f"device: {device}; torch {torch.__version__}; tiny preset, {args.precision}, "
           f"bucket_mb {args.bucket_mb}; git {revision}")
     print(f"{'dp':>3} {'variant':<7} {'step ms':>8}  ratio")
+    results["repeats"], results["bound_cost"] = {}, {}
     for world in args.dp:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "times.json")
-            mp.start_processes(_rank, args=(world, os.path.join(tmp, "rdv"), args.steps,
-                                            args.rounds, args.precision, args.bucket_mb,
-                                            out),
-                               nprocs=world, start_method="fork")
-            times = json.loads(Path(out).read_text())
+        repeats = []
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "times.json")
+                mp.start_processes(_rank, args=(world, os.path.join(tmp, "rdv"), args.steps,
+                                                args.rounds, args.precision, args.bucket_mb,
+                                                out),
+                                   nprocs=world, start_method="fork")
+                repeats.append(json.loads(Path(out).read_text()))
+        times = {k: statistics.median(r[k] for r in repeats) for k in VARIANTS}
         results["runs"][str(world)] = times
+        results["repeats"][str(world)] = repeats
+        # The bound's cost: bounded / all buckets in flight, per repeat, then the median.
+        results["bound_cost"][str(world)] = {
+            z: {"median": statistics.median(r[z] / r[f"{z}-all"] for r in repeats),
+                "each": [round(r[z] / r[f"{z}-all"], 3) for r in repeats]}
+            for z in ("zero2", "zero3")}
         for kind in VARIANTS:
             peer = PEERS.get(kind, "ddp")
             ratio = "" if kind in ("ddp", "fsdp2") else f"{times[kind] / times[peer]:.3f} × {peer}"
             print(f"{world:>3} {kind:<7} {times[kind] * 1e3:8.2f}  {ratio}")
+        for z, cost in results["bound_cost"][str(world)].items():
+            print(f"{world:>3} {z} bounded / all in flight: median {cost['median']:.3f} of "
+                  f"{cost['each']}")
     name = "dp_zero" + ("" if args.bucket_mb == 25.0 else f"_bucket{args.bucket_mb:g}")
     path = Path(__file__).parent / "results" / f"{name}.json"
     path.parent.mkdir(exist_ok=True)
