@@ -13,6 +13,7 @@ from test_data_parallel import GBS, SEQ, build, global_batch, make_cfg
 
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.parallel.peak import PeakTracker, ResidentPeak
+from fivefold.train.manifest import verify_step
 from fivefold.train.trainer import Trainer
 
 UNBOUNDED = 1000  # more buckets than the model has: the behaviour before the bound
@@ -139,10 +140,13 @@ def _checkpoint_peaks(rank, world, tmp):
     with tracker, ResidentPeak() as load:
         trainer.load_checkpoint(ckpt_dir / "step_00000001")
     restored = [v for *_, views in opt.shard_states() for v in views.values()]
+    with ResidentPeak() as check:  # the load's own first part: the manifest's checksums
+        assert verify_step(ckpt_dir / "step_00000001") is None
     with ResidentPeak() as gather:  # what a gathering save held: the meter can see it
         full = trainer.logical_tensors()
     del full
     return {"pinned": pinned, "save": save.grown, "load": load.grown, "gather": gather.grown,
+            "check": check.grown,
             "save_engine": save_engine, "load_engine": tracker.points.get("checkpoint load"),
             "states": sum(opt.memory_bytes().values()),
             "unit": max(s.size for s in opt.layout.segments) * 4,
@@ -159,12 +163,14 @@ def test_zero3_checkpoint_save_and_load_allocate_under_one_unit(tmp_path):
 
     What the resident growth is, measured point by point (~3.5 MB at most): on save, the
     finite check's temporaries for the largest part (~2.8 MB); on load, the manifest check's
-    1 MB read buffer, then DCP's reader, not ours: for each saved chunk it holds the chunk's
-    bytes and the tensor `torch.load` makes of them, 2 x 1.5 MB for an MLP box. The meter
+    1 MB read buffer (measured alone below), then DCP's reader, not ours: for each saved chunk
+    it holds the chunk's bytes and the tensor `torch.load` makes of them, 2 x 1.5 MB for an
+    MLP box. The meter
     needs `pin_allocator` (the rank's first line): with glibc's default adaptive thresholds
     the same save and load measured 2.4 to 7.2 MB, freed buffers kept resident."""
     for r in run_ranks(_checkpoint_peaks, 4, str(tmp_path)):
         assert r["pinned"] and r["exact"], r
         assert r["save"] <= r["unit"] and r["load"] <= r["unit"], r
         assert r["gather"] > 4 * r["unit"], r
+        assert r["check"] <= 1.5 * 2**20, r  # one 1 MB buffer for every file's checksum
         assert r["save_engine"] == r["load_engine"] == r["states"], r
