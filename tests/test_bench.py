@@ -32,6 +32,10 @@ def test_bench_tiny_with_hf_peer_writes_a_record(tmp_path, capsys):
         assert abs(a - b) / b <= 1e-5
     assert record["ratio_tokens_per_s"] == pytest.approx(
         ours["tokens_per_s"] / theirs["tokens_per_s"])
+    assert record["ratio_tokens_per_cpu_s"] == pytest.approx(
+        ours["tokens_per_cpu_s"] / theirs["tokens_per_cpu_s"])
+    assert len(record["ratio_by_round"]) == 1 and record["ratio_by_round"][0] > 0
+    assert "per CPU-second" in text
     # The planner's peak beside the measured one: within 10% on this model.
     planned = record["planned"]["peak_bytes"]
     assert abs(ours["memory"]["peak_allocated_bytes"] - planned) <= 0.10 * planned

@@ -14,8 +14,10 @@ beside each, the device, torch/CUDA versions and the git revision.
 
 `--peer hf` also trains the same model with Hugging Face `transformers` (peer.py): one
 device, same weights, batches, precision and AdamW, and the ratio of the two measured in
-the same run — the engines take turns, `steps` steps each per round, so load on a shared
-machine falls on both.
+the same run — the engines take turns, `steps` steps each per round (the peer first every
+other round), so load on a shared machine falls on both. Beside the ratio of the median
+tokens/s: the median of each round's ratio, and the ratio per second of CPU time, which on
+a shared CPU leaves out the time a step waited for a core.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class StepRecord:
     loss: float
     seconds: float
     parts: dict[str, float] = field(default_factory=dict)
+    cpu_seconds: float = 0.0  # this process's CPU time over the step (all its threads)
 
 
 class FivefoldRunner:
@@ -104,13 +107,13 @@ class FivefoldRunner:
     def step(self) -> StepRecord:
         self.parts = {}
         sync(self.device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         record = self.trainer.train_step()
         sync(self.device)
         seconds = time.perf_counter() - start
         parts = {k: self.parts.get(k, 0.0) for k in ("forward", "optimizer", "grad_sync_wait")}
         parts["backward"] = max(seconds - sum(parts.values()), 0.0)
-        return StepRecord(record["loss"], seconds, parts)
+        return StepRecord(record["loss"], seconds, parts, time.process_time() - cpu_start)
 
 
 def git_revision() -> str:
@@ -175,14 +178,29 @@ def summarize(records: list[StepRecord], tokens_per_step: int, devices: int,
     median = statistics.median(times)
     tps = tokens_per_step / median
     parts = {k: statistics.median(r.parts[k] for r in records) for k in records[0].parts}
+    cpu = statistics.median(r.cpu_seconds for r in records)
     return {
         "tokens_per_s": tps, "tokens_per_s_per_device": tps / devices,
         "tokens_per_s_spread": [tokens_per_step / max(times), tokens_per_step / min(times)],
         "step_time_s": {"median": median, "min": min(times), "max": max(times)},
         "step_parts_s": parts,
+        # Tokens per second of this process's CPU time: on a CPU shared with other work, what
+        # the step costs without the time spent waiting for a core (one thread: --threads 1).
+        "tokens_per_cpu_s": tokens_per_step / cpu if cpu > 0 else None,
+        "cpu_step_time_s": cpu,
         "mfu": tps * flops_per_token / (peak_flops * devices) if peak_flops else None,
         "steps_timed": len(records),
     }
+
+
+def round_ratios(ours: list[StepRecord], theirs: list[StepRecord], steps: int) -> list[float]:
+    """fivefold / transformers tokens/s of each round (the median step of each side)."""
+    out = []
+    for start in range(0, len(ours), steps):
+        mine = statistics.median(r.seconds for r in ours[start:start + steps])
+        peer = statistics.median(r.seconds for r in theirs[start:start + steps])
+        out.append(peer / mine)
+    return out
 
 
 def planned(trainer, device: torch.device) -> dict:
@@ -266,8 +284,9 @@ def run_bench(args, cfg, dims) -> dict:
             if log:
                 _progress(runner, i + 1, args.warmup, rec, tokens)
     total = args.steps * args.rounds
-    for _ in range(args.rounds):
-        for runner in runners:
+    for round_index in range(args.rounds):
+        # Every other round the peer goes first, so neither engine always follows the other.
+        for runner in (runners if round_index % 2 == 0 else runners[::-1]):
             for _ in range(args.steps):
                 rec = runner.step()
                 losses[runner.name].append(rec.loss)
@@ -313,6 +332,13 @@ def run_bench(args, cfg, dims) -> dict:
     if args.peer == "hf":
         ours, theirs = engines["fivefold"], engines["transformers"]
         record["ratio_tokens_per_s"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
+        if ours["tokens_per_cpu_s"] and theirs["tokens_per_cpu_s"]:
+            record["ratio_tokens_per_cpu_s"] = (ours["tokens_per_cpu_s"]
+                                                / theirs["tokens_per_cpu_s"])
+        # Each round's ratio of the engines' median step times: the two run minutes apart
+        # at most, so a load that changes over the run moves both sides of each ratio.
+        record["ratio_by_round"] = round_ratios(timed["fivefold"], timed["transformers"],
+                                                args.steps)
         n = len(ours["losses"])
         record["max_loss_rel_diff"] = max(
             abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"][:n]))
@@ -339,6 +365,11 @@ def report(record: dict) -> str:
         lines.append(f"fivefold / transformers tokens/s: {record['ratio_tokens_per_s']:.2f}x; "
                      f"largest relative loss difference over {steps} steps: "
                      f"{record['max_loss_rel_diff']:.2e}")
+        by_round = record["ratio_by_round"]
+        cpu = record.get("ratio_tokens_per_cpu_s")
+        lines.append(f"  per round: {', '.join(f'{r:.2f}' for r in by_round)} (median "
+                     f"{statistics.median(by_round):.2f}x)"
+                     + (f"; per CPU-second: {cpu:.2f}x" if cpu else ""))
     return "\n".join(lines)
 
 

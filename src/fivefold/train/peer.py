@@ -81,7 +81,7 @@ class HFRunner:
 
         tr = self.cfg.train
         sync(self.device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         micro_batches = self.loader.next_batch()
         num_tokens = self.loader.num_target_tokens
         self.optimizer.zero_grad(set_to_none=True)
@@ -110,4 +110,4 @@ class HFRunner:
         self.step_index += 1
         parts = {"forward": forward, "optimizer": end - t1, "grad_sync_wait": 0.0}
         parts["backward"] = max(end - start - sum(parts.values()), 0.0)
-        return StepRecord(total, end - start, parts)
+        return StepRecord(total, end - start, parts, time.process_time() - cpu_start)
