@@ -21,7 +21,7 @@ from fivefold.models.presets import ModelConfig
 
 INDEX_BYTES = 8  # int64 token ids and targets
 STAT_BYTES = 4  # fp32 norm statistics and softmax log-sum-exp
-LOGITS_CHUNK_ELEMENTS = 1 << 22  # logits per chunk of the engine's loss (models/loss.py)
+LOGITS_CHUNK_ELEMENTS = 1 << 24  # logits per chunk of the engine's loss (models/loss.py)
 
 
 @dataclass
