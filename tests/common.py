@@ -15,6 +15,10 @@ def small_config(tmp_path, *overrides: str, **kw) -> config.Config:
         "--train.device", "cpu",
         "--checkpoint.dir", str(tmp_path / "ckpt"), "--checkpoint.every", "0",
         "--log.dir", str(tmp_path / "log"), "--log.progress", "false",
-        "--log.tensorboard", "false", *overrides,
+        "--log.tensorboard", "false",
+        # The tests' model and micro-batching, pinned: the byte tokenizer with tiny's
+        # vocabulary, one sequence per micro-batch (the defaults are the default job's).
+        "--model.preset", "tiny", "--data.tokenizer", "byte", "--parallel.mbs", "1",
+        *overrides,
     ]
     return config.load(None, args)

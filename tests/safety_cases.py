@@ -13,7 +13,9 @@ import os
 import shutil
 from pathlib import Path
 
-SMALL = ["--model.hidden_size", "32", "--model.intermediate_size", "64", "--model.num_layers",
+# The tests' model: the byte tokenizer with tiny's vocabulary, one sequence per micro-batch.
+SMALL = ["--model.preset", "tiny", "--data.tokenizer", "byte", "--parallel.mbs", "1",
+         "--model.hidden_size", "32", "--model.intermediate_size", "64", "--model.num_layers",
          "2", "--train.seq_len", "32", "--train.gbs", "4", "--train.eval_every", "0",
          "--train.warmup_steps", "0", "--train.device", "cpu", "--log.progress", "false",
          "--log.tensorboard", "false"]

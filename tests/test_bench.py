@@ -10,7 +10,8 @@ from fivefold import cli
 def test_bench_tiny_with_hf_peer_writes_a_record(tmp_path, capsys):
     pytest.importorskip("transformers")
     out = tmp_path / "bench.json"
-    code = cli.main(["bench", "--steps", "2", "--warmup", "1", "--peer", "hf", "--threads", "1",
+    code = cli.main(["bench", "--model.preset", "tiny", "--data.tokenizer", "byte",
+                     "--steps", "2", "--warmup", "1", "--peer", "hf", "--threads", "1",
                      "--train.gbs", "8", "--parallel.mbs", "4", "--train.seq_len", "64",
                      "--train.precision", "fp32", "--train.device", "cpu", "--out", str(out)])
     assert code == 0

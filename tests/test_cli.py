@@ -15,7 +15,9 @@ from fivefold.cli import main
 from fivefold.data.prepare import prepare
 from fivefold.train.trainer import Trainer
 
-SMALL = ["--model.hidden_size", "32", "--model.intermediate_size", "64", "--model.num_layers",
+# The tests' model: the byte tokenizer with tiny's vocabulary, one sequence per micro-batch.
+SMALL = ["--model.preset", "tiny", "--data.tokenizer", "byte", "--parallel.mbs", "1",
+         "--model.hidden_size", "32", "--model.intermediate_size", "64", "--model.num_layers",
          "2", "--train.seq_len", "32", "--train.gbs", "4", "--train.steps", "3",
          "--train.eval_every", "0", "--log.progress", "false", "--log.tensorboard", "false"]
 
@@ -200,3 +202,36 @@ def test_train_then_generate_end_to_end(tmp_path):
         capture_output=True, text=True, env=env)
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("It was") and len(gen.stdout) > len("It was")
+
+
+@pytest.mark.parametrize("args, mbs", [
+    ([], 16),                                                      # the default job: no accumulation
+    (["--parallel.dp", "2"], 8),                                   # the rank's share
+    (["--parallel.pp", "2"], 1),                                   # pipelines: most micro-batches
+    (["--train.seq_len", "1024", "--train.gbs", "48"], 16),        # within 16384 tokens
+    (["--train.seq_len", "4096", "--model.max_seq_len", "4096", "--train.gbs", "12"], 4),
+    (["--train.seq_len", "4096", "--model.max_seq_len", "4096", "--train.gbs", "10"], 2),
+    (["--parallel.mbs", "2"], 2),                                  # a given mbs is kept
+])
+def test_auto_micro_batch(args, mbs):
+    """parallel.mbs = 0 becomes the largest divisor of the rank's batch within 16384 tokens
+    (1 under a pipeline), before anything else reads it."""
+    from fivefold import config
+
+    cfg = config.load(None, args)
+    assert cfg.parallel.mbs == mbs
+    assert cfg.train.gbs % (cfg.parallel.mbs * cfg.parallel.dp) == 0
+
+
+def test_example_configs_load_and_tiny_is_the_default():
+    """Every shipped example passes validation, and examples/tiny.toml is the built-in
+    default job written out (only its run directories differ)."""
+    from fivefold import config
+
+    examples = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.toml"))
+    assert len(examples) >= 3
+    loaded = {p.stem: config.load(p) for p in examples}
+    tiny, default = loaded["tiny"].to_dict(), config.load(None).to_dict()
+    for d in (tiny, default):
+        del d["checkpoint"]["dir"], d["log"]["dir"]
+    assert tiny == default

@@ -159,6 +159,26 @@ def test_bundled_corpus(corpus, tmp_path):
     assert TokenDataset.open(default_corpus_tokens(cache_dir=tmp_path)).num_tokens == len(corpus)
 
 
+def test_shipped_corpus_bpe(tmp_path):
+    """The default job's tokenizer: the shipped BPE is what training on the corpus gives (so it
+    can be remade), round-trips the corpus exactly, and its token file records the name, not
+    this install's path, so a checkpoint's tokenizer is found on any install."""
+    from fivefold.data.tokenizer import BUILTIN, train_bpe
+
+    tok = load_tokenizer("corpus-bpe")
+    assert tok.vocab_size == 2048 and tok.spec == "corpus-bpe"
+    remade = train_bpe((f.read_text() for f in corpus_files()), 2048, tmp_path / "bpe.json")
+    assert (tmp_path / "bpe.json").read_bytes() == BUILTIN["corpus-bpe"].read_bytes()
+    text = corpus_files()[0].read_text()[:20_000]
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and len(text) / len(ids) > 2.5  # bytes per token
+    assert remade.encode(text) == ids
+    ds = TokenDataset.open(default_corpus_tokens("corpus-bpe", cache_dir=tmp_path))
+    assert ds.meta["tokenizer"]["path"] == "corpus-bpe" and ds.tokenizer_spec == "corpus-bpe"
+    assert ds.vocab_size == 2048 and ds.num_documents == len(corpus_files())
+    assert 400_000 < ds.num_tokens < 500_000  # 1.25 MB of text at about 2.8 bytes a token
+
+
 # -- loader -------------------------------------------------------------------------------
 
 def batches(loader, steps):

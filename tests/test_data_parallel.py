@@ -30,7 +30,7 @@ def make_cfg(dp=1, zero=0, offload=False, tied=False, preset="nano") -> Config:
     cfg.model.preset = preset
     if tied:
         cfg.model.overrides = {"tie_embeddings": True}
-    cfg.parallel = ParallelSection(dp=dp, zero=zero, offload=offload, bucket_mb=BUCKET_MB,
+    cfg.parallel = ParallelSection(dp=dp, zero=zero, offload=offload, bucket_mb=BUCKET_MB, mbs=1,
                                    timeout_s=60.0)
     tr = cfg.train
     tr.lr, tr.warmup_steps, tr.lr_schedule, tr.grad_clip = LR, 0, "constant", 1.0

@@ -11,7 +11,9 @@ import sys
 
 import pytest
 
-SMALL = ["--model.hidden_size", "32", "--model.intermediate_size", "64", "--model.num_layers",
+# The tests' model: the byte tokenizer with tiny's vocabulary, one sequence per micro-batch.
+SMALL = ["--model.preset", "tiny", "--data.tokenizer", "byte", "--parallel.mbs", "1",
+         "--model.hidden_size", "32", "--model.intermediate_size", "64", "--model.num_layers",
          "4", "--model.num_heads", "4", "--model.num_kv_heads", "2", "--train.seq_len", "32",
          "--train.gbs", "8", "--train.steps", "3", "--train.warmup_steps", "0",
          "--train.eval_every", "0", "--train.precision", "fp32", "--train.device", "cpu",

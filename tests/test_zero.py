@@ -23,6 +23,7 @@ def trainer_cfg(ckpt_dir: str, dp: int, zero: int, resume: str = "") -> Config:
     cfg = Config()
     cfg.model.preset = "nano"
     cfg.model.overrides = {"vocab_size": 256, "tie_embeddings": True}  # the byte tokenizer
+    cfg.data.tokenizer = "byte"
     cfg.parallel = ParallelSection(dp=dp, zero=zero, bucket_mb=0.02, mbs=1)
     tr = cfg.train
     tr.steps, tr.gbs, tr.seq_len, tr.lr, tr.warmup_steps = 6, 8, 32, 3e-3, 2

@@ -50,7 +50,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 @dataclass
 class ModelSection:
-    preset: str = "tiny"
+    preset: str = "tiny-bpe"
     hf_path: str = ""  # a local Hugging Face checkpoint directory (config.json + safetensors)
     # Any ModelConfig field may be overridden here (hidden_size, num_layers, ...).
     overrides: dict = field(default_factory=dict)
@@ -81,7 +81,7 @@ class ParallelSection:
     sp_saved_input: str = "full"
     cp_comm: str = "ring"  # context parallelism's K/V exchange: ring | allgather
     cp_layout: str = "zigzag"  # sequence split over cp ranks: zigzag | contiguous
-    mbs: int = 1  # micro-batch size, in sequences
+    mbs: int = 0  # micro-batch size, in sequences; 0: auto (no accumulation; 1 under pp > 1)
     schedule: str = "1f1b"  # afab | 1f1b | interleaved | zb | dualpipev
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules)
     pp_split: str = "even"  # even | balanced: layers per stage (plan/split.py)
@@ -98,7 +98,7 @@ class ParallelSection:
 
 @dataclass
 class TrainSection:
-    steps: int = 300
+    steps: int = 600
     gbs: int = 16  # global batch, in sequences
     seq_len: int = 128
     lr: float = 3e-3
@@ -126,7 +126,7 @@ class TrainSection:
 class DataSection:
     path: str = ""  # a token file from `fivefold prepare`; empty: the bundled corpus
     val_fraction: float = 0.05
-    tokenizer: str = "byte"  # byte, or the path of a tokenizer.json
+    tokenizer: str = "corpus-bpe"  # for the bundled corpus: corpus-bpe (2048), byte, a .json
 
 
 # "latest" (the pointer file) and "" (fresh) are the older spellings of auto and never.
@@ -492,6 +492,8 @@ def validate_layout(cfg: Config) -> None:
     _choice("model.mlp", mc.mlp, ("swiglu", "gelu"))
     _choice("model.norm", mc.norm, ("rmsnorm", "layernorm"))
 
+    _positive("parallel.mbs", par.mbs, allow_zero=True)
+    resolve_mbs(cfg)
     for name in ("dp", "tp", "pp", "cp", "ep", "mbs", "virtual_stages"):
         _positive(f"parallel.{name}", getattr(par, name))
     if par.zero not in (0, 1, 2, 3):
@@ -563,6 +565,28 @@ def validate_layout(cfg: Config) -> None:
     _positive("train.max_bad_steps", tr.max_bad_steps)
 
 
+# The most tokens an automatic micro-batch holds per rank: torchtitan's default local batch
+# (training.local_batch_size = 8 sequences of training.seq_len = 2048).
+AUTO_MBS_TOKENS = 16384
+
+
+def resolve_mbs(cfg: Config) -> None:
+    """parallel.mbs = 0 (auto), made concrete in place: without a pipeline, the largest
+    micro-batch that divides the rank's share of the global batch within AUTO_MBS_TOKENS, so
+    a small run does no gradient accumulation (one forward and backward per step is several
+    times faster than many small ones on a CPU); with a pipeline, 1, which gives the most
+    micro-batches and so the smallest bubble. A given mbs is kept as it is."""
+    par, tr = cfg.parallel, cfg.train
+    if par.mbs:
+        return
+    if par.pp > 1 or par.dp < 1 or tr.gbs < 1 or tr.gbs % par.dp:
+        par.mbs = 1  # (a bad gbs or dp is reported by validate with these numbers)
+        return
+    per_rank = tr.gbs // par.dp
+    cap = max(1, AUTO_MBS_TOKENS * max(par.cp, 1) // max(tr.seq_len, 1))
+    par.mbs = max(b for b in range(1, min(per_rank, cap) + 1) if per_rank % b == 0)
+
+
 def _validate_files(cfg: Config) -> None:
     """Inputs that must exist and outputs that must be writable."""
     d = cfg.data
@@ -574,9 +598,9 @@ def _validate_files(cfg: Config) -> None:
                           f"a token file, or leave data.path empty for the bundled corpus")
     if not 0 <= d.val_fraction < 1:
         raise ConfigError(f"data.val_fraction = {d.val_fraction} must lie in [0, 1)")
-    if d.tokenizer != "byte" and not Path(d.tokenizer).is_file():
-        raise ConfigError(f"data.tokenizer = '{d.tokenizer}' is neither 'byte' nor a "
-                          f"tokenizer.json file")
+    if d.tokenizer not in ("byte", "corpus-bpe") and not Path(d.tokenizer).is_file():
+        raise ConfigError(f"data.tokenizer = '{d.tokenizer}' is neither 'byte', 'corpus-bpe' "
+                          f"nor a tokenizer.json file")
     ck = cfg.checkpoint
     writable_dir("checkpoint.dir", ck.dir)
     writable_dir("log.dir", cfg.log.dir)

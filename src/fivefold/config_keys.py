@@ -16,7 +16,7 @@ from fivefold import config
 from fivefold.models.presets import ModelConfig, preset
 
 MEANINGS = {
-    "model.preset": "a built-in model shape (tiny, llama-3.1-8b, ...)",
+    "model.preset": "a built-in model shape (tiny-bpe, tiny, llama-3.1-8b, ...)",
     "model.hf_path": "a local Hugging Face model directory (config.json + safetensors) to "
                      "train from",
     "parallel.dp": "data-parallel replicas",
@@ -119,7 +119,8 @@ def describe_keys() -> str:
     lines = []
     for key, default, meaning in rows:
         if key == "model.name":
-            lines.append("  model fields (defaults of the tiny preset; any may be overridden):")
+            lines.append(f"  model fields (defaults of the {config.ModelSection().preset} preset; "
+                         f"any may be overridden):")
         left = f"  {key} = {default}"
         lines.append(f"{left:<{width}} {meaning}".rstrip())
     return "\n".join(lines)

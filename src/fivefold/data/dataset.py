@@ -16,7 +16,7 @@ import numpy as np
 
 from fivefold.config import ConfigError
 from fivefold.data.prepare import FORMAT, VERSION, meta_path, prepare
-from fivefold.data.tokenizer import load_tokenizer
+from fivefold.data.tokenizer import BUILTIN, load_tokenizer
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
 SCAN_CHUNK = 1 << 24  # tokens read at a time when checking ids: bounded memory on big files
@@ -57,10 +57,13 @@ class TokenDataset:
 
     @property
     def tokenizer_spec(self) -> str:
-        """'byte' or the tokenizer.json path, resolved against the metadata's directory."""
+        """'byte', a shipped tokenizer's name, or the tokenizer.json path, resolved against
+        the metadata's directory."""
         tok = self.meta["tokenizer"]
         if tok.get("kind") == "byte" or not tok.get("path"):
             return "byte"
+        if tok["path"] in BUILTIN:
+            return tok["path"]
         return str(self.path.parent / tok["path"])  # an absolute path stays absolute
 
     def load_tokenizer(self):
@@ -166,7 +169,7 @@ def default_corpus_tokens(tokenizer: str = "byte", cache_dir: str | os.PathLike 
     digest = hashlib.sha256()
     for f in files:
         digest.update(f.name.encode() + b"\0" + f.read_bytes())
-    digest.update(b"byte" if tok.kind == "byte" else Path(tokenizer).read_bytes())
+    digest.update(b"byte" if tok.kind == "byte" else Path(tok.path).read_bytes())
     name = f"corpus-{tok.kind}-{digest.hexdigest()[:16]}.bin"
     out = Path(cache_dir or default_cache_dir()) / name
     if out.is_file() and meta_path(out).is_file():

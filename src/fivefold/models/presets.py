@@ -152,6 +152,12 @@ PRESETS: dict[str, ModelConfig] = {
         name="tiny", vocab_size=256, hidden_size=128, intermediate_size=384, num_layers=4,
         num_heads=4, num_kv_heads=2, max_seq_len=1024, tie_embeddings=True,
     ),
+    # The default job's model: tiny with the 2048-token BPE of the bundled corpus
+    # (data.tokenizer = corpus-bpe), 1.06M parameters of which 0.26M are the tied embedding.
+    "tiny-bpe": ModelConfig(
+        name="tiny-bpe", vocab_size=2048, hidden_size=128, intermediate_size=384, num_layers=4,
+        num_heads=4, num_kv_heads=2, max_seq_len=1024, tie_embeddings=True,
+    ),
     # The CPU benchmark's model: 25.3M parameters in 8 layers of width 512 (SwiGLU 8h/3),
     # plus a tied 32,000-token embedding (Llama 2's vocabulary) of 16.4M.
     "llama-25m": ModelConfig(

@@ -182,9 +182,12 @@ def build_parser() -> ArgumentParser:
     source.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0: off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1: off")
+    # The command's sampling defaults are llama.cpp's (temperature 0.8, top-k 40, top-p 0.95,
+    # common/common.h): the unlikely tail a small model spreads its mass over is cut off.
+    # The library functions keep the neutral 1.0 / off / off.
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=40, help="0: off")
+    p.add_argument("--top-p", type=float, default=0.95, help="1: off")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))

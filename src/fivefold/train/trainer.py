@@ -18,7 +18,7 @@ import os
 import torch
 from torch.distributed.checkpoint import CheckpointException
 
-from fivefold.config import Config, ConfigError, RunError
+from fivefold.config import Config, ConfigError, RunError, resolve_mbs
 from fivefold.models.init import build_meta
 from fivefold.parallel import comm, peak
 from fivefold.parallel.apply import ParallelModel, parallelize
@@ -81,6 +81,7 @@ def build_optimizer(model: ParallelModel, dims: ParallelDims, cfg: Config, scale
 class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims | None = None, quiet: bool = False):
         self.cfg, self.dims = cfg, dims or ParallelDims.single()
+        resolve_mbs(cfg)  # a config built in code (not through validate) may still say auto
         tr = cfg.train
         self.device = pick_device(tr.device)
         self.precision = resolve_precision(tr.precision, self.device)
@@ -140,9 +141,11 @@ class Trainer:
         path = d.path or default_corpus_tokens(d.tokenizer)
         ds = TokenDataset.open(path)
         if ds.vocab_size > self.model_cfg.vocab_size:
+            other = "" if d.path or d.tokenizer == "byte" else \
+                " or data.tokenizer = byte (256 tokens) for the bundled corpus"
             raise ConfigError(
                 f"the tokenizer of {path} has {ds.vocab_size} tokens but model.vocab_size = "
-                f"{self.model_cfg.vocab_size}; set model.vocab_size >= {ds.vocab_size}")
+                f"{self.model_cfg.vocab_size}; set model.vocab_size >= {ds.vocab_size}{other}")
         self.tokenizer_spec = ds.tokenizer_spec
         dp_rank = self.dims.dp_rank
         common = dict(seq_len=tr.seq_len, gbs=tr.gbs, mbs=par.mbs, dp_rank=dp_rank, dp=par.dp,
