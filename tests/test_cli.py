@@ -235,3 +235,9 @@ def test_example_configs_load_and_tiny_is_the_default():
     for d in (tiny, default):
         del d["checkpoint"]["dir"], d["log"]["dir"]
     assert tiny == default
+    # The planner reads the file without validating it, and plans the micro-batch auto picks.
+    from fivefold.plan.inputs import read_training_config, training_plan_inputs
+
+    tiny_toml = next(p for p in examples if p.stem == "tiny")
+    _, layout = training_plan_inputs(read_training_config(tiny_toml))
+    assert layout.mbs == 16 == loaded["tiny"].parallel.mbs

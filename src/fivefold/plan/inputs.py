@@ -176,7 +176,8 @@ def training_model(cfg: fconfig.Config) -> ModelConfig:
 
 def training_plan_inputs(cfg: fconfig.Config, **workload_options) -> tuple[Workload, Layout]:
     """The workload and layout a training config describes ('auto' precision plans as bf16,
-    what it resolves to on a GPU)."""
+    what it resolves to on a GPU; parallel.mbs = 0 plans the micro-batch the engine picks)."""
+    fconfig.resolve_mbs(cfg)
     par, tr = cfg.parallel, cfg.train
     precision = "bf16" if tr.precision == "auto" else tr.precision
     work = Workload(model=training_model(cfg), seq_len=tr.seq_len, gbs=tr.gbs,
