@@ -205,13 +205,13 @@ def test_train_then_generate_end_to_end(tmp_path):
 
 
 @pytest.mark.parametrize("args, mbs", [
-    ([], 16),                                                      # the default job: no accumulation
-    (["--parallel.dp", "2"], 8),                                   # the rank's share
-    (["--parallel.pp", "2"], 1),                                   # pipelines: most micro-batches
-    (["--train.seq_len", "1024", "--train.gbs", "48"], 16),        # within 16384 tokens
+    ([], 16),                                                # the default job: one micro-batch
+    (["--parallel.dp", "2"], 8),                             # the rank's share
+    (["--parallel.pp", "2"], 1),                             # pipelines: most micro-batches
+    (["--train.seq_len", "1024", "--train.gbs", "48"], 16),  # within 16384 tokens
     (["--train.seq_len", "4096", "--model.max_seq_len", "4096", "--train.gbs", "12"], 4),
     (["--train.seq_len", "4096", "--model.max_seq_len", "4096", "--train.gbs", "10"], 2),
-    (["--parallel.mbs", "2"], 2),                                  # a given mbs is kept
+    (["--parallel.mbs", "2"], 2),                            # a given mbs is kept
 ])
 def test_auto_micro_batch(args, mbs):
     """parallel.mbs = 0 becomes the largest divisor of the rank's batch within 16384 tokens

@@ -2,10 +2,15 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+
+from fivefold.data.dataset import corpus_files
+
+WORD = re.compile(r"[A-Za-z']+")
 
 # The tests' model: the byte tokenizer with tiny's vocabulary, one sequence per micro-batch.
 SMALL = ["--model.preset", "tiny", "--data.tokenizer", "byte", "--parallel.mbs", "1",
@@ -54,14 +59,24 @@ def test_torchrun_world_2_and_8_match_one_process(tmp_path):
 @pytest.mark.slow
 def test_default_job_learns_and_generates(tmp_path):
     """The README's main job with its built-in defaults (only the output moved to tmp_path):
-    the loss falls by at least 40% from its first value, then the checkpoint generates."""
+    the loss falls by at least 40% from its first value, and what the checkpoint generates
+    with the command's default sampling is mostly words that occur in the corpus (measured
+    0.90-0.96 of the words per 100-token sample; the byte-level 300-step job this replaced
+    gave 0.58-0.83 with the same sampling)."""
     proc = subprocess.run([sys.executable, "-m", "fivefold.cli", "train"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / "runs/default/metrics.jsonl").open()]
     losses = [r["loss"] for r in records if r["kind"] == "train"]
-    assert len(losses) == 300 and losses[-1] <= 0.6 * losses[0], (losses[0], losses[-1])
-    gen = subprocess.run([sys.executable, "-m", "fivefold.cli", "generate", "--checkpoint",
-                          "runs/default/checkpoints", "--prompt", "ROMEO:", "--max-new-tokens",
-                          "40"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert gen.returncode == 0 and gen.stdout.startswith("ROMEO:"), gen.stderr[-2000:]
+    assert len(losses) == 600 and losses[-1] <= 0.6 * losses[0], (losses[0], losses[-1])
+    corpus_words = {w.lower() for f in corpus_files() for w in WORD.findall(f.read_text())}
+    words = []
+    for seed in range(3):
+        gen = subprocess.run([sys.executable, "-m", "fivefold.cli", "generate", "--checkpoint",
+                              "runs/default/checkpoints", "--prompt", "ROMEO:",
+                              "--max-new-tokens", "100", "--seed", str(seed)],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert gen.returncode == 0 and gen.stdout.startswith("ROMEO:"), gen.stderr[-2000:]
+        words += WORD.findall(gen.stdout[len("ROMEO:"):])
+    real = sum(w.lower() in corpus_words for w in words) / len(words)
+    assert len(words) >= 100 and real >= 0.85, (real, " ".join(words))
