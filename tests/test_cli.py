@@ -208,14 +208,16 @@ def test_train_then_generate_end_to_end(tmp_path):
     ([], 16),                                                # the default job: one micro-batch
     (["--parallel.dp", "2"], 8),                             # the rank's share
     (["--parallel.pp", "2"], 1),                             # pipelines: most micro-batches
-    (["--train.seq_len", "1024", "--train.gbs", "48"], 16),  # within 16384 tokens
-    (["--train.seq_len", "4096", "--model.max_seq_len", "4096", "--train.gbs", "12"], 4),
-    (["--train.seq_len", "4096", "--model.max_seq_len", "4096", "--train.gbs", "10"], 2),
+    (["--train.seq_len", "1024", "--train.gbs", "48"], 4),   # within 4096 tokens
+    (["--train.seq_len", "512", "--train.gbs", "10"], 5),    # a divisor of the batch
+    (["--train.seq_len", "2048", "--model.max_seq_len", "4096", "--parallel.cp", "2",
+      "--train.gbs", "8"], 4),                               # tokens per rank: seq / cp
+    (["--model.preset", "llama-3.1-8b", "--train.seq_len", "8192", "--train.gbs", "32"], 1),
     (["--parallel.mbs", "2"], 2),                            # a given mbs is kept
 ])
 def test_auto_micro_batch(args, mbs):
-    """parallel.mbs = 0 becomes the largest divisor of the rank's batch within 16384 tokens
-    (1 under a pipeline), before anything else reads it."""
+    """parallel.mbs = 0 becomes the largest divisor of the rank's batch within 4096 tokens
+    per rank (1 under a pipeline), before anything else reads it."""
     from fivefold import config
 
     cfg = config.load(None, args)

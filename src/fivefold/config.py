@@ -81,7 +81,7 @@ class ParallelSection:
     sp_saved_input: str = "full"
     cp_comm: str = "ring"  # context parallelism's K/V exchange: ring | allgather
     cp_layout: str = "zigzag"  # sequence split over cp ranks: zigzag | contiguous
-    mbs: int = 0  # micro-batch size, in sequences; 0: auto (no accumulation; 1 under pp > 1)
+    mbs: int = 0  # micro-batch size, in sequences; 0: auto (up to 4096 tokens; 1 under pp > 1)
     schedule: str = "1f1b"  # afab | 1f1b | interleaved | zb | dualpipev
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules)
     pp_split: str = "even"  # even | balanced: layers per stage (plan/split.py)
@@ -565,17 +565,19 @@ def validate_layout(cfg: Config) -> None:
     _positive("train.max_bad_steps", tr.max_bad_steps)
 
 
-# The most tokens an automatic micro-batch holds per rank: torchtitan's default local batch
-# (training.local_batch_size = 8 sequences of training.seq_len = 2048).
-AUTO_MBS_TOKENS = 16384
+# The most tokens an automatic micro-batch holds per rank: one 4096-token sequence, so that
+# auto never keeps more activations than mbs = 1 did at sequence 4096 or longer (at 8192
+# tokens an 8B model's micro-batch of 4 needs 133 GiB per GPU where 1 fits in 68).
+AUTO_MBS_TOKENS = 4096
 
 
 def resolve_mbs(cfg: Config) -> None:
     """parallel.mbs = 0 (auto), made concrete in place: without a pipeline, the largest
-    micro-batch that divides the rank's share of the global batch within AUTO_MBS_TOKENS, so
-    a small run does no gradient accumulation (one forward and backward per step is several
-    times faster than many small ones on a CPU); with a pipeline, 1, which gives the most
-    micro-batches and so the smallest bubble. A given mbs is kept as it is."""
+    micro-batch that divides the rank's share of the global batch within AUTO_MBS_TOKENS
+    tokens per rank (at least 1), so that a run of short sequences does not accumulate many
+    small micro-batches (the default job: one micro-batch of 16 x 128 instead of 16 of one
+    sequence); with a pipeline, 1, which gives the most micro-batches and so the smallest
+    bubble. A given mbs is kept as it is."""
     par, tr = cfg.parallel, cfg.train
     if par.mbs:
         return
