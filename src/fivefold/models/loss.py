@@ -89,7 +89,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         token_loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         if with_grads:
             grad_x = torch.empty_like(x)
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
         rows = chunk_rows(x.shape[0], weight.shape[0])
         for start in range(0, x.shape[0], rows):
             xc, tc = x[start:start + rows], t[start:start + rows]
@@ -102,8 +102,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             _observe("loss chunk", [grad_logits, cast, grad_x, grad_w])
             grad_logits = cast  # the fp32 logits are freed here
             torch.mm(grad_logits, weight, out=grad_x[start:start + rows])
-            if weight.dtype == torch.float32:
+            # The first chunk writes the weight's gradient, the others add to it: no pass to
+            # zero V·h fp32 values first.
+            if weight.dtype == torch.float32 and start == 0:
+                torch.mm(grad_logits.t(), xc, out=grad_w)
+            elif weight.dtype == torch.float32:
                 grad_w.addmm_(grad_logits.t(), xc)
+            elif start == 0:
+                grad_w.copy_(grad_logits.t() @ xc)
             else:
                 grad_w += grad_logits.t() @ xc
         # One sum over all tokens, in the same order as an unchunked loss would take it.
