@@ -87,7 +87,7 @@ class ParallelSection:
     pp_split: str = "even"  # even | balanced: layers per stage (plan/split.py)
     pp_layers: list = field(default_factory=list)  # explicit layers per stage, e.g. [3, 4, 4, 3]
     bucket_mb: float = 25.0  # gradient bucket size for DP reduction, in MB
-    buckets_in_flight: int = 2  # ZeRO-2/3: gradient buckets alive at once (staged or on the wire)
+    buckets_in_flight: int = 2  # ZeRO-2/3: buckets filling or reducing at once (ZeRO-3 head apart)
     timeout_s: float = 300.0  # a collective waiting longer than this fails the run
     backend: str = "auto"  # auto | gloo | nccl
 
