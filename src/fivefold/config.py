@@ -98,7 +98,7 @@ class ParallelSection:
 
 @dataclass
 class TrainSection:
-    steps: int = 600
+    steps: int = 450
     gbs: int = 16  # global batch, in sequences
     seq_len: int = 128
     lr: float = 3e-3
