@@ -62,6 +62,8 @@ def bad_inputs(w: Path):
         "corrupt tokens": (["train", "--data.path", str(w / "corrupt.bin"), *SMALL, *ck],
                            "corrupt.bin"),
         "vocab too small": (["train", "--model.vocab_size", "100", *SMALL, *ck], "vocab_size"),
+        "corpus BPE, byte vocabulary": (["train", *SMALL, "--data.tokenizer", "corpus-bpe", *ck],
+                                        "or data.tokenizer = byte"),
         "other model's checkpoint": (
             ["train", *SMALL, "--checkpoint.dir", str(w / "other"), "--checkpoint.resume",
              "latest", "--log.dir", str(w / "log")], "hidden_size = 64"),
@@ -243,3 +245,18 @@ def test_example_configs_load_and_tiny_is_the_default():
     tiny_toml = next(p for p in examples if p.stem == "tiny")
     _, layout = training_plan_inputs(read_training_config(tiny_toml))
     assert layout.mbs == 16 == loaded["tiny"].parallel.mbs
+
+
+def test_the_corpus_tokenizer_follows_the_vocabulary():
+    """data.tokenizer = auto: the shipped BPE for a model that can hold its 2048 tokens, bytes
+    for the byte-vocabulary presets; an explicit choice is kept."""
+    from fivefold.config import corpus_tokenizer
+    from fivefold.models.presets import preset
+
+    assert corpus_tokenizer("auto", preset("tiny-bpe").vocab_size) == "corpus-bpe"
+    assert corpus_tokenizer("auto", preset("llama-25m").vocab_size) == "corpus-bpe"
+    assert corpus_tokenizer("auto", preset("tiny").vocab_size) == "byte"
+    assert corpus_tokenizer("auto", preset("tiny-moe").vocab_size) == "byte"
+    assert corpus_tokenizer("auto", 2047) == "byte"
+    assert corpus_tokenizer("byte", 4096) == "byte"
+    assert corpus_tokenizer("corpus-bpe", 256) == "corpus-bpe"  # then refused, with the fix

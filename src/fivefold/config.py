@@ -126,7 +126,20 @@ class TrainSection:
 class DataSection:
     path: str = ""  # a token file from `fivefold prepare`; empty: the bundled corpus
     val_fraction: float = 0.05
-    tokenizer: str = "corpus-bpe"  # for the bundled corpus: corpus-bpe (2048), byte, a .json
+    tokenizer: str = "auto"  # auto: corpus-bpe if model.vocab_size >= 2048, else byte; or a .json
+
+
+CORPUS_TOKENIZERS = ("auto", "corpus-bpe", "byte")
+CORPUS_BPE_VOCAB = 2048  # data/corpus/bpe-2048.json
+
+
+def corpus_tokenizer(spec: str, vocab_size: int) -> str:
+    """data.tokenizer for the bundled corpus, with auto resolved: the shipped BPE when the
+    model's vocabulary holds it, bytes otherwise (the byte-vocabulary presets tiny and tiny-moe
+    keep training on bytes)."""
+    if spec != "auto":
+        return spec
+    return "corpus-bpe" if vocab_size >= CORPUS_BPE_VOCAB else "byte"
 
 
 # "latest" (the pointer file) and "" (fresh) are the older spellings of auto and never.
@@ -600,9 +613,9 @@ def _validate_files(cfg: Config) -> None:
                           f"a token file, or leave data.path empty for the bundled corpus")
     if not 0 <= d.val_fraction < 1:
         raise ConfigError(f"data.val_fraction = {d.val_fraction} must lie in [0, 1)")
-    if d.tokenizer not in ("byte", "corpus-bpe") and not Path(d.tokenizer).is_file():
-        raise ConfigError(f"data.tokenizer = '{d.tokenizer}' is neither 'byte', 'corpus-bpe' "
-                          f"nor a tokenizer.json file")
+    if d.tokenizer not in CORPUS_TOKENIZERS and not Path(d.tokenizer).is_file():
+        raise ConfigError(f"data.tokenizer = '{d.tokenizer}' is none of "
+                          f"{', '.join(CORPUS_TOKENIZERS)} nor a tokenizer.json file")
     ck = cfg.checkpoint
     writable_dir("checkpoint.dir", ck.dir)
     writable_dir("log.dir", cfg.log.dir)

@@ -18,7 +18,7 @@ import os
 import torch
 from torch.distributed.checkpoint import CheckpointException
 
-from fivefold.config import Config, ConfigError, RunError, resolve_mbs
+from fivefold.config import Config, ConfigError, RunError, corpus_tokenizer, resolve_mbs
 from fivefold.models.init import build_meta
 from fivefold.parallel import comm, peak
 from fivefold.parallel.apply import ParallelModel, parallelize
@@ -138,10 +138,11 @@ class Trainer:
         from fivefold.data.loader import BatchLoader, TokenDataset, default_corpus_tokens
 
         d, tr, par = self.cfg.data, self.cfg.train, self.cfg.parallel
-        path = d.path or default_corpus_tokens(d.tokenizer)
+        spec = corpus_tokenizer(d.tokenizer, self.model_cfg.vocab_size)
+        path = d.path or default_corpus_tokens(spec)
         ds = TokenDataset.open(path)
         if ds.vocab_size > self.model_cfg.vocab_size:
-            other = "" if d.path or d.tokenizer == "byte" else \
+            other = "" if d.path or spec == "byte" else \
                 " or data.tokenizer = byte (256 tokens) for the bundled corpus"
             raise ConfigError(
                 f"the tokenizer of {path} has {ds.vocab_size} tokens but model.vocab_size = "
