@@ -80,6 +80,19 @@ def _rows_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, nu
     return token_loss, exp
 
 
+# Rows per block of `_add_wider_`: 2^20 fp32 values (4 MiB) of cast operand at a time.
+_ADD_BLOCK_ELEMENTS = 1 << 20
+
+
+def _add_wider_(out: torch.Tensor, part: torch.Tensor) -> None:
+    """out += part for a `part` in a narrower dtype, a block of rows at a time: the add casts
+    its operand to out's dtype first, and a whole V·h cast would be one more buffer of the
+    weight gradient's size (newly mapped, so page faults on every write)."""
+    step = max(1, _ADD_BLOCK_ELEMENTS // max(out[0].numel(), 1))
+    for i in range(0, out.shape[0], step):
+        out[i:i + step] += part[i:i + step]
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_start: int, num_valid: int,
@@ -91,16 +104,25 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_x = torch.empty_like(x)
             grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
         rows = chunk_rows(x.shape[0], weight.shape[0])
+        # One fp32 buffer holds every chunk's logits in turn: a fresh one per chunk would be
+        # a new mapping of tens of MB each time (glibc maps buffers that large on their own),
+        # whose first writes cost more page faults than the cast itself.
+        logits = torch.empty((min(rows, x.shape[0]), weight.shape[0]), dtype=torch.float32,
+                             device=x.device)
         for start in range(0, x.shape[0], rows):
             xc, tc = x[start:start + rows], t[start:start + rows]
+            chunk = logits[:xc.shape[0]]
+            if weight.dtype == torch.float32:
+                torch.mm(xc, weight.t(), out=chunk)
+            else:
+                chunk.copy_(xc @ weight.t())
             token_loss[start:start + rows], grad_logits = _rows_loss(
-                (xc @ weight.t()).float(), tc, vocab_start, num_valid, reduce_max, reduce_sum,
-                with_grads)
+                chunk, tc, vocab_start, num_valid, reduce_max, reduce_sum, with_grads)
             if not with_grads:
                 continue
             cast = grad_logits.to(weight.dtype)
             _observe("loss chunk", [grad_logits, cast, grad_x, grad_w])
-            grad_logits = cast  # the fp32 logits are freed here
+            grad_logits = cast  # the fp32 logits' buffer is free again here
             torch.mm(grad_logits, weight, out=grad_x[start:start + rows])
             # The first chunk writes the weight's gradient, the others add to it: no pass to
             # zero V·h fp32 values first.
@@ -111,7 +133,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             elif start == 0:
                 grad_w.copy_(grad_logits.t() @ xc)
             else:
-                grad_w += grad_logits.t() @ xc
+                _add_wider_(grad_w, grad_logits.t() @ xc)
         # One sum over all tokens, in the same order as an unchunked loss would take it.
         loss = token_loss.sum()
         if with_grads:
