@@ -104,36 +104,56 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_x = torch.empty_like(x)
             grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
         rows = chunk_rows(x.shape[0], weight.shape[0])
-        # One fp32 buffer holds every chunk's logits in turn: a fresh one per chunk would be
-        # a new mapping of tens of MB each time (glibc maps buffers that large on their own),
-        # whose first writes cost more page faults than the cast itself.
-        logits = torch.empty((min(rows, x.shape[0]), weight.shape[0]), dtype=torch.float32,
-                             device=x.device)
+        # Buffers made once and reused by every chunk: a fresh one per chunk would be a new
+        # mapping of tens of MB each time (glibc maps buffers that large on their own), whose
+        # first writes cost more page faults than the work done in them. Nothing is held that
+        # the unbuffered loop did not hold at its largest: the chunk's fp32 logits (`wide`)
+        # and, in a narrower compute dtype, their cast (`narrow`, which first receives the
+        # matmul's logits), and once the logits are cast, the chunk's share of the weight's
+        # gradient in the compute dtype, written into the free fp32 buffer where it fits.
+        vocab, shape = weight.shape[0], (min(rows, x.shape[0]), weight.shape[0])
+        wide = torch.empty(shape, dtype=torch.float32, device=x.device)
+        mixed = weight.dtype != torch.float32
+        narrow = torch.empty(shape, dtype=weight.dtype, device=x.device) if mixed else None
+        spare = wide.view(-1).view(weight.dtype) if mixed else None
+        if spare is not None and spare.numel() >= weight.numel():
+            spare = spare[:weight.numel()].view(weight.shape)
+        else:
+            spare = None
         for start in range(0, x.shape[0], rows):
             xc, tc = x[start:start + rows], t[start:start + rows]
-            chunk = logits[:xc.shape[0]]
-            if weight.dtype == torch.float32:
-                torch.mm(xc, weight.t(), out=chunk)
+            n = xc.shape[0]
+            if mixed:
+                torch.mm(xc, weight.t(), out=narrow[:n])
+                wide[:n].copy_(narrow[:n])
             else:
-                chunk.copy_(xc @ weight.t())
+                torch.mm(xc, weight.t(), out=wide[:n])
             token_loss[start:start + rows], grad_logits = _rows_loss(
-                chunk, tc, vocab_start, num_valid, reduce_max, reduce_sum, with_grads)
+                wide[:n], tc, vocab_start, num_valid, reduce_max, reduce_sum, with_grads)
             if not with_grads:
                 continue
-            cast = grad_logits.to(weight.dtype)
+            if mixed:
+                cast = narrow[:n]
+                cast.copy_(grad_logits)
+            else:
+                cast = grad_logits
             _observe("loss chunk", [grad_logits, cast, grad_x, grad_w])
             grad_logits = cast  # the fp32 logits' buffer is free again here
             torch.mm(grad_logits, weight, out=grad_x[start:start + rows])
             # The first chunk writes the weight's gradient, the others add to it: no pass to
             # zero V·h fp32 values first.
-            if weight.dtype == torch.float32 and start == 0:
+            if not mixed and start == 0:
                 torch.mm(grad_logits.t(), xc, out=grad_w)
-            elif weight.dtype == torch.float32:
+            elif not mixed:
                 grad_w.addmm_(grad_logits.t(), xc)
-            elif start == 0:
-                grad_w.copy_(grad_logits.t() @ xc)
             else:
-                _add_wider_(grad_w, grad_logits.t() @ xc)
+                part = (grad_logits.t() @ xc if spare is None
+                        else torch.mm(grad_logits.t(), xc, out=spare))
+                if start == 0:
+                    grad_w.copy_(part)
+                else:
+                    _add_wider_(grad_w, part)
+                del part
         # One sum over all tokens, in the same order as an unchunked loss would take it.
         loss = token_loss.sum()
         if with_grads:
