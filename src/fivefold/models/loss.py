@@ -111,7 +111,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # and, in a narrower compute dtype, their cast (`narrow`, which first receives the
         # matmul's logits), and once the logits are cast, the chunk's share of the weight's
         # gradient in the compute dtype, written into the free fp32 buffer where it fits.
-        vocab, shape = weight.shape[0], (min(rows, x.shape[0]), weight.shape[0])
+        shape = (min(rows, x.shape[0]), weight.shape[0])
         wide = torch.empty(shape, dtype=torch.float32, device=x.device)
         mixed = weight.dtype != torch.float32
         narrow = torch.empty(shape, dtype=weight.dtype, device=x.device) if mixed else None
