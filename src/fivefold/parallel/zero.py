@@ -202,10 +202,13 @@ class DataParallelOptimizer:
         """sqrt(sum of squares), every logical element counted once: ZeRO shards are
         disjoint (summed over dp_cp); tp/pp replicas carry `norm_share` (train/optim.py)."""
         sq = self.local_grad_sq(grads) + probe_term(loss, self.device)  # NaN: bad loss
-        if self.layout.shards > 1:
-            comm.all_reduce(sq, self.group)
-        for name in ("tp", "pp"):
-            comm.all_reduce(sq, self.dims[name])
+        # Waited through the watchdog like every other collective of the step, so that a peer
+        # lost as the optimizer step begins is named (exit 3), not reported as a bare error.
+        groups = ([self.group] if self.layout.shards > 1 else []) + [self.dims["tp"],
+                                                                      self.dims["pp"]]
+        for group in groups:
+            self.watchdog.wait(comm.all_reduce(sq, group, async_op=True),
+                               "gradient-norm all-reduce")
         return sq.sqrt()
 
     def local_grad_sq(self, grads: list[torch.Tensor]) -> torch.Tensor:
