@@ -204,8 +204,9 @@ class DataParallelOptimizer:
         sq = self.local_grad_sq(grads) + probe_term(loss, self.device)  # NaN: bad loss
         # Waited through the watchdog like every other collective of the step, so that a peer
         # lost as the optimizer step begins is named (exit 3), not reported as a bare error.
-        groups = ([self.group] if self.layout.shards > 1 else []) + [self.dims["tp"],
-                                                                      self.dims["pp"]]
+        groups = [self.dims["tp"], self.dims["pp"]]
+        if self.layout.shards > 1:
+            groups.insert(0, self.group)
         for group in groups:
             self.watchdog.wait(comm.all_reduce(sq, group, async_op=True),
                                "gradient-norm all-reduce")
