@@ -275,7 +275,7 @@ def test_help_version_and_usage(capsys):
     assert code == 0
     keys = {k: (d, m) for k, d, m in all_keys()}
     for name in config.SECTIONS:
-        for f in dataclasses.fields(config._section_class(name)):
+        for f in dataclasses.fields(config.section_class(name)):
             if f.name == "overrides":
                 continue
             default, meaning = keys[f"{name}.{f.name}"]

@@ -1,9 +1,9 @@
 """Every config key with its default and meaning, for `fivefold train --help`.
 
-The meaning is the comment on the key's line in the config dataclasses (config.py for the
-sections, models/presets.py for the model fields), so the help cannot drift from the code;
-`MEANINGS` fills in the keys whose names say it all to a reader of the source but not to a
-user at the command line. Imports no torch.
+The meaning is the comment on the key's line in the config dataclasses (one module of the
+config package per section, models/presets.py for the model fields), so the help cannot
+drift from the code; `MEANINGS` fills in the keys whose names say it all to a reader of the
+source but not to a user at the command line. Imports no torch.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def all_keys() -> list[tuple[str, str, str]]:
     """(section.key, default, meaning) for every key `--section.key` accepts."""
     rows = []
     for name in config.SECTIONS:
-        cls = config._section_class(name)
+        cls = config.section_class(name)
         notes = _comments(cls)
         for f in dataclasses.fields(cls):
             if f.name == "overrides":

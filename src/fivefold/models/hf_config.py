@@ -1,7 +1,7 @@
 """Hugging Face `config.json` <-> `ModelConfig`, for Llama, Mistral and Qwen2 checkpoints and
 the Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE mixtures of experts (tensors: models/hf_moe.py).
 
-This module imports no torch: `config.py` resolves `model.hf_path` through it, and the
+This module imports no torch: the config package resolves `model.hf_path` through it, and the
 planner must stay instant.
 
 Both spellings of the rotary settings are read: `rope_theta` + `rope_scaling` (transformers 4)
@@ -16,7 +16,7 @@ import math
 import os
 from pathlib import Path
 
-from fivefold.config import ConfigError
+from fivefold.errors import ConfigError
 from fivefold.models.presets import ModelConfig
 
 SUPPORTED = {

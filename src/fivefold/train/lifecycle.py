@@ -5,7 +5,7 @@ A run ends in one of these ways, each with its own exit code:
     0    it finished (or `fivefold.train` returned)
     1    the run stopped for a reason it names in one line: `train.max_bad_steps` non-finite
          steps in a row, a checkpoint that could not be written, NaN weights
-    2    a bad input, found before anything started (config.py)
+    2    a bad input, found before anything started (the config package)
     3    a peer rank was lost: named by the watchdog (parallel/watchdog.py)
     4    an unforeseen error (cli.py: one line, the traceback with --debug)
     130  Ctrl-C (SIGINT)
@@ -24,6 +24,7 @@ thread inside a store call while the interpreter finalizes aborts the process (S
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -60,6 +61,17 @@ class Terminated(Exception):
         where = f"checkpoint {saved} written" if saved else "no checkpoint written " \
             "(checkpoint.save_on_signal = false)"
         super().__init__(f"stopped by SIGTERM after step {step}; {where}")
+
+
+@contextlib.contextmanager
+def ledger_paused(dims):
+    """Collectives that are not the training step's own traffic (metrics, agreement on a
+    checkpoint, the stop flag) stay out of the byte ledger the planner is tested against."""
+    was, dims.ledger.enabled = dims.ledger.enabled, False
+    try:
+        yield
+    finally:
+        dims.ledger.enabled = was
 
 
 class StopSignal:

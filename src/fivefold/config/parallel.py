@@ -1,0 +1,172 @@
+"""[parallel]: the layout (dp, tp, pp, cp, ep, ZeRO, SP, schedules, buckets) and its rules,
+including the automatic micro-batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fivefold.config.rules import choice, positive
+from fivefold.errors import ConfigError
+
+
+@dataclass
+class ParallelSection:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0  # 0: plain DP; 1, 2, 3: ZeRO stages
+    offload: bool = False  # fp32 master weights and optimizer states on CPU
+    sp: bool = False  # sequence parallelism (needs tp > 1)
+    # full | shard: what SP column linears keep for backward. full by default: measured on
+    # CPU/gloo, shard saved 9% of saved bytes for a 12% slower step (bench/sp_saved_input.py)
+    sp_saved_input: str = "full"
+    cp_comm: str = "ring"  # context parallelism's K/V exchange: ring | allgather
+    cp_layout: str = "zigzag"  # sequence split over cp ranks: zigzag | contiguous
+    mbs: int = 0  # micro-batch size, in sequences; 0: auto (up to 4096 tokens; 1 under pp > 1)
+    schedule: str = "1f1b"  # afab | 1f1b | interleaved | zb | dualpipev
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules)
+    pp_split: str = "even"  # even | balanced: layers per stage (plan/split.py)
+    pp_layers: list = field(default_factory=list)  # explicit layers per stage, e.g. [3, 4, 4, 3]
+    bucket_mb: float = 25.0  # gradient bucket size for DP reduction, in MB
+    buckets_in_flight: int = 2  # ZeRO-2/3: buckets filling or reducing at once (ZeRO-3 head apart)
+    timeout_s: float = 300.0  # a collective waiting longer than this fails the run
+    backend: str = "auto"  # auto | gloo | nccl
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+def check_parallel(cfg, mc) -> None:
+    """The layout's keys against the model shape `mc` (the micro-batch resolved first)."""
+    par, tr = cfg.parallel, cfg.train
+    positive("parallel.mbs", par.mbs, allow_zero=True)
+    resolve_mbs(cfg)
+    for name in ("dp", "tp", "pp", "cp", "ep", "mbs", "virtual_stages"):
+        positive(f"parallel.{name}", getattr(par, name))
+    if par.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero = {par.zero} is not a ZeRO stage; use 0, 1, 2 or 3")
+    choice("parallel.schedule", par.schedule, ("afab", "1f1b", "interleaved", "zb", "dualpipev"))
+    choice("parallel.backend", par.backend, ("auto", "gloo", "nccl"))
+    choice("parallel.sp_saved_input", par.sp_saved_input, ("full", "shard"))
+    if par.sp and par.tp == 1:
+        raise ConfigError("parallel.sp = true needs parallel.tp > 1; set parallel.tp or sp=false")
+    if par.tp > 1:
+        check_tensor(par, mc)
+    check_expert(par, mc)
+    if par.sp and tr.seq_len % par.tp:
+        raise ConfigError(f"train.seq_len = {tr.seq_len} is not divisible by parallel.tp = "
+                          f"{par.tp}, which sequence parallelism needs")
+    check_context(par, tr)
+    if par.bucket_mb <= 0:
+        raise ConfigError(f"parallel.bucket_mb = {par.bucket_mb} must be > 0")
+    if par.buckets_in_flight < 1:
+        raise ConfigError(f"parallel.buckets_in_flight = {par.buckets_in_flight} must be >= 1 "
+                          f"(2 keeps one bucket filling while the one before it is reduced)")
+    if par.timeout_s <= 0:
+        raise ConfigError(f"parallel.timeout_s = {par.timeout_s} must be > 0 seconds; the "
+                          f"default is 300")
+
+
+def check_tensor(par: ParallelSection, mc) -> None:
+    """tp shards heads, the MLP and the vocabulary: each must divide (parallel/tensor.py)."""
+    if mc.num_heads % par.tp:
+        raise ConfigError(f"parallel.tp = {par.tp} does not divide model.num_heads = "
+                          f"{mc.num_heads}; pick a tp that divides the heads")
+    if mc.intermediate_size % par.tp:
+        raise ConfigError(f"parallel.tp = {par.tp} does not divide model.intermediate_size ="
+                          f" {mc.intermediate_size}; pick a tp that divides it")
+    rows_per_rank = -(-mc.vocab_size // par.tp)  # the vocabulary is padded to tp pieces
+    if (par.tp - 1) * rows_per_rank >= mc.vocab_size:
+        raise ConfigError(f"model.vocab_size = {mc.vocab_size} is too small for parallel.tp "
+                          f"= {par.tp}: a rank would hold only padding rows; lower tp")
+    if mc.num_kv_heads % par.tp and par.tp % mc.num_kv_heads:
+        raise ConfigError(f"parallel.tp = {par.tp} and model.num_kv_heads = "
+                          f"{mc.num_kv_heads}: one must divide the other")
+
+
+def check_expert(par: ParallelSection, mc) -> None:
+    """ep ranks split the experts and are carved out of dp·cp (parallel/mesh.py)."""
+    if par.ep == 1:
+        return
+    if not mc.num_experts:
+        raise ConfigError(f"parallel.ep = {par.ep} needs a mixture-of-experts model "
+                          f"(model.num_experts > 0); set parallel.ep = 1")
+    if mc.num_experts % par.ep:
+        raise ConfigError(f"parallel.ep = {par.ep} does not divide model.num_experts = "
+                          f"{mc.num_experts}; pick an ep that divides the experts")
+    if (par.dp * par.cp) % par.ep:
+        raise ConfigError(f"parallel.ep = {par.ep} does not divide parallel.dp·cp = "
+                          f"{par.dp * par.cp}; expert ranks are carved out of dp×cp: pick an "
+                          f"ep dividing it or raise dp")
+
+
+def check_context(par: ParallelSection, tr) -> None:
+    choice("parallel.cp_comm", par.cp_comm, ("ring", "allgather"))
+    choice("parallel.cp_layout", par.cp_layout, ("zigzag", "contiguous"))
+    if par.cp > 1 and tr.seq_len % (2 * par.cp):
+        raise ConfigError(f"train.seq_len = {tr.seq_len} is not divisible by 2·parallel.cp = "
+                          f"{2 * par.cp} (each sequence is cut into 2·cp chunks); pick a "
+                          f"seq_len that is a multiple of {2 * par.cp} or another cp")
+    if par.cp > 1 and par.sp and tr.seq_len % (par.cp * par.tp):
+        raise ConfigError(f"train.seq_len = {tr.seq_len} is not divisible by parallel.cp·tp = "
+                          f"{par.cp * par.tp}, which sequence parallelism under cp needs")
+    if par.cp > 1 and tr.device == "cuda":
+        raise ConfigError("parallel.cp > 1 with train.device = 'cuda': the ring's block kernel "
+                          "(attention with its log-sum-exp) is CPU-only in this version; set "
+                          "train.device = 'cpu' or parallel.cp = 1")
+
+
+def check_pipeline(par: ParallelSection, num_layers: int, num_micro: int) -> None:
+    """Ask the schedule itself (pure Python, no torch), so the engine and this agree."""
+    choice("parallel.pp_split", par.pp_split, ("even", "balanced"))
+    if par.pp == 1:
+        if par.pp_layers:
+            raise ConfigError(f"parallel.pp_layers = {par.pp_layers} needs parallel.pp > 1; "
+                              f"leave it empty")
+        if par.virtual_stages > 1:
+            raise ConfigError(f"parallel.virtual_stages = {par.virtual_stages} needs "
+                              f"parallel.pp > 1 and parallel.schedule = 'interleaved'")
+        return
+    from fivefold.parallel.pipeline.schedules import build_schedule
+
+    try:
+        schedule = build_schedule(par.schedule, par.pp, num_micro, par.virtual_stages)
+    except ValueError as e:
+        raise ConfigError(f"parallel.schedule = '{par.schedule}' at parallel.pp = {par.pp} with "
+                          f"{num_micro} micro-batches (train.gbs / (mbs·dp)): {e}") from None
+    from fivefold.plan.split import check_split
+
+    problem = check_split(num_layers, schedule.num_stages, par.pp_split, par.pp_layers)
+    if problem and (par.pp_layers or par.pp_split != "even"):
+        raise ConfigError(problem)
+    if schedule.num_stages > num_layers:
+        raise ConfigError(f"parallel.pp = {par.pp} with schedule '{par.schedule}' makes "
+                          f"{schedule.num_stages} stages but model.num_layers = {num_layers}; "
+                          f"every stage needs a layer: lower pp or virtual_stages")
+
+
+# The most tokens an automatic micro-batch holds per rank: one 4096-token sequence, so that
+# auto never keeps more activations than mbs = 1 did at sequence 4096 or longer (at 8192
+# tokens an 8B model's micro-batch of 4 needs 133 GiB per GPU where 1 fits in 68).
+AUTO_MBS_TOKENS = 4096
+
+
+def resolve_mbs(cfg) -> None:
+    """parallel.mbs = 0 (auto), made concrete in place: without a pipeline, the largest
+    micro-batch that divides the rank's share of the global batch within AUTO_MBS_TOKENS
+    tokens per rank (at least 1), so that a run of short sequences does not accumulate many
+    small micro-batches (the default job: one micro-batch of 16 x 128 instead of 16 of one
+    sequence); with a pipeline, 1, which gives the most micro-batches and so the smallest
+    bubble. A given mbs is kept as it is."""
+    par, tr = cfg.parallel, cfg.train
+    if par.mbs:
+        return
+    if par.pp > 1 or par.dp < 1 or tr.gbs < 1 or tr.gbs % par.dp:
+        par.mbs = 1  # (a bad gbs or dp is reported by validate with these numbers)
+        return
+    per_rank = tr.gbs // par.dp
+    cap = max(1, AUTO_MBS_TOKENS * max(par.cp, 1) // max(tr.seq_len, 1))
+    par.mbs = max(b for b in range(1, min(per_rank, cap) + 1) if per_rank % b == 0)

@@ -1,0 +1,37 @@
+"""The whole configuration: one typed section per TOML table. A new section is a dataclass
+in its own module beside its rules, added here as a field and in `validate.py`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from fivefold.config.data import DataSection
+from fivefold.config.model import ModelSection
+from fivefold.config.output import CheckpointSection, LogSection
+from fivefold.config.parallel import ParallelSection
+from fivefold.config.train import TrainSection
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    data: DataSection = field(default_factory=DataSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log: LogSection = field(default_factory=LogSection)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["model"] = {"preset": self.model.preset, "hf_path": self.model.hf_path,
+                        **self.model.overrides}
+        return out
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def section_class(name: str) -> type:
+    """The dataclass of section `name` (KeyError for an unknown one)."""
+    return {f.name: f.default_factory for f in dataclasses.fields(Config)}[name]

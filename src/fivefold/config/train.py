@@ -1,0 +1,77 @@
+"""[train]: the optimisation (steps, batch, learning rate, precision, recompute) and its
+rules, including the batch's division into micro-batches and pipeline stages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.config.parallel import check_pipeline
+from fivefold.config.rules import choice, positive
+from fivefold.errors import ConfigError
+
+
+@dataclass
+class TrainSection:
+    steps: int = 450
+    gbs: int = 16  # global batch, in sequences
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 30  # capped at 10% of train.steps
+    lr_schedule: str = "cosine"  # cosine | linear | wsd | constant
+    decay_fraction: float = 0.2  # wsd: the share of steps spent decaying
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    recompute: str = "none"  # none | selective | full
+    compile: bool = False  # torch.compile each transformer block (inductor)
+    seed: int = 1234
+    deterministic: bool = False
+    max_bad_steps: int = 3  # non-finite loss/gradient: skip the step; stop after this many in a row
+    device: str = "auto"  # auto | cpu | cuda
+    eval_every: int = 100  # 0 disables validation
+    eval_batches: int = 4
+
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "selective", "full")
+
+
+def check_train(cfg, mc) -> None:
+    """The training keys against the model shape `mc` and the (resolved) layout."""
+    par, tr = cfg.parallel, cfg.train
+    positive("train.steps", tr.steps)
+    positive("train.gbs", tr.gbs)
+    positive("train.seq_len", tr.seq_len)
+    if tr.seq_len > mc.max_seq_len:
+        raise ConfigError(f"train.seq_len = {tr.seq_len} exceeds model.max_seq_len = "
+                          f"{mc.max_seq_len}; lower seq_len or raise max_seq_len")
+    if tr.gbs % (par.mbs * par.dp):
+        raise ConfigError(f"train.gbs = {tr.gbs} is not divisible by parallel.mbs × parallel.dp ="
+                          f" {par.mbs * par.dp}; make gbs a multiple of it")
+    num_micro = tr.gbs // (par.mbs * par.dp)
+    check_pipeline(par, mc.num_layers, num_micro)
+    if tr.lr <= 0:
+        raise ConfigError(f"train.lr = {tr.lr} must be > 0")
+    if not 0 <= tr.seed < 2**32:  # numpy's and torch's generators take 32-bit unsigned seeds
+        raise ConfigError(f"train.seed = {tr.seed} must lie in [0, 2**32); pick e.g. 1234")
+    if tr.min_lr < 0 or tr.min_lr > tr.lr:
+        raise ConfigError(f"train.min_lr = {tr.min_lr} must lie in [0, train.lr = {tr.lr}]")
+    positive("train.warmup_steps", tr.warmup_steps, allow_zero=True)
+    choice("train.lr_schedule", tr.lr_schedule, ("cosine", "linear", "wsd", "constant"))
+    if not 0 <= tr.decay_fraction <= 1:
+        raise ConfigError(f"train.decay_fraction = {tr.decay_fraction} must lie in [0, 1]")
+    choice("train.precision", tr.precision, PRECISIONS)
+    choice("train.recompute", tr.recompute, RECOMPUTE)
+    choice("train.device", tr.device, ("auto", "cpu", "cuda"))
+    if not 0 <= tr.beta1 < 1 or not 0 <= tr.beta2 < 1:
+        raise ConfigError("train.beta1 and train.beta2 must lie in [0, 1)")
+    positive("train.eps", tr.eps)
+    positive("train.grad_clip", tr.grad_clip, allow_zero=True)
+    positive("train.weight_decay", tr.weight_decay, allow_zero=True)
+    positive("train.eval_every", tr.eval_every, allow_zero=True)
+    positive("train.eval_batches", tr.eval_batches)
+    positive("train.max_bad_steps", tr.max_bad_steps)
