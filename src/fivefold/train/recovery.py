@@ -13,14 +13,17 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
+from pathlib import Path
 
 import torch
 
 from fivefold.config import ConfigError
 from fivefold.parallel import comm
 from fivefold.train import checkpoint as ckpt
+from fivefold.train.lifecycle import CheckpointWriteError, ledger_paused
 
 
 def resume(trainer, root: str, mode: str) -> None:
@@ -50,7 +53,7 @@ def resume(trainer, root: str, mode: str) -> None:
 def agree(trainer, problem: str | None) -> str | None:
     """Every rank takes the same decision: a problem on any rank is a problem on all."""
     flag = torch.tensor([0.0 if problem is None else 1.0], device=trainer.device)
-    with _ledger_paused(trainer.dims):
+    with ledger_paused(trainer.dims):
         comm.all_reduce(flag, trainer.dims["world"], op="max")
     if flag.item() and problem is None:
         problem = "another rank could not read it"
@@ -60,10 +63,6 @@ def agree(trainer, problem: str | None) -> str | None:
 def save_failed(trainer, error: BaseException) -> Exception:
     """The one-line error for a save that could not be written, after removing its
     half-written directory (rank 0)."""
-    from pathlib import Path
-
-    from fivefold.train.lifecycle import CheckpointWriteError
-
     root = Path(trainer.cfg.checkpoint.dir)
     final = ckpt.step_dir(root, trainer.step)
     if trainer.dims.rank == 0:  # half-written: never left for a resume to trip on
@@ -80,9 +79,6 @@ def unwritable(root: str) -> str | None:
     """Why `root` cannot take a checkpoint (created if missing), or None: a probe file is
     written and removed, which also catches a read-only file system and a full disk's
     refusal of new files."""
-    import os
-    from pathlib import Path
-
     probe = Path(root) / f".write-probe-{os.getpid()}"
     try:
         Path(root).mkdir(parents=True, exist_ok=True)
@@ -106,8 +102,3 @@ def one_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     return f"{type(exc).__name__}: {lines[-1][:400] if lines else ''}"
 
-
-def _ledger_paused(dims):
-    from fivefold.train.trainer import ledger_paused
-
-    return ledger_paused(dims)

@@ -11,7 +11,6 @@ same gradient as one big batch, and every data-parallel reduction is a plain sum
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 
@@ -25,6 +24,7 @@ from fivefold.parallel.apply import ParallelModel, parallelize
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.parallel.watchdog import RankLostError, Watchdog
 from fivefold.train import checkpoint as ckpt
+from fivefold.train.lifecycle import ledger_paused
 from fivefold.train.metrics import (
     Throughput,
     device_peak_flops,
@@ -53,16 +53,6 @@ def pick_device(spec: str) -> torch.device:
             raise ConfigError("train.device = 'cuda' but no GPU is visible; use 'cpu' or 'auto'")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-@contextlib.contextmanager
-def ledger_paused(dims: ParallelDims):
-    """Metrics reductions are not part of the training step's communication."""
-    was, dims.ledger.enabled = dims.ledger.enabled, False
-    try:
-        yield
-    finally:
-        dims.ledger.enabled = was
 
 
 def build_optimizer(model: ParallelModel, dims: ParallelDims, cfg: Config, scaler, watchdog):
