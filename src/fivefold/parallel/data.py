@@ -31,6 +31,18 @@ Every reduction is a plain SUM: the loss of each micro-batch is divided by the n
 target tokens of the whole global batch, so the summed gradient is the single-device one.
 On non-final micro-batches of gradient accumulation nothing is sent: gradients accumulate
 locally (in the buffer for stages 0-1, in `.grad` for stages 2-3) and go out once.
+
+`grad_sync = "microbatch"` (stages 2, 3): every micro-batch is treated as the final one —
+each gradient is staged into its bucket and dropped, each bucket reduce-scattered as it
+fills — so no full gradient is held between micro-batches either (DeepSpeed ZeRO-2's
+`reduce_scatter` per micro-batch; FSDP2 with gradient sync on). The shard accumulates
+without a second buffer: before launching a bucket, a rank adds its shard's running sum
+into its *own* range of the bucket, the only range whose reduced sum comes back to it, so
+the reduce-scatter returns running sum + this micro-batch's sum straight into the shard.
+Before the next micro-batch starts, the buckets backward did not launch go out (zeros for
+parameters that got no gradient, so every rank issues the same collectives) and every
+reduction is waited for: no bucket stays alive into the next forward. Per step: m
+reduce-scatters of every bucket instead of one, and no `grad_buffer` at all.
 """
 
 from __future__ import annotations
@@ -46,13 +58,18 @@ BUCKETS_IN_FLIGHT = 2  # the default of parallel.buckets_in_flight
 class GradReducer:
     def __init__(self, layout: FlatLayout, group: comm.Group, stage: int, dtype: torch.dtype,
                  device: torch.device, watchdog, order: list[int] | None = None,
-                 buckets_in_flight: int = BUCKETS_IN_FLIGHT):
+                 buckets_in_flight: int = BUCKETS_IN_FLIGHT, grad_sync: str = "step"):
         self.layout, self.group, self.stage, self.watchdog = layout, group, stage, watchdog
         self.buckets_in_flight = buckets_in_flight
         # The order in which segments are expected to complete in backward, and are launched.
         self.order = order if order is not None else list(range(len(layout.segments)))
         self.rank = group.rank if layout.shards > 1 else 0
         self.keep_full = stage <= 1
+        # Reduce-scatter every micro-batch into the shard (stages 2-3 only: stages 0-1 keep
+        # the whole buffer anyway, so syncing early would only add communication).
+        self.per_microbatch = grad_sync == "microbatch" and not self.keep_full
+        self.accumulate = False  # the shard holds earlier micro-batches' sum: add to it
+        self.backward_started = False
         nseg = len(layout.segments)
         if self.keep_full:
             self.grad_buffer = torch.zeros(layout.total, dtype=dtype, device=device)
@@ -86,10 +103,17 @@ class GradReducer:
         self.ready = [False] * len(self.ready)
         self.launched = 0
         self.launch_log.clear()
+        self.accumulate = self.backward_started = False
 
     def prepare_backward(self, final_microbatch: bool) -> None:
         peak.sample("before a micro-batch's backward")  # = the end of the previous one's
-        self.final = final_microbatch
+        if self.per_microbatch and self.backward_started:
+            self._flush()  # the previous micro-batch's buckets: launched and reduced
+            self.ready = [False] * len(self.ready)
+            self.launched = 0
+            self.accumulate = True
+        self.backward_started = True
+        self.final = final_microbatch or self.per_microbatch
         self.counts = [0] * len(self.counts)
 
     def _hook(self, index: int):
@@ -143,7 +167,11 @@ class GradReducer:
                                          async_op=True)
         else:
             out = self.layout.segment_shard(self.grad_shard, seg)
-            handle = comm.reduce_scatter(out, self._staging(index), self.group, async_op=True)
+            staging = self._staging(index)
+            if self.accumulate:  # our range comes back to us alone: it carries the sum so far
+                lo, hi = seg.owned(self.rank, self.layout.shards)
+                staging[lo - seg.start:hi - seg.start].add_(out)
+            handle = comm.reduce_scatter(out, staging, self.group, async_op=True)
         self.launch_log.append(index)
         self.handles.append((index, handle))
         peak.sample("bucket launched")
@@ -155,6 +183,10 @@ class GradReducer:
 
     def finish(self) -> None:
         """Launch what backward did not (buckets of parameters without a gradient), wait."""
+        self._flush()
+        self.backward_started = False
+
+    def _flush(self) -> None:
         peak.sample("end of backward")
         if self.final:
             # A gradient still in .grad was never staged (its hook ran on a non-final pass, or

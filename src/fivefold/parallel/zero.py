@@ -52,7 +52,7 @@ class DataParallelOptimizer:
                  stage: int = 0, offload: bool = False, bucket_mb: float = 25.0,
                  chunks: list[nn.Module] | None = None, timeout_s: float = 300.0,
                  watchdog: Watchdog | None = None, buckets_in_flight: int = BUCKETS_IN_FLIGHT,
-                 group: str = "dp_cp"):
+                 group: str = "dp_cp", grad_sync: str = "step"):
         self.dims, self.tr, self.scaler, self.stage, self.offload = dims, tr, scaler, stage, offload
         self.group = dims[group]  # the ranks holding these weights: dp_cp, or edp for experts
         self.names = [n for n, _ in named_params]
@@ -83,7 +83,7 @@ class DataParallelOptimizer:
             self.param_flat = self._bind_params()
         order = self.gatherer.backward_order() if self.gatherer is not None else None
         self.reducer = GradReducer(self.layout, self.group, stage, self.dtype, self.device,
-                                   self.watchdog, order, buckets_in_flight)
+                                   self.watchdog, order, buckets_in_flight, grad_sync)
         if self.gatherer is not None:
             self.reducer.segment_done.append(self.gatherer.free)
         self._build_states()
@@ -343,4 +343,5 @@ def optimizer_options(model, cfg, watchdog: Watchdog | None) -> dict:
     par = cfg.parallel
     return dict(stage=par.zero, offload=par.offload, bucket_mb=par.bucket_mb,
                 chunks=model.chunks, timeout_s=par.timeout_s, watchdog=watchdog,
-                buckets_in_flight=par.buckets_in_flight)
+                buckets_in_flight=par.buckets_in_flight,
+                grad_sync=getattr(par, "grad_sync", "step"))
