@@ -2,7 +2,11 @@
 
 The ranks are forked (about 0.2 s for 8, against 10-20 s for torchrun) and meet through a
 file:// rendezvous. Each child uses one thread: a forked child with several OpenMP threads
-can hang. One start can serve many checks: the function may run several configurations.
+can hang. Each child is also pinned to one core (rank r to the r-th of the cores this process
+may use, round robin), so N ranks on a 2-core machine share the cores N/2 to a core instead of
+every rank's threads migrating over both, and a child's own subprocesses start with one
+OpenMP thread too. One start can serve many checks: the function may run several
+configurations.
 
 The parent watches the ranks instead of joining them blindly, so a broken rank fails the
 test at once rather than leaving its peers blocked in a collective:
@@ -34,8 +38,17 @@ RUN_TIMEOUT = float(os.environ.get("FIVEFOLD_TEST_TIMEOUT", "600"))
 _POLL_S = 0.02
 
 
-def _child(rank, fn, world_size, init_file, out_dir, args, kwargs):
+def pin_to_one_core(rank: int) -> None:
+    """One compute thread, on one core: the rank's share of the cores it was given."""
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    if hasattr(os, "sched_setaffinity"):  # Linux; elsewhere the thread count alone
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
+def _child(rank, fn, world_size, init_file, out_dir, args, kwargs):
+    pin_to_one_core(rank)
     result_path = os.path.join(out_dir, f"rank{rank}.pkl")
     stack_file = open(os.path.join(out_dir, f"rank{rank}.stack"), "w")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
@@ -99,6 +112,34 @@ def _hang_report(procs, out_dir, timeout):
             + "\n" + "\n".join(stacks))
 
 
+# What a rank raises when a peer, not itself, failed: the peer's own failure is the news.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "transport/tcp")
+
+
+def _first_failure(procs, out_dir, grace_s: float = 2.0) -> str:
+    """The failure that caused the others: a rank that fails first makes its peers' collectives
+    fail a moment later, and whichever the parent reads first must not hide the cause. Wait
+    up to `grace_s` for the ranks to end, then report a rank that failed of itself (raised, or
+    exited without reporting) before one that only lost its peer."""
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end and any(p.exitcode is None for p in procs):
+        time.sleep(_POLL_S)
+    failures = []
+    for r, proc in enumerate(procs):
+        if proc.exitcode is None:
+            continue
+        outcome = _read(os.path.join(out_dir, f"rank{r}.pkl"))
+        if outcome is None:
+            failures.append((False, f"rank {r} exited with code {proc.exitcode} without "
+                                    f"reporting a result"))
+        elif outcome[0] != "ok":
+            derived = any(text in outcome[1] for text in _PEER_LOST)
+            failures.append((derived, f"rank {r}:\n{outcome[1]}"))
+    failures.sort(key=lambda f: f[0])  # stable: by rank among equals
+    return failures[0][1]
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = RUN_TIMEOUT, **kwargs) -> list:
     """Run fn(rank, world_size, *args, **kwargs) on world_size ranks; return their results.
 
@@ -123,11 +164,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = RUN_TIMEOUT, **kwargs
                     if proc.exitcode is None:
                         continue
                     outcome = _read(os.path.join(tmp, f"rank{r}.pkl"))
-                    if outcome is None:
-                        raise RuntimeError(f"rank {r} exited with code {proc.exitcode} "
-                                           "without reporting a result")
-                    if outcome[0] != "ok":
-                        raise RuntimeError(f"rank {r}:\n{outcome[1]}")
+                    if outcome is None or outcome[0] != "ok":
+                        raise RuntimeError(_first_failure(procs, tmp))
                     finished += 1
                 if finished == world_size:
                     break
