@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.models.loss import chunked_linear_cross_entropy, cross_entropy_sum
+from fivefold.models.mlp import MLP
+from fivefold.models.moe import MoE
 from fivefold.models.presets import ModelConfig
 
 
@@ -183,24 +185,6 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class MLP(nn.Module):
-    """SwiGLU (Shazeer 2020) as in Llama, or the GPT-style GeLU MLP."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        h, f = cfg.hidden_size, cfg.intermediate_size
-        self.swiglu = cfg.mlp == "swiglu"
-        if self.swiglu:
-            self.gate_proj = nn.Linear(h, f, bias=False)
-        self.up_proj = nn.Linear(h, f, bias=not self.swiglu)
-        self.down_proj = nn.Linear(f, h, bias=not self.swiglu)
-
-    def forward(self, x):
-        if self.swiglu:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
-
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
@@ -208,8 +192,6 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = make_norm(cfg)
         if cfg.is_moe_layer(index):
-            from fivefold.models.moe import MoE
-
             self.mlp = MoE(cfg)
         else:
             self.mlp = MLP(cfg)

@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fivefold.models.mlp import MLP
 from fivefold.models.presets import ModelConfig
 
 # torch >= 2.8 (CPU and CUDA); the public wrapper arrived later.
@@ -254,8 +255,6 @@ class MoE(nn.Module):
         self.shared_expert = None
         self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
-            from fivefold.models.llama import MLP
-
             shared = cfg.replace(intermediate_size=cfg.shared_expert_intermediate_size,
                                  mlp="swiglu")
             self.shared_expert = MLP(shared)

@@ -30,29 +30,16 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from fivefold.config import ArgumentParser, ConfigError
+from fivefold.train.step_record import StepRecord, sync
 
 # What a benchmark run does not need: no checkpoints, validation or log files.
 BENCH_DEFAULTS = ["--train.eval_every", "0", "--checkpoint.every", "0", "--log.progress",
                   "false", "--log.tensorboard", "false"]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@dataclass
-class StepRecord:
-    loss: float
-    seconds: float
-    parts: dict[str, float] = field(default_factory=dict)
-    cpu_seconds: float = 0.0  # this process's CPU time over the step (all its threads)
 
 
 class FivefoldRunner:

@@ -18,7 +18,7 @@ import time
 import torch
 
 from fivefold.config import ConfigError
-from fivefold.train.bench import StepRecord, sync
+from fivefold.train.step_record import StepRecord, sync
 
 
 class HFRunner:
