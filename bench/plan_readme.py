@@ -2,7 +2,8 @@
 16,384 H100s at 4k and 8k sequence length, and one memory-bar picture.
 
     python bench/plan_readme.py   # writes docs/planner-table.md, docs/memory-bars.png and
-                                  # the table in README.md (between the plan_readme markers)
+                                  # the table in README.md if it has the plan_readme markers
+                                  # (today docs/planner.md links the table instead)
 
 The table holds predictions only, so it is the same on every run; search times (which depend
 on the machine) are printed, not written.
