@@ -51,7 +51,7 @@ def one_run(world: int, src: str, timeout_s: float, workdir: Path) -> tuple[bool
     started = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     took = time.perf_counter() - started
-    text = proc.stdout + proc.stderr
+    text = (proc.stdout + proc.stderr).replace(sys.executable, "python3")  # no machine path
     clean = proc.returncode == 0 and "terminate called" not in text and "Traceback" not in text
     why = "" if clean else f"exit {proc.returncode}: " + " | ".join(
         ln for ln in text.splitlines() if "terminate called" in ln or "exitcode" in ln)[:300]
@@ -77,7 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     results = {"device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU "
                          f"cores (shared)", "torch": torch.__version__,
-               "python": platform.python_version(), "src": args.src,
+               "python": platform.python_version(), "src": Path(args.src).name,
                "git": args.rev or git_revision(args.src), "parallel.timeout_s": args.timeout_s,
                "worlds": {}}
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,5 +1,12 @@
 """`--convention`: each engine's setting pinned by a number derived by hand from the cited
-source (PLANNER-NOTES.md §1, §3), never from the planner's own code."""
+source, never from the planner's own code. The sources, each at the commit read:
+NVIDIA/Megatron-LM @d98e8a64 megatron/training/theoretical_memory_usage.py; the Ultra-Scale
+Playbook (HF Space nanotron/ultrascale-playbook, GitHub mirror
+vinjn/nanotron-ultrascale-playbook @924e4d0) index.md; microsoft/DeepSpeed @38327e07f
+deepspeed/runtime/zero/stage_1_and_2.py (formula of f4cb866c2, PR #5099); pytorch/torchtitan
+@b5bcd76c6 torchtitan/models/llama3/infra/parallelize.py and benchmarks @9dec370;
+huggingface/nanotron @2411b022 src/nanotron/parallel/pipeline_parallel/engine.py; Korthikanti
+et al. 2022 (arXiv:2205.05198) Table 2."""
 
 import json
 

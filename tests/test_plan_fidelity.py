@@ -116,7 +116,9 @@ def test_zero_paper_worked_example(capsys, zero, gb):
                          [("6ND", 312, "selective", "2.67"), ("8ND", 68, "full", "16.36")])
 def test_82b_whole_run_worked_example(capsys, rule, tflops, recompute, days):
     """82B parameters, 150B tokens, 1024 A100s: 6·82e9·150e9 / (1024 · 312e12) s = 2.6735
-    days; 8·82e9·150e9 / (1024 · 68e12) s = 16.356 days (PLANNER-NOTES §3.1)."""
+    days; 8·82e9·150e9 / (1024 · 68e12) s = 16.356 days. The rules: C = 6ND (Kaplan et al.
+    2020, arXiv:2001.08361, §2.1) and, with full recomputation, training time ≈ 8TP/(nX)
+    (Narayanan et al. 2021, arXiv:2104.04473); the inputs are an example, the days arithmetic."""
     code, out, _ = _cli(capsys, "--params", "82e9", "--gpu", "a100-80gb", "--gpus", "1024",
                         "--seq-len", "2048", "--gbs", "1536", "--layout",
                         f"tp=8,pp=8,zero=1,recompute={recompute}", "--tokens", "150e9",

@@ -4,8 +4,8 @@
 Each convention sets: the model-state layout (bytes per parameter, where fp32 gradient
 accumulation lives, fp32 parameters), what sequence parallelism saves for backward, the
 pipeline stage split, the rank order of the grid, how FLOPs count causal attention, and which
-number the engine's logs call memory (peak allocated or peak reserved). Sources are the
-projects' files at the stated versions (read for /work/shared/PLANNER-NOTES.md and here).
+number the engine's logs call memory (peak allocated or peak reserved). Each convention's
+`sources` name the project, the file and the commit it was read at.
 """
 
 from __future__ import annotations
@@ -80,7 +80,9 @@ CONVENTIONS: dict[str, Convention] = {
          "(get_block_compute_costs, get_flops: full attention square)",
          "src/nanotron/parallel/tensor_parallel/functional.py (column linear, "
          "REDUCE_SCATTER mode), src/nanotron/parallel/context.py (rank grid)",
-         "Ultra-Scale Playbook @924e4d0 index.md: '+4 if fp32 grad accumulation (nanotron "
+         "Ultra-Scale Playbook (HF Space nanotron/ultrascale-playbook; its GitHub mirror "
+         "vinjn/nanotron-ultrascale-playbook @924e4d0) index.md: '+4 if fp32 grad "
+         "accumulation (nanotron "
          "does this)'; logs peak_allocated and peak_reserved",
          "src/nanotron/parallel/pipeline_parallel/engine.py: AllForwardAllBackward and "
          "OneForwardOneBackward engines"),
