@@ -1,0 +1,147 @@
+"""The FP8 linear layer: y = x Wᵀ + b with all three GEMMs in FP8 and fp32 accumulation.
+
+    forward   y      = x · Wᵀ        x in E4M3, W in E4M3
+    dgrad     ∂x     = ∂y · W        ∂y in the gradient format, W in E4M3
+    wgrad     ∂W     = ∂yᵀ · x       ∂y in the gradient format, x in E4M3
+
+Each GEMM is `numerics.fp8.fp8_mm(a, b)` = a · bᵀ with both operands quantised along the
+reduction dimension K; so each operand is quantised for each GEMM along that GEMM's K:
+
+    recipe       activations, ∂y           weights         gradient format   scales
+    tensorwise   one scale per tensor      per tensor      E5M2 (torchao)    float32
+    rowwise      per row along K           per row along K E4M3 (torchao)    powers of 2
+    blockwise    1x128 tiles along K       128x128 blocks  E4M3 (DeepSeek)   float32
+
+(torchao float8 `Float8LinearRecipeName.TENSORWISE/ROWWISE`; DeepSeek-V3, arXiv 2412.19437
+§3.3, figure 7: tiles of 1x128 for the forward's activations and ∂y's dgrad, 128x1 — that
+is 1x128 along the token dimension — for the wgrad operands.)
+
+Memory: the input is saved for backward in FP8 (1 byte per element and its scales) rather
+than in the compute dtype, as DeepSeek-V3 caches it. The wgrad needs x quantised along the
+tokens instead of along K: tensorwise reuses the saved FP8 tensor as it is (its transpose
+has the same scale); rowwise and blockwise dequantise it and quantise the transpose again
+(DeepSeek-V3 §3.3.4 names this re-quantisation as the cost of today's hardware). With
+power-of-two scales (rowwise) the second rounding changes nothing in the normal range: a
+scale then only moves the exponent. The weight is a parameter, held anyway; it is quantised
+again in backward rather than saved a second time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fivefold.numerics.formats import E4M3, FP8_BLOCK, FP8_FORMATS, FloatFormat
+from fivefold.numerics.fp8 import FP8Tensor, dequantize, fp8_mm, quantize
+
+RECIPES = ("blockwise", "rowwise", "tensorwise")
+_GRANULARITY = {  # recipe -> (activations and gradients, weights)
+    "tensorwise": ("tensorwise", "tensorwise"),
+    "rowwise": ("rowwise", "rowwise"),
+    "blockwise": ("tiles", "blocks"),
+}
+_DEFAULT_GRAD_FORMAT = {"tensorwise": "e5m2", "rowwise": "e4m3", "blockwise": "e4m3"}
+
+
+@dataclass(frozen=True)
+class FP8Recipe:
+    """How the three GEMMs of a linear layer are scaled and in which formats."""
+
+    name: str = "blockwise"
+    grad_format: FloatFormat = E4M3
+    pow2: bool = False
+    block: int = FP8_BLOCK
+
+    @staticmethod
+    def from_name(name: str, grad_format: str = "auto") -> FP8Recipe:
+        """The recipe's defaults; `grad_format` 'auto' takes the recipe's own (see above)."""
+        if name not in RECIPES:
+            raise ValueError(f"unknown FP8 recipe '{name}'; one of {', '.join(RECIPES)}")
+        fmt = _DEFAULT_GRAD_FORMAT[name] if grad_format == "auto" else grad_format
+        if fmt not in FP8_FORMATS:
+            raise ValueError(f"unknown FP8 gradient format '{grad_format}'; e4m3 or e5m2")
+        return FP8Recipe(name, FP8_FORMATS[fmt], pow2=name == "rowwise")
+
+    @property
+    def act_granularity(self) -> str:
+        return _GRANULARITY[self.name][0]
+
+    @property
+    def weight_granularity(self) -> str:
+        return _GRANULARITY[self.name][1]
+
+    def quantize_act(self, x: torch.Tensor, fmt: FloatFormat = E4M3) -> FP8Tensor:
+        return quantize(x, fmt, self.act_granularity, self.pow2, self.block)
+
+    def quantize_weight(self, w: torch.Tensor) -> FP8Tensor:
+        return quantize(w, E4M3, self.weight_granularity, self.pow2, self.block)
+
+
+class FP8LinearFunction(torch.autograd.Function):
+    """y = x Wᵀ + b; saves the FP8 input (data and scales), not the high-precision one."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe: FP8Recipe):
+        x2 = x.reshape(-1, x.shape[-1])
+        xq = recipe.quantize_act(x2)
+        y = fp8_mm(xq, recipe.quantize_weight(weight), out_dtype=x.dtype)
+        if bias is not None:
+            y = y + bias
+        ctx.save_for_backward(xq.data, xq.scale, weight)
+        ctx.recipe, ctx.has_bias, ctx.x_shape = recipe, bias is not None, x.shape
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_data, x_scale, weight = ctx.saved_tensors
+        recipe: FP8Recipe = ctx.recipe
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            gq = recipe.quantize_act(g2, recipe.grad_format)
+            wt = recipe.quantize_weight(weight.t())  # quantised along N, the dgrad's K
+            grad_x = fp8_mm(gq, wt, out_dtype=grad.dtype).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            xq = FP8Tensor(x_data, x_scale, recipe.act_granularity, E4M3, recipe.block)
+            xt = xq.t() if xq.granularity == "tensorwise" else recipe.quantize_act(
+                dequantize(xq).t())  # now along the tokens, the wgrad's K
+            gt = recipe.quantize_act(g2.t(), recipe.grad_format)
+            grad_w = fp8_mm(gt, xt, out_dtype=weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0).to(grad.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               recipe: FP8Recipe) -> torch.Tensor:
+    """F.linear with FP8 GEMMs."""
+    return FP8LinearFunction.apply(x, weight, bias, recipe)
+
+
+class FP8LinearFn:
+    """A callable (x, weight, bias) -> y with FP8 GEMMs, for modules that take a pluggable
+    GEMM (the tensor-parallel linears' `linear_fn`)."""
+
+    def __init__(self, recipe: FP8Recipe):
+        self.recipe = recipe
+
+    def __call__(self, x, weight, bias=None):
+        return fp8_linear(x, weight, bias, self.recipe)
+
+    def __repr__(self) -> str:
+        return f"FP8LinearFn({self.recipe.name})"
+
+
+class FP8Linear(nn.Linear):
+    """nn.Linear whose forward runs in FP8. Made by swapping the class of an existing
+    nn.Linear (lowp.convert), so parameters, their names and checkpoints do not change."""
+
+    fp8_recipe: FP8Recipe = FP8Recipe()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias, self.fp8_recipe)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={self.fp8_recipe.name}"
