@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.numerics import intx, nf4
+from fivefold.numerics import intx, mx, nf4
 
 
 class DequantLinear(torch.autograd.Function):
@@ -209,5 +209,41 @@ class NF4Linear(QuantLinear):
                             ("nf4_factors", q.factors), ("nf4_mean", q.mean),
                             ("nf4_codes", q.codes)):
             getattr(layer, name).copy_(value)
+        cls._copy_bias(layer, linear)
+        return layer.to(linear.weight.device)
+
+
+class MXFP4Linear(QuantLinear):
+    """OCP MXFP4 (numerics/mx.py): `qweight` (out, in/2) E2M1 codes two per byte and
+    `scales_e8m0` (out, in/32) biased power-of-two exponents, blocks along the input
+    dimension. Emulated: dequantised to the input's dtype before the matmul."""
+
+    method = "mxfp4"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 block_size: int = mx.MX_BLOCK_SIZE):
+        super().__init__(in_features, out_features, bias)
+        mx.check_block_size(in_features, block_size)
+        self.block_size = block_size
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2,
+                                                    dtype=torch.uint8))
+        self.register_buffer("scales_e8m0", torch.full(
+            (out_features, in_features // block_size), mx.E8M0_BIAS, dtype=torch.uint8))
+
+    def quantized(self) -> mx.MXFP4:
+        return mx.MXFP4(data=self.qweight, scale=self.scales_e8m0, block_size=self.block_size)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return mx.dequantize_mxfp4(self.quantized(), dtype)
+
+    @classmethod
+    @torch.no_grad()
+    def from_float(cls, linear: nn.Linear, block_size: int = mx.MX_BLOCK_SIZE
+                   ) -> MXFP4Linear:
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                    block_size)
+        q = mx.quantize_mxfp4(linear.weight, block_size)
+        layer.qweight.copy_(q.data)
+        layer.scales_e8m0.copy_(q.scale)
         cls._copy_bias(layer, linear)
         return layer.to(linear.weight.device)
