@@ -107,3 +107,89 @@ def test_microbatch_sync_matches_single_process_and_holds_no_full_gradient(dp):
             assert r["calls"] == r["segments"], (label, r["calls"])
             assert r["whole"] >= 0.95 * r["full"] - r["largest"], (label, r)
             assert r["peak"] > r["shard"] + alive * r["largest"], (label, r)
+
+
+# --- the planner and the engine agree on both settings ------------------------------------
+AGREE = {f"dp2-zero{zero}-m4-{sync}": ["--parallel.dp", "2", "--parallel.zero", str(zero),
+                                        "--train.gbs", "16", "--parallel.grad_sync", sync]
+         for zero in (2, 3) for sync in ("step", "microbatch")}
+
+
+@pytest.mark.parametrize("name", list(AGREE))
+def test_planner_agrees_with_engine_on_grad_sync(name, tmp_path, capsys):
+    """Through the trainer at 4 micro-batches per rank: model states (1%), the peak items
+    (whole gradients, buckets in flight, activations: 10%) and the ledger (exactly), as
+    tests/test_plan_agreement.py checks every layout."""
+    from test_plan_agreement import check_rank, measure
+
+    results = run_ranks(measure, 2, str(tmp_path), AGREE[name])
+    for got in results:
+        check_rank(got, tmp_path, name, AGREE[name], capsys)
+        if name.endswith("microbatch"):
+            assert got["peaks"]["grad_buffer"] == 0, got["peaks"]
+        else:
+            assert got["peaks"]["grad_buffer"] > 0, got["peaks"]
+
+
+# --- the default: auto ----------------------------------------------------------------------
+def test_auto_picks_microbatch_where_the_step_is_near_equal():
+    """The planner's choice (plan/grad_sync.py): inside one node (8 H100s, NVLink) the extra
+    reduce-scatters hide behind backward and per micro-batch wins; across nodes (64 H100s,
+    tp 8 inside, dp 8 across) they do not and once per step stays; nothing to choose for
+    ZeRO-1, one micro-batch or a pipeline."""
+    from fivefold.models.presets import preset
+    from fivefold.plan.grad_sync import NEAR_EQUAL, choose_grad_sync
+    from fivefold.plan.hardware import get_hardware
+    from fivefold.plan.layout import Layout, Workload
+    from fivefold.plan.timing import step_time
+
+    hw, assume = get_hardware("h100-sxm")
+    w8 = Workload(model=preset("llama-3.1-8b"), seq_len=4096, gbs=64, grad_sync="auto")
+    for zero in (2, 3):
+        lay = Layout(dp=8, zero=zero, mbs=1)
+        assert choose_grad_sync(w8, lay, hw, assume)[0] == "microbatch"
+        times = [step_time(Workload(model=w8.model, seq_len=4096, gbs=64, grad_sync=s), lay,
+                           hw, assume).total for s in ("step", "microbatch")]
+        assert times[1] <= (1 + NEAR_EQUAL) * times[0]
+    w70 = Workload(model=preset("llama-3.1-70b"), seq_len=4096, gbs=256, grad_sync="auto")
+    choice, why = choose_grad_sync(w70, Layout(dp=8, tp=8, sp=True, zero=2, mbs=1), hw, assume)
+    assert choice == "step" and "slower" in why
+    assert choose_grad_sync(w8, Layout(dp=8, zero=1, mbs=1), hw, assume)[0] == "step"
+    assert choose_grad_sync(w8, Layout(dp=8, zero=3, mbs=8), hw, assume)[0] == "step"  # m = 1
+    assert choose_grad_sync(w8, Layout(dp=4, pp=2, zero=2, mbs=1), hw, assume)[0] == "step"
+
+
+def test_a_training_config_resolves_auto_as_the_planner_does(tmp_path):
+    """The engine's resolution (the trainer calls it) is the planner's: Llama-3.1-8B at dp 8
+    reduces per micro-batch; the tests' tiny model, whose step the collectives' latency
+    dominates, once per step (the planner predicts +41% for per micro-batch there)."""
+    from common import small_config
+
+    from fivefold.plan.grad_sync import resolve_config_grad_sync
+    from fivefold.plan.inputs import training_plan_inputs
+
+    big = small_config(tmp_path, "--parallel.dp", "8", "--parallel.zero", "3", "--train.gbs",
+                       "64", "--model.preset", "llama-3.1-8b")
+    big.model.overrides, big.train.seq_len = {}, 4096
+    assert big.parallel.grad_sync == "auto"
+    assert training_plan_inputs(big)[0].grad_sync == "microbatch"
+    assert resolve_config_grad_sync(big) == "microbatch" == big.parallel.grad_sync
+    tiny = small_config(tmp_path, "--parallel.dp", "2", "--parallel.zero", "3", "--train.gbs",
+                        "16")
+    assert training_plan_inputs(tiny)[0].grad_sync == "step"
+    assert resolve_config_grad_sync(tiny) == "step" == tiny.parallel.grad_sync
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--parallel.grad_sync", "sometimes"], ["parallel.grad_sync", "auto, step, microbatch"]),
+    (["--parallel.grad_sync", "microbatch", "--parallel.pp", "2"],
+     ["parallel.grad_sync", "parallel.pp = 1", "'step' or 'auto'"]),
+])
+def test_bad_grad_sync_is_refused_in_one_line(args, words, tmp_path):
+    from common import small_config
+
+    from fivefold.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(small_config(tmp_path, *args))
+    assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)

@@ -31,6 +31,10 @@ class ParallelSection:
     pp_layers: list = field(default_factory=list)  # explicit layers per stage, e.g. [3, 4, 4, 3]
     bucket_mb: float = 25.0  # gradient bucket size for DP reduction, in MB
     buckets_in_flight: int = 2  # ZeRO-2/3: buckets filling or reducing at once (ZeRO-3 head apart)
+    # ZeRO-2/3 gradient reduce-scatter: step (once, after the last micro-batch; the whole
+    # gradient accumulates meanwhile) | microbatch (every micro-batch, into the shard; pp = 1)
+    # | auto (microbatch where the planner predicts a step at most 2% slower: plan/grad_sync.py)
+    grad_sync: str = "auto"
     timeout_s: float = 300.0  # a collective waiting longer than this fails the run
     backend: str = "auto"  # auto | gloo | nccl
 
@@ -65,9 +69,19 @@ def check_parallel(cfg, mc) -> None:
     if par.buckets_in_flight < 1:
         raise ConfigError(f"parallel.buckets_in_flight = {par.buckets_in_flight} must be >= 1 "
                           f"(2 keeps one bucket filling while the one before it is reduced)")
+    check_grad_sync(par)
     if par.timeout_s <= 0:
         raise ConfigError(f"parallel.timeout_s = {par.timeout_s} must be > 0 seconds; the "
                           f"default is 300")
+
+
+def check_grad_sync(par: ParallelSection) -> None:
+    """Per micro-batch reduction runs without a pipeline only: pipeline ranks interleave the
+    backwards of many micro-batches (and of tied embedding copies) before any is complete."""
+    choice("parallel.grad_sync", par.grad_sync, ("auto", "step", "microbatch"))
+    if par.grad_sync == "microbatch" and par.pp > 1:
+        raise ConfigError(f"parallel.grad_sync = 'microbatch' needs parallel.pp = 1 (pipeline "
+                          f"stages reduce once per step), not {par.pp}; use 'step' or 'auto'")
 
 
 def check_tensor(par: ParallelSection, mc) -> None:

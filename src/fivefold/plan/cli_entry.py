@@ -23,6 +23,7 @@ from fivefold.plan.conventions import CONVENTIONS, get_convention
 from fivefold.plan.evaluate import plan_layout
 from fivefold.plan.hardware import CATALOG, get_hardware, load_profile, parse_overrides
 from fivefold.plan.inputs import (
+    default_gbs,
     engine_accepts,
     parse_layout,
     read_training_config,
@@ -96,8 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--dropout", action="store_true", help="count dropout masks (GPT-3 style)")
     tr.add_argument("--causal-flops", action="store_true",
                     help="count half the attention FLOPs in MFU (Megatron ≥ 2025)")
-    tr.add_argument("--grad-sync", default="step", choices=("step", "microbatch"),
-                    help="ZeRO-2/3 reduce-scatter once per step (default) or per micro-batch")
+    tr.add_argument("--grad-sync", choices=("auto", "step", "microbatch"),
+                    help="ZeRO-2/3 reduce-scatter once per step or per micro-batch; auto "
+                    "(default; with --config, the config's parallel.grad_sync): per "
+                    "micro-batch where the step is at most 2%% slower")
     out = ap.add_argument_group("output")
     out.add_argument("--json", nargs="?", const="-", metavar="PATH",
                      help="write JSON (to stdout without a PATH)")
@@ -109,7 +112,7 @@ def _workload_options(args) -> dict:
     return {"optimizer": args.optimizer, "grad_dtype_bytes": args.grad_dtype_bytes,
                 "fp32_grad_accum": args.fp32_grad_accum, "flash": not args.math_attention,
                 "dropout": args.dropout, "causal_flops": args.causal_flops,
-                "grad_sync": args.grad_sync}
+                **({"grad_sync": args.grad_sync} if args.grad_sync else {})}
 
 
 def _emit_json(args, payload: dict) -> None:
@@ -189,7 +192,7 @@ def run(argv: list[str]) -> int:
                           f"--config training file is fivefold's own: drop one of them")
     if args.config:
         cfg = read_training_config(args.config, extra)
-        work, layout = training_plan_inputs(cfg, **options)
+        work, layout = training_plan_inputs(cfg, hw, assume, **options)
         num_gpus = layout.world_size
         if args.search:
             return _search(args, work, num_gpus, hw, assume, engine_accepts(cfg))
@@ -215,9 +218,13 @@ def run(argv: list[str]) -> int:
     if args.gbs_tokens:
         gbs = round(args.gbs_tokens / args.seq_len)
     else:
-        gbs = args.gbs or max(args.gpus, round(4e6 / args.seq_len))
+        gbs = args.gbs or default_gbs(args.gpus, args.seq_len)
+    if args.gbs is None and not args.gbs_tokens:
+        args.gbs_note = (f"gbs = {gbs} sequences, the default: about 4M tokens rounded to "
+                         f"{args.gpus} GPUs × {gbs // args.gpus} so every dp divides it "
+                         f"(--gbs or --gbs-tokens sets another)")
     work = Workload(model=model, seq_len=args.seq_len, gbs=gbs, precision=args.precision,
-                    **options)
+                    **{"grad_sync": "auto", **options})
     convention = get_convention(args.convention)
     work = convention.apply_workload(work, _explicit_workload(args))
     args.convention_obj = convention
@@ -240,6 +247,8 @@ def run(argv: list[str]) -> int:
                               "convention": convention_to_dict(convention, plan)})
         if args.json != "-":
             print(describe_workload(work, hw, args.gpus))
+            if getattr(args, "gbs_note", None):
+                print(f"note: {args.gbs_note}")
             print(_explain(plan, work, hw))
             if convention.name != "fivefold":
                 print("\n" + describe_convention(convention, plan))
@@ -272,6 +281,8 @@ def _search(args, work, num_gpus, hw, assume, allowed=None) -> int:
         space.fixed = {k: v for k, v in convention.layout.items() if k != "zero"}
         space.schedule = tuple(s for s in space.schedule if s in convention.schedules)
     result = search(work, num_gpus, hw, assume, space, top=max(args.top, 1))
+    if getattr(args, "gbs_note", None):
+        result.notes.insert(0, f"note: {args.gbs_note}")
     cost = _run_cost(args, work, result.top[0], assume) if result.top else None
     if args.json:
         payload = search_to_dict(result, work, hw, assume)

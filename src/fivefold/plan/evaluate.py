@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from fivefold.plan.comm import ledger_volume, wire_volume
 from fivefold.plan.flops import hardware_flops_per_token, model_flops_per_token
+from fivefold.plan.grad_sync import resolve_grad_sync
 from fivefold.plan.hardware import GIB, Assumptions, Hardware
 from fivefold.plan.layout import Layout, Workload, bubble_ratio, stage
 from fivefold.plan.memory import (
@@ -62,6 +63,7 @@ class LayoutPlan:
     tokens_per_step: int
     peak_flops: float
     context: tuple = ()  # (work, hw, assume), for the per-stage answers computed on demand
+    grad_sync: str = "step"  # ZeRO-2/3 reduce-scatter per "step" or "microbatch" (as planned)
 
     @property
     def stages(self) -> list[dict]:
@@ -137,6 +139,7 @@ class LayoutPlan:
             "layout_short": self.layout.short(),
             "world_size": self.world_size,
             "num_microbatches": self.num_microbatches,
+            "grad_sync": self.grad_sync,
             "memory_bytes": {k: self.memory[k] for k in MEMORY_ITEMS},
             "memory_total_bytes": self.memory_total,
             "memory_limit_bytes": self.memory_limit,
@@ -166,6 +169,7 @@ class LayoutPlan:
 
 def plan_layout(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions) -> LayoutPlan:
     """Predict memory, FLOPs, communication and time for one (valid) layout."""
+    work = resolve_grad_sync(work, layout, hw, assume)  # "auto": chosen per layout
     m = work.num_microbatches(layout)
     rank, items, cpu = peak_memory(work, layout, assume)
     bpp = work_bytes_per_param(work)
@@ -187,4 +191,5 @@ def plan_layout(work: Workload, layout: Layout, hw: Hardware, assume: Assumption
         tokens_per_step=tokens,
         peak_flops=hw.peak_flops(work.precision),
         context=(work, hw, assume),
+        grad_sync=work.grad_sync,
     )

@@ -174,12 +174,16 @@ def training_model(cfg: fconfig.Config) -> ModelConfig:
     return _apply_model_overrides(base, m.overrides)
 
 
-def training_plan_inputs(cfg: fconfig.Config, **workload_options) -> tuple[Workload, Layout]:
+def training_plan_inputs(cfg: fconfig.Config, hw=None, assume=None,
+                         **workload_options) -> tuple[Workload, Layout]:
     """The workload and layout a training config describes ('auto' precision plans as bf16,
-    what it resolves to on a GPU; parallel.mbs = 0 plans the micro-batch the engine picks)."""
+    what it resolves to on a GPU; parallel.mbs = 0 plans the micro-batch the engine picks;
+    parallel.grad_sync = auto plans what plan/grad_sync.py picks on `hw`, by default the
+    catalog's default GPU, as the engine does on a CPU)."""
     fconfig.resolve_mbs(cfg)
     par, tr = cfg.parallel, cfg.train
     precision = "bf16" if tr.precision == "auto" else tr.precision
+    workload_options.setdefault("grad_sync", getattr(par, "grad_sync", "step"))
     work = Workload(model=training_model(cfg), seq_len=tr.seq_len, gbs=tr.gbs,
                     precision=precision, bucket_mb=par.bucket_mb,
                     buckets_in_flight=par.buckets_in_flight, **workload_options)
@@ -188,7 +192,16 @@ def training_plan_inputs(cfg: fconfig.Config, **workload_options) -> tuple[Workl
                     virtual_stages=par.virtual_stages, sp=par.sp, offload=par.offload,
                     sp_saved=par.sp_saved_input, cp_comm=par.cp_comm, pp_split=par.pp_split,
                     pp_layers=tuple(par.pp_layers))
+    if work.grad_sync == "auto":
+        from fivefold.plan.grad_sync import resolve_grad_sync
+        from fivefold.plan.hardware import get_hardware
+
+        default_hw, default_assume = get_hardware(DEFAULT_GPU)
+        work = resolve_grad_sync(work, layout, hw or default_hw, assume or default_assume)
     return work, layout
+
+
+DEFAULT_GPU = "h100-sxm"  # `fivefold plan --gpu`'s default
 
 
 def engine_accepts(cfg: fconfig.Config) -> Callable[[Layout], bool]:
@@ -205,6 +218,26 @@ def engine_accepts(cfg: fconfig.Config) -> Callable[[Layout], bool]:
         return fconfig.engine_refusal(trial) is None
 
     return accepts
+
+
+# The default global batch: about 4M tokens, the batch of the Llama 3 pre-training runs at
+# 8k sequences (Llama Team 2024, "The Llama 3 Herd of Models", Table 4: 16M tokens at 8,192
+# tokens per sequence early, 4M in the first stage) and of GPT-3 at 175B (3.2M; Brown et al.
+# 2020, Table 2.1).
+DEFAULT_GBS_TOKENS = 4e6
+
+
+def default_gbs(num_gpus: int, seq_len: int, tokens: float = DEFAULT_GBS_TOKENS) -> int:
+    """The default global batch in sequences: num_gpus · 2^k nearest (in ratio) to `tokens`
+    tokens, so every dp that divides the GPUs divides it and so do the micro-batch sizes
+    under it (4M tokens of 4096 are 976.6 sequences; 977 is prime and would leave dp = 1 to
+    every layout)."""
+    target = tokens / seq_len
+    k = 0
+    while num_gpus * 2 ** (k + 1) <= target:
+        k += 1
+    low, high = num_gpus * 2**k, num_gpus * 2 ** (k + 1)
+    return high if high / target < target / low else low
 
 
 def parse_layout(text: str, num_gpus: int | None = None) -> Layout:

@@ -94,6 +94,9 @@ def format_explain(plan: LayoutPlan, work: Workload) -> str:
                  f"(allocator model), + context {_gib(p.context_bytes)}: an OOM depends on "
                  f"reserved + context")
     states = p.stages[p.memory_rank]["model_states_bytes"]
+    if lay.zero >= 2 and lay.dp * lay.cp > 1:
+        every = "micro-batch" if p.grad_sync == "microbatch" else "step"
+        lines.append(f"  gradients reduce-scattered once per {every} (grad_sync)")
     lines += [f"  bytes/param: {p.bytes_per_param}",
               f"  model states: {states / 1e9:.1f} GB (1e9 bytes) = {_gib(states)} GiB"]
     if lay.pp > 1:
@@ -204,8 +207,9 @@ def format_search(result: SearchResult, work: Workload, hw: Hardware, top: int =
              f"{result.dropped:,} do not fit, {result.bounded_out:,} cannot beat the shown ones "
              f"(bound); {result.elapsed_s:.2f} s")
     if not result.top:
-        return "\n".join([head, stats, *why_none(result, work, hw)])
-    out = [head, stats, "", format_table(result.top[:top]), "", "why the others lost:"]
+        return "\n".join([head, stats, *result.notes, *why_none(result, work, hw)])
+    out = [head, stats, *result.notes, "", format_table(result.top[:top]), "",
+           "why the others lost:"]
     out += [f"  {line}" for line in explain_losses(result)]
     return "\n".join(out)
 
@@ -219,7 +223,7 @@ def search_to_dict(result: SearchResult, work: Workload, hw: Hardware,
         "num_gpus": result.num_gpus,
         "search": {"considered": result.considered, "planned": result.planned,
                    "dropped_not_fitting": result.dropped, "bounded_out": result.bounded_out,
-                   "elapsed_s": result.elapsed_s},
+                   "elapsed_s": result.elapsed_s, "notes": result.notes},
         "layouts": [p.to_dict() for p in result.top],
         "faster_but_do_not_fit": [p.to_dict() for p in result.faster_but_too_big],
         "why_others_lost": explain_losses(result),

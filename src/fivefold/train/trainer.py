@@ -18,6 +18,15 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 
 from fivefold.config import Config, ConfigError, RunError, corpus_tokenizer, resolve_mbs
+from fivefold.finetune.attach import (
+    add_adapters,
+    base_tensors,
+    check_resume,
+    describe,
+    finish_adapters,
+    frozen_state,
+    lora_enabled,
+)
 from fivefold.models.init import build_meta
 from fivefold.parallel import comm, peak
 from fivefold.parallel.apply import ParallelModel, parallelize
@@ -77,6 +86,11 @@ class Trainer:
         self.precision = resolve_precision(tr.precision, self.device)
         self.dtype = DTYPES[self.precision]
         self.model_cfg = cfg.model.resolve()
+        if cfg.parallel.grad_sync == "auto":  # the planner's choice for this GPU
+            from fivefold.plan.grad_sync import resolve_config_grad_sync
+
+            resolve_config_grad_sync(cfg, torch.cuda.get_device_name(self.device)
+                                     if self.device.type == "cuda" else None)
         self.is_logger = self.dims.rank == 0 and not quiet
         if tr.deterministic:
             # cuBLAS is deterministic only with a fixed workspace (CUDA docs, "Reproducibility";
@@ -86,10 +100,17 @@ class Trainer:
         torch.manual_seed(tr.seed)
 
         self.data = self._open_data()
-        self.model = parallelize(build_meta(self.model_cfg), self.dims, cfg, self.device,
-                                 self.dtype)
+        plain = build_meta(self.model_cfg)
+        self.lora = lora_enabled(cfg)
+        if self.lora:  # adapters first: a model transformation before the parallel ones
+            add_adapters(plain, cfg.lora)
+        self.model = parallelize(plain, self.dims, cfg, self.device, self.dtype)
         if cfg.model.hf_path:
             self._load_hf_weights()
+        if self.lora:  # adapter values, lora.init_from, the quantised base (finetune/)
+            finish_adapters(self.model.chunks, self.model.named_parameters(), cfg,
+                            self.model_cfg)
+            self.lora_summary = describe(self.model.chunks, cfg.lora, self.dims)
         self.scaler = LossScaler(enabled=self.precision == "fp16")
         # Every rank beats a heartbeat; while a step runs, a silent peer ends the run within
         # parallel.timeout_s with its rank named (parallel/watchdog.py).
@@ -149,7 +170,9 @@ class Trainer:
         """Checked like `load_hf`; each rank reads only its slices (models/hf_slices.py)."""
         from fivefold.models.hf_slices import load_hf_slices
 
-        load_hf_slices(self.cfg.model.hf_path, self.model.named_parameters(), self.model_cfg)
+        named = self.model.named_parameters(frozen=True)
+        load_hf_slices(self.cfg.model.hf_path, base_tensors(named) if self.lora else named,
+                       self.model_cfg)
 
     # --- one step ---------------------------------------------------------------------
     def shard_sequences(self, micro_batches):
@@ -178,8 +201,12 @@ class Trainer:
     def peak_sources(self) -> dict[str, peak.Source]:
         """Everything this rank holds, by planner item, for a `peak.PeakTracker` around a
         step: the optimizer's model states and buffers, then the saved activations."""
-        params = [p for _, p in self.model.named_parameters()]
-        return {**self.optimizer.peak_sources(), **peak.activation_sources(params)}
+        params = [p for _, p in self.model.named_parameters(frozen=True)]
+        sources = {**self.optimizer.peak_sources(), **peak.activation_sources(params)}
+        if self.lora:  # the frozen (maybe quantised) base is model state the optimizer lacks
+            trainable = sources["params"]
+            sources["params"] = lambda: [*trainable(), *frozen_state(self.model.chunks)]
+        return sources
 
     def global_loss(self, local_sum: torch.Tensor, num_tokens: int) -> float:
         """Mean loss per target token of the global batch, known on every rank."""
@@ -366,11 +393,14 @@ class Trainer:
         if problem is not None:
             return problem
         ckpt.check_model_shape(meta, self.model_cfg, path)
+        check_resume(meta, self.cfg, path)  # the same adapters (or none) as this run
         state = {"step": 0, "optim_step": 0, "loader": self.loader.state_dict(),
                  "scaler": self.scaler.state_dict()}
         try:
             with torch.no_grad():
                 ckpt.load(path, self.checkpoint_parts(load=True), state)
+        except ckpt.ModelMismatch:  # another model, on every rank: a bad input, no fallback
+            raise
         except (Exception, CheckpointException) as e:  # DCP raises on every rank together;
             problem = one_line(e)  # the rng file is read per rank
         problem = agree(self, problem)
