@@ -77,9 +77,10 @@ def _cli(capsys, *args):
 
 
 def test_which_constraint_removed_the_layouts(capsys):
-    """The default global batch, 4M tokens / 4096 = 977 sequences, is prime: no dp > 1
-    divides it, and 32 layers do not split over the pipelines 12 GPUs leave at dp = 1."""
-    code, out, _ = _cli(capsys, "--model", "llama-3.1-8b", "--gpus", "12")
+    """A global batch of 977 sequences (4M tokens / 4096, the default before it was rounded
+    to gpus · 2^k) is prime: no dp > 1 divides it, and 32 layers do not split over the
+    pipelines 12 GPUs leave at dp = 1."""
+    code, out, _ = _cli(capsys, "--model", "llama-3.1-8b", "--gpus", "12", "--gbs", "977")
     assert code == 1
     assert "no layout of 12 GPUs meets the constraints" in out
     assert "gbs = 977 is not divisible by dp" in out

@@ -46,16 +46,19 @@ def test_search_layouts_meet_constraints_and_fit():
         assert 0.2 < p.mfu < 0.7
 
 
-def test_405b_on_16384_gpus_is_fast():
-    """A full search for Llama 3.1 405B on 16,384 H100s finishes in under 5 s (it takes about
-    0.3 s on a 2-core machine; bench/plan_search.py prints the time)."""
+def test_405b_on_16384_gpus_is_searched_by_its_bound():
+    """A full search for Llama 3.1 405B on 16,384 H100s plans a small part of what it
+    considers (the bound, not the machine, makes it fast). Its time is the benchmark's
+    business (bench/plan_search.py: about 0.3 s on a 2-core machine); here only a bound no
+    loaded machine reaches unless the pruning broke (planning every layout takes minutes)."""
     hw, assume = get_hardware("h100")
     work = Workload(preset("llama-3.1-405b"), seq_len=8192, gbs=2048)
     start = time.perf_counter()
     result = search(work, 16384, hw, assume, SearchSpace(strict_layers=False), top=10)
     elapsed = time.perf_counter() - start
-    assert elapsed < 5.0
     assert result.considered > 5000 and result.top and result.top[0].fits
+    assert result.planned < result.considered / 10 and result.bounded_out > 0
+    assert elapsed < 60.0
 
 
 def test_planning_imports_no_torch():
@@ -138,3 +141,27 @@ def test_cli_json_and_plots(tmp_path, capsys):
     for name in ("memory.png", "time.png"):
         assert (tmp_path / "png" / name).read_bytes()[:4] == b"\x89PNG"
     assert "why the others lost" in capsys.readouterr().out
+
+
+def test_default_batch_divides_over_the_gpus_and_a_stated_one_says_what_it_rules_out(capsys):
+    """The default global batch is about 4M tokens rounded to gpus · 2^k, printed, and lets
+    data parallelism in (4M / 4096 = 977 sequences is prime and left dp = 1 to every layout:
+    "dp1 tp1 pp2 cp4" on 8 GPUs); a stated gbs that rules dp out is named in the summary."""
+    from fivefold.plan.inputs import default_gbs
+
+    assert default_gbs(8, 4096) == 1024 and default_gbs(24, 4096) == 768
+    assert default_gbs(16384, 8192) == 16384 and default_gbs(1, 128) == 32768
+    assert main(["--model", "llama-3.1-8b", "--gpus", "8", "--top", "3", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["workload"]["gbs"] == 1024
+    assert data["layouts"][0]["layout"]["dp"] > 1, data["layouts"][0]["layout_short"]
+    assert any("gbs = 1024 sequences, the default" in n for n in data["search"]["notes"])
+    assert main(["--model", "llama-3.1-8b", "--gpus", "8", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "note: gbs = 1024 sequences, the default: about 4M tokens rounded to 8 GPUs × 128" in out
+    assert main(["--model", "llama-3.1-8b", "--gpus", "8", "--gbs", "977", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "note: gbs = 977 sequences is not divisible by dp = 2, 4, 8" in out
+    assert "--gbs 976 or 984 (multiples of the 8 GPUs) allows every dp" in out
+    assert main(["--model", "llama-3.1-8b", "--gpus", "8", "--gbs", "1024", "--top", "3"]) == 0
+    assert "not divisible by dp" not in capsys.readouterr().out

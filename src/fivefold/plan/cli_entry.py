@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr = ap.add_argument_group("training shape")
     tr.add_argument("--seq-len", type=int, default=4096)
     batch = tr.add_mutually_exclusive_group()
-    batch.add_argument("--gbs", type=int, help="global batch in sequences")
+    batch.add_argument("--gbs", type=int, help="global batch in sequences (default: about "
+                       "4M tokens, rounded to GPUs × a power of two so every dp divides it)")
     batch.add_argument("--gbs-tokens", type=float, help="global batch in tokens (e.g. 4e6)")
     tr.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     tr.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd",

@@ -220,10 +220,9 @@ def engine_accepts(cfg: fconfig.Config) -> Callable[[Layout], bool]:
     return accepts
 
 
-# The default global batch: about 4M tokens, the batch of the Llama 3 pre-training runs at
-# 8k sequences (Llama Team 2024, "The Llama 3 Herd of Models", Table 4: 16M tokens at 8,192
-# tokens per sequence early, 4M in the first stage) and of GPT-3 at 175B (3.2M; Brown et al.
-# 2020, Table 2.1).
+# The default global batch: about 4M tokens, the first-stage batch of Llama 3 405B's
+# pre-training (4M tokens of 4,096-token sequences, later 8M and 16M; Llama Team 2024, "The
+# Llama 3 Herd of Models", §3.4.1) and near GPT-3 175B's 3.2M (Brown et al. 2020, Table 2.1).
 DEFAULT_GBS_TOKENS = 4e6
 
 

@@ -267,6 +267,7 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
         elif plan.time.total < -best[0][0]:
             heapq.heapreplace(best, entry)
     ranked = [p for _, _, p in sorted(best, key=lambda e: (-e[0], -e[1]))]
+    notes = [note for note in [gbs_note(work.gbs, num_gpus, removed)] if note]
     fastest = ranked[0].time.total if ranked else float("inf")
     too_big_plans = [plan_layout(work, lay, hw, assume) for _, lay in too_big]
     too_big_plans = [p for p in too_big_plans if p.time.total < fastest]
@@ -274,7 +275,21 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
         top=ranked, faster_but_too_big=too_big_plans, num_gpus=num_gpus,
         considered=len(layouts), planned=planned + len(too_big_plans), dropped=dropped,
         bounded_out=bounded, elapsed_s=time.perf_counter() - start, removed=removed,
-        smallest=None if ranked else smallest)
+        smallest=None if ranked else smallest, notes=notes)
+
+
+def gbs_note(gbs: int, num_gpus: int, removed: dict) -> str:
+    """When the global batch is what ruled data-parallel sizes out, say which and what batch
+    would allow them ('' when it ruled nothing out)."""
+    kind = next((k for k in removed if k.startswith("gbs = # is not divisible by dp")), None)
+    if kind is None:
+        return ""
+    blocked = [d for d in _divisors(num_gpus) if gbs % d]
+    near = sorted({max(num_gpus, gbs // num_gpus * num_gpus), (gbs // num_gpus + 1) * num_gpus})
+    return (f"note: gbs = {gbs} sequences is not divisible by dp = "
+            f"{', '.join(map(str, blocked))}: {removed[kind][0]:,} (tp, cp, pp) choices with "
+            f"those dp were ruled out before planning; --gbs {' or '.join(map(str, near))} "
+            f"(multiples of the {num_gpus} GPUs) allows every dp")
 
 
 # The training-config key of each layout field, for suggestions a person can paste.
