@@ -179,9 +179,14 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(layer, start, k, v)
-        out = self.core(q, k, v, causal_offset=start)
+        if cache is not None and hasattr(cache, "attend"):
+            # A paged cache (serve/kv_cache.py) holds a batch of sequences flattened into one
+            # row: it stores k, v in their blocks and attends each sequence to its own.
+            out = cache.attend(layer, q, k, v)
+        else:
+            if cache is not None:
+                k, v = cache.update(layer, start, k, v)
+            out = self.core(q, k, v, causal_offset=start)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -236,16 +241,23 @@ class Llama(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm(h), self.output_weight())
 
-    def forward(self, tokens, targets=None, cache: KVCache | None = None, start: int = 0):
+    def forward(self, tokens, targets=None, cache: KVCache | None = None, start: int = 0,
+                positions: torch.Tensor | None = None,
+                logits_index: torch.Tensor | None = None):
         """tokens (b, s) -> logits (b, s, V); with targets, the summed fp32 loss instead
-        (computed without materialising the logits)."""
+        (computed without materialising the logits).
+
+        `positions` (s,) overrides the RoPE positions start, start + 1, ... (a serving batch
+        holds several sequences in one row); `logits_index` keeps only those positions'
+        logits: (b, len(logits_index), V)."""
         h = self.embed_tokens(tokens)
-        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        if positions is None:
+            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         cos, sin = self.rotary(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cache, i, start)
         if targets is None:
-            return self.logits(h)
+            return self.logits(h if logits_index is None else h[:, logits_index])
         return self.loss_fn(self.norm(h), self.output_weight(), targets)
 
 

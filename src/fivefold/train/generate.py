@@ -18,32 +18,7 @@ import torch
 
 from fivefold.config import ArgumentParser, ConfigError
 from fivefold.models.llama import KVCache
-
-
-def sample_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, greedy: bool = False,
-                 generator: torch.Generator | None = None) -> int:
-    """One token id from a (vocab,) row of logits.
-
-    greedy (or temperature 0) takes the argmax. top_k = 0 and top_p = 1 switch those filters
-    off; tokens tied with the k-th largest logit are all kept.
-    """
-    if greedy or temperature == 0:
-        return int(logits.argmax())
-    logits = logits.detach().float().cpu() / temperature
-    if 0 < top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens ranked above it already hold at least top_p of the mass;
-        # the most likely token is therefore always kept.
-        drop = probs.cumsum(-1) - probs >= top_p
-        drop[0] = False
-        logits = logits.index_fill(0, order[drop], float("-inf"))
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+from fivefold.models.sampling import sample_token
 
 
 def _as_set(ids: int | Iterable[int] | None) -> set[int]:
@@ -165,9 +140,10 @@ def load_for_generation(args) -> tuple:
         codec = TextCodec(tok_file if tok_file.is_file() else None, _hf_eos(directory))
         return model.eval(), codec
     from fivefold.data.tokenizer import load_tokenizer
-    from fivefold.train.checkpoint import load_model_for_inference
+    from fivefold.finetune.attach import load_for_inference
 
-    model, _model_cfg, spec = load_model_for_inference(args.checkpoint)
+    # A LoRA checkpoint comes back as its base with the adapters (finetune/attach.py).
+    model, _model_cfg, spec, _lora = load_for_inference(args.checkpoint)
     if isinstance(spec, dict):  # token-file metadata: {"kind", "path", ...}
         spec = spec.get("path") or "byte"
     tok = load_tokenizer(spec)

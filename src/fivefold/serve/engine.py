@@ -1,0 +1,200 @@
+"""The serving engine: requests in, tokens out, one scheduler step at a time.
+
+    engine = Engine(model, kv_cache_bytes=2**30, eos_token_ids=[2])
+    outputs = engine.generate([[1, 15, 7], [1, 9]], SamplingParams(max_tokens=32, temperature=0))
+
+or, for a server, `add_request` / `step` / `abort_request` from one thread. Each `step` asks
+the scheduler for a batch (scheduler.py), runs it on the paged cache (runner.py), samples
+one token for every request that reached its last position (models/sampling.py, the sampler
+`fivefold generate` uses, each request with its own seeded generator), applies stop
+strings, and returns a `RequestOutput` for every request that got a token or finished.
+
+The pool's size comes from a byte budget: `kv_cache_bytes` (the CLI's --kv-cache-gib), or on
+CUDA a share of the memory free after loading the weights; the block count is whole blocks
+of `block_size · 2 · layers · kv_heads · head_dim · bytes`, the same arithmetic as
+`fivefold plan --serve` (plan/serve.py), and a test checks the two agree.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fivefold.errors import ConfigError
+from fivefold.models.sampling import sample_token
+from fivefold.serve.kv_cache import PagedKVCache, kv_bytes_per_token
+from fivefold.serve.kv_cache_manager import KVCacheManager, cdiv
+from fivefold.serve.request import Request, RequestStatus
+from fivefold.serve.runner import ModelRunner
+from fivefold.serve.sampling_params import SamplingParams
+from fivefold.serve.scheduler import Scheduler
+
+CPU_DEFAULT_KV_BYTES = 2**30
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every output token so far (EOS included when it ended the request)
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    text: str | None = None  # with a detokenizer: the output text, cut at a stop string
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+
+
+class Engine:
+    def __init__(self, model: nn.Module, *, block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 chunked_prefill: bool = False, enable_prefix_caching: bool = True,
+                 eos_token_ids: Iterable[int] = (), max_model_len: int | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None, seed: int = 0):
+        cfg = model.cfg  # the ModelConfig every fivefold model carries
+        param = next(model.parameters())
+        self.model, self.cfg, self.device = model.eval(), cfg, param.device
+        dtype = param.dtype if param.is_floating_point() else torch.get_default_dtype()
+        if block_size < 1:
+            raise ConfigError(f"block_size = {block_size} must be >= 1 (16 is usual)")
+        self.max_model_len = min(max_model_len or cfg.max_seq_len, cfg.max_seq_len)
+        shape = (cfg.num_layers, cfg.num_kv_heads, cfg.dim_per_head)
+        if num_blocks is None:
+            if kv_cache_bytes is None:
+                kv_cache_bytes = self._default_budget(gpu_memory_utilization, max_num_seqs,
+                                                      block_size, shape, dtype)
+            num_blocks = PagedKVCache.blocks_for_budget(kv_cache_bytes, *shape, block_size,
+                                                        dtype)
+        if num_blocks < cdiv(self.max_model_len, block_size):
+            raise ConfigError(
+                f"the KV cache holds {num_blocks} blocks of {block_size} tokens, fewer than one "
+                f"sequence of {self.max_model_len} tokens needs; give it more memory "
+                f"(--kv-cache-gib) or lower --max-model-len")
+        self.cache = PagedKVCache(*shape, num_blocks, block_size, dtype, self.device)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, self.max_model_len, max_num_seqs,
+                                   max_num_batched_tokens, chunked_prefill, eos_token_ids)
+        self.runner = ModelRunner(model, self.cache, self.kv)
+        self.detokenize = detokenize
+        self._ids = itertools.count()
+        self._seeds = torch.Generator().manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    def _default_budget(self, utilization, max_num_seqs, block_size, shape, dtype) -> int:
+        """CUDA: a share of the free memory; CPU: 1 GiB, or less when that is more than
+        max_num_seqs full-length sequences need."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * utilization)
+        element = torch.empty((), dtype=dtype).element_size()
+        per_block = block_size * kv_bytes_per_token(*shape, element)
+        need = max_num_seqs * cdiv(self.max_model_len, block_size)
+        return min(CPU_DEFAULT_KV_BYTES, need * per_block)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ConfigError("the prompt is empty; give at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ConfigError(f"prompt token id {bad[0]} is outside the model's vocabulary "
+                              f"of {self.cfg.vocab_size}")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ConfigError(f"the prompt ({len(prompt)} tokens) + max_tokens "
+                              f"({params.max_tokens}) exceeds the model's context of "
+                              f"{self.max_model_len} tokens; shorten one of them")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        self.scheduler.add_request(Request(rid, prompt, params))
+        seed = params.seed if params.seed is not None else int(
+            torch.randint(0, 2**62, (1,), generator=self._seeds))
+        self._generators[rid] = torch.Generator().manual_seed(seed)
+        return rid
+
+    def abort_request(self, request_id: str) -> bool:
+        self._generators.pop(request_id, None)
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _sample(self, request: Request, logits: torch.Tensor) -> int:
+        p = request.params
+        return sample_token(logits, p.temperature, p.top_k, p.top_p, p.greedy,
+                            self._generators[request.request_id])
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        logits = self.runner.execute(out)
+        by_id = {r.request_id: r for r, _ in out.scheduled}
+        sampled = {rid: self._sample(by_id[rid], row) for rid, row in logits.items()}
+        changed = self.scheduler.update_from_output(out, sampled)
+        self.num_steps += 1
+        self.num_generated_tokens += len(sampled)
+        outputs = []
+        for request in changed:
+            text = self._apply_stop_strings(request)
+            if request.status.finished:
+                self._generators.pop(request.request_id, None)
+            outputs.append(self._output(request, text))
+        return outputs
+
+    def _apply_stop_strings(self, request: Request) -> str | None:
+        if self.detokenize is None:
+            return None
+        ids = request.output_token_ids
+        if request.status == RequestStatus.FINISHED_STOPPED and ids and \
+                ids[-1] in self.scheduler.eos_token_ids | set(request.params.stop_token_ids):
+            ids = ids[:-1]  # the end marker is not text
+        text = self.detokenize(ids)
+        for stop in request.params.stop:
+            cut = text.find(stop)
+            if cut >= 0:
+                text = text[:cut]
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        return text
+
+    def _output(self, request: Request, text: str | None) -> RequestOutput:
+        return RequestOutput(
+            request.request_id, request.prompt_token_ids, list(request.output_token_ids),
+            request.output_token_ids[-1:], request.status.finished,
+            request.status.finish_reason, text, request.arrival_time,
+            request.first_token_time, list(request.token_times), request.num_preemptions)
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion, all in flight together; outputs in prompt order."""
+        if not isinstance(params, list):
+            params = [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return [final[i] for i in ids]
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"requests_running": len(s.running), "requests_waiting": len(s.waiting),
+                "kv_blocks_total": self.kv.num_blocks, "kv_blocks_used": self.kv.pool.num_used,
+                "kv_blocks_free": self.kv.pool.num_free, "preemptions": s.num_preemptions,
+                "prefix_hit_tokens": self.kv.prefix_hit_tokens,
+                "generated_tokens": self.num_generated_tokens, "steps": self.num_steps}
