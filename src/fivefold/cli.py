@@ -24,6 +24,7 @@ commands:
   convert    export a checkpoint to Hugging Face format
   schedule   draw the timeline of a pipeline schedule as a PNG
   bench      measure tokens/s, MFU and peak memory (--peer hf: beside transformers)
+  eval       perplexity of a model, or BLEU/ROUGE of its continuations of a task file
 
 Run `fivefold COMMAND --help` for a command's options; `fivefold --version` for the version.
 Add --debug to any command to see a failure's traceback."""
@@ -105,6 +106,8 @@ def _subcommand(name: str):
         from fivefold.parallel.pipeline.draw import main
     elif name == "bench":
         from fivefold.train.bench import main
+    elif name == "eval":
+        from fivefold.evaluate.cli import main
     else:
         return None
     return main
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     command = _subcommand(argv[0])
     if command is None:
         print(f"error: unknown command '{argv[0]}'; commands: train, plan, calibrate, prepare, "
-              f"generate, convert, schedule, bench", file=sys.stderr)
+              f"generate, convert, schedule, bench, eval", file=sys.stderr)
         return EXIT_BAD_INPUT
     def leave_if_distributed(code: int) -> int:
         # Only a command that imported torch can have a process group up; `plan` never
