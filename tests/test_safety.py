@@ -237,31 +237,73 @@ seq_len = 128
 """
 
 
-def test_plan_config_search_offers_only_layouts_train_accepts(tmp_path, capsys):
-    from fivefold import config
-    from fivefold.plan.hardware import get_hardware
-    from fivefold.plan.inputs import engine_accepts, read_training_config, training_plan_inputs
-    from fivefold.plan.search import SearchSpace, search
+# A dense model whose config splits its own pipeline by hand: its pp_layers, pp_split and
+# SP saved input hold for pp = 2 only, and must not follow a searched layout to pp = 1 or 4.
+DENSE_TOML = """
+[model]
+preset = "tiny"
+[parallel]
+dp = 2
+pp = 2
+pp_layers = [1, 3]
+sp_saved_input = "shard"
+[train]
+gbs = 16
+seq_len = 128
+"""
 
-    (tmp_path / "moe.toml").write_text(MOE_TOML)
-    cfg = read_training_config(tmp_path / "moe.toml")
+
+def _independent_refusal(cfg, layout):
+    """What `fivefold train` says of this config run at `layout`, every layout field copied
+    by hand (not through the planner's filter): None when it runs."""
+    from fivefold import config
+
+    trial = copy.deepcopy(cfg)
+    for key in ("dp", "tp", "pp", "cp", "ep", "zero", "mbs", "schedule", "sp", "offload",
+                "virtual_stages", "cp_comm", "pp_split"):
+        setattr(trial.parallel, key, getattr(layout, key))
+    trial.parallel.pp_layers = list(layout.pp_layers)
+    trial.parallel.sp_saved_input = layout.sp_saved
+    trial.train.recompute = layout.recompute
+    return config.engine_refusal(trial)
+
+
+@pytest.mark.parametrize("toml", [MOE_TOML, DENSE_TOML], ids=["moe", "dense-pp-layers"])
+def test_plan_config_search_offers_exactly_the_layouts_train_accepts(tmp_path, capsys, toml):
+    """Against the unfiltered list: every layout the search could rank is put to the engine's
+    refusal independently; the search with the engine filter (`plan --config --search`)
+    shows only accepted ones, and loses none: its fastest is the fastest accepted layout
+    that fits, and every pipeline depth that has an accepted fitting layout is shown."""
+    from fivefold.plan.evaluate import plan_layout
+    from fivefold.plan.hardware import get_hardware
+    from fivefold.plan.inputs import read_training_config, training_plan_inputs
+    from fivefold.plan.layout import Layout
+    from fivefold.plan.search import SearchSpace, enumerate_layouts
+
+    (tmp_path / "c.toml").write_text(toml)
+    cfg = read_training_config(tmp_path / "c.toml")
     work, _ = training_plan_inputs(cfg)
     hw, assume = get_hardware("h100")
-    unfiltered = search(work, 4, hw, assume, SearchSpace(), top=200).top
-    accepts = engine_accepts(cfg)
-    assert unfiltered and all(isinstance(accepts(p.layout), bool) for p in unfiltered)
-    code, out, err = cli(capsys, "plan", "--config", tmp_path / "moe.toml", "--search",
-                         "--top", "200", "--json")
+    unfiltered = enumerate_layouts(work, 4, hw, SearchSpace())
+    refusals = {lay: _independent_refusal(cfg, lay) for lay in unfiltered}
+    accepted = [lay for lay, why in refusals.items() if why is None]
+    assert accepted
+    plans = [plan_layout(work, lay, hw, assume) for lay in accepted]
+    fitting = sorted((p for p in plans if p.fits), key=lambda p: p.time.total)
+    code, out, err = cli(capsys, "plan", "--config", tmp_path / "c.toml", "--search",
+                         "--top", "500", "--json")
     assert code == 0, err
     shown = json.loads(out)["layouts"]
     assert len(shown) > 10
+    shown_layouts = []
     for entry in shown:
-        trial = copy.deepcopy(cfg)
-        for key in ("dp", "tp", "pp", "cp", "ep", "zero", "mbs", "schedule", "sp",
-                    "virtual_stages", "offload"):
-            setattr(trial.parallel, key, entry["layout"][key])
-        trial.train.recompute = entry["layout"]["recompute"]
-        assert config.engine_refusal(trial) is None, entry["layout_short"]
+        fields = dict(entry["layout"], pp_layers=tuple(entry["layout"]["pp_layers"]))
+        lay = Layout(**fields)
+        assert lay in refusals, entry["layout_short"]  # one of the unfiltered layouts
+        assert refusals[lay] is None, (entry["layout_short"], refusals[lay])
+        shown_layouts.append(lay)
+    assert shown[0]["step_time_s"] == pytest.approx(fitting[0].time.total, rel=1e-12)
+    assert {p.layout.pp for p in fitting} == {lay.pp for lay in shown_layouts}
 
 
 # --- 10. small things ----------------------------------------------------------------------

@@ -204,18 +204,31 @@ def training_plan_inputs(cfg: fconfig.Config, hw=None, assume=None,
 DEFAULT_GPU = "h100-sxm"  # `fivefold plan --gpu`'s default
 
 
+# Layout field → [parallel] key, for every field that decides what the engine runs.
+PARALLEL_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "zero": "zero",
+                 "mbs": "mbs", "schedule": "schedule", "virtual_stages": "virtual_stages",
+                 "sp": "sp", "offload": "offload", "cp_comm": "cp_comm",
+                 "sp_saved": "sp_saved_input", "pp_split": "pp_split", "pp_layers": "pp_layers"}
+
+
+def layout_config(cfg: fconfig.Config, layout: Layout) -> fconfig.Config:
+    """A copy of `cfg` running `layout`: every field the layout fixes replaces the config's
+    (the pipeline split and the SP saved input too: a config's pp_layers for its own pp
+    must not follow a layout onto another pp)."""
+    trial = copy.deepcopy(cfg)
+    for name, key in PARALLEL_KEYS.items():
+        value = getattr(layout, name)
+        setattr(trial.parallel, key, list(value) if name == "pp_layers" else value)
+    trial.train.recompute = layout.recompute
+    return trial
+
+
 def engine_accepts(cfg: fconfig.Config) -> Callable[[Layout], bool]:
     """A filter of layouts: True for those `fivefold train` runs with this config's model
     and batch (config.engine_refusal decides, so it follows the engine as it grows)."""
 
     def accepts(layout: Layout) -> bool:
-        trial = copy.deepcopy(cfg)
-        for name in ("dp", "tp", "pp", "cp", "ep", "zero", "mbs", "schedule", "virtual_stages",
-                     "sp", "offload", "cp_comm"):
-            if hasattr(layout, name) and hasattr(trial.parallel, name):
-                setattr(trial.parallel, name, getattr(layout, name))
-        trial.train.recompute = layout.recompute
-        return fconfig.engine_refusal(trial) is None
+        return fconfig.engine_refusal(layout_config(cfg, layout)) is None
 
     return accepts
 
