@@ -48,11 +48,24 @@ class _State:
         self.armed = threading.Event()
         self.stop = threading.Event()
         self.lock = threading.Lock()
+        self.store_host = _store_host_rank(rank)
 
     def silent_for(self) -> dict[int, float]:
         now = time.monotonic()
         with self.lock:
             return {r: now - t for r, (_, t) in self.seen.items()}
+
+
+def _store_host_rank(rank: int) -> int | None:
+    """The rank whose process holds the c10d store, when one does: under env:// rendezvous
+    (torchrun, or MASTER_ADDR set by hand) rank 0 starts the TCPStore, unless torchrun's agent
+    shares its own (TORCHELASTIC_USE_AGENT_STORE=True; torch/distributed/rendezvous.py,
+    _create_c10d_store). A file:// store has no host process."""
+    if rank == 0 or not os.environ.get("MASTER_ADDR"):
+        return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    return 0
 
 
 def _key(rank: int) -> str:
@@ -74,7 +87,9 @@ def _beat(store, state: _State) -> None:
                         state.seen[r] = (value, time.monotonic())
         except (RuntimeError, OSError):  # the store is gone: shutting down, or its host died
             if state.armed.is_set():
-                _die(state, "lost contact with the rendezvous store (its host may have died)")
+                _die(state, "lost contact with the rendezvous store (its host may have died)"
+                     if state.store_host is None else f"lost rank {state.store_host}: the "
+                     f"rendezvous store it hosted stopped answering")
             return
         if state.armed.is_set():
             silent = {r: s for r, s in state.silent_for().items() if s > state.timeout_s}
