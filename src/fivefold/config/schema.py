@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from fivefold.config.data import DataSection
+from fivefold.config.lora import LoraSection
 from fivefold.config.model import ModelSection
 from fivefold.config.output import CheckpointSection, LogSection
 from fivefold.config.parallel import ParallelSection
@@ -21,6 +22,7 @@ class Config:
     data: DataSection = field(default_factory=DataSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
+    lora: LoraSection = field(default_factory=LoraSection)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

@@ -5,6 +5,7 @@ parallel.py, train.py, data.py, output.py); this module only orders them."""
 from __future__ import annotations
 
 from fivefold.config.data import check_data
+from fivefold.config.lora import check_lora
 from fivefold.config.model import check_model
 from fivefold.config.output import check_output
 from fivefold.config.parallel import check_parallel
@@ -25,6 +26,7 @@ def validate_layout(cfg: Config) -> None:
     mc = check_model(cfg)
     check_parallel(cfg, mc)
     check_train(cfg, mc)
+    check_lora(cfg)
 
 
 def engine_refusal(cfg: Config) -> str | None:

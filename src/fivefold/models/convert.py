@@ -73,10 +73,13 @@ def export_checkpoint_to_hf(checkpoint_dir: str | Path, outdir: str | Path,
 
     A tokenizer.json the run used is copied alongside; byte-level runs have no tokenizer file.
     """
+    from fivefold.finetune.attach import load_for_inference
+    from fivefold.finetune.inject import merge_and_unload
     from fivefold.models.hf import DEFAULT_MAX_SHARD_BYTES, save_hf
-    from fivefold.train.checkpoint import load_model_for_inference
 
-    model, model_cfg, tokenizer_spec = load_model_for_inference(str(checkpoint_dir))
+    model, model_cfg, tokenizer_spec, lora = load_for_inference(str(checkpoint_dir))
+    if lora:  # a LoRA run: the base with W + scaling · B A folded in
+        model = merge_and_unload(model)
     if _torch_dtype(dtype) is not None:
         model = model.to(_torch_dtype(dtype))
     if isinstance(tokenizer_spec, dict):
@@ -94,7 +97,11 @@ def build_parser() -> ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="a Hugging Face model directory to read")
     source.add_argument("--checkpoint", help="a fivefold checkpoint directory to read")
-    p.add_argument("--to-hf", help="write a Hugging Face model directory here")
+    p.add_argument("--to-hf", "--out", dest="to_hf",
+                   help="write a Hugging Face model directory here")
+    p.add_argument("--peft", action="store_true",
+                   help="with --checkpoint of a LoRA run: write only the adapters, as a PEFT "
+                        "directory (adapter_config.json + adapter_model.safetensors)")
     p.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--dtype", default="keep", choices=DTYPES)
     return p
@@ -114,7 +121,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--to-hf {target} already exists and is not empty; choose a new "
                               f"directory or remove this one")
         shard = parse_size(args.max_shard_size)
-        if args.hf:
+        if args.peft:
+            if not args.checkpoint:
+                raise ConfigError("--peft exports a LoRA checkpoint's adapters; give "
+                                  "--checkpoint DIR")
+            from fivefold.finetune.attach import export_peft
+
+            out = export_peft(args.checkpoint, args.to_hf)
+        elif args.hf:
             out = hf_to_hf(args.hf, args.to_hf, shard, args.dtype)
         else:
             out = export_checkpoint_to_hf(args.checkpoint, args.to_hf, shard, args.dtype)

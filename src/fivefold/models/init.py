@@ -37,6 +37,9 @@ def init_value(cfg: ModelConfig, name: str, shape, seed: int,
     projections of each residual branch (o_proj, down_proj) scaled by 1/sqrt(2·layers) as in
     GPT-2 (Radford et al. 2019, section 2.3), so the residual stream's variance stays flat.
     """
+    # A linear wrapped by an adapter (finetune/lora.py keeps it as `base_layer`) is drawn
+    # as the unwrapped one, so the frozen base equals the plain model's weight.
+    name = name.replace(".base_layer.", ".")
     leaf = name.rsplit(".", 1)[-1]
     if "norm" in name:
         return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)

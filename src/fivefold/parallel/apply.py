@@ -27,11 +27,13 @@ class ParallelModel:
     chunks: list[nn.Module]
     dims: ParallelDims
 
-    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+    def named_parameters(self, frozen: bool = False) -> list[tuple[str, nn.Parameter]]:
+        """The parameters the optimizer, DP/ZeRO and checkpoints handle: those that require
+        a gradient. A frozen base (LoRA, finetune/) is left out unless `frozen`."""
         seen, out = set(), []
         for chunk in self.chunks:
             for name, p in chunk.named_parameters():
-                if id(p) not in seen:
+                if id(p) not in seen and (frozen or p.requires_grad):
                     seen.add(id(p))
                     out.append((name, p))
         return out

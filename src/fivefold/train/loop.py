@@ -154,6 +154,8 @@ def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
                              f"{mc.num_experts} experts, top-{mc.experts_top_k}; "
                              f"{mc.num_active_params() / 1e6:.2f}M parameters active per "
                              f"token: MFU counts the active ones (6·N_active + attention)")
+    if log and trainer.lora:  # adapters, and trainable / total parameters
+        progress.message(trainer.lora_summary)
     warmup = cfg.train.warmup_steps
     if warmup > cfg.train.steps // 10:
         progress.message(f"note: train.warmup_steps = {warmup} is capped at a tenth of "

@@ -1,0 +1,93 @@
+"""[lora]: LoRA / QLoRA fine-tuning (finetune/), and its rules.
+
+rank = 0 (the default) trains every weight; rank > 0 freezes the base and trains adapters
+on the linears `targets` names. `base` stores the frozen base weights as they are (none), in
+NF4 with double quantisation (nf4, QLoRA) or in int8 (int8). `init_from` starts the adapters
+from a PEFT adapter directory, whose adapter_config.json then decides rank, alpha, targets
+and rslora (a mismatch with keys set here is refused).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from fivefold.config.rules import choice, positive
+from fivefold.errors import ConfigError
+
+LORA_BASES = ("none", "nf4", "int8")
+DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
+@dataclass
+class LoraSection:
+    rank: int = 0  # 0: no adapters (full fine-tuning); r > 0: LoRA of rank r
+    alpha: float = 16.0  # the update is scaled by alpha / rank (alpha / sqrt(rank): rslora)
+    dropout: float = 0.0  # on the adapter's input only
+    targets: str = DEFAULT_TARGETS  # comma list of module names, or all-linear
+    base: str = "none"  # none | nf4 | int8: how the frozen base weights are stored
+    rslora: bool = False  # scale by alpha / sqrt(rank) (rank-stabilised LoRA) instead
+    init_from: str = ""  # a PEFT adapter directory (adapter_config.json + safetensors)
+
+
+def adapter_settings(directory: str) -> dict:
+    """rank, alpha, targets, rslora, dropout from a PEFT adapter_config.json (no torch)."""
+    path = Path(directory) / "adapter_config.json"
+    if not path.is_file():
+        raise ConfigError(f"lora.init_from = '{directory}' has no adapter_config.json; give a "
+                          f"PEFT adapter directory (PeftModel.save_pretrained writes one)")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"lora.init_from: {path} is not JSON ({e.msg}); re-save the "
+                          f"adapter") from None
+    if str(config.get("peft_type", "")).upper() != "LORA" or "r" not in config:
+        raise ConfigError(f"lora.init_from: {path} is not a LoRA adapter (peft_type "
+                          f"{config.get('peft_type')!r}); give a LoRA adapter directory")
+    targets = config.get("target_modules") or ""
+    return {"rank": int(config["r"]), "alpha": float(config.get("lora_alpha", config["r"])),
+            "targets": targets if isinstance(targets, str) else ",".join(sorted(targets)),
+            "rslora": bool(config.get("use_rslora", False)),
+            "dropout": float(config.get("lora_dropout", 0.0))}
+
+
+def check_lora(cfg) -> None:
+    """Adapter shape and storage; a quantised base needs pretrained weights to quantise."""
+    lo = cfg.lora
+    if lo.init_from:
+        settings = adapter_settings(lo.init_from)
+        defaults = LoraSection()
+        for key, value in settings.items():  # what the adapter was made with decides
+            mine = getattr(lo, key)
+            if mine != getattr(defaults, key) and mine != value:
+                raise ConfigError(f"lora.{key} = {mine!r} but the adapter in lora.init_from "
+                                  f"was made with {value!r}; drop lora.{key} or set it to "
+                                  f"{value!r}")
+            setattr(lo, key, value)
+    if lo.rank < 0 or (lo.rank == 0 and (lo.base != "none" or lo.init_from)):
+        raise ConfigError(f"lora.rank = {lo.rank} must be a positive integer (e.g. 8 or 16) "
+                          f"to train adapters")
+    if lo.rank == 0:
+        return
+    positive("lora.alpha", lo.alpha)
+    if not 0 <= lo.dropout < 1:
+        raise ConfigError(f"lora.dropout = {lo.dropout} must lie in [0, 1)")
+    if not [t for t in lo.targets.split(",") if t.strip()]:
+        raise ConfigError("lora.targets is empty; name modules, e.g. "
+                          "'q_proj,k_proj,v_proj,o_proj', or 'all-linear'")
+    choice("lora.base", lo.base, LORA_BASES)
+    par = cfg.parallel
+    if par.zero == 3:
+        raise ConfigError("lora.rank > 0 with parallel.zero = 3 is not supported yet (the "
+                          "frozen base is not sharded); use parallel.zero = 1 or 2")
+    if lo.base != "none" and par.tp > 1:
+        raise ConfigError(f"lora.base = {lo.base} with parallel.tp = {par.tp} is not "
+                          f"supported yet; use lora.base = none or parallel.tp = 1")
+    if par.ep > 1 or par.cp > 1:
+        raise ConfigError("lora.rank > 0 runs with parallel.ep = 1 and parallel.cp = 1 for "
+                          "now; set them to 1")
+    if lo.base != "none" and not cfg.model.hf_path:
+        raise ConfigError(f"lora.base = {lo.base} quantises pretrained weights, but "
+                          f"model.hf_path is empty; set model.hf_path to the base model "
+                          f"(or lora.base = none)")

@@ -1,0 +1,207 @@
+"""LoRA in the training engine: what the trainer, `generate` and `convert` call.
+
+Order in a run (train/trainer.py):
+
+    build_meta -> add_adapters (LoraLinear on meta) -> parallelize (TP, PP split,
+    materialise) -> load the base (model.hf_path; base names without `.base_layer`)
+    -> finish_adapters: A/B from their names or lora.init_from; a quantised base (nf4, int8)
+    replaces each frozen linear -> optimizer over the trainable parameters only
+
+Only adapters require a gradient, so the optimizer, the DP/ZeRO buffers and the checkpoint
+(`Trainer.checkpoint_parts`, through the optimizer's shards) hold adapters alone; the
+checkpoint's meta.json keeps the config, whose `model.hf_path` (or preset and seed) is the
+reference to the base. `load_for_inference` rebuilds base + adapters from that.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fivefold.config import ConfigError
+from fivefold.finetune.inject import (
+    apply_lora,
+    base_name,
+    init_adapters,
+    is_adapter,
+    lora_modules,
+    parameter_counts,
+)
+from fivefold.finetune.io import load_peft_into
+from fivefold.finetune.lora import LoraLinear
+
+
+def lora_enabled(cfg) -> bool:
+    lo = getattr(cfg, "lora", None)
+    return lo is not None and lo.rank > 0
+
+
+def add_adapters(model: nn.Module, lora) -> list[str]:
+    """Wrap the targeted linears of a (meta-built) plain model; freeze everything else."""
+    return apply_lora(model, lora.rank, lora.alpha, lora.targets, lora.dropout, lora.rslora)
+
+
+def base_tensors(named_params) -> list[tuple[str, nn.Parameter]]:
+    """The frozen base's parameters under their logical (Hugging Face) names."""
+    return [(base_name(n), p) for n, p in named_params if not is_adapter(n)]
+
+
+def logical_adapter_shapes(model_cfg, lora) -> dict[str, tuple]:
+    """Every adapter tensor of the whole model (all pipeline stages) and its full shape."""
+    from fivefold.models.init import build_meta
+
+    model = build_meta(model_cfg)
+    add_adapters(model, lora)
+    return {n: tuple(p.shape) for n, p in model.named_parameters() if is_adapter(n)}
+
+
+def finish_adapters(chunks: list[nn.Module], named_params, cfg, model_cfg) -> None:
+    """Adapter values (from their names, or lora.init_from), then the quantised base."""
+    lo = cfg.lora
+    init_adapters(named_params, cfg.train.seed)
+    if lo.init_from:
+        load_peft_into(named_params, lo.init_from, logical_adapter_shapes(model_cfg, lo))
+    if lo.base != "none":
+        for chunk in chunks:
+            quantize_bases(chunk, lo.base)
+
+
+def quantize_bases(model: nn.Module, kind: str) -> int:
+    """Replace the frozen `nn.Linear` base of every `LoraLinear` by its NF4 or int8 copy
+    (fivefold.quant.linear); the float weight is dropped. Returns how many were replaced."""
+    from fivefold.quant.linear import Int8Linear, NF4Linear
+
+    cls = {"nf4": NF4Linear, "int8": Int8Linear}[kind]
+    count = 0
+    for module in lora_modules(model).values():
+        if isinstance(module.base_layer, nn.Linear):
+            module.base_layer = cls.from_float(module.base_layer)
+            count += 1
+    return count
+
+
+def frozen_state(chunks: list[nn.Module]) -> list[torch.Tensor]:
+    """The frozen base: parameters without a gradient and a quantised base's buffers."""
+    out = [p for c in chunks for p in c.parameters() if not p.requires_grad]
+    for chunk in chunks:
+        for module in lora_modules(chunk).values():
+            out.extend(module.base_layer.buffers())
+    return out
+
+
+def describe(chunks: list[nn.Module], lora, dims=None) -> str:
+    """One line for the start of a run: adapters, and trainable / total parameters (this
+    rank's share under tensor or pipeline parallelism)."""
+    trainable = total = modules = 0
+    for chunk in chunks:
+        t, n = parameter_counts(chunk)
+        trainable, total = trainable + t, total + n
+        modules += len(lora_modules(chunk))
+    share = "" if dims is None or dims.world_size == 1 else " on this rank"
+    scaling = f"alpha/sqrt(r) = {lora.alpha / lora.rank ** 0.5:g}" if lora.rslora else \
+        f"alpha/r = {lora.alpha / lora.rank:g}"
+    return (f"LoRA rank {lora.rank} ({scaling}) on {modules} linears, base {lora.base}: "
+            f"{trainable:,} trainable of {total:,} parameters{share} "
+            f"({100 * trainable / max(total, 1):.2f}%)")
+
+
+def check_resume(meta: dict, cfg, path) -> None:
+    """A checkpoint's adapters must be the ones this run trains."""
+    saved = (meta.get("config") or {}).get("lora") or {}
+    mine = cfg.lora if lora_enabled(cfg) else None
+    saved_rank = int(saved.get("rank", 0) or 0)
+    if (mine.rank if mine else 0) != saved_rank:
+        raise ConfigError(f"checkpoint {path} was saved with lora.rank = {saved_rank}, this "
+                          f"run has lora.rank = {mine.rank if mine else 0}; use the same "
+                          f"lora settings or a different checkpoint.dir")
+    if mine and saved.get("targets") != mine.targets:
+        raise ConfigError(f"checkpoint {path} was saved with lora.targets = "
+                          f"'{saved.get('targets')}', this run has '{mine.targets}'; use the "
+                          f"same lora settings or a different checkpoint.dir")
+
+
+# --- inference: base + adapters from a checkpoint ---------------------------------------
+def load_for_inference(path: str):
+    """(model, model_cfg, tokenizer_spec, lora settings or None) from a checkpoint directory,
+    on CPU: a LoRA checkpoint gives its base (from the reference in meta.json) with the
+    adapters loaded (LoraLinear modules; an NF4/int8 base stays quantised)."""
+    from fivefold.train.checkpoint import load_model_for_inference, read_meta
+
+    p = Path(path)
+    if (p / "latest").is_file():
+        p = p / (p / "latest").read_text().strip()
+    meta = read_meta(p, fix="--checkpoint")
+    lora = (meta.get("config") or {}).get("lora") or {}
+    if not int(lora.get("rank", 0) or 0):
+        return (*load_model_for_inference(str(p)), None)
+    return (*_load_lora(p, meta, lora), lora)
+
+
+def _load_lora(p: Path, meta: dict, lora: dict):
+    from types import SimpleNamespace
+
+    from fivefold.models.init import build_meta, materialize
+    from fivefold.models.presets import ModelConfig
+    from fivefold.train.checkpoint import Chunked, load
+
+    config = meta.get("config") or {}
+    hf_path = (config.get("model") or {}).get("hf_path") or ""
+    seed = (config.get("train") or {}).get("seed")
+    settings = SimpleNamespace(**lora)
+    if settings.base != "none" and not hf_path:
+        raise ConfigError(f"--checkpoint {p}: a lora.base = {settings.base} checkpoint must "
+                          f"name its base (model.hf_path) in meta.json, and this one names "
+                          f"none; it cannot be rebuilt")
+    if not hf_path and seed is None:
+        raise ConfigError(f"--checkpoint {p}: meta.json names no base model (model.hf_path "
+                          f"or train.seed); it cannot be rebuilt")
+    if hf_path and not (Path(hf_path) / "config.json").is_file():
+        raise ConfigError(f"--checkpoint {p}: its base model.hf_path = '{hf_path}' is not "
+                          f"there any more; put the base model back at that path")
+    model_cfg = ModelConfig(**meta["model"])
+    model = build_meta(model_cfg)
+    add_adapters(model, settings)
+    materialize(model, model_cfg, int(seed or 0))
+    if hf_path:
+        from fivefold.models.hf_slices import load_hf_slices
+
+        load_hf_slices(hf_path, base_tensors(model.named_parameters()), model_cfg)
+    tensors = {f"model/{n}": Chunked(tuple(t.shape), [((0,) * t.dim(), t.detach())])
+               for n, t in model.named_parameters() if is_adapter(n)}
+    with torch.no_grad():
+        load(p, tensors, {}, fix="--checkpoint")
+    if settings.base != "none":
+        quantize_bases(model, settings.base)
+    return model.eval(), model_cfg, meta.get("tokenizer", "byte")
+
+
+def export_peft(checkpoint_dir: str, outdir: str) -> Path:
+    """`fivefold convert --checkpoint C --out DIR --peft`: the adapters of a LoRA checkpoint
+    as a PEFT directory; its base_model_name_or_path is the run's model.hf_path."""
+    from fivefold.finetune.io import adapter_config, save_peft
+    from fivefold.train.checkpoint import read_meta
+
+    p = Path(checkpoint_dir)
+    if (p / "latest").is_file():
+        p = p / (p / "latest").read_text().strip()
+    meta = read_meta(p, fix="--checkpoint")
+    lora = (meta.get("config") or {}).get("lora") or {}
+    if not int(lora.get("rank", 0) or 0):
+        raise ConfigError(f"--checkpoint {checkpoint_dir} is not a LoRA run (lora.rank = 0): "
+                          f"there are no adapters; drop --peft to export the whole model")
+    model, _, _, _ = load_for_inference(str(p))
+    hf_path = ((meta.get("config") or {}).get("model") or {}).get("hf_path") or ""
+    config = adapter_config(lora["rank"], lora["alpha"], lora["targets"], lora["dropout"],
+                            lora["rslora"], base_model=hf_path)
+    return save_peft(outdir, adapters_of(model), config)
+
+
+def adapters_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in model.named_parameters() if is_adapter(n)}
+
+
+__all__ = ["LoraLinear", "add_adapters", "adapters_of", "base_tensors", "check_resume",
+           "describe", "export_peft", "finish_adapters", "frozen_state", "load_for_inference",
+           "lora_enabled", "quantize_bases"]
