@@ -15,14 +15,28 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-def test_chunked_loss_matches_materialised_logits(monkeypatch, dtype, tol):
-    """A Llama's summed loss and every gradient, chunked (7 token rows per chunk, so chunks
-    do not divide the batch) and the same arithmetic on materialised logits (the pipeline's
-    split backward) against logits + F.cross_entropy: fp32 within 1e-6 (loss) and 1e-5
-    (gradients), bf16 within 1e-2; ignored targets (-100) included."""
-    monkeypatch.setattr(loss_module, "LOGITS_CHUNK_ELEMENTS", 7 * 64)
-    cfg = preset("nano")  # vocabulary 64, untied head
+@pytest.mark.parametrize("dtype,tol,rows", [(torch.float32, 1e-6, 7), (torch.bfloat16, 1e-2, 7),
+                                            (torch.bfloat16, 1e-2, 20)],
+                         ids=["fp32", "bf16", "bf16-spare-buffer"])
+def test_chunked_loss_matches_materialised_logits(monkeypatch, dtype, tol, rows):
+    """A Llama's summed loss and every gradient, chunked (7 or 20 token rows per chunk of the
+    30, so chunks do not divide the batch) and the same arithmetic on materialised logits (the
+    pipeline's split backward) against logits + F.cross_entropy: fp32 within 1e-6 (loss) and
+    1e-5 (gradients), bf16 within 1e-2; ignored targets (-100) included. In bf16 a chunk's
+    share of the weight gradient (V·h = 64·32 values) is written into the fp32 logits buffer
+    when that holds it (2·rows·V bf16 values: from 16 rows on), else into a fresh tensor:
+    20 rows reach the first path, 7 the second, and the test sees which one ran."""
+    monkeypatch.setattr(loss_module, "LOGITS_CHUNK_ELEMENTS", rows * 64)
+    cfg = preset("nano")  # vocabulary 64, hidden 32, untied head
+    spare_writes = []
+    real_mm = torch.mm
+
+    def mm(a, b, *, out=None):  # a weight-gradient share written into a borrowed buffer
+        if out is not None and out.dtype != torch.float32 and tuple(out.shape) == (64, 32):
+            spare_writes.append(out.untyped_storage().nbytes())
+        return real_mm(a, b) if out is None else real_mm(a, b, out=out)
+
+    monkeypatch.setattr(torch, "mm", mm)
     model = build_model(cfg, seed=3, dtype=dtype)
     torch.manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (3, 10))
@@ -48,6 +62,9 @@ def test_chunked_loss_matches_materialised_logits(monkeypatch, dtype, tol):
         assert abs(float(loss_c - loss_p)) / float(loss_p) <= tol, kind
         for name in grads_p:
             assert _rel(grads_c[name], grads_p[name]) <= grad_tol, (kind, name)
+    # One chunked run with gradients: 2 chunks at 20 rows, each into the fp32 rows·V buffer.
+    expected = [4 * rows * 64] * 2 if dtype == torch.bfloat16 and 2 * rows >= 32 else []
+    assert spare_writes == expected
     loss_c = run("chunked")[0]
     # Without gradients (evaluation) the loss alone, equal to the one with them.
     with torch.no_grad():
