@@ -48,6 +48,11 @@ def build_parser() -> ArgumentParser:
                    help="score only the first N tokens of the stream (0: all)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="fp32", choices=("auto", "fp32", "bf16"))
+    p.add_argument("--lm-eval", metavar="TASKS",
+                   help="comma-separated lm-evaluation-harness tasks to run on the model")
+    p.add_argument("--lm-eval-include", metavar="DIR",
+                   help="a folder of lm-eval task YAML files: only its tasks are indexed")
+    p.add_argument("--limit", type=int, default=0, help="lm-eval: examples per task (0: all)")
     p.add_argument("--json", action="store_true",
                    help="end stdout with one JSON object of every number and what was run")
     return p
@@ -62,6 +67,17 @@ def check_args(args) -> None:
     if args.predictions and (args.data or args.out):
         raise ConfigError("--predictions scores a file as it is; leave out --data and --out "
                           "(or give --checkpoint/--hf to generate)")
+    if args.lm_eval and (args.predictions or args.data or args.out):
+        raise ConfigError("--lm-eval runs its own tasks on --checkpoint/--hf; leave out "
+                          "--predictions, --data and --out")
+    if args.lm_eval_include and not args.lm_eval:
+        raise ConfigError("--lm-eval-include names task files for --lm-eval; give --lm-eval "
+                          "TASKS too")
+    if args.lm_eval_include and not Path(args.lm_eval_include).is_dir():
+        raise ConfigError(f"--lm-eval-include {args.lm_eval_include} is not a folder of task "
+                          f"YAML files")
+    if args.limit < 0:
+        raise ConfigError(f"--limit {args.limit} must be >= 0 (0: every example)")
     if args.out and not _is_tasks(args.data):
         raise ConfigError("--out writes predictions, which need --data TASKS.jsonl; leave out "
                           "--out for perplexity")
@@ -138,6 +154,16 @@ def evaluate(args) -> dict:
     if args.predictions:
         run["task"] = "score predictions"
         result.update(score_predictions(args.predictions))
+    elif args.lm_eval:
+        from fivefold.evaluate.harness import FivefoldLM
+        from fivefold.evaluate.harness import run_tasks as run_lm_eval
+
+        lm = FivefoldLM(checkpoint=args.checkpoint, hf=args.hf, device=args.device,
+                        dtype=args.dtype)
+        tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()]
+        run.update(task="lm-eval", tasks=tasks, include=args.lm_eval_include,
+                   limit=args.limit or None)
+        result["lm_eval"] = run_lm_eval(lm, tasks, args.lm_eval_include, args.limit or None)
     else:
         from fivefold.evaluate.loading import load_model
 
@@ -168,6 +194,8 @@ def report(result: dict) -> str:
         lines.append(f"BLEU {result['bleu']:.2f}  ROUGE-1 {result['rouge1']:.4f}  ROUGE-2 "
                      f"{result['rouge2']:.4f}  ROUGE-L {result['rougeL']:.4f}  "
                      f"({result['examples']} examples)")
+    for task, metrics in (result.get("lm_eval") or {}).items():
+        lines.append(f"lm-eval {task}: " + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()))
     run = result["run"]
     lines.append("run: " + ", ".join(f"{k} {v}" for k, v in run.items() if k != "source")
                  + ", " + ", ".join(f"--{k} {v}" for k, v in run["source"].items()))

@@ -63,8 +63,8 @@ def perplexity(model, tokens, seq_len: int, batch_size: int = 8,
     fivefold Llama does). Full windows are run `batch_size` at a time; the last, shorter
     window alone. `max_tokens` keeps only the first that many tokens of the stream.
     """
-    ids = torch.as_tensor(np.asarray(tokens[:max_tokens] if max_tokens else tokens),
-                          dtype=torch.long)
+    ids = torch.as_tensor(np.asarray(tokens[:max_tokens] if max_tokens else tokens)
+                          .astype(np.int64))  # a copy: a token file's memmap is read-only
     if ids.dim() != 1:
         raise ConfigError(f"perplexity needs a 1-D token stream, got shape {tuple(ids.shape)}")
     if ids.numel() < 2:
