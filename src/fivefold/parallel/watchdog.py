@@ -158,19 +158,31 @@ class Watchdog:
 
     def lost_ranks(self) -> list[int]:
         """Peers silent for three heartbeat intervals that did not themselves report a
-        failure (a survivor exiting after us is not the culprit); waits up to timeout_s."""
+        failure (a survivor exiting after us is not the culprit), and still silent and
+        unreported after a confirmation window; waits up to timeout_s.
+
+        The window is there because a live peer can fall silent for a moment: on a loaded
+        machine its heartbeat thread waits for a core or the GIL (0.6 s seen on 2 cores with
+        4 ranks, four intervals at timeout_s = 3), and a collective failing at that moment
+        would name it beside, or instead of, the dead one. A dead peer stays silent; a live
+        one beats again or reports its own failure within the window."""
         if not self.active:
             return []
         st = self.state
         _report_failure(self.store, st.rank)
         deadline = time.monotonic() + st.timeout_s
+        confirm_s = max(5 * st.interval, min(st.timeout_s / 2, 2.0))
+        suspects: dict[int, float] = {}  # peer → when it was first found silent
         while True:
             silent = st.silent_for()
-            lost = sorted((r for r, s in silent.items()
-                           if s > 3 * st.interval and not self._reported_failure(r)),
-                          key=lambda r: -silent[r])
-            if lost or time.monotonic() > deadline:
-                return lost
+            now = time.monotonic()
+            lost = [r for r, s in silent.items()
+                    if s > 3 * st.interval and not self._reported_failure(r)]
+            suspects = {r: suspects.get(r, now) for r in lost}
+            confirmed = sorted((r for r, since in suspects.items() if now - since >= confirm_s),
+                               key=lambda r: -silent[r])
+            if confirmed and len(confirmed) == len(suspects) or now > deadline:
+                return sorted(suspects, key=lambda r: -silent[r]) if now > deadline else confirmed
             time.sleep(st.interval)
 
     def wait(self, handle, what: str) -> None:
