@@ -60,6 +60,9 @@ class LoraLinear(nn.Module):
         self.lora_B = nn.Linear(rank, self.out_features, bias=False, **kw)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.merged = False
+        # Under tensor parallelism with a row-parallel base, the sum over ranks of A_i x_i
+        # (finetune/tensor_parallel.py); None otherwise.
+        self.reduce_rank_input = None
         for p in base_layer.parameters():
             p.requires_grad_(False)
         if not weight.is_meta:
@@ -78,7 +81,10 @@ class LoraLinear(nn.Module):
         result = self.base_layer(x)
         if self.merged:
             return result
-        update = self.lora_B(self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype))))
+        u = self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype)))
+        if self.reduce_rank_input is not None:
+            u = self.reduce_rank_input(u)
+        update = self.lora_B(u)
         return result + (update * self.scaling).to(result.dtype)
 
     def delta_weight(self) -> torch.Tensor:
@@ -102,6 +108,12 @@ class LoraLinear(nn.Module):
         with torch.no_grad():
             weight.copy_((weight.float() - self.delta_weight()).to(weight.dtype))
         self.merged = False
+
+    def shard_for_tensor_parallel(self, style: str, group, sp: bool) -> None:
+        """Called by parallel/tensor.py once the base is sharded in `style`."""
+        from fivefold.finetune.tensor_parallel import shard_adapter
+
+        shard_adapter(self, style, group, sp)
 
     def extra_repr(self) -> str:
         return (f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}"

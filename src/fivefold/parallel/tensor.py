@@ -362,6 +362,13 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 def _apply_style(model, name: str, module: nn.Module, style: str, group: Group, sp: bool,
                  shard: bool = False):
     cfg = model.cfg
+    wrapped = getattr(module, "base_layer", None)
+    if wrapped is not None and hasattr(module, "shard_for_tensor_parallel"):
+        # An adapter around the linear (finetune/lora.py): the style shards the wrapped
+        # linear, then the adapter lays out its own factors to match.
+        _apply_style(model, f"{name}.base_layer", wrapped, style, group, sp, shard)
+        module.shard_for_tensor_parallel(style, group, sp)
+        return
     if style in ("colwise", "vocab_head"):
         w = module.weight.shape
         weight = _vocab_info(w, group) if style == "vocab_head" else _split(w, 0, group)

@@ -239,7 +239,8 @@ class PipelineRunner:
         self._finish_sends()
         if self.embed_group is not None:
             for param in self.tied:  # the two copies' shares -> the full gradient on both
-                comm.all_reduce(param.grad, self.embed_group)
+                if param.requires_grad:  # a frozen embedding (LoRA) has no gradient
+                    comm.all_reduce(param.grad, self.embed_group)
             self.optimizer.prepare_backward(final_microbatch=True)
         return self._loss(step)
 
