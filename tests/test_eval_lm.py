@@ -34,7 +34,9 @@ def both(tmp_path_factory):
 
     directory, _, _ = make_hf_dir(tmp_path_factory.mktemp("hf"))
     hf = HFLM(pretrained=str(directory), device="cpu", dtype="float32", batch_size=1)
-    return FivefoldLM(hf=str(directory)), hf
+    ours = FivefoldLM(hf=str(directory))
+    ours.directory = directory
+    return ours, hf
 
 
 def requests(kind, *args_list):
@@ -121,3 +123,25 @@ def test_local_task_files_give_hflm_scores(both, tmp_path, monkeypatch):
         for metric, value in expected[task].items():
             assert got[task][metric] == pytest.approx(value, rel=1e-5), (task, metric)
     assert got["ff_roll"]["bits_per_byte,none"] > 0
+
+
+def test_the_command_runs_a_local_task(both, tmp_path, monkeypatch, capsys):
+    """`fivefold eval --lm-eval`: accuracy as HFLM's log-likelihoods pick the choices."""
+    from fivefold.cli import main
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    _write_tasks(tmp_path)
+    ours, hf = both
+    picks = []
+    for row in ROWS:
+        scores = hf.loglikelihood(requests("loglikelihood",
+                                           *[(row["question"], c) for c in row["choices"]]))
+        picks.append(max(range(3), key=lambda i: scores[i][0]) == row["answer"])
+    argv = ["eval", "--hf", str(ours.directory), "--lm-eval-include", str(tmp_path), "--json"]
+    assert main([*argv, "--lm-eval", "ff_mc"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["lm_eval"]["ff_mc"]["acc,none"] == pytest.approx(sum(picks) / len(picks))
+    assert main([*argv, "--lm-eval", "ff_mc,nosuch"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --lm-eval task 'nosuch' is not a task in {tmp_path}; known: "
+                   f"ff_gen, ff_mc, ff_roll")

@@ -155,15 +155,16 @@ def evaluate(args) -> dict:
         run["task"] = "score predictions"
         result.update(score_predictions(args.predictions))
     elif args.lm_eval:
-        from fivefold.evaluate.harness import FivefoldLM
+        from fivefold.evaluate.harness import FivefoldLM, task_manager
         from fivefold.evaluate.harness import run_tasks as run_lm_eval
 
+        tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()]
+        manager = task_manager(tasks, args.lm_eval_include)  # before the model loads
         lm = FivefoldLM(checkpoint=args.checkpoint, hf=args.hf, device=args.device,
                         dtype=args.dtype)
-        tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()]
         run.update(task="lm-eval", tasks=tasks, include=args.lm_eval_include,
                    limit=args.limit or None)
-        result["lm_eval"] = run_lm_eval(lm, tasks, args.lm_eval_include, args.limit or None)
+        result["lm_eval"] = run_lm_eval(lm, tasks, limit=args.limit or None, manager=manager)
     else:
         from fivefold.evaluate.loading import load_model
 

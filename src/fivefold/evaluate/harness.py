@@ -71,16 +71,31 @@ class FivefoldLM(LM):
         return [self.scorer.generate_until(*request.args) for request in requests]
 
 
-def run_tasks(lm: FivefoldLM, tasks: list[str], include_path: str | None = None,
-              limit: int | None = None) -> dict:
-    """lm_eval.simple_evaluate on `tasks`: lm_eval's own task names, or, with include_path,
-    only the task files found there (lm_eval's thousands of built-in ones are not indexed
-    then). {task: {metric: value}}."""
-    import lm_eval
+def task_manager(tasks: list[str], include_path: str | None = None):
+    """lm_eval's TaskManager for `tasks` (lm_eval's own task names, or, with include_path,
+    only the task files found there: lm_eval's thousands of built-in ones are not indexed
+    then), after checking that every task is known."""
     from lm_eval.tasks import TaskManager
+
+    from fivefold.config import ConfigError
 
     manager = (TaskManager(include_path=include_path, include_defaults=False) if include_path
                else TaskManager())
+    unknown = [task for task in tasks if task not in manager.all_tasks]
+    if unknown or not tasks:
+        where = f"in {include_path}" if include_path else "in lm_eval"
+        raise ConfigError(f"--lm-eval task '{unknown[0] if unknown else ''}' is not a task "
+                          f"{where}; known: {', '.join(manager.all_tasks[:8])}"
+                          f"{', ...' if len(manager.all_tasks) > 8 else ''}")
+    return manager
+
+
+def run_tasks(lm: LM, tasks: list[str], include_path: str | None = None,
+              limit: int | None = None, manager=None) -> dict:
+    """lm_eval.simple_evaluate of `lm` on `tasks`: {task: {metric: value}}."""
+    import lm_eval
+
+    manager = manager or task_manager(tasks, include_path)
     out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
                                   log_samples=False, bootstrap_iters=0)
     return {task: {k: v for k, v in metrics.items() if isinstance(v, int | float)}
