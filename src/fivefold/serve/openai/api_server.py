@@ -1,0 +1,226 @@
+"""`fivefold serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn, the `serve` extra).
+
+    fivefold serve --hf ./Llama-3.2-1B [--port 8000] [--host 127.0.0.1] [--kv-cache-gib 4]
+    fivefold serve --checkpoint runs/default/checkpoints
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (`stream: true` as
+server-sent events), GET /health, GET /metrics (Prometheus text: requests running and
+waiting, KV blocks used and free, generated tokens per second). A bad request gets HTTP 400
+with OpenAI's error body and the server keeps serving. SIGTERM (or Ctrl-C) stops admitting
+(503), lets running requests finish for --shutdown-grace seconds, aborts the rest and exits
+0. The server binds to 127.0.0.1 unless --host says otherwise.
+
+(No `from __future__ import annotations` here: FastAPI reads the route functions'
+annotations, which name classes imported inside `build_app`.)
+"""
+
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+from fivefold.errors import ArgumentParser, ConfigError
+from fivefold.extras import require
+
+PLAIN_CHAT = "a plain template: one 'role: content' line per message, then 'assistant:'"
+
+
+def plain_chat_prompt(messages: list[dict]) -> str:
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def chat_template(hf_dir: Path | None):
+    """The tokenizer's own Jinja chat template (tokenizer_config.json) where there is one
+    and jinja2 is installed; otherwise the plain template."""
+    if hf_dir is None or not (hf_dir / "tokenizer_config.json").is_file():
+        return plain_chat_prompt
+    cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    source = cfg.get("chat_template")
+    if not isinstance(source, str):
+        return plain_chat_prompt
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        return plain_chat_prompt
+    template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True
+                                             ).from_string(source)
+
+    def token(name):
+        value = cfg.get(name)
+        return value.get("content", "") if isinstance(value, dict) else (value or "")
+
+    def render(messages: list[dict]) -> str:
+        return template.render(messages=messages, add_generation_prompt=True,
+                               bos_token=token("bos_token"), eos_token=token("eos_token"))
+
+    return render
+
+
+def metrics_text(stats: dict) -> str:
+    lines = []
+    for key, help_text in (("requests_running", "requests in the running batch"),
+                           ("requests_waiting", "requests waiting for blocks or a seat"),
+                           ("kv_blocks_used", "KV cache blocks held by requests"),
+                           ("kv_blocks_free", "KV cache blocks free (cached prefixes included)"),
+                           ("kv_blocks_total", "KV cache blocks in the pool"),
+                           ("preemptions", "requests preempted so far"),
+                           ("generated_tokens", "tokens generated so far"),
+                           ("tokens_per_s", "generated tokens per second, recent steps")):
+        lines += [f"# HELP fivefold_{key} {help_text}",
+                  f"fivefold_{key} {stats[key]:.6g}" if isinstance(stats[key], float)
+                  else f"fivefold_{key} {stats[key]}"]
+    return "\n".join(lines) + "\n"
+
+
+def build_app(serving, loop):
+    """The FastAPI application over an `OpenAIServing` and its `EngineLoop`."""
+    fastapi = require("fastapi", "serve", "fivefold serve")
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    from fivefold.serve.openai.protocol import (
+        ChatCompletionRequest,
+        CompletionRequest,
+        error_body,
+    )
+    from fivefold.serve.openai.serving import Unavailable
+
+    app = fastapi.FastAPI(title="fivefold", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+        return JSONResponse(error_body(message, where or None), status_code=400)
+
+    @app.exception_handler(ConfigError)
+    async def bad_value(_request, exc: ConfigError):
+        return JSONResponse(error_body(str(exc)), status_code=400)
+
+    @app.exception_handler(Unavailable)
+    async def unavailable(_request, exc: Unavailable):
+        return JSONResponse(error_body(str(exc), kind="service_unavailable", code=503),
+                            status_code=503)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(metrics_text(loop.stats()))
+
+    @app.get("/v1/models")
+    async def models():
+        return serving.models()
+
+    async def respond(raw, prepared, chat: bool, stream: bool):
+        if stream:
+            events = await serving.stream(prepared, chat)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return JSONResponse(await serving.run(prepared, chat, raw.is_disconnected))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: fastapi.Request):
+        return await respond(raw, serving.prepare_completion(body), False, body.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: fastapi.Request):
+        return await respond(raw, serving.prepare_chat(body), True, body.stream)
+
+    return app
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="fivefold serve",
+                       description="Serve a model over an OpenAI-compatible HTTP API.")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a fivefold checkpoint directory")
+    source.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="the model id clients name (default: the "
+                   "directory's name)")
+    p.add_argument("--kv-cache-gib", type=float, help="memory for the KV cache (default: 90%% "
+                   "of free GPU memory; on CPU 1 GiB or what --max-num-seqs sequences need)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch")
+    p.add_argument("--max-num-batched-tokens", type=int, help="tokens per step")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    p.add_argument("--chunked-prefill", action="store_true",
+                   help="split long prompts into chunks of --max-num-batched-tokens")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--shutdown-grace", type=float, default=3.0,
+                   help="seconds running requests get to finish after SIGTERM")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"))
+    return p
+
+
+def _check_args(args) -> None:
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port {args.port} must lie in 1..65535")
+    for name in ("kv_cache_gib", "max_model_len", "max_num_batched_tokens"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {value} must be > 0")
+    if args.block_size < 1 or args.max_num_seqs < 1:
+        raise ConfigError("--block-size and --max-num-seqs must be >= 1")
+    if args.shutdown_grace < 0:
+        raise ConfigError(f"--shutdown-grace {args.shutdown_grace} must be >= 0")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse printed its one-line error, or the help
+        return int(e.code or 0)
+    _check_args(args)
+    require("fastapi", "serve", "fivefold serve")
+    uvicorn = require("uvicorn", "serve", "fivefold serve")
+    from fivefold.serve.engine import Engine
+    from fivefold.serve.openai.serving import EngineLoop, OpenAIServing
+    from fivefold.train.generate import load_for_generation
+
+    model, codec = load_for_generation(args)
+    eos = codec.eos_id
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    engine = Engine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                    kv_cache_bytes=None if args.kv_cache_gib is None
+                    else int(args.kv_cache_gib * 2**30),
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    chunked_prefill=args.chunked_prefill,
+                    enable_prefix_caching=not args.no_prefix_caching,
+                    eos_token_ids=eos_ids, max_model_len=args.max_model_len,
+                    detokenize=codec.decode)
+    source = Path(args.hf or args.checkpoint)
+    name = args.served_model_name or source.resolve().name
+    loop = EngineLoop(engine)
+    serving = OpenAIServing(loop, name, codec.encode,
+                            chat_template(source if args.hf else None), engine.max_model_len)
+    app = build_app(serving, loop)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            loop.drain(args.shutdown_grace)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=int(args.shutdown_grace) + 2)
+    # uvicorn re-raises the signal it caught once it has shut down; a no-op handler for
+    # SIGTERM makes that a clean exit 0 instead of death by the signal.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    loop.start()
+    print(f"fivefold serve: {name} on http://{args.host}:{args.port}/v1 "
+          f"({engine.num_blocks} KV blocks of {args.block_size} tokens, context "
+          f"{engine.max_model_len})", file=sys.stderr, flush=True)
+    try:
+        Server(config).run()
+    finally:
+        loop.stop()
+        loop.thread.join(timeout=5)
+        signal.signal(signal.SIGTERM, previous)
+    print("fivefold serve: stopped", file=sys.stderr, flush=True)
+    return 0
