@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fivefold.config.fp8 import check_fp8
 from fivefold.config.parallel import check_pipeline
 from fivefold.config.rules import choice, positive
 from fivefold.errors import ConfigError
@@ -25,8 +26,13 @@ class TrainSection:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
-    precision: str = "auto"  # auto | fp32 | bf16 | fp16
-    recompute: str = "none"  # none | selective | full
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16 | fp8 (bf16 with FP8 GEMMs)
+    fp8_recipe: str = "blockwise"  # blockwise | rowwise | tensorwise (config/fp8.py)
+    fp8_grad_format: str = "auto"  # auto | e4m3 | e5m2: the output gradient's FP8 format
+    fp8_keep_out: str = ""  # comma list of module-name patterns whose linears stay bf16
+    recompute: str = "none"  # none | selective | full | auto (per layer, under memory_budget_gib)
+    # recompute = auto: the peak allocated GiB per rank to fit (plan/recompute_plan.py)
+    memory_budget_gib: float = 0.0
     compile: bool = False  # torch.compile each transformer block (inductor)
     seed: int = 1234
     deterministic: bool = False
@@ -36,8 +42,8 @@ class TrainSection:
     eval_batches: int = 4
 
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")
+RECOMPUTE = ("none", "selective", "full", "auto")
 
 
 def check_train(cfg, mc) -> None:
@@ -66,6 +72,7 @@ def check_train(cfg, mc) -> None:
         raise ConfigError(f"train.decay_fraction = {tr.decay_fraction} must lie in [0, 1]")
     choice("train.precision", tr.precision, PRECISIONS)
     choice("train.recompute", tr.recompute, RECOMPUTE)
+    check_memory_budget(cfg, mc)
     choice("train.device", tr.device, ("auto", "cpu", "cuda"))
     if not 0 <= tr.beta1 < 1 or not 0 <= tr.beta2 < 1:
         raise ConfigError("train.beta1 and train.beta2 must lie in [0, 1)")
@@ -75,3 +82,26 @@ def check_train(cfg, mc) -> None:
     positive("train.eval_every", tr.eval_every, allow_zero=True)
     positive("train.eval_batches", tr.eval_batches)
     positive("train.max_bad_steps", tr.max_bad_steps)
+    check_fp8(cfg, mc)
+
+
+def check_memory_budget(cfg, mc) -> None:
+    """recompute = auto needs a budget at or above full recomputation's peak (the planner's,
+    for this layout; plan/recompute_plan.py), and a layout whose blocks it can checkpoint per
+    operator: no tensor, context or expert parallelism, no pipeline, no experts."""
+    par, tr = cfg.parallel, cfg.train
+    positive("train.memory_budget_gib", tr.memory_budget_gib, allow_zero=True)
+    if tr.recompute != "auto":
+        return
+    if tr.memory_budget_gib <= 0:
+        raise ConfigError("train.recompute = 'auto' needs train.memory_budget_gib > 0 (the "
+                          "peak GiB per rank to fit); set it, or pick none, selective or full")
+    others = [f"parallel.{k} = {getattr(par, k)}" for k in ("tp", "pp", "cp", "ep")
+              if getattr(par, k) > 1] + (["model.num_experts > 0"] if mc.num_experts else [])
+    if others:
+        raise ConfigError(f"train.recompute = 'auto' runs without tensor, pipeline, context "
+                          f"or expert parallelism and on dense models; {others[0]}: use "
+                          f"selective or full")
+    from fivefold.plan.recompute_plan import config_plan
+
+    config_plan(cfg)  # a budget below full recomputation's peak: one line with the minimum

@@ -134,9 +134,10 @@ class FP8LinearFn:
         return f"FP8LinearFn({self.recipe.name})"
 
 
-class FP8Linear(nn.Linear):
-    """nn.Linear whose forward runs in FP8. Made by swapping the class of an existing
-    nn.Linear (lowp.convert), so parameters, their names and checkpoints do not change."""
+class FP8LinearMixin:
+    """Put before an nn.Linear class (or subclass) in the bases: its forward runs in FP8.
+    Models get it by a class swap (lowp.convert), so parameters, their names, any tags a
+    parallel transformation keeps on them, and checkpoints do not change."""
 
     fp8_recipe: FP8Recipe = FP8Recipe()
 
@@ -145,3 +146,7 @@ class FP8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8_recipe.name}"
+
+
+class FP8Linear(FP8LinearMixin, nn.Linear):
+    """nn.Linear with FP8 GEMMs."""

@@ -44,8 +44,9 @@ class ParallelModel:
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
-                dtype: torch.dtype) -> ParallelModel:
-    """Apply every configured dimension to a meta-built model, then materialise it."""
+                dtype: torch.dtype, recompute_policies=None) -> ParallelModel:
+    """Apply every configured dimension to a meta-built model, then materialise it.
+    `recompute_policies`: under train.recompute = auto, one per block (the planner's)."""
     par, model_cfg = cfg.parallel, cfg.model.resolve()
     if par.tp > 1:
         from fivefold.parallel.tensor import apply_tensor_parallel
@@ -65,7 +66,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
         from fivefold.parallel.expert import apply_expert_parallel
 
         apply_expert_parallel(model, dims)
-    apply_recompute(model, cfg.train.recompute)
+    if cfg.train.precision == "fp8":  # FP8 GEMMs in the linears (their local shards) and experts
+        from fivefold.lowp.convert import apply_fp8
+
+        apply_fp8(model, cfg.train, device)
+    apply_recompute(model, cfg.train.recompute, recompute_policies)
     if par.pp > 1:
         from fivefold.parallel.pipeline.stages import split_stages
 

@@ -198,7 +198,16 @@ class ColumnParallelLinear(TPParams, nn.Module):
         if bias is not None:
             _set(self, "bias", bias, group)
 
+    # A pluggable GEMM (x, weight, bias) -> y for this rank's shard, e.g. FP8 (lowp/). It
+    # does not join the region's overlapped reduction: the region entry reduces its input
+    # gradient as that of any other reader.
+    linear_fn = None
+
     def forward(self, x):
+        if self.linear_fn is not None:
+            if getattr(x, "_tp_region", None) is None:
+                x = enter_region(x, self.group, self.sp)
+            return self.linear_fn(x, self.weight, self.bias)
         return column_linear(x, self.weight, self.bias, self.group, self.sp, self.save_shard)
 
 
@@ -215,8 +224,11 @@ class RowParallelLinear(TPParams, nn.Module):
             _set(self, "bias", _replicated(self.bias.shape, group.size,
                                            ("tp",) if sp else None), group)
 
+    linear_fn = None  # a pluggable GEMM (x, weight, bias) -> y, e.g. FP8 (lowp/)
+
     def forward(self, x):
-        y = leave_region(F.linear(x, self.weight), self.group, self.sp)
+        y = leave_region((self.linear_fn or F.linear)(x, self.weight, None), self.group,
+                         self.sp)
         return y if self.bias is None else y + self.bias
 
 

@@ -6,6 +6,7 @@
           Rajbhandari et al. 2020, §3.1)
     fp16  as bf16, with the loss scaled so that small gradients survive fp16's range
           (Micikevicius et al. 2018, "Mixed Precision Training")
+    fp8   as bf16, with the GEMMs of the linear layers in FP8 (lowp/, numerics/fp8.py)
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8: parameters and activations in bf16, FP8 only inside the linears' GEMMs (lowp/)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp8": torch.bfloat16}
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

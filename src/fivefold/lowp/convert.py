@@ -1,0 +1,113 @@
+"""convert_to_fp8(model, recipe, keep_out): put FP8 GEMMs into a model, in place.
+
+What changes (and what does not):
+  - every `nn.Linear` not kept out gets the FP8 forward by a class swap (a subclass with
+    `FP8LinearMixin` first; torchao's `convert_to_float8_training` swaps whole modules):
+    the object, its parameters, their names, the tags a parallel transformation put on
+    them (and the mixins that keep those tags) and therefore checkpoints stay as they were.
+    FP8 is a compute format; what is stored stays fp32/bf16.
+  - a module that takes a pluggable GEMM (a `linear_fn` attribute: the tensor-parallel
+    column and row linears) gets the FP8 one; it runs on the rank's local shard, so
+    column- and row-parallel GEMMs quantise their own shards.
+  - routed experts (`GroupedExperts`, also under expert parallelism, which only shards
+    them) run their three GEMMs per expert in FP8 (`FP8GroupedExperts`).
+
+What always stays in high precision (DeepSeek-V3 §3.3.1: "the embedding module, the output
+head, MoE gating modules, normalization operators, and attention operators"): the embedding
+and the norms are not linears, attention's softmax and the SDPA call are not GEMMs of a
+linear, the router scores in fp32 with its own F.linear; the output head (`lm_head`, or
+the tied embedding) and a shared expert's gate are kept out by name (`ALWAYS_KEPT_OUT`).
+
+Keep-out patterns (`train.fp8_keep_out`) are fnmatch patterns on module names; a pattern
+also keeps out everything under a module it names ("layers.0" keeps out the first block)
+and a bare leaf name matches that leaf anywhere ("down_proj"). A pattern that matches no
+linear is refused (ConfigError): a typo would otherwise silently change nothing.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+from torch import nn
+
+from fivefold.errors import ConfigError
+from fivefold.lowp.experts import FP8ExpertsMixin, FP8GroupedExperts
+from fivefold.lowp.linear import FP8Linear, FP8LinearFn, FP8LinearMixin, FP8Recipe
+from fivefold.models.moe import GroupedExperts
+
+ALWAYS_KEPT_OUT = ("lm_head", "*.shared_expert_gate")
+
+
+def parse_keep_out(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def _matches(name: str, pattern: str) -> bool:
+    return (fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ".*")
+            or ("." not in pattern and name.rsplit(".", 1)[-1] == pattern))
+
+
+def fp8_targets(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules FP8 can take over: linears, pluggable-GEMM layers, grouped experts."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, (nn.Linear, GroupedExperts))
+            or hasattr(type(m), "linear_fn")}
+
+
+def convert_to_fp8(model: nn.Module, recipe: FP8Recipe,
+                   keep_out: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Swap FP8 GEMMs into `model` (meta-built or materialised); returns the converted names."""
+    targets = fp8_targets(model)
+    for pattern in keep_out:
+        if not any(_matches(name, pattern) for name in targets):
+            raise ConfigError(f"train.fp8_keep_out pattern '{pattern}' matches no linear "
+                              f"layer of the model; name modules such as 'lm_head', "
+                              f"'layers.0', '*.down_proj' or 'experts'")
+    converted = []
+    for name, module in targets.items():
+        if any(_matches(name, p) for p in (*ALWAYS_KEPT_OUT, *keep_out)):
+            continue
+        if isinstance(module, nn.Linear):
+            _swap(module, FP8LinearMixin).fp8_recipe = recipe
+        elif isinstance(module, GroupedExperts):
+            _swap(module, FP8ExpertsMixin).fp8_recipe = recipe
+        else:
+            module.linear_fn = FP8LinearFn(recipe)
+        converted.append(name)
+    return converted
+
+
+_SWAPPED: dict[tuple[type, type], type] = {(FP8LinearMixin, nn.Linear): FP8Linear,
+                                           (FP8ExpertsMixin, GroupedExperts): FP8GroupedExperts}
+
+
+def _swap(module: nn.Module, mixin: type) -> nn.Module:
+    """module.__class__ becomes (mixin, its class), once per class (FSDP2's fully_shard and
+    parallel/tensor.py swap classes the same way)."""
+    cls = type(module)
+    if not issubclass(cls, mixin):
+        if (mixin, cls) not in _SWAPPED:
+            _SWAPPED[(mixin, cls)] = type(f"FP8{cls.__name__}", (mixin, cls), {})
+        module.__class__ = _SWAPPED[(mixin, cls)]
+    return module
+
+
+def apply_fp8(model: nn.Module, train_cfg, device: torch.device) -> list[str]:
+    """train.precision = 'fp8': the recipe and keep-out list of [train], on `model`."""
+    recipe = FP8Recipe.from_name(train_cfg.fp8_recipe, train_cfg.fp8_grad_format)
+    check_fp8_device(recipe, device)
+    return convert_to_fp8(model, recipe, parse_keep_out(train_cfg.fp8_keep_out))
+
+
+def check_fp8_device(recipe: FP8Recipe, device: torch.device) -> None:
+    """`torch._scaled_mm` (tensorwise, rowwise) needs FP8 tensor cores on CUDA: compute
+    capability 8.9 (Ada) or 9.0 (Hopper) and up. Blockwise runs its K slices anywhere."""
+    if device.type != "cuda" or recipe.name == "blockwise":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ConfigError(f"train.fp8_recipe = '{recipe.name}' on {name} (compute capability "
+                          f"{major}.{minor}): FP8 GEMMs need 8.9 or newer; use "
+                          f"train.precision = 'bf16' or fp8_recipe = 'blockwise'")
