@@ -1,7 +1,6 @@
-"""The model and tokenizer an evaluation runs: through the loaders `fivefold generate` uses
-(a fivefold checkpoint, or a Hugging Face directory), so what is evaluated is what is
-generated from. A quantised checkpoint goes through the quantisation package's loader when
-that package provides one."""
+"""The model and tokenizer an evaluation runs: through the loader `fivefold generate` uses
+(a fivefold checkpoint, a quantised one, or a Hugging Face directory), so what is
+evaluated is what is generated from."""
 
 from __future__ import annotations
 
@@ -22,31 +21,37 @@ def step_path(checkpoint: str | Path) -> Path:
     return path
 
 
-def checkpoint_meta(checkpoint: str | Path) -> dict:
-    """The step's meta.json, checked against its manifest."""
-    from fivefold.train.checkpoint import read_meta
-
-    return read_meta(step_path(checkpoint), fix="--checkpoint")
-
-
-def _quantized_loader():
-    """fivefold.quant's checkpoint loader, when the installed version has one."""
+def _quant_io():
+    """fivefold.quant.io, where this install has it."""
     try:
-        module = importlib.import_module("fivefold.quant.io")
+        return importlib.import_module("fivefold.quant.io")
     except ImportError:
         return None
-    return getattr(module, "load_quantized", None)
+
+
+def checkpoint_meta(checkpoint: str | Path) -> dict:
+    """The step's meta.json, checked against its manifest. For a quantised checkpoint
+    (`fivefold quantize`), the meta.json of the fivefold checkpoint it was made from, so
+    its validation split is the one the float model held out."""
+    from fivefold.train.checkpoint import read_meta
+
+    quant_io = _quant_io()
+    if quant_io is not None and quant_io.is_quantized(checkpoint):
+        source = quant_io.read_manifest(checkpoint).get("source") or {}
+        if not source.get("checkpoint"):
+            raise ConfigError(f"--checkpoint {checkpoint} was quantised from "
+                              f"{source.get('hf') or 'a model'} with no validation split on "
+                              f"record; give --data TOKENS")
+        return read_meta(step_path(source["checkpoint"]), fix="--data TOKENS")
+    return read_meta(step_path(checkpoint), fix="--checkpoint")
 
 
 def load_model(args) -> tuple:
     """(model in eval mode, codec with encode/decode/eos_id) from args.checkpoint or args.hf;
-    args carries device and dtype as `fivefold generate` takes them."""
+    args carries device and dtype as `fivefold generate` takes them. The generate loader
+    also reads the checkpoints `fivefold quantize` writes."""
     from fivefold.train.generate import load_for_generation
 
     if args.checkpoint:
         step_path(args.checkpoint)  # a missing path is one line before anything is imported
-        loader = _quantized_loader()
-        if loader is not None and getattr(importlib.import_module("fivefold.quant.io"),
-                                           "is_quantized", lambda _p: False)(args.checkpoint):
-            return loader(args)
     return load_for_generation(args)
