@@ -1,5 +1,7 @@
-"""The planner and the engine agree: model-state bytes (1%), saved activations (10%), the peak
-items both name (gradients accumulating whole, DP/ZeRO buckets and gathered units: 10%) and the
+"""The planner and the engine agree: model-state bytes (1%), one micro-batch's saved
+activations (2.5%), the peak items both name (the gradients accumulating whole, the loss's
+logits and the DP/ZeRO buckets and gathered units to the byte, the activations in flight
+within 0.25%; each known exception named with its own tolerance and reason) and the
 communication ledger (exactly) of every layout the engine runs, measured on the engine, on
 every rank (pipeline ranks differ: each is compared with the planner's prediction for it)."""
 
@@ -127,11 +129,30 @@ EP_LAYOUTS = {
 
 
 PEAK_ITEMS = ("grad_buffer", "comm_buffers", "activations", "logits_loss")
-PEAK_TOLERANCE = 0.10
-# Where the planner's formula is known not to follow the engine, and why (not checked): none.
-# (Interleaved chunks of uneven size, pp_layers 1,2,2,1, were one until the planner counted
-# each chunk's micro-batches in flight along the engine's order: +33% on pp rank 1 before.)
-PEAK_GAPS: dict[tuple[str, str], str] = {}
+# Relative tolerance per peak item, as tight as measured (docs/zero.md states the same).
+PEAK_TOLERANCE = {"grad_buffer": 0.0, "logits_loss": 0.0, "comm_buffers": 0.0,
+                  "activations": 0.0025}
+# Where the planner's formula is known not to follow the engine: (layout, item) → (tolerance,
+# why). Each was measured at the size given. (Interleaved chunks of uneven size, pp_layers
+# 1,2,2,1, were one until the planner counted each chunk's micro-batches in flight along the
+# engine's order: +33% on pp rank 1 before; now within 0.03%.)
+PEAK_GAPS: dict[tuple[str, str], tuple[float, str]] = {
+    ("single-selective", "activations"): (
+        0.035, "measured -3.3%: the planner adds the attention core's working set on top of "
+               "every kept layer; the engine's peak comes at the end of forward"),
+    ("pp2-afab-selective", "activations"): (0.01, "measured -0.86%: the same, over 4 layers"),
+    ("pp2-dualpipev-dp2-zero3", "comm_buffers"): (
+        0.002, "measured -0.14% (512 bytes) on pp rank 0: not explained yet"),
+}
+# Expert parallelism: what a rank receives follows the routing, the planner's is balanced.
+EP_TOLERANCE = {**PEAK_TOLERANCE, "activations": 0.05}  # measured -2.2% and +3.7%
+# One micro-batch's saved activations, summed over the rank's chunks outside the schedule.
+SAVED_TOLERANCE = 0.025  # measured within 1.93% (interleaved pp rank 0) on every other pair
+SAVED_GAPS = {  # (layout, pp rank) → (tolerance, why)
+    ("pp2-cp2-zb", 1): (0.10, "measured -9.4% = 32 KiB, one fp32 block of the rank's 32 "
+                               "tokens × 256 logits that this sum plans and the engine does "
+                               "not save; the peak items of the same run agree"),
+}
 
 
 def measure(rank, world, tmp, args):
@@ -224,10 +245,10 @@ def test_planner_agrees_with_engine_at_the_peak_under_ep(name, tmp_path, capsys)
     args = EP_LAYOUTS[name]
     for got in run_ranks(measure, 2, str(tmp_path), args):
         check_peak_items(got, planned(tmp_path, args, got["precision"], got["pp_rank"])[5],
-                         name, capsys)
+                         name, capsys, EP_TOLERANCE)
 
 
-def check_peak_items(got, peaks, name, capsys):
+def check_peak_items(got, peaks, name, capsys, tolerance=PEAK_TOLERANCE):
     """Peak items, measured from storages where the peak can occur (parallel/peak.py): the
     gradients accumulating whole over micro-batches, DP/ZeRO's buckets and gathered units,
     the saved activations of every micro-batch in flight (with a recomputation's working
@@ -236,10 +257,8 @@ def check_peak_items(got, peaks, name, capsys):
         print(f"\n{name} (pp rank {got['pp_rank']}) peak items measured/planned: " + ", ".join(
             f"{item} {got['peaks'][item]}/{plan:.0f}" for item, plan in peaks.items() if plan))
     for item, plan in peaks.items():
-        if (name, item) in PEAK_GAPS:
-            continue
-        assert abs(got["peaks"][item] - plan) <= PEAK_TOLERANCE * plan, (
-            item, got["peaks"], peaks)
+        allowed = PEAK_GAPS.get((name, item), (tolerance[item], ""))[0]
+        assert abs(got["peaks"][item] - plan) <= allowed * plan, (item, got["peaks"], peaks)
 
 
 def check_rank(got, tmp_path, name, args, capsys):
@@ -270,7 +289,8 @@ def check_rank(got, tmp_path, name, args, capsys):
               f"{got['activations']} planned {activations:.0f} "
               f"({got['activations'] / activations:.3f})"
               + (f"; kept for W {got['split_grads']}" if split_grads else ""))
-    assert abs(got["activations"] - activations) <= 0.10 * activations
+    allowed = SAVED_GAPS.get((name, got["pp_rank"]), (SAVED_TOLERANCE, ""))[0]
+    assert abs(got["activations"] - activations) <= allowed * activations
     plan_ledger = {g: {op: b for op, b in ops.items() if b} for g, ops in ledger.items()}
     plan_ledger = {g: ops for g, ops in plan_ledger.items() if ops}
     assert got["ledger"] == plan_ledger
