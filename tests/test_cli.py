@@ -87,8 +87,6 @@ def bad_inputs(w: Path):
         "cp chunks": (["train", "--parallel.cp", "3"], "2·parallel.cp = 6"),
         "cp scheme": (["train", "--parallel.cp_comm", "ulysses"], "parallel.cp_comm"),
         "cp not launched": (["train", "--parallel.cp", "2", *SMALL, *ck], "torchrun"),
-        "cp on cuda": (["train", "--parallel.cp", "2", "--train.device", "cuda"],
-                       "log-sum-exp"),
         "experts top-k": (["train", "--model.num_experts", "4", "--model.experts_top_k", "8",
                            "--model.moe_intermediate_size", "32"], "model.experts_top_k = 8"),
         "whole q/k norm under tp": (["train", "--model.qk_norm", "true", "--model.qk_norm_whole",

@@ -127,10 +127,6 @@ def check_context(par: ParallelSection, tr) -> None:
     if par.cp > 1 and par.sp and tr.seq_len % (par.cp * par.tp):
         raise ConfigError(f"train.seq_len = {tr.seq_len} is not divisible by parallel.cp·tp = "
                           f"{par.cp * par.tp}, which sequence parallelism under cp needs")
-    if par.cp > 1 and tr.device == "cuda":
-        raise ConfigError("parallel.cp > 1 with train.device = 'cuda': the ring's block kernel "
-                          "(attention with its log-sum-exp) is CPU-only in this version; set "
-                          "train.device = 'cpu' or parallel.cp = 1")
 
 
 def check_pipeline(par: ParallelSection, num_layers: int, num_micro: int) -> None:

@@ -53,14 +53,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
 
         apply_tensor_parallel(model, dims, sp=par.sp, sp_saved_input=par.sp_saved_input)
     if par.cp > 1:
-        from fivefold.parallel.context import apply_context_parallel, kernel_available
+        from fivefold.parallel.context import apply_context_parallel
 
-        if not kernel_available(device.type):
-            from fivefold.config import ConfigError
-
-            raise ConfigError(f"parallel.cp = {par.cp} on a {device.type} device: no attention "
-                              f"kernel with a log-sum-exp is wired for it; use train.device = "
-                              f"'cpu' or parallel.cp = 1")
+        # Every device has a block kernel: fused (CPU), flash (CUDA) or the portable one.
         apply_context_parallel(model, dims["cp"], par.cp_layout, par.cp_comm)
     if par.ep > 1:
         from fivefold.parallel.expert import apply_expert_parallel

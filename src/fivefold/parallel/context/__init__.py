@@ -48,16 +48,16 @@ class ContextAttentionCore(nn.Module):
     """Replaces `AttentionCore` under cp > 1. `counter`, when a list, receives the number of
     (query, key) score pairs of every kernel call (for the balance test)."""
 
-    def __init__(self, group: Group, layout: str, scheme: str):
+    def __init__(self, group: Group, layout: str, scheme: str, kernel: str = "auto"):
         super().__init__()
-        self.group, self.layout, self.scheme = group, layout, scheme
+        self.group, self.layout, self.scheme, self.kernel = group, layout, scheme, kernel
         self.counter: list[int] | None = None
 
     def forward(self, q, k, v, causal_offset: int | None = 0):
         if causal_offset != 0:
             raise NotImplementedError("a KV cache (generation) does not run under cp > 1")
         return ContextAttention.apply(q, k, v, self.group, self.layout, self.scheme,
-                                      self.counter)
+                                      self.counter, self.kernel)
 
 
 class ContextRotary(Rotary):
@@ -78,9 +78,10 @@ class ContextRotary(Rotary):
         return super().forward(table[positions], dtype)
 
 
-def apply_context_parallel(model: nn.Module, group: Group, layout: str, scheme: str) -> None:
+def apply_context_parallel(model: nn.Module, group: Group, layout: str, scheme: str,
+                           kernel: str = "auto") -> None:
     """Swap the attention cores and the rotary tables of a (meta-built) model in place."""
     for module in model.modules():
         if isinstance(module, Attention):
-            module.core = ContextAttentionCore(group, layout, scheme)
+            module.core = ContextAttentionCore(group, layout, scheme, kernel)
     model.rotary = ContextRotary(model.cfg, layout, group.size, group.rank)

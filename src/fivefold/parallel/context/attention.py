@@ -2,8 +2,9 @@
 
 Both schemes run the same block loop. For each source rank (this rank first, then the rank
 before it, ...), the local queries attend to that rank's keys through the calls of
-`layout.block_calls` (full, diagonal or skipped), with a fused kernel that returns each
-row's log-sum-exp (LSE). Partial outputs are merged in fp32 in the stable form
+`layout.block_calls` (full, diagonal or skipped), with a block kernel that returns each
+row's log-sum-exp (LSE): fused on CPU, flash on CUDA, portable matmuls anywhere (kernels.py).
+Partial outputs are merged in fp32 in the stable form
 
     out ← out − sigmoid(lse_b − lse) · (out − out_b),   lse ← lse − logsigmoid(lse − lse_b)
 
@@ -28,29 +29,27 @@ import torch
 
 from fivefold.parallel import comm
 from fivefold.parallel.comm import P2P, Group
+from fivefold.parallel.context import kernels
 from fivefold.parallel.context.layout import block_calls, ring_sources
 
 SCHEMES = ("ring", "allgather")
 
 
 def kernel_available(device_type: str) -> bool:
-    """Whether this device has a fused attention kernel that returns the LSE here."""
-    return device_type == "cpu" and hasattr(torch.ops.aten,
-                                            "_scaled_dot_product_flash_attention_for_cpu")
+    """Whether a block kernel with the LSE runs on this device: the portable one runs on any
+    (kernels.py); the fused CPU and flash CUDA ones are chosen where they apply."""
+    return True
 
 
-def block_forward(q, k, v, causal: bool, scale: float):
+def block_forward(q, k, v, causal: bool, scale: float, kernel: str = "auto"):
     """(out, lse fp32) of one block; k/v may have fewer heads (grouped-query attention)."""
-    if q.device.type != "cpu":
-        raise NotImplementedError(
-            "context parallelism's block kernel is implemented for CPU only in this version")
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, scale=scale)
+    return kernels.IMPLEMENTATIONS[kernels.choose(q, kernel)][0](q, k, v, causal, scale)
 
 
-def block_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+def block_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float,
+                   kernel: str = "auto"):
+    return kernels.IMPLEMENTATIONS[kernels.choose(q, kernel)][1](grad_out, q, k, v, out, lse,
+                                                                 causal, scale)
 
 
 def _rows(t: torch.Tensor, lo: int, hi: int, chunk: int) -> torch.Tensor:
@@ -75,24 +74,25 @@ class _Accumulator:
         lse.sub_(torch.nn.functional.logsigmoid(lse - lse_b))
 
 
-def _forward_block(acc, q, kv, calls, chunk, scale, counter):
+def _forward_block(acc, q, kv, calls, chunk, scale, counter, kernel="auto"):
     for call in calls:
         rows = slice(call.q0 * chunk, call.q1 * chunk)
         out_b, lse_b = block_forward(_rows(q, call.q0, call.q1, chunk),
                                      _rows(kv[0], call.k0, call.k1, chunk),
-                                     _rows(kv[1], call.k0, call.k1, chunk), call.causal, scale)
+                                     _rows(kv[1], call.k0, call.k1, chunk), call.causal, scale,
+                                     kernel)
         acc.add(rows, out_b, lse_b)
         if counter is not None:
             counter.append(call.score_pairs(chunk) * q.shape[0] * q.shape[1])
 
 
-def _backward_block(dq, dkv, grad_out, q, kv, out, lse, calls, chunk, scale):
+def _backward_block(dq, dkv, grad_out, q, kv, out, lse, calls, chunk, scale, kernel="auto"):
     for call in calls:
         qr = slice(call.q0 * chunk, call.q1 * chunk)
         kr = slice(call.k0 * chunk, call.k1 * chunk)
         g_q, g_k, g_v = block_backward(
             grad_out[:, :, qr], q[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr], out[:, :, qr],
-            lse[:, :, qr], call.causal, scale)
+            lse[:, :, qr], call.causal, scale, kernel)
         dq[:, :, qr] += g_q
         dkv[0][:, :, kr] += g_k
         dkv[1][:, :, kr] += g_v
@@ -101,11 +101,13 @@ def _backward_block(dq, dkv, grad_out, q, kv, out, lse, calls, chunk, scale):
 class ContextAttention(torch.autograd.Function):
     """softmax(QKᵀ·scale, causal over the true positions)·V for the local queries.
 
-    q: (b, heads, 2c, d); k, v: (b, kv_heads, 2c, d), this rank's two chunks.
+    q: (b, heads, 2c, d); k, v: (b, kv_heads, 2c, d), this rank's two chunks. `kernel` picks
+    the block kernel (kernels.py: auto, fused, flash or portable).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group: Group, layout: str, scheme: str, counter):
+    def forward(ctx, q, k, v, group: Group, layout: str, scheme: str, counter,
+                kernel: str = "auto"):
         cp, rank = group.size, group.rank
         chunk, scale = q.shape[2] // 2, q.shape[-1] ** -0.5
         kv = torch.stack([k, v])  # one message per transfer
@@ -118,7 +120,7 @@ class ContextAttention(torch.autograd.Function):
                     handles = comm.batch_p2p([P2P("send", held, (rank + 1) % cp),
                                               P2P("recv", incoming, (rank - 1) % cp)], group)
                 _forward_block(acc, q, held, block_calls(layout, cp, rank, src), chunk, scale,
-                               counter)
+                               counter, kernel)
                 if step < cp - 1:
                     for h in handles:
                         h.wait()
@@ -129,11 +131,12 @@ class ContextAttention(torch.autograd.Function):
             comm.all_gather(gathered.view(-1), kv.reshape(-1), group)
             for src in ring_sources(cp, rank):
                 _forward_block(acc, q, gathered[src], block_calls(layout, cp, rank, src), chunk,
-                               scale, counter)
+                               scale, counter, kernel)
             saved_kv = gathered
         out = acc.out.to(q.dtype)
         ctx.save_for_backward(q, saved_kv, out, acc.lse)
         ctx.group, ctx.layout, ctx.scheme, ctx.kv_dtype = group, layout, scheme, k.dtype
+        ctx.kernel = kernel
         return out
 
     @staticmethod
@@ -146,19 +149,19 @@ class ContextAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         if ctx.scheme == "ring":
             dkv = _ring_backward(dq, grad_out, q, saved_kv, out, lse, group, layout, chunk,
-                                 scale)
+                                 scale, ctx.kernel)
         else:
             grads = torch.zeros(saved_kv.shape, dtype=torch.float32, device=q.device)
             for src in ring_sources(cp, rank):
                 _backward_block(dq, grads[src], grad_out, q, saved_kv[src], out, lse,
-                                block_calls(layout, cp, rank, src), chunk, scale)
+                                block_calls(layout, cp, rank, src), chunk, scale, ctx.kernel)
             dkv = torch.empty(saved_kv.shape[1:], dtype=torch.float32, device=q.device)
             comm.reduce_scatter(dkv.view(-1), grads.view(-1), group)
         dkv = dkv.to(ctx.kv_dtype)
-        return dq.to(q.dtype), dkv[0], dkv[1], None, None, None, None
+        return dq.to(q.dtype), dkv[0], dkv[1], None, None, None, None, None
 
 
-def _ring_backward(dq, grad_out, q, kv, out, lse, group, layout, chunk, scale):
+def _ring_backward(dq, grad_out, q, kv, out, lse, group, layout, chunk, scale, kernel):
     """K/V go round again; each block's fp32 dK/dV accumulator follows it, home at the end."""
     cp, rank = group.size, group.rank
     held, kv_handles, acc_handles, incoming_acc = kv, [], [], None
@@ -169,7 +172,7 @@ def _ring_backward(dq, grad_out, q, kv, out, lse, group, layout, chunk, scale):
                                          P2P("recv", incoming, (rank - 1) % cp)], group)
         block = torch.zeros(held.shape, dtype=torch.float32, device=held.device)
         _backward_block(dq, block, grad_out, q, held, out, lse,
-                        block_calls(layout, cp, rank, src), chunk, scale)
+                        block_calls(layout, cp, rank, src), chunk, scale, kernel)
         if incoming_acc is not None:  # what the earlier ranks added to this block's grads
             for h in acc_handles:
                 h.wait()
