@@ -102,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ZeRO-2/3 reduce-scatter once per step or per micro-batch; auto "
                     "(default; with --config, the config's parallel.grad_sync): per "
                     "micro-batch where the step is at most 2%% slower")
+    ft = ap.add_argument_group("fine-tuning")
+    ft.add_argument("--lora-rank", type=int, default=0,
+                    help="plan LoRA of this rank on a frozen base (0: full training)")
+    ft.add_argument("--lora-base", default="none", choices=("none", "nf4", "int8"),
+                    help="how the frozen base is stored (nf4: QLoRA)")
+    ft.add_argument("--lora-targets",
+                    default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                    help="the linears with adapters (comma list, or all-linear)")
     out = ap.add_argument_group("output")
     out.add_argument("--json", nargs="?", const="-", metavar="PATH",
                      help="write JSON (to stdout without a PATH)")
@@ -113,7 +121,20 @@ def _workload_options(args) -> dict:
     return {"optimizer": args.optimizer, "grad_dtype_bytes": args.grad_dtype_bytes,
                 "fp32_grad_accum": args.fp32_grad_accum, "flash": not args.math_attention,
                 "dropout": args.dropout, "causal_flops": args.causal_flops,
-                **({"grad_sync": args.grad_sync} if args.grad_sync else {})}
+                **({"grad_sync": args.grad_sync} if args.grad_sync else {}),
+                **_lora_options(args)}
+
+
+def _lora_options(args) -> dict:
+    """--lora-rank/--lora-base/--lora-targets as Workload fields (plan/lora.py)."""
+    if args.lora_rank < 0:
+        raise ConfigError(f"--lora-rank {args.lora_rank} must be >= 0 (0: full training)")
+    if args.lora_rank == 0:
+        if args.lora_base != "none":
+            raise ConfigError(f"--lora-base {args.lora_base} needs --lora-rank R > 0")
+        return {}
+    return {"lora_rank": args.lora_rank, "lora_base": args.lora_base,
+            "lora_targets": args.lora_targets}
 
 
 def _emit_json(args, payload: dict) -> None:

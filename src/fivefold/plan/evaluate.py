@@ -182,9 +182,11 @@ def plan_layout(work: Workload, layout: Layout, hw: Hardware, assume: Assumption
         cpu_bytes=cpu,
         memory_limit=hw.memory_bytes,
         bytes_per_param=bpp.describe(layout.zero, layout.dp * layout.cp),
-        model_flops=model_flops_per_token(work.model, work.seq_len, work.causal_flops) * tokens,
-        hardware_flops=hardware_flops_per_token(work.model, work.seq_len, layout.recompute,
-                                                work.causal_flops) * tokens,
+        model_flops=_model_flops(work) * tokens,
+        hardware_flops=(hardware_flops_per_token(work.model, work.seq_len, layout.recompute,
+                                                 work.causal_flops)
+                        - model_flops_per_token(work.model, work.seq_len, work.causal_flops)
+                        + _model_flops(work)) * tokens,
         ledger=ledger_volume(work, layout, 0),
         wire=wire_volume(work, layout, 0),
         time=step_time(work, layout, hw, assume),
@@ -193,3 +195,13 @@ def plan_layout(work: Workload, layout: Layout, hw: Hardware, assume: Assumption
         context=(work, hw, assume),
         grad_sync=work.grad_sync,
     )
+
+
+def _model_flops(work: Workload) -> float:
+    """Training FLOPs per token: full training, or LoRA's frozen base (plan/lora.py)."""
+    if work.lora_rank:
+        from fivefold.plan.lora import lora_flops_per_token
+
+        return lora_flops_per_token(work.model, work.seq_len, work.lora_rank,
+                                    work.lora_targets, work.causal_flops)
+    return model_flops_per_token(work.model, work.seq_len, work.causal_flops)

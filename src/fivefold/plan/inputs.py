@@ -184,6 +184,11 @@ def training_plan_inputs(cfg: fconfig.Config, hw=None, assume=None,
     par, tr = cfg.parallel, cfg.train
     precision = "bf16" if tr.precision == "auto" else tr.precision
     workload_options.setdefault("grad_sync", getattr(par, "grad_sync", "step"))
+    lora = getattr(cfg, "lora", None)
+    if lora is not None and lora.rank > 0:  # a frozen base with adapters (plan/lora.py)
+        workload_options.setdefault("lora_rank", lora.rank)
+        workload_options.setdefault("lora_base", lora.base)
+        workload_options.setdefault("lora_targets", lora.targets)
     work = Workload(model=training_model(cfg), seq_len=tr.seq_len, gbs=tr.gbs,
                     precision=precision, bucket_mb=par.bucket_mb,
                     buckets_in_flight=par.buckets_in_flight, **workload_options)

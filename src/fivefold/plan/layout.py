@@ -115,6 +115,9 @@ class Workload:
     grad_sync: str = "step"  # ZeRO-2/3 gradient reduce-scatter once per "step" or "microbatch"
     bucket_mb: float = 25.0
     buckets_in_flight: int = 2  # ZeRO-2/3 gradient buckets alive at once (parallel/data.py)
+    lora_rank: int = 0  # > 0: a frozen base with LoRA adapters of this rank (plan/lora.py)
+    lora_base: str = "none"  # the frozen base's storage: none (compute dtype) | nf4 | int8
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
     @property
     def dtype_bytes(self) -> int:

@@ -179,7 +179,8 @@ def model_state_bytes(model: ModelConfig, *, tp: int = 1, pp: int = 1, dp: int =
                       grad_dtype_bytes: int | None = None, fp32_grad_accum: bool = False,
                       pp_rank: int = 0, schedule: str = "1f1b",
                       virtual_stages: int = 1, pp_split: str = "even",
-                      pp_layers: tuple[int, ...] = ()) -> ModelStates:
+                      pp_layers: tuple[int, ...] = (), lora_rank: int = 0,
+                      lora_base: str = "none", lora_targets: str = "") -> ModelStates:
     """Model-state bytes held by one rank between steps (pipeline rank `pp_rank`): its share of
     parameters, gradients, fp32 master weights and optimizer moments. ZeRO shards over the
     dp×cp group (cp ranks hold the same weights); expert states over dp·cp/ep."""
@@ -188,6 +189,13 @@ def model_state_bytes(model: ModelConfig, *, tp: int = 1, pp: int = 1, dp: int =
                     pp_layers=tuple(pp_layers))
     counts = rank_param_counts(model, layout, pp_rank)
     bpp = bytes_per_param(precision, optimizer, grad_dtype_bytes, fp32_grad_accum)
+    if lora_rank:  # a frozen base and trainable adapters (plan/lora.py)
+        from fivefold.plan.lora import DEFAULT_TARGETS, lora_state_items
+
+        return ModelStates(**lora_state_items(
+            model, layout, pp_rank, bpp, 4 if precision == "fp32" else 2,
+            counts["dense"] + counts["expert"], lora_rank, lora_targets or DEFAULT_TARGETS,
+            lora_base), layout=bpp)
     return shard_model_states(counts["dense"], bpp, zero, dp * cp, offload,
                               counts["expert"], max(dp * cp // ep, 1))
 
@@ -216,7 +224,13 @@ def dp_comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
     k = work.buckets_in_flight
     counts = rank_param_counts(mc, layout, rank)
     if layout.zero == 2:
-        return min(k * work.bucket_mb * 1e6, (counts["dense"] + counts["expert"]) * bpp.grad)
+        grads = counts["dense"] + counts["expert"]
+        if work.lora_rank:  # only the adapters have gradients (plan/lora.py)
+            from fivefold.plan.lora import lora_param_split
+
+            grads = lora_param_split(mc, layout, rank, work.lora_rank, work.lora_targets,
+                                     grads)["adapters"]
+        return min(k * work.bucket_mb * 1e6, grads * bpp.grad)
     per_layer = sum(layer_param_counts(mc, layout.tp, layout.ep).values())
     vocab = mc.vocab_size * mc.hidden_size / layout.tp
     norm = (1 if mc.norm == "rmsnorm" else 2) * mc.hidden_size
@@ -276,6 +290,12 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
     shards = layout.dp * layout.cp
     states = shard_model_states(counts["dense"], bpp, layout.zero, shards, layout.offload,
                                 counts["expert"], max(shards // layout.ep, 1))
+    if work.lora_rank:  # a frozen base and trainable adapters (plan/lora.py)
+        from fivefold.plan.lora import lora_state_items
+
+        states = ModelStates(**lora_state_items(
+            mc, layout, rank, bpp, work.dtype_bytes, counts["dense"] + counts["expert"],
+            work.lora_rank, work.lora_targets, work.lora_base), layout=bpp)
     act = act or _activations(work, layout)
     head = stage(mc, layout, rank)[2]
     inflight = inflight_microbatches(layout, m, rank)

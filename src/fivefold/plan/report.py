@@ -7,6 +7,7 @@ import dataclasses
 from fivefold.plan.evaluate import LayoutPlan
 from fivefold.plan.hardware import GIB, Assumptions, Hardware
 from fivefold.plan.layout import Workload, bubble_ratio
+from fivefold.plan.lora import describe_lora
 from fivefold.plan.memory import MEMORY_ITEMS
 from fivefold.plan.search import SearchResult
 from fivefold.text import count, params
@@ -40,7 +41,8 @@ def describe_workload(work: Workload, hw: Hardware, num_gpus: int) -> str:
             f"gbs {work.gbs} seqs ({params(work.tokens_per_step)} tokens), "
             f"{work.precision}, {work.optimizer}, "
             f"{'flash' if work.flash else 'math'} attention — {num_gpus} × {hw.name} "
-            f"({hw.memory_gib:g} GiB, {hw.gpus_per_node}/node)" + describe_moe(mc))
+            f"({hw.memory_gib:g} GiB, {hw.gpus_per_node}/node)" + describe_moe(mc)
+            + describe_lora(work))
 
 
 def describe_moe(mc) -> str:

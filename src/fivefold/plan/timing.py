@@ -162,7 +162,11 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     # (parallel/context/: it keeps only O(s) tensors, and a re-run would repeat its transfers).
     selective = attn if lay.cp == 1 else 0.0
     recompute = {"full": layers_fwd, "selective": selective}.get(lay.recompute, 0.0)
-    backward = 2 * (gemm + elem + head_time) + attn * (2.5 if work.flash else 2.0) + recompute
+    # A frozen base (LoRA, plan/lora.py) runs no weight-gradient GEMMs: its backward is the
+    # input-gradient GEMM alone (the adapters' rank-r GEMMs are thin and left out).
+    weight_passes = 1 if work.lora_rank else 2
+    backward = (weight_passes * (gemm + head_time) + 2 * elem
+                + attn * (2.5 if work.flash else 2.0) + recompute)
     return RankCompute(forward, backward, recompute, attn, gemm)
 
 

@@ -94,7 +94,9 @@ def planned_model_states(trainer: Trainer) -> dict[str, float]:
     states = model_state_bytes(
         trainer.model_cfg, tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep, zero=par.zero,
         offload=par.offload, precision=trainer.precision, pp_rank=trainer.dims.pp_rank,
-        schedule=par.schedule, virtual_stages=par.virtual_stages)
+        schedule=par.schedule, virtual_stages=par.virtual_stages,
+        lora_rank=trainer.cfg.lora.rank, lora_base=trainer.cfg.lora.base,
+        lora_targets=trainer.cfg.lora.targets)
     return {k: getattr(states, k) for k in STATE_ITEMS}
 
 
