@@ -139,9 +139,8 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
             n = math.prod(getattr(p, "_full_shape", p.shape))
             total += n
             trainable += n if p.requires_grad else 0
-        logical = getattr(m, "logical_numel", None)
-        if callable(logical):
-            total += logical()
+        if hasattr(m, "quantized_bytes"):  # a quantised base (quant/linear.py): its weights
+            total += m.in_features * m.out_features
     return trainable, total
 
 
