@@ -4,6 +4,7 @@
     fivefold plan --model llama-3.1-70b --gpus 64 --layout tp=8,pp=2,zero=1,recompute=selective
     fivefold plan --config train.toml            # fits? before launch (exit 1 if not)
     fivefold plan ... --json out.json --plot plots/
+    fivefold plan --serve --model llama-3.1-8b --context 2048 --output 256   # plan/serve.py
 
 Errors are one line on stderr with exit code 2.
 """
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                      f"with its defaults: {', '.join(CONVENTIONS)} (flags still override)")
     src.add_argument("--params", type=float, help="plan a model from its parameter count "
                      "(e.g. 7.5e9) with a standard GPT-3 shape, instead of --model")
+    src.add_argument("--serve", action="store_true", help="plan serving instead: KV blocks, "
+                     "concurrent sequences, decode roofline (fivefold plan --serve --help)")
     run = ap.add_argument_group("whole run")
     run.add_argument("--tokens", type=float, help="training budget in tokens (e.g. 15e12): "
                      "days, GPU-hours and, with --hw price_per_gpu_hour=..., cost")
@@ -187,6 +190,10 @@ def _run_cost(args, work, plan, assume):
 
 
 def run(argv: list[str]) -> int:
+    if "--serve" in argv:  # its own options (plan/serve.py)
+        from fivefold.plan.serve import run as run_serve
+
+        return run_serve(argv)
     args, extra = build_parser().parse_known_args(argv)
     if args.list_gpus:
         for name, h in CATALOG.items():

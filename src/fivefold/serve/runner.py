@@ -47,17 +47,15 @@ class ModelRunner:
                 decode_tables.append(table)
                 decode_lens.append(start + 1)
             else:
-                context = (None if start == 0 else
-                           self._tensor(self.cache.block_slots(table, start + num_new)))
+                context = None if start == 0 else self._tensor(table)
                 prefills.append(Prefill(begin, begin + num_new, start, context))
             if start + num_new == request.num_tokens:
                 samplers.append((request.request_id, len(tokens) - 1))
         batch = PagedBatch(slot_mapping=self._tensor(slots), prefills=prefills)
         if decode_rows:
             width = max(len(t) for t in decode_tables)
-            tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
-            offsets = torch.arange(bs, device=self.device)
-            batch.decode_slots = (tables[:, :, None] * bs + offsets).reshape(len(tables), -1)
+            batch.decode_blocks = self._tensor([t + [0] * (width - len(t))
+                                                for t in decode_tables])
             lens = self._tensor(decode_lens)
             keys = torch.arange(width * bs, device=self.device)
             batch.decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]
