@@ -189,7 +189,13 @@ def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
             writer.write(rec)
             progress.update(rec)
             if planned and len(records) == 1:
-                progress.message(compare_states(planned, trainer.optimizer.memory_bytes()))
+                measured = trainer.optimizer.memory_bytes()
+                if trainer.lora:  # the frozen base: model state the optimizer does not hold
+                    from fivefold.finetune.attach import frozen_state
+                    from fivefold.parallel.buffers import storage_bytes
+
+                    measured["params"] += storage_bytes(frozen_state(trainer.model.chunks))
+                progress.message(compare_states(planned, measured))
                 if trainer.device.type == "cuda":
                     want = sum(peak.values())
                     progress.message(f"peak allocated, planned/measured MiB: {want / 2**20:.1f}"
