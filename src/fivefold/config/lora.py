@@ -84,6 +84,9 @@ def check_lora(cfg) -> None:
     if lo.base != "none" and par.tp > 1:
         raise ConfigError(f"lora.base = {lo.base} with parallel.tp = {par.tp} is not "
                           f"supported yet; use lora.base = none or parallel.tp = 1")
+    if lo.dropout > 0 and par.tp > 1:  # each tp rank would draw its own mask of one input
+        raise ConfigError(f"lora.dropout = {lo.dropout} with parallel.tp = {par.tp} is not "
+                          f"supported (the ranks' masks would differ); use lora.dropout = 0")
     if par.ep > 1 or par.cp > 1:
         raise ConfigError("lora.rank > 0 runs with parallel.ep = 1 and parallel.cp = 1 for "
                           "now; set them to 1")
