@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -59,8 +60,18 @@ from fivefold.train.manifest import (  # noqa: F401 - verify_step is this module
     write_manifest,
 )
 
-SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-              "num_kv_heads", "head_dim", "tie_embeddings", "qkv_bias", "mlp", "norm")
+# Every ModelConfig field that decides which tensors the model has or their shapes
+# (tests/test_checkpoint_refusal.py changes each field of ModelConfig and checks this list).
+PARAMETER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "tie_embeddings", "qkv_bias", "qk_norm",
+                  "qk_norm_whole", "mlp", "norm", "num_experts", "moe_intermediate_size",
+                  "moe_layer_freq", "moe_first_dense", "shared_expert_intermediate_size",
+                  "shared_expert_gate")
+
+
+class ModelMismatch(ConfigError):
+    """A checkpoint of another model: a bad input (exit 2), never a reason to fall back to an
+    older step of the same directory."""
 
 
 @dataclass
@@ -126,24 +137,38 @@ class _ChunkedLoadPlanner(DefaultLoadPlanner):
         self.parts = {(key, tuple(off)): t for key, c in chunked.items() for off, t in c.parts}
 
     def create_local_plan(self):
+        """This rank's reads; a tensor the checkpoint lacks, or holds in another shape than
+        the model's logical one, is a ModelMismatch (no box of a larger tensor is read)."""
         plan = super().create_local_plan()
         items = []
         for key, c in self.chunked.items():
             saved = self.metadata.state_dict_metadata.get(key)
             if not isinstance(saved, TensorStorageMetadata):
-                raise ConfigError(f"checkpoint {self.path} has no tensor {key}: it holds "
-                                  f"another model; use a checkpoint of this model")
-            local = []
-            for offsets, t in c.parts:
-                if any(o + n > s for o, n, s in zip(offsets, t.shape, saved.size)) or (
-                        len(offsets) != len(saved.size)):
-                    raise ConfigError(f"checkpoint {self.path} holds {key} with shape "
-                                      f"{tuple(saved.size)}, too small for this model's part "
-                                      f"at {tuple(offsets)} of shape {tuple(t.shape)}")
-                local.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.shape))
+                raise ModelMismatch(f"checkpoint {self.path} has no tensor {key}: it holds "
+                                    f"another model; use a checkpoint of this model")
+            if tuple(saved.size) != tuple(c.size):
+                raise ModelMismatch(f"checkpoint {self.path} holds {key} with shape "
+                                    f"{tuple(saved.size)}, but this model's is {tuple(c.size)};"
+                                    f" use a checkpoint of this model")
+            local = [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.shape)
+                     for offsets, t in c.parts]
             items += create_read_items_for_chunk_list(key, saved, local)
         self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
         return self.plan
+
+    def create_global_plan(self, global_plan):
+        """On the coordinator, with every rank's reads: each saved tensor must be read by
+        some rank, so a checkpoint holding more than the model (another expert count, q/k
+        norms the model lacks) is refused, not loaded in part."""
+        read = {_logical(item.dest_index.fqn) for plan in global_plan for item in plan.items}
+        read |= {_logical(key) for key in self.chunked}
+        for key, saved in sorted(self.metadata.state_dict_metadata.items()):
+            if (isinstance(saved, TensorStorageMetadata) and "/" in key
+                    and _logical(key) not in read):
+                raise ModelMismatch(f"checkpoint {self.path} holds {key} of shape "
+                                    f"{tuple(saved.size)}, which this model does not have; "
+                                    f"use a checkpoint of this model")
+        return super().create_global_plan(global_plan)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         part = self.parts.get((index.fqn, tuple(index.offset or ())))
@@ -151,6 +176,16 @@ class _ChunkedLoadPlanner(DefaultLoadPlanner):
             peak.sample("checkpoint load")
             return part
         return super().lookup_tensor(index)
+
+
+def _logical(key: str) -> str:
+    """The tensor a key is about: `model/N` and `optim/N/exp_avg` are both N (an fp32 load
+    reads the master copy, not `model/N`); `buffer/N` stays itself."""
+    if key.startswith("model/"):
+        return key.removeprefix("model/")
+    if key.startswith("optim/"):
+        return key.removeprefix("optim/").rsplit("/", 1)[0]
+    return key
 
 
 def _fsync(path: Path) -> None:
@@ -227,16 +262,21 @@ def resolve(root: str, resume: str) -> Path | None:
     return found[0] if found else None
 
 
-def ensure_intact(path: Path, fix: str = "checkpoint.resume") -> None:
-    """Raise a one-line ConfigError when the step directory fails its manifest check."""
-    problem = verify_step(path) if (Path(path) / "meta.json").is_file() else None
+def ensure_intact(path: Path, fix: str = "checkpoint.resume", strict: bool | None = None
+                  ) -> None:
+    """Raise a one-line ConfigError when the step directory fails its manifest check.
+    `strict`: a step without a manifest listing every file fails it too; by default it is
+    for the commands that name a step with --checkpoint (generate, convert: they refuse an
+    incomplete step) and not for training (which falls back to the step before)."""
+    strict = fix == "--checkpoint" if strict is None else strict
+    problem = verify_step(path, strict) if (Path(path) / "meta.json").is_file() else None
     if problem:
-        raise ConfigError(damaged_message(path, problem, fix))
+        raise ConfigError(damaged_message(path, problem, fix, strict))
 
 
-def read_meta(path: Path, fix: str = "checkpoint.resume") -> dict:
+def read_meta(path: Path, fix: str = "checkpoint.resume", strict: bool | None = None) -> dict:
     """The step's meta.json, after checking every file of the step against its manifest."""
-    ensure_intact(path, fix)
+    ensure_intact(path, fix, strict)
     meta_file = Path(path) / "meta.json"
     if not meta_file.is_file():
         raise ConfigError(f"{path} has no meta.json: it is not a fivefold checkpoint (or its "
@@ -252,13 +292,15 @@ def read_meta(path: Path, fix: str = "checkpoint.resume") -> dict:
 
 
 def check_model_shape(meta: dict, model_cfg, path: Path) -> None:
+    """The saved model config against this one, key by key of PARAMETER_KEYS (a key an older
+    save did not record is left to the tensor check of `load`)."""
     saved = meta["model"]
-    for key in SHAPE_KEYS:
+    for key in PARAMETER_KEYS:
         if key in saved and saved[key] != getattr(model_cfg, key):
-            raise ConfigError(
-                f"checkpoint {path} holds a model with {key} = {saved[key]}, but the config "
-                f"asks for {getattr(model_cfg, key)}; use the checkpoint's model settings or "
-                f"a different checkpoint.dir")
+            raise ModelMismatch(
+                f"checkpoint {path} holds a model with model.{key} = {saved[key]}, but the "
+                f"config asks for {getattr(model_cfg, key)}; use the checkpoint's model "
+                f"settings or a different checkpoint.dir")
 
 
 def save(root: str, step: int, tensors: dict[str, Chunked], trainer_state: dict,
@@ -309,6 +351,17 @@ def retire_old_steps(root: Path, saved_step: int, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _first_failure(exc: BaseException) -> BaseException:
+    """What went wrong inside DCP's CheckpointException (a dict rank -> (exception, stack),
+    the same on every rank): a refusal first, else the lowest rank's; other exceptions are
+    themselves."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return exc
+    causes = [failures[rank][0] for rank in sorted(failures)]
+    return next((c for c in causes if isinstance(c, ConfigError)), causes[0])
+
+
 def load(path: Path, tensors: dict[str, Chunked], trainer_state: dict,
          fix: str = "checkpoint.resume") -> None:
     """Fill the parts of `tensors` (the boxes this rank owns) and `trainer_state` in place."""
@@ -320,9 +373,13 @@ def load(path: Path, tensors: dict[str, Chunked], trainer_state: dict,
                      planner=_ChunkedLoadPlanner(tensors, Path(path)))
         except ConfigError:
             raise
-        except Exception as e:  # a step saved before manifests, damaged: still one line
-            first = str(e).strip().splitlines()
-            why = f"reading it failed ({type(e).__name__}: {first[-1] if first else ''})"
+        except (Exception, CheckpointException) as e:  # DCP's wrapper reaches every rank
+            cause = _first_failure(e)
+            if isinstance(cause, ConfigError):  # a planner's refusal (ModelMismatch)
+                raise cause.with_traceback(None) from None
+            # a step saved before manifests, damaged: still one line
+            first = str(cause).strip().splitlines()
+            why = f"reading it failed ({type(cause).__name__}: {first[-1] if first else ''})"
             raise ConfigError(damaged_message(path, why[:300], fix)) from e
     trainer_state.update(state["trainer"])
     rng = Path(path) / f"rng_rank{_rank()}.pt"
@@ -333,28 +390,54 @@ def load(path: Path, tensors: dict[str, Chunked], trainer_state: dict,
 def load_model_for_inference(path: str):
     """(model, model_cfg, tokenizer_spec) from a checkpoint directory, on CPU in fp32.
 
-    `path` may be a step_* directory or a checkpoint root holding a `latest` pointer.
+    `path` may be a step_* directory or a checkpoint root holding a `latest` pointer. The
+    step must be complete (a manifest listing every file, each matching it) and hold exactly
+    the model its meta.json describes; anything else is one ConfigError line.
     """
     from fivefold.models.init import build_meta
-    from fivefold.models.presets import ModelConfig
+    from fivefold.models.presets import MODEL_FIELDS, ModelConfig
 
     p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"--checkpoint {p} does not exist; give a step_* directory or a "
+                          f"checkpoint.dir holding a `latest` pointer")
     if (p / "latest").is_file():
-        p = p / (p / "latest").read_text().strip()
+        named = (p / "latest").read_text().strip()
+        if not (p / named).is_dir():
+            raise ConfigError(f"{p / 'latest'} names {named!r}, which is not in {p}; give a "
+                              f"step_* directory as --checkpoint")
+        p = p / named
     meta = read_meta(p, fix="--checkpoint")
+    unknown = sorted(set(meta["model"]) - set(MODEL_FIELDS))
+    if unknown:
+        raise ConfigError(f"{p / 'meta.json'} describes a model with {unknown[0]}, which this "
+                          f"fivefold does not know; load it with the version that saved it")
     model_cfg = ModelConfig(**meta["model"])
     model = build_meta(model_cfg)
     model.to_empty(device="cpu")
+    load(p, inference_parts(model), {}, fix="--checkpoint")
+    from fivefold.models.llama import Rotary, rope_inv_freq
+
+    for module in model.modules():
+        if isinstance(module, Rotary):
+            module.inv_freq = rope_inv_freq(module.cfg)
+    return model.eval(), model_cfg, meta.get("tokenizer", "byte")
+
+
+def inference_parts(model) -> dict[str, Chunked]:
+    """Every weight and persistent buffer of a whole (unsplit) model as the checkpoint names
+    them: stacked expert weights one expert a key, buffers (the MoE router's expert bias)
+    under `buffer/`."""
     from fivefold.parallel.expert import expert_param_ids
     from fivefold.parallel.shards import expert_key
 
-    experts = expert_param_ids([model])  # stacked expert weights are saved one expert a key
+    experts = expert_param_ids([model])
     stacked = {n for n, t in model.named_parameters() if id(t) in experts}
     params = {n for n, _ in model.named_parameters()}
     tensors = {}
     for n, t in model.state_dict().items():
         t = t.detach()
-        if n not in params:  # a persistent buffer (the MoE router's expert bias)
+        if n not in params:
             tensors[f"buffer/{n}"] = Chunked(tuple(t.shape), [((0,) * t.dim(), t)])
         elif n in stacked:
             tensors.update({f"model/{expert_key(n, j)}": Chunked(tuple(t.shape[1:]),
@@ -362,10 +445,4 @@ def load_model_for_inference(path: str):
                             for j in range(t.shape[0])})
         else:
             tensors[f"model/{n}"] = Chunked(tuple(t.shape), [((0,) * t.dim(), t)])
-    load(p, tensors, {}, fix="--checkpoint")
-    from fivefold.models.llama import Rotary, rope_inv_freq
-
-    for module in model.modules():
-        if isinstance(module, Rotary):
-            module.inv_freq = rope_inv_freq(module.cfg)
-    return model.eval(), model_cfg, meta.get("tokenizer", "byte")
+    return tensors

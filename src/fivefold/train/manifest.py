@@ -4,7 +4,10 @@ The save writes `manifest.json` last, just before the step directory is publishe
 and sha256 of every file in it (shards, metadata, RNG states, meta.json), whatever the shard
 files are called. Loading checks sizes first (a truncated shard after a full disk), then
 checksums (random bytes over a shard would otherwise load as garbage weights and train into
-NaN). A step written before manifests existed is checked for its meta.json only.
+NaN). A step without a manifest, or with one that does not list every file beside it, is
+incomplete for `fivefold generate` and `convert` (`strict`): nothing vouches for its bytes.
+Training stays lenient there (a step written before manifests existed is checked for its
+meta.json only; a damaged one fails to load and the run falls back to the step before it).
 
 This module imports no torch, so a check is cheap to call from anywhere.
 """
@@ -48,11 +51,12 @@ def write_manifest(step_path: str | os.PathLike) -> None:
     os.replace(tmp, step_path / MANIFEST)
 
 
-def verify_step(path: str | os.PathLike) -> str | None:
+def verify_step(path: str | os.PathLike, strict: bool = False) -> str | None:
     """What is wrong with the checkpoint step directory `path`, or None when it is whole.
 
     The answer is a short phrase for a one-line error, e.g. "__0_0.distcp is 5000000 bytes
-    but 6140416 were written (truncated)".
+    but 6140416 were written (truncated)". `strict`: a missing manifest, or a file the
+    manifest does not list, is a problem too (see the module docstring).
     """
     p = Path(path)
     if not p.is_dir():
@@ -61,12 +65,21 @@ def verify_step(path: str | os.PathLike) -> str | None:
         return "it has no meta.json (its save did not finish)"
     manifest = p / MANIFEST
     if not manifest.is_file():
-        return None  # saved before manifests existed: nothing more to compare against
+        # Without strict: saved before manifests existed, nothing more to compare against.
+        return (f"it is incomplete: it has no {MANIFEST}, so nothing vouches for its files"
+                if strict else None)
     try:
         files = json.loads(manifest.read_text())["files"]
         expected = {name: (int(e["size"]), str(e["sha256"])) for name, e in files.items()}
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         return f"its {MANIFEST} is garbled"
+    if strict:
+        unlisted = [f.relative_to(p).as_posix() for f in sorted(p.rglob("*"))
+                    if f.is_file() and f.name != MANIFEST
+                    and f.relative_to(p).as_posix() not in expected]
+        if unlisted:
+            return (f"it is incomplete: its {MANIFEST} does not list {unlisted[0]}"
+                    + (f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""))
     for name, (size, _) in expected.items():
         f = p / name
         if not f.is_file():
@@ -95,23 +108,28 @@ def published_steps(root: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted((n, p) for n, p in found if n is not None)
 
 
-def newest_good(root: str | os.PathLike, before: int | None = None) -> Path | None:
+def newest_good(root: str | os.PathLike, before: int | None = None,
+                strict: bool = False) -> Path | None:
     """The newest step directory under `root` that passes `verify_step`, among the steps
     numbered below `before` when given (the ones a run could fall back to)."""
     for step, path in reversed(published_steps(root)):
-        if (before is None or step < before) and verify_step(path) is None:
+        if (before is None or step < before) and verify_step(path, strict) is None:
             return path
     return None
 
 
-def damaged_message(path: str | os.PathLike, problem: str, fix: str) -> str:
+def damaged_message(path: str | os.PathLike, problem: str, fix: str,
+                    strict: bool = False) -> str:
     """One line: which step is bad, why, and the newest good one to use instead.
 
     `fix` names where to put that path, e.g. "checkpoint.resume" or "--checkpoint"."""
     p = Path(path)
     m = STEP_NAME.match(p.name)
-    good = newest_good(p.parent, before=int(m.group(1)) if m else None)
+    good = newest_good(p.parent, before=int(m.group(1)) if m else None, strict=strict)
+    state = "damaged"
+    if problem.startswith("it is incomplete: "):
+        state, problem = "incomplete", problem.removeprefix("it is incomplete: ")
     if good is not None:
-        return (f"checkpoint {p} is damaged: {problem}; the newest good one before it is "
+        return (f"checkpoint {p} is {state}: {problem}; the newest good one before it is "
                 f"{good} (give it as {fix})")
-    return f"checkpoint {p} is damaged: {problem}; no good checkpoint precedes it"
+    return f"checkpoint {p} is {state}: {problem}; no good checkpoint precedes it"
