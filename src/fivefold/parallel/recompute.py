@@ -7,6 +7,16 @@
 
 The wrapped module keeps its parameter names: only its `forward` is replaced.
 
+    auto       a policy per layer, chosen under `train.memory_budget_gib` by
+               plan/recompute_plan.py: none, selective, or the whole block checkpointed while
+               the outputs of some of its operators are kept (`LayerPolicy.kept`: q, k, v,
+               core, o, gate, up, down), through torch's selective activation checkpointing
+               (`create_selective_checkpoint_contexts`, as torchtitan's per-op policy). An
+               operator is known by the module that runs it: hooks on the block's
+               projections and attention core name the operator running now, and the policy
+               keeps the output of a matrix product or attention kernel run under a kept
+               name; everything else (norms, RoPE, SiLU, products, adds) is recomputed.
+
 A recomputed region that communicates (expert parallelism's all-to-alls) should not send
 again what it already received: each checkpointed call carries a `ReplayTape`. In the first
 forward a communicating layer pushes what it received onto the tape; when backward runs the
@@ -21,13 +31,17 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from fivefold.models.llama import AttentionCore, Block
 from fivefold.parallel import peak
 from fivefold.parallel.memory import note_kept
 
-MODES = ("none", "selective", "full")
+MODES = ("none", "selective", "full", "auto")
 
 
 class ReplayTape:
@@ -56,7 +70,7 @@ def replay_tape() -> ReplayTape | None:
     return _TAPE.get()
 
 
-def _checkpointed(forward):
+def _checkpointed(forward, context_fn=None):
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
@@ -77,14 +91,104 @@ def _checkpointed(forward):
                 _TAPE.reset(token)
                 tape.replaying, tape.position = True, 0
 
-        return checkpoint(taped, *args, use_reentrant=False, **kwargs)
+        if context_fn is None:
+            return checkpoint(taped, *args, use_reentrant=False, **kwargs)
+        made = []
+
+        def contexts():
+            made.append(context_fn())
+            return made[-1]
+
+        out = checkpoint(taped, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        cached = _cached_outputs(made[0][0].storage)
+        note_kept(*cached)
+        if peak.active():  # weakly: alive exactly as long as the checkpoint's cache keeps them
+            for t in cached:
+                peak.track(t)
+        return out
 
     return run
 
 
-def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
+# --- per-operator selective checkpointing (auto) -------------------------------------------
+OP_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+              "core": "self_attn.core", "o": "self_attn.o_proj", "gate": "mlp.gate_proj",
+              "up": "mlp.up_proj", "down": "mlp.down_proj"}
+_aten = torch.ops.aten
+KEEPABLE = {op for op in (
+    _aten.mm.default, _aten.addmm.default,
+    getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+    getattr(_aten, "_scaled_dot_product_flash_attention", None),
+    getattr(_aten, "_scaled_dot_product_efficient_attention", None),
+    getattr(_aten, "_scaled_dot_product_cudnn_attention", None)) if op is not None}
+KEEPABLE = {getattr(op, "default", op) for op in KEEPABLE}
+_SCOPE: list[str] = []  # the named operator running now (its module's hooks push and pop)
+
+
+def _cached_outputs(storage) -> list[torch.Tensor]:
+    """The tensors a selective checkpoint's cache holds (its `_VersionWrapper`s' values)."""
+    out, stack = [], [storage]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(getattr(item, "val", None), torch.Tensor):
+            out.append(item.val)
+    return out
+
+
+def _keep_policy(kept: frozenset):
+    def policy(ctx, func, *args, **kwargs):
+        if _SCOPE and _SCOPE[-1] in kept and func in KEEPABLE:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def _name_operators(block: nn.Module) -> None:
+    for name, path in OP_MODULES.items():
+        try:
+            module = block.get_submodule(path)
+        except AttributeError:
+            continue  # a GeLU MLP has no gate
+        module.register_forward_pre_hook(functools.partial(_enter, name))
+        module.register_forward_hook(_leave)
+
+
+def _enter(name: str, module, args) -> None:
+    _SCOPE.append(name)
+
+
+def _leave(module, args, output) -> None:
+    _SCOPE.pop()
+
+
+def apply_layer_policies(model: nn.Module, policies) -> nn.Module:
+    """recompute = auto: `policies[i]` (a `kind` of none | selective | keep, and the `kept`
+    operators) for the i-th block of `model`, in forward order."""
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    if len(blocks) != len(policies):
+        raise ValueError(f"{len(policies)} recompute policies for {len(blocks)} blocks")
+    for block, policy in zip(blocks, policies):
+        if policy.kind == "selective":
+            block.self_attn.core.forward = _checkpointed(block.self_attn.core.forward)
+        elif policy.kind == "keep" and not policy.kept:
+            block.forward = _checkpointed(block.forward)  # full
+        elif policy.kind == "keep":
+            _name_operators(block)
+            context = functools.partial(create_selective_checkpoint_contexts,
+                                        _keep_policy(frozenset(policy.kept)))
+            block.forward = _checkpointed(block.forward, context)
+    return model
+
+
+def apply_recompute(model: nn.Module, mode: str, policies=None) -> nn.Module:
     if mode not in MODES:
         raise ValueError(f"recompute mode '{mode}' is not one of {', '.join(MODES)}")
+    if mode == "auto":
+        return apply_layer_policies(model, policies or [])
     target = {"selective": AttentionCore, "full": Block}.get(mode)
     if target is None:
         return model

@@ -184,6 +184,7 @@ def training_plan_inputs(cfg: fconfig.Config, hw=None, assume=None,
     par, tr = cfg.parallel, cfg.train
     precision = "bf16" if tr.precision == "auto" else tr.precision
     workload_options.setdefault("grad_sync", getattr(par, "grad_sync", "step"))
+    workload_options.setdefault("memory_budget_gib", getattr(tr, "memory_budget_gib", 0.0))
     lora = getattr(cfg, "lora", None)
     if lora is not None and lora.rank > 0:  # a frozen base with adapters (plan/lora.py)
         workload_options.setdefault("lora_rank", lora.rank)

@@ -22,7 +22,7 @@ from fivefold.plan.split import (
 )
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb", "dualpipev")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "auto")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # Optimizer state bytes per parameter (fp32 moments): Adam m+v 8, SGD momentum 4, 8-bit Adam 2.
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "adamw8bit": 2}
@@ -83,7 +83,8 @@ class Layout:
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         parts += [f"z{self.zero}{'+off' if self.offload else ''}", f"mbs{self.mbs}",
-                  {"none": "rc-none", "selective": "rc-sel", "full": "rc-full"}[self.recompute]]
+                  {"none": "rc-none", "selective": "rc-sel", "full": "rc-full",
+                   "auto": "rc-auto"}[self.recompute]]
         return " ".join(parts)
 
     def _sp_label(self) -> str:
@@ -115,6 +116,7 @@ class Workload:
     grad_sync: str = "step"  # ZeRO-2/3 gradient reduce-scatter once per "step" or "microbatch"
     bucket_mb: float = 25.0
     buckets_in_flight: int = 2  # ZeRO-2/3 gradient buckets alive at once (parallel/data.py)
+    memory_budget_gib: float = 0.0  # recompute = auto: peak allocated bytes per GPU to fit
     lora_rank: int = 0  # > 0: a frozen base with LoRA adapters of this rank (plan/lora.py)
     lora_base: str = "none"  # the frozen base's storage: none (compute dtype) | nf4 | int8
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"

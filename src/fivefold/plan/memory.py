@@ -307,6 +307,11 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
                       for c, n in zip(rank_chunks(layout, rank), chunk_layers)]
     alive = inflight_per_chunk(layout, m, rank, tuple(per_microbatch))
     activations = sum(n * b for n, b in zip(alive, per_microbatch)) + _working_set(work, layout)
+    if layout.recompute == "auto":  # the per-layer choices under the budget
+        from fivefold.plan.recompute_plan import full_layer_activations, plan_rank
+
+        activations += (plan_rank(work, layout, rank, assume).activations
+                        - full_layer_activations(work, layout, rank))
     logits_loss = 0.0
     if head:
         # With one chunk per rank (AFAB, 1F1B, ZB-H1) the head's logits live as long as the
@@ -396,7 +401,9 @@ def allocator_waste(act: ActivationBytes, layer_microbatches: float, head: bool,
 
 
 def _act_kwargs(work: Workload, layout: Layout) -> dict:
-    return {"tp": layout.tp, "sp": layout.sp, "cp": layout.cp, "recompute": layout.recompute,
+    # auto: full recomputation's terms; memory_items replaces its layers' (recompute_plan.py)
+    recompute = "full" if layout.recompute == "auto" else layout.recompute
+    return {"tp": layout.tp, "sp": layout.sp, "cp": layout.cp, "recompute": recompute,
             "dtype_bytes": work.dtype_bytes, "flash": work.flash, "dropout": work.dropout,
             "sp_saves_gathered": layout.sp_saved != "shard", "cp_comm": layout.cp_comm,
             "ep": layout.ep}

@@ -47,7 +47,7 @@ class SearchSpace:
     ep: tuple | None = None
     zero: tuple = (0, 1, 2, 3)
     mbs: tuple | None = None
-    recompute: tuple = RECOMPUTE
+    recompute: tuple = ("none", "selective", "full")  # "auto" when asked (--space)
     schedule: tuple = SCHEDULES
     virtual_stages: tuple = (2, 4, 8)
     sp: tuple = (True,)  # with tp > 1; SP halves nothing in time and saves memory
@@ -227,7 +227,8 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
     fitting_siblings: dict[tuple, int] = {}  # layout without recompute → lowest level fitting
     planned = dropped = bounded = 0
     seen: set[tuple] = set()
-    level = {rc: i for i, rc in enumerate(RECOMPUTE)}
+    # auto (per-layer choices under the budget) is never ruled out by a sibling that fits
+    level = {rc: i for i, rc in enumerate(RECOMPUTE)} | {"auto": -1}
     for pos, (bound, i) in enumerate(order):
         if len(best) >= top and bound >= -best[0][0]:
             bounded = len(order) - pos

@@ -162,6 +162,10 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     # (parallel/context/: it keeps only O(s) tensors, and a re-run would repeat its transfers).
     selective = attn if lay.cp == 1 else 0.0
     recompute = {"full": layers_fwd, "selective": selective}.get(lay.recompute, 0.0)
+    if lay.recompute == "auto":  # the per-layer choices under the budget
+        from fivefold.plan.recompute_plan import recompute_seconds
+
+        recompute = recompute_seconds(work, lay, rank, hw, assume) * scale
     # A frozen base (LoRA, plan/lora.py) runs no weight-gradient GEMMs: its backward is the
     # input-gradient GEMM alone (the adapters' rank-r GEMMs are thin and left out).
     weight_passes = 1 if work.lora_rank else 2

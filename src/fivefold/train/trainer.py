@@ -104,7 +104,13 @@ class Trainer:
         self.lora = lora_enabled(cfg)
         if self.lora:  # adapters first: a model transformation before the parallel ones
             add_adapters(plain, cfg.lora)
-        self.model = parallelize(plain, self.dims, cfg, self.device, self.dtype)
+        self.recompute_policies = None
+        if cfg.train.recompute == "auto":  # per-layer choices under the budget (plan/)
+            from fivefold.plan.recompute_plan import config_plan
+
+            self.recompute_policies = config_plan(cfg, self.precision)
+        self.model = parallelize(plain, self.dims, cfg, self.device, self.dtype,
+                                 recompute_policies=self.recompute_policies)
         if cfg.model.hf_path:
             self._load_hf_weights()
         if self.lora:  # adapter values, lora.init_from, the quantised base (finetune/)

@@ -1,0 +1,373 @@
+"""`train.recompute = "auto"`: the fastest per-layer recomputation that fits a memory budget.
+
+Candidates. Inside a block, the operators worth keeping are the projections and the
+attention core; everything else (norms, RoPE, SiLU, products, residual adds) is elementwise
+and cheap to run again. Per layer the choices are
+    none        keep what autograd saves (`activations.py`, recompute = none)
+    selective   recompute the attention core (Korthikanti et al. 2022, §5)
+    keep S      checkpoint the block, keeping the outputs of the operators in S, a subset of
+                q, k, v, core, o, gate, up, down (torchtitan's per-operator selective
+                checkpointing; `torch.utils.checkpoint.create_selective_checkpoint_contexts`,
+                parallel/recompute.py); S = {} is full recomputation
+Each choice has a saving (the bytes a micro-batch leaves stored between its forward and
+backward, from the same activation model the peak tracker is checked against), a working
+set (what the layer's recomputation brings back during its backward) and a cost (the
+recompute seconds of the planner's per-operator model: GEMMs at the GEMM rate, the attention
+core at the attention rate, the elementwise kernels at HBM bandwidth, as plan/timing.py).
+Dominated choices (more bytes and more time) are dropped: ~10 remain.
+
+The choice. Layers of a pipeline rank weigh by the micro-batches their chunk keeps in flight
+(`inflight_per_chunk`). Minimise Σ cost subject to Σ in_flight·stored + max working ≤ the
+rank's budget for layer activations: a multiple-choice knapsack, solved exactly by a dynamic
+program over the layers (the least seconds within each number of budget units so far; bytes
+rounded up to 1/4096 of the budget, so the plan always fits), once per cap on the working
+set. Checkmate (Jain et al., MLSys 2020) solves the general graph as an integer program;
+over a chain of identical blocks the front stays small.
+
+The budget bounds the peak *allocated* bytes (what the peak tracker and
+`torch.cuda.max_memory_allocated` measure): the rest of the rank (model states, buffers,
+logits) is the planner's, and the layers get what is left. Below full recomputation's peak
+nothing fits: `minimum_budget` says where that is. Costs rank choices at the default
+catalog GPU's rates, so the engine and the planner pick the same plan whatever GPU is
+planned; plan/timing.py charges the chosen plan at the planned GPU's rates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from dataclasses import dataclass
+
+from fivefold.plan.activations import STAT_BYTES, activation_bytes_per_microbatch
+from fivefold.plan.flops import forward_flops_per_token
+from fivefold.plan.hardware import GIB, Assumptions, Hardware
+from fivefold.plan.layout import Layout, Workload, chunk_layer_counts, rank_chunks
+
+OPS = ("q", "k", "v", "core", "o", "gate", "up", "down")
+DEFAULT_GPU = "h100-sxm"
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """One layer's recomputation: kind none | selective | keep (`kept` operators' outputs)."""
+
+    kind: str
+    kept: frozenset = frozenset()
+    stored: float = 0.0  # bytes of one micro-batch kept from forward to backward
+    working: float = 0.0  # bytes its recomputation brings back in backward
+    seconds: float = 0.0  # recompute time per micro-batch
+
+    def label(self) -> str:
+        if self.kind != "keep":
+            return self.kind
+        if not self.kept:
+            return "full"
+        return "keep " + ",".join(op for op in OPS if op in self.kept)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """The choice for every layer of one pipeline rank (in its chunks' order)."""
+
+    choices: tuple[LayerChoice, ...]
+    activations: float  # bytes of the rank's layer activations at its peak (all in flight)
+    seconds: float  # recompute seconds per micro-batch, all its layers
+    budget: float  # bytes the budget leaves for layer activations
+
+    def summary(self) -> str:
+        runs = [(label, len(list(group))) for label, group in
+                itertools.groupby(c.label() for c in self.choices)]
+        return "; ".join(f"{n}× {label}" for label, n in runs)
+
+
+class BudgetTooSmall(ValueError):
+    """The budget is below full recomputation's peak."""
+
+
+def op_table(work: Workload, layout: Layout, hw: Hardware,
+             assume: Assumptions) -> dict[str, tuple[float, float, float]]:
+    """Per operator of one layer and one micro-batch: (output bytes, bytes of that output
+    autograd also saves, forward seconds). Under tp the projections and the core are split."""
+    mc, lay, B = work.model, layout, work.dtype_bytes
+    tokens = lay.mbs * work.seq_len / lay.cp
+    h, t, d = mc.hidden_size, lay.tp, mc.dim_per_head
+    q = mc.num_heads * d / t
+    kv = max(mc.num_kv_heads // t, 1) * d
+    f = mc.intermediate_size / t
+    peak = hw.peak_flops(work.precision)
+    thin = min(tokens, q, f, h)
+    gemm = peak * hw.matmul_efficiency * thin / (thin + 128)  # plan/timing.py's GEMM rate
+    attn_rate = peak * hw.matmul_efficiency * assume.attention_efficiency
+    scores = forward_flops_per_token(mc, work.seq_len).layer_attention / t
+    core_out = tokens * q * B + tokens * mc.num_heads / t * STAT_BYTES
+    table = {"q": (tokens * q * B, 0.0, 2 * tokens * h * q / gemm),
+             "k": (tokens * kv * B, 0.0, 2 * tokens * h * kv / gemm),
+             "v": (tokens * kv * B, tokens * kv * B, 2 * tokens * h * kv / gemm),
+             "core": (core_out, core_out, tokens * scores * (0.5 if work.flash else 1.0)
+                      / attn_rate),
+             "o": (tokens * h * B, 0.0, 2 * tokens * q * h / gemm),
+             "up": (tokens * f * B, tokens * f * B, 2 * tokens * h * f / gemm),
+             "down": (tokens * h * B, 0.0, 2 * tokens * f * h / gemm)}
+    if mc.mlp == "swiglu":
+        table["gate"] = (tokens * f * B, tokens * f * B, 2 * tokens * h * f / gemm)
+    return table
+
+
+def elementwise_seconds(work: Workload, layout: Layout, hw: Hardware,
+                        assume: Assumptions) -> float:
+    """One layer's elementwise kernels, forward, at HBM bandwidth (as plan/timing.py)."""
+    mc, lay = work.model, layout
+    tokens = lay.mbs * work.seq_len / lay.cp
+    q = mc.num_heads * mc.dim_per_head / lay.tp
+    kv = max(mc.num_kv_heads // lay.tp, 1) * mc.dim_per_head
+    act = 3 if mc.mlp == "swiglu" else 2
+    traffic = tokens * work.dtype_bytes * (10 * mc.hidden_size + 2 * (q + kv)
+                                           + act * mc.intermediate_size / lay.tp)
+    return traffic / (hw.hbm_tbps * 1e12 * assume.hbm_efficiency)
+
+
+def layer_choices(work: Workload, layout: Layout, hw: Hardware,
+                  assume: Assumptions) -> list[LayerChoice]:
+    """The choices of one layer that no other beats in both bytes and seconds."""
+    kwargs = {"tp": layout.tp, "sp": layout.sp, "cp": layout.cp,
+              "dtype_bytes": work.dtype_bytes, "flash": work.flash, "dropout": work.dropout,
+              "sp_saves_gathered": layout.sp_saved != "shard", "cp_comm": layout.cp_comm}
+    model, mbs, seq = work.model, layout.mbs, work.seq_len
+    none = activation_bytes_per_microbatch(model, mbs, seq, recompute="none", **kwargs)
+    selective = activation_bytes_per_microbatch(model, mbs, seq, recompute="selective",
+                                                **kwargs)
+    block_input = none.layer_terms["attn_norm_input"]
+    ops = op_table(work, layout, hw, assume)
+    elem = elementwise_seconds(work, layout, hw, assume)
+    out = [LayerChoice("none", stored=none.layer)]
+    if layout.cp == 1:  # under cp selective leaves the ring core alone: it is "none"
+        out.append(LayerChoice("selective", stored=selective.layer,
+                               working=none.layer_terms.get("attn_core", 0.0),
+                               seconds=ops["core"][2]))
+    names = tuple(ops)
+    for n in range(len(names) + 1):
+        for kept in itertools.combinations(names, n):
+            stored = block_input + sum(ops[op][0] for op in kept)
+            working = none.layer - block_input - sum(ops[op][1] for op in kept)
+            seconds = elem + sum(ops[op][2] for op in names if op not in kept)
+            out.append(LayerChoice("keep", frozenset(kept), stored, working, seconds))
+    return pareto(out)
+
+
+def pareto(choices: list[LayerChoice]) -> list[LayerChoice]:
+    """Drop a choice another beats or equals in stored bytes, working set and seconds."""
+    keep = []
+    for c in sorted(choices, key=lambda c: (c.seconds, c.stored, c.working)):
+        if not any(k.stored <= c.stored and k.working <= c.working for k in keep):
+            keep.append(c)
+    return keep
+
+
+def choose(choices: list[LayerChoice], weights: list[float],
+           budget: float) -> tuple[LayerChoice, ...] | None:
+    """The cheapest choice per layer with Σ weight·stored + max working ≤ budget (exact),
+    or None when nothing fits. `weights`: per layer, the micro-batches in flight."""
+    best = None
+    for cap in sorted({c.working for c in choices}):
+        allowed = []  # under this cap only bytes and seconds matter: their Pareto front
+        for c in sorted((c for c in choices if c.working <= cap),
+                        key=lambda c: (c.seconds, c.stored)):
+            if not allowed or c.stored < allowed[-1].stored:
+                allowed.append(c)
+        picked = _knapsack(tuple(allowed), tuple(weights), budget - cap)
+        if picked is not None:
+            cost = sum(c.seconds for c in picked)
+            if best is None or cost < best[0] - 1e-15:
+                best = (cost, picked)
+    return None if best is None else best[1]
+
+
+UNITS = 4096  # the budget is cut into this many units; a choice's bytes round up to units
+
+
+def _knapsack(choices: tuple[LayerChoice, ...], weights: tuple[float, ...],
+              budget: float) -> tuple[LayerChoice, ...] | None:
+    """Dynamic program over the layers: best[u] = the least seconds of the layers so far
+    within u units of bytes. Bytes are rounded *up* to units of budget/UNITS, so a plan it
+    returns always fits, and it misses only plans within a unit of the budget per layer."""
+    import numpy as np
+
+    if budget <= 0:
+        return None
+    unit = budget / UNITS
+    seconds = np.array([c.seconds for c in choices])
+    best = np.zeros(UNITS + 1)
+    picks = []
+    for w in weights:
+        size = [int(np.ceil(w * c.stored / unit - 1e-9)) for c in choices]
+        new = np.full(UNITS + 1, np.inf)
+        arg = np.full(UNITS + 1, -1, dtype=np.int64)
+        for i, (u, sec) in enumerate(zip(size, seconds)):
+            if u > UNITS:
+                continue
+            cand = np.full(UNITS + 1, np.inf)
+            cand[u:] = best[:UNITS + 1 - u] + sec
+            better = cand < new
+            new[better], arg[better] = cand[better], i
+        best = new
+        picks.append((arg, size))
+    if not np.isfinite(best[UNITS]):
+        return None
+    plan, at = [], UNITS
+    for arg, size in reversed(picks):
+        i = int(arg[at])
+        plan.append(choices[i])
+        at -= size[i]
+    return tuple(reversed(plan))
+
+
+def rank_weights(work: Workload, layout: Layout, rank: int) -> list[float]:
+    """Per layer of pipeline rank `rank`: the micro-batches its chunk keeps in flight."""
+    from fivefold.plan.layout import inflight_per_chunk
+
+    counts = chunk_layer_counts(work.model, layout)
+    chunks = rank_chunks(layout, rank)
+    alive = inflight_per_chunk(layout, work.num_microbatches(layout), rank,
+                               tuple(counts[c] for c in chunks))
+    return [a for c, a in zip(chunks, alive) for _ in range(counts[c])]
+
+
+def layer_budget(work: Workload, layout: Layout, rank: int, assume: Assumptions) -> float:
+    """Bytes the budget leaves for the layers' activations on `rank`: the budget minus the
+    rest of the peak allocated under full recomputation (its layer inputs and working set
+    taken out)."""
+    from fivefold.plan.memory import memory_items
+
+    full_layout = dataclasses.replace(layout, recompute="full")
+    items, _ = memory_items(work, full_layout, assume, rank)
+    allocated = sum(v for k, v in items.items() if k != "overhead")
+    full = full_layer_activations(work, layout, rank)
+    return work.memory_budget_gib * GIB - (allocated - full)
+
+
+def full_layer_activations(work: Workload, layout: Layout, rank: int) -> float:
+    """Full recomputation's layer activations on `rank`: inputs in flight + working set."""
+    hw, assume = _ranking_hardware()
+    full = [c for c in layer_choices(work, layout, hw, assume)
+            if c.kind == "keep" and not c.kept][0]
+    weights = rank_weights(work, layout, rank)
+    return sum(weights) * full.stored + (full.working if weights else 0.0)
+
+
+@functools.lru_cache(maxsize=1)
+def _ranking_hardware():
+    from fivefold.plan.hardware import get_hardware
+
+    return get_hardware(DEFAULT_GPU)
+
+
+_PLANS: dict[str, RankPlan] = {}
+
+
+def plan_rank(work: Workload, layout: Layout, rank: int,
+              assume: Assumptions | None = None) -> RankPlan:
+    """The fastest choice per layer of `rank` under `work.memory_budget_gib`; raises
+    BudgetTooSmall when even full recomputation does not fit. Memoised: memory and time
+    ask for the same plan (the model config holds a dict, so the key is its repr)."""
+    key = repr((work, layout, rank, assume))
+    if key not in _PLANS:
+        if len(_PLANS) > 4096:
+            _PLANS.clear()
+        _PLANS[key] = _plan_rank(work, layout, rank, assume)
+    return _PLANS[key]
+
+
+def _plan_rank(work: Workload, layout: Layout, rank: int,
+               assume: Assumptions | None) -> RankPlan:
+    hw, default_assume = _ranking_hardware()
+    assume = assume or default_assume
+    budget = layer_budget(work, layout, rank, assume)
+    choices = layer_choices(work, layout, hw, assume)
+    weights = rank_weights(work, layout, rank)
+    picked = choose(choices, weights, budget) if weights else ()
+    if picked is None:
+        raise BudgetTooSmall(f"a budget of {work.memory_budget_gib:g} GiB is below full "
+                             f"recomputation's peak of {minimum_budget(work, layout, assume):.3g}"
+                             f" GiB")
+    # Layers of equal weight are interchangeable: list each chunk's choices grouped.
+    picked = sorted(picked, key=lambda c: (-c.stored, c.label())) if len(set(weights)) == 1 \
+        else picked
+    stored = sum(w * c.stored for w, c in zip(weights, picked))
+    working = max((c.working for c in picked), default=0.0)
+    return RankPlan(tuple(picked), stored + working, sum(c.seconds for c in picked), budget)
+
+
+def minimum_budget(work: Workload, layout: Layout, assume: Assumptions | None = None) -> float:
+    """GiB of peak allocated memory under full recomputation: the smallest budget that fits
+    (the most-loaded pipeline rank's)."""
+    from fivefold.plan.memory import memory_items
+
+    assume = assume or _ranking_hardware()[1]
+    full_layout = dataclasses.replace(layout, recompute="full")
+    worst = 0.0
+    for rank in range(layout.pp):
+        items, _ = memory_items(work, full_layout, assume, rank)
+        worst = max(worst, sum(v for k, v in items.items() if k != "overhead"))
+    return worst / GIB
+
+
+def recompute_seconds(work: Workload, layout: Layout, rank: int, hw: Hardware,
+                      assume: Assumptions) -> float:
+    """Recompute seconds per micro-batch of the plan chosen for `rank`, at `hw`'s rates."""
+    plan = plan_rank(work, layout, rank)
+    ops = op_table(work, layout, hw, assume)
+    elem = elementwise_seconds(work, layout, hw, assume)
+    total = 0.0
+    for c in plan.choices:
+        if c.kind == "selective":
+            total += ops["core"][2]
+        elif c.kind == "keep":
+            total += elem + sum(ops[op][2] for op in ops if op not in c.kept)
+    return total
+
+
+def layer_policies(work: Workload, layout: Layout) -> list[LayerChoice]:
+    """The choice for every layer of the model, in forward order (each chunk's layers from
+    the plan of the rank that holds it)."""
+    plans = [plan_rank(work, layout, rank) for rank in range(layout.pp)]
+    taken = [0] * layout.pp
+    counts = chunk_layer_counts(work.model, layout)
+    out = []
+    for chunk, n in enumerate(counts):
+        rank = next(r for r in range(layout.pp) if chunk in rank_chunks(layout, r))
+        out += plans[rank].choices[taken[rank]:taken[rank] + n]
+        taken[rank] += n
+    return out
+
+
+def config_plan(cfg, precision: str | None = None) -> list[LayerChoice]:
+    """The per-layer choices of a training config with recompute = auto (`precision`: the
+    one the engine resolved; by default fp32 on a CPU device, else bf16). A budget below
+    full recomputation's peak is a ConfigError naming the minimum."""
+    from fivefold.errors import ConfigError
+    from fivefold.plan.inputs import training_plan_inputs
+
+    work, layout = training_plan_inputs(cfg)
+    tr = cfg.train
+    if precision is None and tr.precision == "auto":
+        precision = "fp32" if tr.device == "cpu" else "bf16"
+    work = dataclasses.replace(work, precision=precision or work.precision)
+    try:
+        return layer_policies(work, layout)
+    except BudgetTooSmall:
+        low = minimum_budget(work, layout)
+        raise ConfigError(f"train.memory_budget_gib = {tr.memory_budget_gib:g} is below what "
+                          f"full recomputation needs at its peak with this layout, "
+                          f"{low:.4g} GiB; raise the budget to at least that") from None
+
+
+def describe(work: Workload, layout: Layout) -> list[str]:
+    """Lines for `fivefold plan`: the chosen set per pipeline rank and its cost."""
+    lines = [f"recompute auto under {work.memory_budget_gib:g} GiB (minimum, full "
+             f"recomputation: {minimum_budget(work, layout):.4g} GiB):"]
+    for rank in range(layout.pp):
+        plan = plan_rank(work, layout, rank)
+        lines.append(f"  pp rank {rank}: {plan.summary()}; recompute "
+                     f"{plan.seconds * 1e3:.3g} ms per micro-batch (ranking GPU)")
+    return lines

@@ -1,0 +1,166 @@
+"""train.recompute = "auto": per-layer, per-operator recomputation chosen under a memory
+budget (plan/recompute_plan.py), applied by selective activation checkpointing
+(parallel/recompute.py).
+
+Through the trainer, on the agreement tests' model: for budgets between full recomputation's
+peak and no recomputation's, the tracker's peak (the second step, when Adam's moments exist)
+stays under the budget, the planner's activations item for the chosen plan agrees with the
+tracker within the agreement tests' 10%, and losses and weights are bit-identical to no
+recomputation (recomputation changes no arithmetic). The dynamic program is checked against
+brute force, and a budget below the minimum is refused in one line naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import pathlib
+
+import pytest
+import torch
+from common import small_config
+from test_plan_agreement import MODEL
+
+from fivefold.config import ConfigError, validate
+from fivefold.parallel.mesh import ParallelDims
+from fivefold.parallel.peak import PeakTracker
+from fivefold.plan.hardware import GIB, Assumptions
+from fivefold.plan.inputs import training_plan_inputs
+from fivefold.plan.memory import memory_items
+from fivefold.plan.recompute_plan import (
+    LayerChoice,
+    _knapsack,
+    choose,
+    minimum_budget,
+    plan_rank,
+)
+from fivefold.train.trainer import Trainer
+
+FRACTIONS = (0.25, 0.5, 0.75)  # of the way from full recomputation's peak to none's
+
+
+def planned_allocated(tmp, args) -> tuple[float, dict]:
+    """The planner's peak allocated bytes (items without the overhead) and its items."""
+    cfg = small_config(tmp, *MODEL, *args)
+    work, layout = training_plan_inputs(cfg)
+    items, _ = memory_items(dataclasses.replace(work, precision="fp32"), layout, Assumptions())
+    return sum(v for k, v in items.items() if k != "overhead"), items
+
+
+def run(tmp, args, steps=2):
+    cfg = small_config(tmp, *MODEL, *args)
+    trainer = Trainer(cfg, ParallelDims.single(), quiet=True)
+    losses = [trainer.train_step()["loss"]]
+    with PeakTracker(trainer.peak_sources()) as tracker:
+        losses += [trainer.train_step()["loss"] for _ in range(steps - 1)]
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.close()
+    return {"losses": losses, "params": params, "peak": tracker.peak,
+            "activations": tracker.item_peaks.get("activations", 0),
+            "policies": [c.label() for c in trainer.recompute_policies or []]}
+
+
+def test_auto_fits_the_budget_agrees_with_the_planner_and_changes_no_math(tmp_path):
+    none_peak, _ = planned_allocated(tmp_path, [])
+    cfg = small_config(tmp_path, *MODEL)
+    work, layout = training_plan_inputs(cfg)
+    work = dataclasses.replace(work, precision="fp32")
+    low = minimum_budget(work, layout) * GIB
+    assert low < none_peak
+    ref = run(tmp_path, [])
+    seen = set()
+    for frac in FRACTIONS:
+        budget = (low + frac * (none_peak - low)) / GIB
+        args = ["--train.recompute", "auto", "--train.memory_budget_gib", repr(budget)]
+        got = run(tmp_path, args)
+        planned, items = planned_allocated(tmp_path, args)
+        assert planned <= budget * GIB
+        assert got["peak"] <= budget * GIB, (frac, got["peak"], budget * GIB)
+        # The item the choice moves, as tests/test_plan_agreement.py checks it: 10%.
+        assert abs(got["activations"] - items["activations"]) <= 0.10 * items["activations"], (
+            frac, got["activations"], items["activations"])
+        assert got["losses"] == ref["losses"], (frac, got["losses"], ref["losses"])
+        for name, value in ref["params"].items():
+            assert torch.equal(got["params"][name], value), (frac, name)
+        seen.add(tuple(got["policies"]))
+    assert len(seen) == len(FRACTIONS)  # each budget chose another plan
+
+
+def test_auto_beats_full_and_selective_at_their_memory(tmp_path):
+    """At the memory full or selective recomputation needs, auto's predicted recompute time
+    is at most theirs (they are among its choices) and below full's where there is room."""
+    cfg = small_config(tmp_path, *MODEL)
+    work, layout = training_plan_inputs(cfg)
+    work = dataclasses.replace(work, precision="fp32")
+    auto = dataclasses.replace(layout, recompute="auto")
+    layers = work.model.num_layers
+    for mode in ("full", "selective"):
+        peak, _ = planned_allocated(tmp_path, ["--train.recompute", mode])
+        budget = dataclasses.replace(work, memory_budget_gib=peak / GIB)
+        plan = plan_rank(budget, auto, 0)
+        assert plan is plan_rank(budget, auto, 0)  # memoised: memory and time read one plan
+        kind = {"full": ("keep", frozenset()), "selective": ("selective", frozenset())}[mode]
+        assert plan.seconds <= _mode_seconds(work, auto, *kind) * layers + 1e-15, (
+            mode, plan.summary())
+    full_peak, _ = planned_allocated(tmp_path, ["--train.recompute", "full"])
+    roomy = plan_rank(dataclasses.replace(work, memory_budget_gib=1.2 * full_peak / GIB), auto, 0)
+    assert roomy.seconds < _mode_seconds(work, auto, "keep", frozenset()) * layers
+
+
+def _mode_seconds(work, layout, kind, kept) -> float:
+    from fivefold.plan.recompute_plan import _ranking_hardware, layer_choices
+
+    hw, assume = _ranking_hardware()
+    choices = layer_choices(work, layout, hw, assume)
+    match = [c for c in choices if c.kind == kind and c.kept == kept]
+    return match[0].seconds
+
+
+def test_the_dynamic_program_is_exact_against_brute_force():
+    """Random choice sets over 4 layers of two in-flight weights: the program's cost equals
+    the best assignment found by trying them all (bytes are whole units of the budget here,
+    so rounding cannot hide one), and nothing is returned when nothing fits."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        n = 3 + trial % 3
+        stored = torch.randint(100, 2000, (n,), generator=gen).tolist()
+        seconds = torch.rand(n, generator=gen).tolist()
+        choices = tuple(LayerChoice("keep", frozenset({str(i)}), float(b), 0.0, s)
+                        for i, (b, s) in enumerate(zip(stored, seconds)))
+        weights = (2.0, 2.0, 1.0, 1.0)
+        budget = 4096.0  # one byte per unit: no rounding
+        best = None
+        for pick in itertools.product(choices, repeat=len(weights)):
+            used = sum(w * c.stored for w, c in zip(weights, pick))
+            cost = sum(c.seconds for c in pick)
+            if used <= budget and (best is None or cost < best):
+                best = cost
+        got = _knapsack(choices, weights, budget)
+        if best is None:
+            assert got is None
+        else:
+            assert got is not None and abs(sum(c.seconds for c in got) - best) < 1e-12
+            assert sum(w * c.stored for w, c in zip(weights, got)) <= budget
+    # The working-set cap: the cheapest choice's large working set is paid once.
+    cheap = LayerChoice("keep", frozenset({"a"}), 10.0, 100.0, 0.0)
+    dear = LayerChoice("keep", frozenset({"b"}), 10.0, 0.0, 1.0)
+    assert choose([cheap, dear], [1.0, 1.0], 50.0) == (dear, dear)
+    assert choose([cheap, dear], [1.0, 1.0], 150.0) == (cheap, cheap)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--train.memory_budget_gib", "0.0001"], ["train.memory_budget_gib", "at least",
+                                               "GiB"]),
+    ([], ["train.memory_budget_gib > 0"]),
+    (["--train.memory_budget_gib", "1", "--parallel.tp", "2"], ["parallel.tp = 2"]),
+])
+def test_a_bad_budget_or_layout_is_refused_in_one_line(args, words, tmp_path):
+    with pytest.raises(ConfigError) as e:  # loading validates
+        validate(small_config(pathlib.Path(tmp_path), *MODEL, "--train.recompute", "auto",
+                              *args))
+    text = str(e.value)
+    assert "\n" not in text and all(w in text for w in words), text
+    if "at least" in text:  # the minimum it names is full recomputation's planned peak
+        work, layout = training_plan_inputs(small_config(pathlib.Path(tmp_path), *MODEL))
+        work = dataclasses.replace(work, precision="fp32")
+        assert f"{minimum_budget(work, layout):.4g} GiB" in text
