@@ -83,15 +83,6 @@ def test_int4_asymmetric_is_tighter_than_symmetric_on_shifted_weights():
     assert asym < sym
 
 
-def test_clip_shrinks_the_range():
-    w = weights()
-    clip = torch.full((48, 2), 0.8)
-    q = quantize_int4(w, 128, clip=clip)
-    full = quantize_int4(w, 128)
-    assert torch.allclose(q.scale[torch.arange(48) != 3], 0.8 * full.scale[torch.arange(48) != 3],
-                          rtol=1e-5)
-
-
 def test_group_size_must_divide_k():
     with pytest.raises(ValueError, match="group size 100 must be even and divide"):
         quantize_int4(torch.randn(4, 256), group_size=100)

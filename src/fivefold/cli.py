@@ -25,6 +25,8 @@ commands:
   schedule   draw the timeline of a pipeline schedule as a PNG
   bench      measure tokens/s, MFU and peak memory (--peer hf: beside transformers)
   eval       perplexity of a model, or BLEU/ROUGE of its continuations of a task file
+  quantize   int8/int4/AWQ/NF4/MXFP4 weight-only quantisation of a checkpoint
+  serve      an OpenAI-compatible HTTP server (paged KV cache, continuous batching)
 
 Run `fivefold COMMAND --help` for a command's options; `fivefold --version` for the version.
 Add --debug to any command to see a failure's traceback."""
@@ -108,6 +110,10 @@ def _subcommand(name: str):
         from fivefold.train.bench import main
     elif name == "eval":
         from fivefold.evaluate.cli import main
+    elif name == "quantize":
+        from fivefold.quant.cli import main
+    elif name == "serve":
+        from fivefold.serve.openai.api_server import main
     else:
         return None
     return main
@@ -144,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     command = _subcommand(argv[0])
     if command is None:
         print(f"error: unknown command '{argv[0]}'; commands: train, plan, calibrate, prepare, "
-              f"generate, convert, schedule, bench, eval", file=sys.stderr)
+              f"generate, convert, schedule, bench, eval, quantize, serve", file=sys.stderr)
         return EXIT_BAD_INPUT
     def leave_if_distributed(code: int) -> int:
         # Only a command that imported torch can have a process group up; `plan` never

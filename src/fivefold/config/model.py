@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fivefold.config.rules import choice, positive, suggest
+from fivefold.config.rules import choice, not_quantized, positive, suggest
 from fivefold.errors import ConfigError
 from fivefold.models.presets import PRESETS, ModelConfig, preset
 
@@ -35,6 +35,7 @@ def check_model(cfg) -> ModelConfig:
     if not m.hf_path and m.preset.lower() not in PRESETS:
         raise ConfigError(f"model.preset = '{m.preset}' is unknown{suggest(m.preset, PRESETS)};"
                           f" known presets: {', '.join(PRESETS)}")
+    not_quantized("model.hf_path", m.hf_path)
     if m.hf_path and not (Path(m.hf_path) / "config.json").is_file():
         raise ConfigError(f"model.hf_path = '{m.hf_path}' has no config.json; give a Hugging "
                           f"Face checkpoint directory")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fivefold.config.rules import positive, writable_dir
+from fivefold.config.rules import not_quantized, positive, writable_dir
 from fivefold.errors import ConfigError
 
 # "latest" (the pointer file) and "" (fresh) are the older spellings of auto and never.
@@ -41,4 +41,6 @@ def check_output(cfg) -> None:
     if ck.resume not in RESUME_MODES and not Path(ck.resume).is_dir():
         raise ConfigError(f"checkpoint.resume = '{ck.resume}' is not a checkpoint directory; "
                           f"use 'auto', 'never' or a step_* path under checkpoint.dir")
+    not_quantized("checkpoint.resume", ck.resume)
+    not_quantized("checkpoint.dir", ck.dir)
     positive("log.every", cfg.log.every)

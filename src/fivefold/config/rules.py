@@ -51,3 +51,16 @@ def writable_file(key: str, path: str) -> None:
     if Path(path).is_dir():
         raise ConfigError(f"{key} {path} is a directory; give a file name inside it")
     writable_dir(key, str(Path(path).parent))
+
+
+# The manifest `fivefold quantize` writes (quant/io.py): its directory holds frozen packed
+# weights, which nothing can train from.
+QUANTIZED_MARKER = "quantized.json"
+
+
+def not_quantized(key: str, path: str) -> None:
+    """Training must start from float weights, never from a quantised checkpoint."""
+    if path and (Path(path) / QUANTIZED_MARKER).is_file():
+        raise ConfigError(f"{key} = '{path}' is a quantised checkpoint (fivefold quantize), "
+                          f"which cannot be trained; give the float checkpoint or model it "
+                          f"was made from")

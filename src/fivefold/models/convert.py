@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from fivefold.config import ArgumentParser, ConfigError, writable_dir
+from fivefold.config.rules import QUANTIZED_MARKER
 
 # Files of a Hugging Face model directory that are not weights and travel unchanged.
 COMPANION_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -115,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.to_hf:
             raise ConfigError("give --to-hf OUTDIR: the Hugging Face directory to write")
+        if args.checkpoint and (Path(args.checkpoint) / QUANTIZED_MARKER).is_file():
+            # transformers reads AWQ/int4 weights only through the gptqmodel kernels, which
+            # do not install here, so a layout written for them could not be checked.
+            raise ConfigError(f"--checkpoint {args.checkpoint} is quantised (fivefold quantize),"
+                              f" and exporting int4/AWQ in transformers' AWQ layout is not "
+                              f"supported; convert the float checkpoint it came from instead")
         target = Path(args.to_hf)
         writable_dir("--to-hf", args.to_hf)
         if target.is_dir() and any(target.iterdir()):  # before the (slow) load, not after

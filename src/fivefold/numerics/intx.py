@@ -97,20 +97,14 @@ def check_group_size(in_features: int, group_size: int) -> None:
                          f"dimension {in_features}")
 
 
-def int4_scale_zero(w: torch.Tensor, group_size: int, symmetric: bool,
-                    clip: torch.Tensor | None = None
+def int4_scale_zero(w: torch.Tensor, group_size: int, symmetric: bool
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scale (and zero point) per (row, group) of w (out, in), fp32. `clip` (out, groups),
-    optional, shrinks each group's range by that factor (AWQ's clipping search)."""
+    """Scale (and zero point) per (row, group) of w (out, in), fp32."""
     groups = w.float().reshape(w.shape[0], -1, group_size)
     if symmetric:
         absmax = groups.abs().amax(dim=-1)
-        if clip is not None:
-            absmax = absmax * clip
         return (absmax / (INT4_SYM_OFFSET - 1)).clamp_min(MIN_RANGE / 7), None
     high, low = groups.amax(dim=-1), groups.amin(dim=-1)
-    if clip is not None:
-        high, low = high * clip, low * clip
     scale = (high - low).clamp_min(MIN_RANGE) / INT4_LEVELS
     zero = torch.round(-low / scale).clamp(0, INT4_LEVELS)
     return scale, zero
@@ -129,11 +123,11 @@ def int4_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
-                  symmetric: bool = False, clip: torch.Tensor | None = None) -> Int4:
+                  symmetric: bool = False) -> Int4:
     """Round-to-nearest int4 per group of `group_size` input columns (see module docstring)."""
     check_group_size(w.shape[-1], group_size)
     w = w.detach()
-    scale, zero = int4_scale_zero(w, group_size, symmetric, clip)
+    scale, zero = int4_scale_zero(w, group_size, symmetric)
     codes = int4_codes(w, scale, zero, group_size)
     return Int4(data=pack_nibbles(codes), scale=scale,
                 zero=None if zero is None else zero.to(torch.uint8), group_size=group_size)
@@ -150,11 +144,10 @@ def dequantize_int4(q: Int4, dtype: torch.dtype = torch.float32) -> torch.Tensor
 
 
 def fake_quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
-                       symmetric: bool = False, clip: torch.Tensor | None = None
-                       ) -> torch.Tensor:
+                       symmetric: bool = False) -> torch.Tensor:
     """Quantise and dequantise in one step (fp32), without packing: what AWQ's search
     evaluates for every candidate scale."""
-    scale, zero = int4_scale_zero(w, group_size, symmetric, clip)
+    scale, zero = int4_scale_zero(w, group_size, symmetric)
     groups = w.float().reshape(w.shape[0], -1, group_size)
     q = torch.round(groups / scale.unsqueeze(-1))
     if zero is None:

@@ -71,6 +71,15 @@ class QuantLinear(nn.Module):
             y = F.linear(x, self.dequantize(x.dtype))
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
+    def _apply(self, fn, recurse=True):
+        """`.to(device)` moves the buffers; `.to(dtype)` / `.bfloat16()` leave their stored
+        dtypes alone (a bf16 scale or code table would change the format), so a quantised
+        model cast to bf16 computes in bf16 from exactly the stored values."""
+        for name, buf in self._buffers.items():
+            if buf is not None:
+                self._buffers[name] = buf.to(fn(buf).device)
+        return self
+
     def quantized_bytes(self) -> int:
         """Bytes of the buffers that hold the weight (bias excluded)."""
         return sum(b.numel() * b.element_size() for name, b in self.named_buffers()
@@ -152,12 +161,11 @@ class Int4Linear(QuantLinear):
     @classmethod
     @torch.no_grad()
     def from_float(cls, linear: nn.Linear, group_size: int = intx.DEFAULT_GROUP_SIZE,
-                   symmetric: bool = False, clip: torch.Tensor | None = None) -> Int4Linear:
-        """Round to nearest; `clip` (out, groups) shrinks each group's range (AWQ's clip
-        search supplies it)."""
+                   symmetric: bool = False) -> Int4Linear:
+        """Round to nearest (AWQ scales and clips the float weight first: quant/awq.py)."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
                     group_size, symmetric)
-        layer.load_quantized(intx.quantize_int4(linear.weight, group_size, symmetric, clip))
+        layer.load_quantized(intx.quantize_int4(linear.weight, group_size, symmetric))
         cls._copy_bias(layer, linear)
         return layer.to(linear.weight.device)
 

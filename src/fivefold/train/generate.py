@@ -141,9 +141,13 @@ def load_for_generation(args) -> tuple:
         return model.eval(), codec
     from fivefold.data.tokenizer import load_tokenizer
     from fivefold.finetune.attach import load_for_inference
+    from fivefold.quant.io import is_quantized, load_quantized
 
-    # A LoRA checkpoint comes back as its base with the adapters (finetune/attach.py).
-    model, _model_cfg, spec, _lora = load_for_inference(args.checkpoint)
+    if is_quantized(args.checkpoint):  # `fivefold quantize` output: packed weights stay so
+        model, _model_cfg, spec = load_quantized(args.checkpoint)
+    else:
+        # A LoRA checkpoint comes back as its base with the adapters (finetune/attach.py).
+        model, _model_cfg, spec, _lora = load_for_inference(args.checkpoint)
     if isinstance(spec, dict):  # token-file metadata: {"kind", "path", ...}
         spec = spec.get("path") or "byte"
     tok = load_tokenizer(spec)

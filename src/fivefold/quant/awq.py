@@ -1,0 +1,249 @@
+"""AWQ: activation-aware weight quantisation (Lin et al., MLSys 2024, arXiv 2306.00978).
+
+A few input channels carry much larger activations than the rest, and the weights they
+multiply matter most. AWQ protects them without mixed precision: scale input channel j of a
+linear by s_j before rounding and divide its input by s_j (folded into the op that produces
+the input), so the float function is unchanged and the salient weights use more of the
+int4 grid. With s = s_X^α, s_X the per-channel mean |x| over calibration data, α is searched
+on a grid over [0, 1] to minimise the output error of the quantised layers (§3.2, eq. 4-5).
+No back-propagation, no reconstruction.
+
+Done layer by layer on the float model, as llm-awq (mit-han-lab, `awq/quantize/
+auto_scale.py`, `auto_clip.py`) does:
+
+1. Run the decoder layer on its calibration input, recording every linear's input.
+2. For each group of linears that share an input, search α ∈ linspace(0, 1, n_grid) for the
+   smallest mean squared error of the group's module output (the whole attention for
+   q/k/v, the whole MLP for gate/up, the linear itself for o and down) with the linears
+   fake-quantised; normalise s by sqrt(max·min) as llm-awq does. α = 0 is plain RTN, so on
+   the calibration data the chosen scale is never worse than RTN.
+3. Fold: W[:, j] *= s_j, and the producer divides by s: the norm's weight (input_layernorm
+   before q/k/v, post_attention_layernorm before gate/up), v_proj's output rows before o_proj
+   (only without grouped-query attention, where v and o's input have the same width; llm-awq
+   skips it otherwise), up_proj's output rows before down_proj (SwiGLU multiplies up's
+   output linearly; a GeLU MLP has no such fold and keeps down_proj unscaled).
+4. Optional clipping search (llm-awq's auto_clip, not applied to q and k): per output row
+   and group, shrink the weight's max |w| by 0%, 5%, ..., 45% and keep the one with the
+   smallest error of that group's partial products on 512 calibration tokens.
+5. The next layer's input is this layer's float output (llm-awq computes it before scaling;
+   the fold leaves it unchanged).
+
+The model is then quantised with int4 RTN (quant/convert.py); AWQ only changed the float
+weights it rounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fivefold.numerics.intx import fake_quantize_int4
+
+ALPHA_GRID = 20
+CLIP_GRID = 20           # llm-awq: n_grid 20, max_shrink 0.5 -> ratios 1.0, 0.95, ... 0.55
+CLIP_MAX_SHRINK = 0.5
+CLIP_TOKENS = 512        # llm-awq's n_sample_token for the clip search
+SCALE_FLOOR = 1e-4       # llm-awq clamps s_X^α at 1e-4
+
+
+@dataclass
+class GroupResult:
+    layer: int
+    linears: list[str]
+    alpha: float
+    error_rtn: float     # output MSE at α = 0 (round to nearest)
+    error_awq: float     # output MSE at the chosen α
+
+
+@dataclass
+class AWQReport:
+    groups: list[GroupResult] = field(default_factory=list)
+    clipped: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        gain = [g.error_awq / g.error_rtn for g in self.groups if g.error_rtn > 0]
+        mean = sum(gain) / max(len(gain), 1)
+        return (f"AWQ: {len(self.groups)} linear groups scaled, output error {mean:.3f}x "
+                f"RTN's on the calibration data (mean), {len(self.clipped)} linears clipped")
+
+
+@dataclass
+class Group:
+    """Linears sharing an input, the op whose output feeds them, and the module whose output
+    error is measured."""
+
+    prev: str
+    linears: list[str]
+    inspect: str
+
+
+def layer_groups(layer: nn.Module) -> list[Group]:
+    """AWQ's four groups for a Llama decoder layer (fewer where a fold is not exact)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    groups = [Group("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj",
+                                        "self_attn.v_proj"], "self_attn")]
+    if attn.v_proj.out_features == attn.o_proj.in_features:
+        groups.append(Group("self_attn.v_proj", ["self_attn.o_proj"], "self_attn.o_proj"))
+    if not hasattr(mlp, "up_proj"):      # a mixture of experts: its experts stay float
+        return groups
+    if getattr(mlp, "swiglu", False):
+        groups.append(Group("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"],
+                            "mlp"))
+        groups.append(Group("mlp.up_proj", ["mlp.down_proj"], "mlp.down_proj"))
+    else:
+        groups.append(Group("post_attention_layernorm", ["mlp.up_proj"], "mlp"))
+    return groups
+
+
+def record_inputs(layer: nn.Module, names: list[str], run: Callable[[], torch.Tensor]
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Run the layer once, keeping the input of every named linear."""
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [layer.get_submodule(n).register_forward_hook(
+        lambda _m, args, _out, n=n: seen.__setitem__(n, args[0].detach()))
+        for n in names]
+    try:
+        out = run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, seen
+
+
+def _output_error(reference: torch.Tensor, run: Callable[[], torch.Tensor]) -> float:
+    return float((run() - reference).float().pow(2).mean())
+
+
+@torch.no_grad()
+def search_scale(x: torch.Tensor, linears: list[nn.Linear], run: Callable[[], torch.Tensor],
+                 quantize: Callable[[torch.Tensor], torch.Tensor], n_grid: int = ALPHA_GRID
+                 ) -> tuple[float, torch.Tensor, float, float]:
+    """(α, s, error at α = 0, error at α) for one group; weights are left as they were."""
+    x_mean = x.abs().reshape(-1, x.shape[-1]).float().mean(0)
+    reference = run()
+    originals = [lin.weight.detach().clone() for lin in linears]
+    best = (float("inf"), 0.0, torch.ones_like(x_mean))
+    error_rtn = float("nan")
+    try:
+        for alpha in torch.linspace(0, 1, n_grid).tolist():
+            s = x_mean.pow(alpha).clamp(min=SCALE_FLOOR)
+            s = s / (s.max() * s.min()).sqrt()
+            for lin, w in zip(linears, originals):
+                lin.weight.copy_((quantize(w.float() * s) / s).to(w.dtype))
+            error = _output_error(reference, run)
+            if alpha == 0.0:
+                error_rtn = error
+            if error < best[0]:
+                best = (error, alpha, s)
+    finally:
+        for lin, w in zip(linears, originals):
+            lin.weight.copy_(w)
+    return best[1], best[2], error_rtn, best[0]
+
+
+@torch.no_grad()
+def fold_scale(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor) -> None:
+    """W[:, j] *= s_j for each linear; the producer's output channel j /= s_j."""
+    for lin in linears:
+        lin.weight.mul_(s.to(lin.weight.dtype))
+    s = s.to(prev.weight.dtype)
+    if isinstance(prev, nn.Linear):
+        prev.weight.div_(s.unsqueeze(-1))
+    else:                                   # RMSNorm / LayerNorm: a per-channel weight
+        prev.weight.div_(s)
+    if getattr(prev, "bias", None) is not None:
+        prev.bias.div_(s)
+
+
+@torch.no_grad()
+def search_clip(x: torch.Tensor, weight: torch.Tensor,
+                quantize: Callable[[torch.Tensor], torch.Tensor], group_size: int,
+                n_grid: int = CLIP_GRID, max_shrink: float = CLIP_MAX_SHRINK,
+                tokens: int = CLIP_TOKENS) -> torch.Tensor:
+    """Per (output row, group), the max |w| that minimises the error of the group's partial
+    products x_g · w_g over `tokens` calibration tokens (llm-awq auto_clip_layer). The
+    partial products of all rows are one batched matmul per group."""
+    x = x.reshape(-1, x.shape[-1]).float()
+    x = x[torch.linspace(0, x.shape[0] - 1, min(tokens, x.shape[0])).long()]
+    x = x.reshape(x.shape[0], -1, group_size).transpose(0, 1)       # groups, t, g
+    w = weight.float().reshape(weight.shape[0], -1, group_size)      # out, groups, g
+    reference = torch.bmm(x, w.permute(1, 2, 0))                     # groups, t, out
+    original_max = w.abs().amax(dim=-1, keepdim=True)                # out, groups, 1
+    best_error = torch.full(original_max.shape[:2], float("inf"))
+    best = original_max.squeeze(-1).clone()
+    for step in range(int(max_shrink * n_grid)):
+        max_val = original_max * (1 - step / n_grid)
+        clipped = torch.maximum(torch.minimum(w, max_val), -max_val)
+        q = quantize(clipped.reshape(weight.shape)).reshape(w.shape)
+        out = torch.bmm(x, q.permute(1, 2, 0))
+        error = (out - reference).pow(2).mean(dim=1).transpose(0, 1)   # out, groups
+        better = error < best_error
+        best_error[better] = error[better]
+        best[better] = max_val.squeeze(-1)[better]
+    return best
+
+
+@torch.no_grad()
+def apply_clip(weight: torch.Tensor, max_val: torch.Tensor, group_size: int) -> None:
+    groups = weight.view(weight.shape[0], -1, group_size)
+    limit = max_val.to(weight.dtype).unsqueeze(-1)
+    groups.copy_(torch.maximum(torch.minimum(groups, limit), -limit))
+
+
+def _layer_inputs(model: nn.Module, tokens: torch.Tensor):
+    hidden = model.embed_tokens(tokens)
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    cos, sin = model.rotary(positions, hidden.dtype)
+    return hidden, cos, sin
+
+
+@torch.no_grad()
+def apply_awq(model: nn.Module, tokens: torch.Tensor, group_size: int = 128,
+              symmetric: bool = False, clip: bool = True, n_grid: int = ALPHA_GRID,
+              log: Callable[[str], None] | None = None) -> AWQReport:
+    """Rescale (and clip) the float weights of every decoder layer of a fivefold Llama in
+    place for int4 quantisation; `tokens` (n, seq) is the calibration batch."""
+
+    def quantize(w: torch.Tensor) -> torch.Tensor:
+        return fake_quantize_int4(w, group_size, symmetric)
+
+    report = AWQReport()
+    hidden, cos, sin = _layer_inputs(model, tokens)
+    for index, layer in enumerate(model.layers):
+        groups = layer_groups(layer)
+        names = [n for g in groups for n in g.linears]
+        out, inputs = record_inputs(layer, names,
+                                    lambda m=layer, h=hidden: m(h, cos, sin))
+        for group in groups:
+            linears = [layer.get_submodule(n) for n in group.linears]
+            inspect = layer.get_submodule(group.inspect)
+            x = inputs[group.linears[0]]
+            if group.inspect == "self_attn":
+                def run(m=inspect, h=x):
+                    return m(h, cos, sin)
+            else:
+                def run(m=inspect, h=x):
+                    return m(h)
+            alpha, s, error_rtn, error_awq = search_scale(x, linears, run, quantize, n_grid)
+            fold_scale(layer.get_submodule(group.prev), linears, s)
+            # The recorded inputs of this group's linears are now x / s for the clip search.
+            for n in group.linears:
+                inputs[n] = inputs[n] / s.to(inputs[n].dtype)
+            report.groups.append(GroupResult(index, group.linears, alpha, error_rtn,
+                                             error_awq))
+        if clip:
+            for name in names:
+                if name.endswith(("q_proj", "k_proj")):
+                    continue     # llm-awq: q·k error is not what the partial products measure
+                lin = layer.get_submodule(name)
+                max_val = search_clip(inputs[name], lin.weight, quantize, group_size)
+                apply_clip(lin.weight, max_val, group_size)
+                report.clipped.append(f"layers.{index}.{name}")
+        if log is not None:
+            alphas = ", ".join(f"{g.alpha:.2f}" for g in report.groups[-len(groups):])
+            log(f"AWQ layer {index}: alpha {alphas}")
+        hidden = out
+    return report

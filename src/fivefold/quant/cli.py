@@ -1,0 +1,188 @@
+"""`fivefold quantize`: a float checkpoint (or Hugging Face directory) in, a quantised
+checkpoint out, with its size report.
+
+    fivefold quantize --checkpoint C | --hf DIR --method int8|int4|awq|nf4|mxfp4
+                      [--group-size 128] [--symmetric] [--calib TOKENS]
+                      [--calib-samples 128] [--calib-seq-len 512] [--no-clip]
+                      [--include-head] --out Q [--overwrite]
+
+Every input is checked before the model is changed and before anything is written: the
+method, the group size against every linear's input dimension, the calibration file's
+length, the output directory. AWQ calibrates on `--calib` (a token file from `fivefold
+prepare`) or, for a fivefold checkpoint, on the training split of the data it was trained
+on (the bundled corpus when data.path was empty).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fivefold.config import ArgumentParser, ConfigError, suggest
+from fivefold.numerics.intx import DEFAULT_GROUP_SIZE
+from fivefold.quant.convert import METHODS, QuantSpec, check_shapes, quantize_
+
+DEFAULT_CALIB_SAMPLES = 128    # AWQ §4: 128 samples of 512 tokens (from the Pile)
+DEFAULT_CALIB_SEQ_LEN = 512
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="fivefold quantize",
+                       description="Quantise a model's linear layers (weight-only) and write a "
+                                   "checkpoint that generate, eval and serve load.")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a fivefold checkpoint directory")
+    source.add_argument("--hf", help="a Hugging Face model directory")
+    p.add_argument("--method", required=True, help=f"one of {', '.join(METHODS)}")
+    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
+                   help="int4/awq: input columns per scale (default 128)")
+    p.add_argument("--symmetric", action="store_true",
+                   help="int4/awq: symmetric codes (-8..7) instead of a zero point")
+    p.add_argument("--calib", help="awq: a token file (fivefold prepare) to calibrate on")
+    p.add_argument("--calib-samples", type=int, default=DEFAULT_CALIB_SAMPLES)
+    p.add_argument("--calib-seq-len", type=int, default=DEFAULT_CALIB_SEQ_LEN,
+                   help="tokens per calibration sequence (at most the model's max_seq_len)")
+    p.add_argument("--no-clip", action="store_true", help="awq: skip the clipping search")
+    p.add_argument("--include-head", action="store_true",
+                   help="quantise the output head too (untied heads only)")
+    p.add_argument("--out", required=True, help="the directory to write")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    return p
+
+
+def load_float(args):
+    """(model fp32 on CPU, model_cfg, tokenizer spec, source record, training data meta)."""
+    from fivefold.quant.io import is_quantized
+
+    if args.hf:
+        from fivefold.models.hf import load_hf
+
+        directory = Path(args.hf)
+        if not (directory / "config.json").is_file():
+            raise ConfigError(f"--hf {directory} has no config.json; give a Hugging Face "
+                              f"checkpoint directory")
+        model = load_hf(directory, dtype=torch.float32)
+        tok = directory / "tokenizer.json"
+        return (model, model.cfg, str(tok) if tok.is_file() else "byte",
+                {"hf": str(directory.resolve())}, None)
+    if is_quantized(args.checkpoint):
+        raise ConfigError(f"--checkpoint {args.checkpoint} is already quantised; give the "
+                          f"float checkpoint it was made from")
+    from fivefold.finetune.attach import load_for_inference
+    from fivefold.train.checkpoint import read_meta
+
+    model, model_cfg, tokenizer, lora = load_for_inference(args.checkpoint)
+    if lora:
+        raise ConfigError(f"--checkpoint {args.checkpoint} is a LoRA run; merge its adapters "
+                          f"first (fivefold convert --checkpoint ... --to-hf DIR) and quantise "
+                          f"that directory with --hf")
+    path = Path(args.checkpoint)
+    if (path / "latest").is_file():
+        path = path / (path / "latest").read_text().strip()
+    data = (read_meta(path, fix="--checkpoint").get("config") or {}).get("data") or {}
+    return model.float(), model_cfg, tokenizer, {"checkpoint": str(path.resolve())}, data
+
+
+def calibration_tokens(args, model_cfg, tokenizer, data: dict | None) -> torch.Tensor:
+    """(samples, seq_len) token ids, evenly spaced over the calibration stream."""
+    from fivefold.data.dataset import TokenDataset, default_corpus_tokens
+    from fivefold.data.loader import split_bounds
+
+    seq_len = min(args.calib_seq_len, model_cfg.max_seq_len)
+    if seq_len < 1 or args.calib_samples < 1:
+        raise ConfigError("--calib-samples and --calib-seq-len must be >= 1")
+    if args.calib:
+        ds, start, end, name = TokenDataset.open(args.calib), 0, None, f"--calib {args.calib}"
+        end = ds.num_tokens
+    elif data is not None:
+        spec = tokenizer.get("path") if isinstance(tokenizer, dict) else tokenizer
+        path = data.get("path") or default_corpus_tokens(spec or "byte")
+        ds = TokenDataset.open(path)
+        start, end = split_bounds(ds.num_tokens, float(data.get("val_fraction", 0.0)), "train")
+        name = f"the training split of {path}"
+    else:
+        raise ConfigError("--method awq with --hf needs calibration text: give --calib "
+                          "TOKENS (a token file from fivefold prepare)")
+    if ds.vocab_size > model_cfg.vocab_size:
+        raise ConfigError(f"{name} uses a vocabulary of {ds.vocab_size}, larger than the "
+                          f"model's {model_cfg.vocab_size}; prepare it with the model's "
+                          f"tokenizer")
+    available = end - start
+    if available < seq_len:
+        raise ConfigError(f"{name} has {available} tokens, fewer than one calibration "
+                          f"sequence of {seq_len}; give a longer file or lower --calib-seq-len")
+    starts = np.linspace(start, end - seq_len, args.calib_samples).round().astype(np.int64)
+    rows = [np.asarray(ds.tokens[s:s + seq_len], dtype=np.int64) for s in starts]
+    return torch.from_numpy(np.stack(rows))
+
+
+def check_inputs(args) -> QuantSpec:
+    if args.method not in METHODS:
+        raise ConfigError(f"--method '{args.method}' is unknown{suggest(args.method, METHODS)}; "
+                          f"use one of {', '.join(METHODS)}")
+    if args.group_size <= 0 or args.group_size % 2:
+        raise ConfigError(f"--group-size {args.group_size} must be a positive even number "
+                          f"(128 is the usual choice)")
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise ConfigError(f"--out {out} already exists; give a new directory or add "
+                          f"--overwrite to replace it")
+    source = Path(args.checkpoint or args.hf).resolve()
+    if out.resolve() == source or source.is_relative_to(out.resolve()):
+        raise ConfigError(f"--out {out} would replace the model being quantised; give "
+                          f"another directory")
+    return QuantSpec(args.method, args.group_size, args.symmetric, args.include_head)
+
+
+def run(args) -> int:
+    from fivefold.quant.io import describe_size, save_quantized, size_report, tensor_bytes
+
+    spec = check_inputs(args)
+    started = time.perf_counter()
+    model, model_cfg, tokenizer, source, data = load_float(args)
+    if spec.include_head and model.lm_head is None:
+        raise ConfigError("--include-head: this model ties its head to the embedding, which "
+                          "stays float; drop --include-head")
+    try:
+        check_shapes(model, spec)
+    except ValueError as e:
+        raise ConfigError(f"--group-size {spec.group_size} does not fit: {e}; give a group "
+                          f"size that divides every linear's input dimension") from None
+    float_bytes = tensor_bytes(model.state_dict().values())
+    extra = {}
+    if spec.method == "awq":
+        from fivefold.quant.awq import apply_awq
+
+        tokens = calibration_tokens(args, model_cfg, tokenizer, data)
+        print(f"AWQ: calibrating on {tokens.shape[0]} x {tokens.shape[1]} tokens", flush=True)
+        report = apply_awq(model, tokens, spec.group_size, spec.symmetric,
+                           clip=not args.no_clip, log=lambda line: print(line, flush=True))
+        print(report.summary())
+        extra["awq"] = {"calib_samples": int(tokens.shape[0]),
+                        "calib_seq_len": int(tokens.shape[1]), "clip": not args.no_clip,
+                        "alphas": [g.alpha for g in report.groups]}
+    names = quantize_(model, spec)
+    size = size_report(float_bytes, 4, model)   # loaded in fp32
+    out = save_quantized(model, model_cfg, spec, args.out, tokenizer, source, size,
+                         overwrite=args.overwrite, extra=extra)
+    print(f"quantised {len(names)} linears with {spec.method} in "
+          f"{time.perf_counter() - started:.1f} s")
+    print(describe_size(size))
+    print(f"wrote {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse has printed its one-line error, or the help
+        return int(e.code or 0)
+    try:
+        return run(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

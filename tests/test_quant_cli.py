@@ -1,0 +1,132 @@
+"""`fivefold quantize` end to end: a checkpoint that `fivefold generate` loads, and the bad
+inputs (one line on stderr, exit 2, nothing written or overwritten)."""
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from fivefold.cli import main
+from fivefold.data.prepare import prepare
+from fivefold.models.hf import save_hf
+from fivefold.models.init import build_model
+from fivefold.models.presets import ModelConfig
+from fivefold.quant.convert import quantize_
+from fivefold.quant.io import load_quantized
+
+CFG = ModelConfig(name="q", vocab_size=256, hidden_size=128, intermediate_size=256,
+                  num_layers=2, num_heads=4, num_kv_heads=4, max_seq_len=128, init_std=0.05)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """An HF directory of a small byte-vocabulary model, and token files: one of a few
+    thousand tokens, one of 20."""
+    root = tmp_path_factory.mktemp("quant")
+    model = build_model(CFG, seed=3)
+    save_hf(model, CFG, root / "hf")
+    text = root / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 80)
+    prepare([str(text)], str(root / "calib.bin"))
+    short = root / "short.txt"
+    short.write_text("too short")
+    prepare([str(short)], str(root / "short.bin"))
+    return root
+
+
+def digest(directory: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(directory.rglob("*")):
+        if f.is_file():
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "nf4", "mxfp4"])
+def test_quantize_then_generate(work, capsys, method):
+    out = work / f"q-{method}"
+    code, stdout, err = run(capsys, "quantize", "--hf", str(work / "hf"), "--method", method,
+                            "--out", str(out))
+    assert code == 0, err
+    assert "size: linears" in stdout and f"with {method}" in stdout
+    model, _, _ = load_quantized(out)
+    # the saved model is exactly the float model quantised in memory
+    expected = build_model(CFG, seed=3)
+    quantize_(expected, method)
+    tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(tokens), expected(tokens))
+    code, stdout, err = run(capsys, "generate", "--checkpoint", str(out), "--prompt", "the",
+                            "--max-new-tokens", "8", "--greedy")
+    assert code == 0, err
+    assert stdout.startswith("the")
+
+
+def test_awq_with_a_calibration_file(work, capsys):
+    out = work / "q-awq"
+    code, stdout, err = run(capsys, "quantize", "--hf", str(work / "hf"), "--method", "awq",
+                            "--calib", str(work / "calib.bin"), "--calib-samples", "8",
+                            "--calib-seq-len", "64", "--out", str(out))
+    assert code == 0, err
+    assert "AWQ: calibrating on 8 x 64 tokens" in stdout
+    assert "8 linear groups scaled" in stdout
+    code, _, err = run(capsys, "generate", "--checkpoint", str(out), "--prompt", "the",
+                       "--max-new-tokens", "4", "--greedy")
+    assert code == 0, err
+
+
+def bad_inputs(work):
+    hf = str(work / "hf")
+    existing = work / "existing"
+    return {
+        "unknown method": (["quantize", "--hf", hf, "--method", "int3", "--out",
+                            str(work / "x1")], "--method 'int3' is unknown"),
+        "group size": (["quantize", "--hf", hf, "--method", "int4", "--group-size", "96",
+                        "--out", str(work / "x2")], "--group-size 96 does not fit"),
+        "short calibration": (["quantize", "--hf", hf, "--method", "awq", "--calib",
+                               str(work / "short.bin"), "--calib-seq-len", "64", "--out",
+                               str(work / "x3")], "fewer than one calibration sequence of 64"),
+        "awq without data": (["quantize", "--hf", hf, "--method", "awq", "--out",
+                              str(work / "x4")], "give --calib TOKENS"),
+        "existing output": (["quantize", "--hf", hf, "--method", "int8", "--out",
+                             str(existing)], "already exists"),
+        "quantised to train (hf_path)": (["train", "--model.hf_path", str(work / "q-int8"),
+                                          "--checkpoint.dir", str(work / "x5")],
+                                         "is a quantised checkpoint"),
+        "quantised to train (resume)": (["train", "--checkpoint.resume", str(work / "q-int8"),
+                                         "--checkpoint.dir", str(work / "x6")],
+                                        "is a quantised checkpoint"),
+        "quantised to train (dir)": (["train", "--checkpoint.dir", str(work / "q-int8")],
+                                     "is a quantised checkpoint"),
+        "quantise a quantised one": (["quantize", "--checkpoint", str(work / "q-int8"),
+                                      "--method", "int4", "--out", str(work / "x7")],
+                                     "already quantised"),
+        "convert a quantised one": (["convert", "--checkpoint", str(work / "q-int8"),
+                                     "--to-hf", str(work / "x8")],
+                                    "exporting int4/AWQ in transformers' AWQ layout is not "
+                                    "supported"),
+    }
+
+
+def test_bad_inputs_are_one_line_exit_2_and_write_nothing(work, capsys):
+    if not (work / "q-int8").is_dir():       # run alone: make the quantised checkpoint
+        assert main(["quantize", "--hf", str(work / "hf"), "--method", "int8", "--out",
+                     str(work / "q-int8")]) == 0
+    (work / "existing").mkdir(exist_ok=True)
+    (work / "existing" / "keep.txt").write_text("mine")
+    before = {d: digest(work / d) for d in ("existing", "q-int8", "hf")}
+    capsys.readouterr()
+    for case, (argv, expected) in bad_inputs(work).items():
+        code, out, err = run(capsys, *argv)
+        assert code == 2, (case, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0], (case, err)
+    assert before == {d: digest(work / d) for d in ("existing", "q-int8", "hf")}
+    assert not any((work / f"x{i}").exists() for i in range(1, 9))
