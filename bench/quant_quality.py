@@ -1,0 +1,164 @@
+"""Quality and size of every quantisation method on trained checkpoints.
+
+    python bench/quant_quality.py --checkpoint NAME=DIR [--checkpoint NAME=DIR ...]
+        [--calib-samples 512 --calib-seq-len 128] [--eval-tokens 0] [--out FILE]
+
+For each checkpoint: perplexity on its validation split (fivefold.evaluate.perplexity,
+windows of the run's train.seq_len) of the float model in fp32 and bf16 and of the model
+quantised by `fivefold quantize` with int8, int4 (RTN, group 128, zero point), AWQ (int4
+g128 after the scale and clip search, calibrated on the run's training split), NF4 and
+MXFP4; each quantised model is written by the command and read back by the loader that
+generate/eval use, so the table measures the shipped path. Sizes are the bytes of the
+state dict (fp32 and bf16) or of the quantised checkpoint's tensors, and of the linears
+alone. Prints the table, the goals (int8 within 1% of fp32; AWQ no worse than RTN and
+closing at least half of RTN's gap to fp32) and writes bench/results/quant_quality.json with
+the machine, versions and git revision.
+
+Anchor (AWQ paper, Lin et al. 2024, Table 4, INT4-g128 WikiText-2 perplexity): LLaMA-7B
+fp16 5.68, RTN 5.96, AWQ 5.78 (AWQ closes 64% of RTN's gap); Llama-2-7B fp16 5.47,
+RTN 5.73, AWQ 5.60 (50%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from fivefold.evaluate.perplexity import checkpoint_validation, perplexity  # noqa: E402
+from fivefold.quant.cli import main as quantize_main  # noqa: E402
+from fivefold.quant.io import load_quantized, tensor_bytes  # noqa: E402
+from fivefold.quant.linear import QuantLinear  # noqa: E402
+from fivefold.train.bench import git_revision, machine  # noqa: E402
+from fivefold.train.checkpoint import load_model_for_inference, read_meta  # noqa: E402
+
+METHODS = ("int8", "int4", "awq", "nf4", "mxfp4")
+ANCHORS = {"LLaMA-7B": {"fp16": 5.68, "int4_rtn": 5.96, "awq": 5.78},
+           "Llama-2-7B": {"fp16": 5.47, "int4_rtn": 5.73, "awq": 5.60}}
+
+
+def step_dir(path: str) -> Path:
+    p = Path(path)
+    return p / (p / "latest").read_text().strip() if (p / "latest").is_file() else p
+
+
+def linear_bytes(model, element_size: int) -> int:
+    """Bytes of the block linears (what quantize replaces), at element_size per weight."""
+    return sum(m.weight.numel() * element_size for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"))
+
+
+def evaluate(model, tokens, seq_len: int) -> dict:
+    started = time.perf_counter()
+    result = perplexity(model, tokens, seq_len)
+    return {"perplexity": result.perplexity, "loss": result.loss, "tokens": result.tokens,
+            "eval_s": time.perf_counter() - started}
+
+
+def bench_checkpoint(name: str, path: str, args, tmp: Path) -> dict:
+    step = step_dir(path)
+    meta = read_meta(step, fix="--checkpoint")
+    tokens, described, seq_len = checkpoint_validation(meta)
+    if args.eval_tokens:
+        tokens = tokens[: args.eval_tokens]
+    model, model_cfg, _ = load_model_for_inference(str(step))
+    parameters = sum(p.numel() for p in model.parameters())
+    rows = {}
+    fp32_bytes = tensor_bytes(model.state_dict().values())
+    rows["fp32"] = {**evaluate(model, tokens, seq_len), "model_bytes": fp32_bytes,
+                    "linear_bytes": linear_bytes(model, 4)}
+    print(f"[{name}] fp32: ppl {rows['fp32']['perplexity']:.4f}", flush=True)
+    bf16 = model.to(torch.bfloat16)
+    rows["bf16"] = {**evaluate(bf16, tokens, seq_len), "model_bytes": fp32_bytes // 2,
+                    "linear_bytes": linear_bytes(bf16, 2)}
+    print(f"[{name}] bf16: ppl {rows['bf16']['perplexity']:.4f}", flush=True)
+    del model, bf16
+    for method in METHODS:
+        out = tmp / f"{name}-{method}"
+        argv = ["--checkpoint", str(step), "--method", method, "--out", str(out)]
+        if method == "awq":
+            argv += ["--calib-samples", str(args.calib_samples),
+                     "--calib-seq-len", str(args.calib_seq_len)]
+        started = time.perf_counter()
+        if quantize_main(argv) != 0:
+            raise SystemExit(f"fivefold quantize {' '.join(argv)} failed")
+        quantize_s = time.perf_counter() - started
+        qmodel, _, _ = load_quantized(out)
+        manifest = json.loads((out / "quantized.json").read_text())
+        rows[method] = {**evaluate(qmodel, tokens, seq_len), "quantize_s": quantize_s,
+                        "model_bytes": tensor_bytes(qmodel.state_dict().values()),
+                        "linear_bytes": sum(m.quantized_bytes() for m in qmodel.modules()
+                                            if isinstance(m, QuantLinear)),
+                        **({"awq": manifest["awq"]} if "awq" in manifest else {})}
+        print(f"[{name}] {method}: ppl {rows[method]['perplexity']:.4f} "
+              f"({quantize_s:.1f} s to quantise)", flush=True)
+    fp32, rtn, awq = (rows[k]["perplexity"] for k in ("fp32", "int4", "awq"))
+    goals = {
+        "int8_relative_change": rows["int8"]["perplexity"] / fp32 - 1,
+        "int8_within_1pct": abs(rows["int8"]["perplexity"] / fp32 - 1) <= 0.01,
+        "awq_no_worse_than_rtn": awq <= rtn,
+        "awq_share_of_rtn_gap_closed": (rtn - awq) / (rtn - fp32) if rtn > fp32 else None,
+    }
+    goals["awq_closes_half_the_gap"] = (goals["awq_share_of_rtn_gap_closed"] or 0) >= 0.5
+    return {"checkpoint": str(step), "model": model_cfg.name,
+            "parameters": parameters,
+            "train_steps": ((meta.get("config") or {}).get("train") or {}).get("steps"),
+            "eval": {"data": described, "seq_len": seq_len, "tokens": rows["fp32"]["tokens"]},
+            "rows": rows, "goals": goals}
+
+
+def print_table(name: str, result: dict) -> None:
+    rows, fp32 = result["rows"], result["rows"]["fp32"]
+    print(f"\n{name}: {result['model']}, {result['parameters'] / 1e6:.2f}M parameters, "
+          f"{result['eval']['tokens']} validation tokens")
+    print(f"{'format':<8} {'perplexity':>11} {'vs fp32':>8} {'model MiB':>10} "
+          f"{'linears MiB':>12} {'bits/weight':>12}")
+    params = fp32["linear_bytes"] / 4
+    for key, row in rows.items():
+        print(f"{key:<8} {row['perplexity']:>11.4f} "
+              f"{100 * (row['perplexity'] / fp32['perplexity'] - 1):>+7.2f}% "
+              f"{row['model_bytes'] / 2**20:>10.3f} {row['linear_bytes'] / 2**20:>12.3f} "
+              f"{8 * row['linear_bytes'] / params:>12.2f}")
+    g = result["goals"]
+    share = g["awq_share_of_rtn_gap_closed"]
+    print(f"goals: int8 {100 * g['int8_relative_change']:+.2f}% (within 1%: "
+          f"{g['int8_within_1pct']}); AWQ <= RTN: {g['awq_no_worse_than_rtn']}; AWQ closes "
+          f"{'n/a' if share is None else f'{100 * share:.0f}%'} of RTN's gap (>= 50%: "
+          f"{g['awq_closes_half_the_gap']})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", action="append", required=True,
+                        help="NAME=DIR: a fivefold checkpoint (a run's checkpoint.dir)")
+    parser.add_argument("--calib-samples", type=int, default=512)
+    parser.add_argument("--calib-seq-len", type=int, default=128)
+    parser.add_argument("--eval-tokens", type=int, default=0, help="0: the whole split")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" /
+                                             "quant_quality.json"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for item in args.checkpoint:
+            name, _, path = item.partition("=")
+            results[name] = bench_checkpoint(name, path, args, Path(tmp))
+    for name, result in results.items():
+        print_table(name, result)
+    record = {"machine": machine(torch.device("cpu")), "git_revision": git_revision(),
+              "args": vars(args), "anchors_awq_paper_table4_wikitext2_int4_g128": ANCHORS,
+              "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
