@@ -17,6 +17,8 @@ USAGE = """usage: fivefold COMMAND [options]
 commands:
   train      train a model (default: the tiny model on the bundled corpus)
              fivefold train [--config FILE.toml] [--section.key VALUE ...]
+  launch     run train on several ranks (torchrun's launcher; restarts, several nodes)
+             fivefold launch [--max-restarts K] train --parallel.dp 2 ...
   plan       predict memory, time and MFU of a layout, or search for the best one
   calibrate  measure matmul, attention and collectives here: a profile for plan --hw-profile
   prepare    turn text/jsonl/parquet files into a token file for training
@@ -114,6 +116,8 @@ def _subcommand(name: str):
         from fivefold.quant.cli import main
     elif name == "serve":
         from fivefold.serve.openai.api_server import main
+    elif name == "launch":
+        from fivefold.launch import main
     else:
         return None
     return main
@@ -150,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     command = _subcommand(argv[0])
     if command is None:
         print(f"error: unknown command '{argv[0]}'; commands: train, plan, calibrate, prepare, "
-              f"generate, convert, schedule, bench, eval, quantize, serve", file=sys.stderr)
+              f"generate, convert, schedule, bench, eval, quantize, serve, launch", file=sys.stderr)
         return EXIT_BAD_INPUT
     def leave_if_distributed(code: int) -> int:
         # Only a command that imported torch can have a process group up; `plan` never

@@ -1,0 +1,129 @@
+"""`fivefold launch`: start a multi-rank run through torchrun's own launcher, set up right.
+
+    fivefold launch [--nproc-per-node N] [--nnodes N] [--node-rank R]
+                    [--rdzv-endpoint HOST:PORT] [--rdzv-id ID] [--max-restarts K] COMMAND ...
+
+runs `fivefold COMMAND ...` (train, bench) on N local ranks through
+`torch.distributed.run` (torchrun's argument parser and `elastic_launch`, the launcher
+torchrun itself is), with what a fivefold run needs set for it:
+
+- `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`: torchrun otherwise shares its rendezvous store with
+  the workers and keeps the previous attempt's keys there, so a worker restarted under
+  `--max-restarts` can be handed the address of a peer that died (pytorch/pytorch#135712)
+  and the restart fails in `init_process_group`;
+- one node without a rendezvous endpoint is `--standalone` (a local c10d store on a free
+  port), several nodes use a c10d rendezvous at `--rdzv-endpoint`;
+- `--nproc-per-node` defaults to the layout's world size (parallel.dp·tp·pp·cp of the
+  train config given after COMMAND) divided by the number of nodes, so a bad config is one
+  line before any rank starts.
+
+The launcher's exit code is the first failed rank's (2 for a bad input, 3 for a lost rank,
+…), or 0; plain `torchrun -m fivefold.cli train ...` keeps working as before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from fivefold.config import ArgumentParser, ConfigError
+
+COMMANDS = ("train", "bench")
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog="fivefold launch", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run `fivefold COMMAND ...` on several ranks through torchrun's launcher, "
+                    "with restarts that reconnect (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).",
+        epilog="examples:\n  fivefold launch train --parallel.dp 2 --parallel.tp 2\n"
+               "  fivefold launch --max-restarts 3 train --config run.toml\n"
+               "  fivefold launch --nnodes 2 --node-rank $NODE_RANK --rdzv-endpoint "
+               "$HEAD:29500 --rdzv-id $JOB train --config run.toml")
+    p.add_argument("--nproc-per-node", type=int, default=0,
+                   help="ranks on this node (default: the layout's world size / nnodes)")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--node-rank", type=int, default=None,
+                   help="this node's rank (default: assigned by the rendezvous)")
+    p.add_argument("--rdzv-endpoint", default="",
+                   help="HOST:PORT of the c10d rendezvous (needed with --nnodes > 1)")
+    p.add_argument("--rdzv-id", default="fivefold", help="the job's id, the same on every node")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart every rank this many times after a failure (default 0); a "
+                        "restarted run resumes from its newest complete checkpoint")
+    p.add_argument("--monitor-interval", type=float, default=0.5,
+                   help="seconds between checks of the ranks' health (default 0.5)")
+    p.add_argument("command", choices=COMMANDS, help="the fivefold command each rank runs")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    return p
+
+
+def layout_world_size(command: str, args: list[str]) -> int:
+    """parallel.dp·tp·pp·cp of the config `fivefold train ARGS` would run (validated)."""
+    from fivefold import config
+
+    known = argparse.ArgumentParser(add_help=False)
+    known.add_argument("--config")
+    if command == "bench":
+        known.add_argument("--preset")
+    opts, overrides = known.parse_known_args(args)
+    overrides = [a for a in overrides if a not in ("--overwrite", "--debug")]
+    return config.load(opts.config, overrides).parallel.world_size
+
+
+def torchrun_argv(opts, nproc: int) -> list[str]:
+    """The same launch written as torchrun's own arguments."""
+    argv = [f"--nproc-per-node={nproc}", f"--nnodes={opts.nnodes}",
+            f"--max-restarts={opts.max_restarts}", f"--monitor-interval={opts.monitor_interval}"]
+    if opts.nnodes == 1 and not opts.rdzv_endpoint:
+        argv.append("--standalone")
+    else:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={opts.rdzv_endpoint}",
+                 f"--rdzv-id={opts.rdzv_id}"]
+        if opts.node_rank is not None:
+            argv.append(f"--node-rank={opts.node_rank}")
+    return [*argv, "-m", "fivefold.cli", opts.command, *opts.args]
+
+
+def check(opts) -> None:
+    for key, value, low in (("--nproc-per-node", opts.nproc_per_node, 0),
+                            ("--nnodes", opts.nnodes, 1), ("--max-restarts", opts.max_restarts, 0)):
+        if value < low:
+            raise ConfigError(f"{key} {value} must be >= {low}")
+    if opts.nnodes > 1 and not opts.rdzv_endpoint:
+        raise ConfigError(f"--nnodes {opts.nnodes} needs --rdzv-endpoint HOST:PORT (the same "
+                          f"on every node, e.g. the first node's address and port 29500)")
+    if opts.node_rank is not None and not 0 <= opts.node_rank < opts.nnodes:
+        raise ConfigError(f"--node-rank {opts.node_rank} must lie in [0, --nnodes "
+                          f"{opts.nnodes})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        opts = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse has printed its one-line error, or the help
+        return int(e.code or 0)
+    if opts.args[:1] == ["--"]:
+        opts.args = opts.args[1:]
+    check(opts)
+    nproc = opts.nproc_per_node
+    if not nproc:
+        world = layout_world_size(opts.command, opts.args)
+        if world % opts.nnodes:
+            raise ConfigError(f"the layout's {world} ranks do not split evenly over --nnodes "
+                              f"{opts.nnodes}; give --nproc-per-node or change the layout")
+        nproc = world // opts.nnodes
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(torchrun_argv(opts, nproc)))
+    except ChildFailedError as e:
+        rank, failure = min(e.failures.items())
+        code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+        print(f"fivefold launch: rank {rank} ended with exit code {code} (its own line above "
+              f"says why); the run stopped", file=sys.stderr, flush=True)
+        return code
+    return 0
