@@ -237,3 +237,30 @@ def test_hf_parity_with_transformers_generate(tmp_path):
     got = Engine(ours, num_blocks=64).generate(prompts, SamplingParams(max_tokens=16,
                                                                        temperature=0))
     assert [o.token_ids for o in got] == expected
+
+
+def test_n_choices_share_the_prompt_and_copy_its_last_block_on_write(model):
+    prompt = list(range(10, 50))  # 40 tokens: two full blocks and a partial one of 8
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=5, n=4)
+    engine = Engine(model, num_blocks=64, enable_prefix_caching=False)
+    rid = engine.add_request(prompt, params)
+    engine.step()  # the prompt, once; the four choices fork from it
+    assert engine.choice_ids(rid) == [rid] + [f"{rid}#{i}" for i in (1, 2, 3)]
+    assert engine.kv.pool.num_used == 3  # one copy of the prompt's blocks for all four
+    engine.step()  # each choice writes into the shared partial block: three copies
+    assert engine.kv.pool.num_used == 3 + 3
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    choices = [outs[c] for c in [rid, f"{rid}#1", f"{rid}#2", f"{rid}#3"]]
+    assert [o.index for o in choices] == [0, 1, 2, 3]
+    # choice i is the request with seed 5 + i on its own
+    for i, o in enumerate(choices):
+        alone = Engine(model, num_blocks=64).generate(
+            [prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=5 + i))[0]
+        assert o.token_ids == alone.token_ids
+    assert len({tuple(o.token_ids) for o in choices}) > 1
+    assert engine.kv.pool.num_used == 0 and not engine._choices
+    greedy = Engine(model, num_blocks=64).generate(
+        [prompt, [1, 2]], SamplingParams(max_tokens=5, temperature=0, n=3))
+    assert len(greedy) == 6 and len({tuple(o.token_ids) for o in greedy[:3]}) == 1

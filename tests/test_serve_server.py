@@ -125,6 +125,31 @@ def test_streaming_equals_whole(server):
     assert text == greedy_text(server["model"], "user: Once\nassistant:", 8)
 
 
+def sampled_text(model, prompt: str, max_tokens: int, seed: int) -> str:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        (out,) = Engine(model, num_blocks=64).generate(
+            [list(prompt.encode())], SamplingParams(max_tokens=max_tokens, temperature=1.0,
+                                                    seed=seed))
+    finally:
+        torch.set_num_threads(threads)
+    return bytes(t for t in out.token_ids if t < 256).decode("utf-8", errors="replace")
+
+
+def test_n_choices_whole_and_streamed(server):
+    client = server["client"]
+    out = client.completions.create(model=MODEL, prompt="Pick", max_tokens=10, n=3,
+                                    temperature=1.0, seed=3)
+    texts = [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+    assert texts == [sampled_text(server["model"], "Pick", 10, 3 + i) for i in range(3)]
+    chunks = list(client.completions.create(model=MODEL, prompt="Pick", max_tokens=10, n=3,
+                                            temperature=1.0, seed=3, stream=True))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i)
+                for i in range(3)]
+    assert streamed == texts
+
+
 @pytest.mark.parametrize("body, needle", [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "", "max_tokens": 4}, "empty"),

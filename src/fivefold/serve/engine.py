@@ -18,6 +18,7 @@ of `block_size · 2 · layers · kv_heads · head_dim · bytes`, the same arithm
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -49,6 +50,8 @@ class RequestOutput:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    parent_id: str | None = None  # a further choice of `parent_id`'s prompt (n > 1)
+    index: int = 0  # which choice of its prompt
 
 
 class Engine:
@@ -86,6 +89,8 @@ class Engine:
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._choices: dict[str, list[str]] = {}  # parent id -> every choice's id (n > 1)
+        self._parents: dict[str, str] = {}
         self.num_steps = 0
         self.num_generated_tokens = 0
 
@@ -120,14 +125,28 @@ class Engine:
                               f"{self.max_model_len} tokens; shorten one of them")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         self.scheduler.add_request(Request(rid, prompt, params))
-        seed = params.seed if params.seed is not None else int(
-            torch.randint(0, 2**62, (1,), generator=self._seeds))
-        self._generators[rid] = torch.Generator().manual_seed(seed)
+        self._generators[rid] = self._generator(params, 0)
+        if params.n > 1:
+            self._choices[rid] = [rid] + [f"{rid}#{i}" for i in range(1, params.n)]
         return rid
 
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
+        seed = params.seed + index if params.seed is not None else int(
+            torch.randint(0, 2**62, (1,), generator=self._seeds))
+        return torch.Generator().manual_seed(seed)
+
+    def choice_ids(self, request_id: str) -> list[str]:
+        """The ids of every choice of a request (itself first)."""
+        return self._choices.get(request_id, [request_id])
+
     def abort_request(self, request_id: str) -> bool:
-        self._generators.pop(request_id, None)
-        return self.scheduler.abort(request_id)
+        """Abort a request and all its choices; False if none was unfinished."""
+        aborted = False
+        for rid in self._choices.pop(request_id, [request_id]):
+            self._generators.pop(rid, None)
+            self._parents.pop(rid, None)
+            aborted = self.scheduler.abort(rid) or aborted
+        return aborted
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -144,16 +163,53 @@ class Engine:
         logits = self.runner.execute(out)
         by_id = {r.request_id: r for r, _ in out.scheduled}
         sampled = {rid: self._sample(by_id[rid], row) for rid, row in logits.items()}
-        changed = self.scheduler.update_from_output(out, sampled)
+        # A prompt with n > 1 is computed: the other choices share its blocks (before the
+        # parent's update, which may finish it and release them).
+        children = []
+        for request, num_new in out.scheduled:
+            rid = request.request_id
+            if rid in sampled and rid in self._choices and not request.output_token_ids:
+                children += self._fork(request, num_new, logits[rid])
+        changed = self.scheduler.update_from_output(out, sampled) + children
         self.num_steps += 1
         self.num_generated_tokens += len(sampled)
         outputs = []
         for request in changed:
             text = self._apply_stop_strings(request)
-            if request.status.finished:
-                self._generators.pop(request.request_id, None)
             outputs.append(self._output(request, text))
+        for request in changed:
+            if request.status.finished:
+                self._forget(request.request_id)
         return outputs
+
+    def _forget(self, request_id: str) -> None:
+        """Drop a finished request's generator, and its family once every choice is done."""
+        self._generators.pop(request_id, None)
+        family = self._parents.get(request_id, request_id)
+        choices = self._choices.get(family)
+        if choices and all(c not in self.scheduler.requests for c in choices):
+            del self._choices[family]
+            for c in choices:
+                self._parents.pop(c, None)
+
+    def _fork(self, parent: Request, num_new: int, logits: torch.Tensor) -> list[Request]:
+        """Choices 1..n-1 of `parent`: its blocks (the last, partial one too: copied on the
+        first write, kv_cache_manager.py) and a first token drawn from the same logits."""
+        children = []
+        now = time.perf_counter()
+        for index, rid in enumerate(self._choices[parent.request_id][1:], start=1):
+            child = Request(rid, parent.prompt_token_ids, parent.params, parent.arrival_time)
+            child.num_computed_tokens = parent.num_computed_tokens + num_new
+            self.kv.fork(parent, child)
+            self._generators[rid] = self._generator(parent.params, index)
+            self._parents[rid] = parent.request_id
+            self.scheduler.adopt(child, after=parent)
+            child.append_token(self._sample(child, logits), now)
+            status = self.scheduler.stop_status(child, child.output_token_ids[-1])
+            if status is not None:
+                self.scheduler.finish(child, status)
+            children.append(child)
+        return children
 
     def _apply_stop_strings(self, request: Request) -> str | None:
         if self.detokenize is None:
@@ -171,19 +227,24 @@ class Engine:
         return text
 
     def _output(self, request: Request, text: str | None) -> RequestOutput:
+        parent = self._parents.get(request.request_id)
+        index = 0 if parent is None else self._choices[parent].index(request.request_id)
         return RequestOutput(
             request.request_id, request.prompt_token_ids, list(request.output_token_ids),
             request.output_token_ids[-1:], request.status.finished,
             request.status.finish_reason, text, request.arrival_time,
-            request.first_token_time, list(request.token_times), request.num_preemptions)
+            request.first_token_time, list(request.token_times), request.num_preemptions,
+            parent, index)
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """Run every prompt to completion, all in flight together; outputs in prompt order."""
+        """Run every prompt to completion, all in flight together; outputs in prompt order
+        (with n > 1, the prompt's n choices one after another)."""
         if not isinstance(params, list):
             params = [params or SamplingParams()] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        ids = [c for rid in ids for c in self.choice_ids(rid)]
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for o in self.step():

@@ -2,9 +2,10 @@
 
 Names follow vLLM's `SamplingParams` and the OpenAI API: `max_tokens`, `temperature` (0 means
 greedy), `top_k` (0 switches it off), `top_p` (1 switches it off), `seed`, `stop` (strings
-that end the output and are cut from it), `stop_token_ids`, `ignore_eos`. A bad value raises
-`ConfigError` with one line naming the field and the fix; the HTTP layer turns that into a
-400 response.
+that end the output and are cut from it), `stop_token_ids`, `ignore_eos`, `n` (completions
+of one prompt: the prompt is computed once and its blocks shared, copy-on-write; choice i
+draws with seed + i). A bad value raises `ConfigError` with one line naming the field and
+the fix; the HTTP layer turns that into a 400 response.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Lists from JSON become tuples, so a SamplingParams stays hashable and immutable.
@@ -38,6 +40,8 @@ class SamplingParams:
             raise ConfigError(f"top_k = {self.top_k!r} must be an integer >= 0 (0: off)")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p = {self.top_p} must lie in (0, 1] (1: off)")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ConfigError(f"n = {self.n!r} must be an integer >= 1")
         if any(not s for s in self.stop):
             raise ConfigError("stop holds an empty string; give non-empty stop strings")
 

@@ -147,13 +147,19 @@ class Scheduler:
             if token is None:
                 continue  # a prefill chunk: no token yet
             request.append_token(token, now)
-            status = self._stop_status(request, token)
+            status = self.stop_status(request, token)
             if status is not None:
                 self.finish(request, status)
             changed.append(request)
         return changed
 
-    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+    def adopt(self, request: Request, after: Request) -> None:
+        """Run a forked request (its blocks already shared) right after its parent."""
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.insert(self.running.index(after) + 1, request)
+
+    def stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params
         if (token in self.eos_token_ids and not params.ignore_eos) or \
                 token in params.stop_token_ids:

@@ -17,6 +17,7 @@ annotations, which name classes imported inside `build_app`.)
 
 import json
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -172,12 +173,23 @@ def _check_args(args) -> None:
         raise ConfigError(f"--shutdown-grace {args.shutdown_grace} must be >= 0")
 
 
+def _check_port(host: str, port: int) -> None:
+    """Fail before loading the model when the address is taken or cannot be bound."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another "
+                          f"--port or --host") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse printed its one-line error, or the help
         return int(e.code or 0)
     _check_args(args)
+    _check_port(args.host, args.port)
     require("fastapi", "serve", "fivefold serve")
     uvicorn = require("uvicorn", "serve", "fivefold serve")
     from fivefold.serve.engine import Engine

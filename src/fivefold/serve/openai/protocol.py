@@ -55,7 +55,8 @@ class _Sampling(BaseModel):
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
                               top_k=self.top_k, top_p=self.top_p, seed=self.seed,
                               stop=tuple([self.stop] if isinstance(self.stop, str)
-                                         else self.stop or ()), ignore_eos=self.ignore_eos)
+                                         else self.stop or ()), ignore_eos=self.ignore_eos,
+                              n=self.n)
 
 
 class CompletionRequest(_Sampling):

@@ -43,7 +43,8 @@ class EngineLoop:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> [event loop, queue, choices not finished yet]
+        self._streams: dict[str, list] = {}
         self._admitting = True
         self._stop = threading.Event()
         self._abort_all_at: float | None = None
@@ -59,7 +60,7 @@ class EngineLoop:
             raise Unavailable("the server is shutting down")
         rid = f"cmpl-{uuid.uuid4().hex}"
         out: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = (asyncio.get_running_loop(), out)
+        self._streams[rid] = [asyncio.get_running_loop(), out, params.n]
         done: Future = Future()
         self._commands.put(("add", rid, prompt, params, done))
         try:
@@ -92,12 +93,16 @@ class EngineLoop:
 
     # -- the engine's thread --------------------------------------------------------------
     def _deliver(self, output: RequestOutput) -> None:
-        stream = self._streams.get(output.request_id)
+        """To the handler of the request (a further choice goes to its parent's handler)."""
+        key = output.parent_id or output.request_id
+        stream = self._streams.get(key)
         if stream is None:
             return
         if output.finished:
-            self._streams.pop(output.request_id, None)
-        loop, out = stream
+            stream[2] -= 1
+            if stream[2] <= 0:
+                self._streams.pop(key, None)
+        loop, out, _ = stream
         try:
             loop.call_soon_threadsafe(out.put_nowait, output)
         except RuntimeError:  # the event loop has closed
@@ -115,9 +120,14 @@ class EngineLoop:
             self._abort(command[1])
 
     def _abort(self, rid: str) -> None:
-        if self.engine.abort_request(rid):
-            self._deliver(RequestOutput(rid, [], [], [], True, "abort"))
-        self._streams.pop(rid, None)
+        """Abort every choice of `rid`; its handler gets one output with index -1: every
+        choice still open ends with finish_reason "abort"."""
+        self.engine.abort_request(rid)
+        stream = self._streams.pop(rid, None)
+        if stream is not None:
+            stream[2] = 1
+            self._streams[rid] = stream
+            self._deliver(RequestOutput(rid, [], [], [], True, "abort", index=-1))
 
     def _run(self) -> None:
         engine = self.engine
@@ -131,7 +141,7 @@ class EngineLoop:
             except queue.Empty:
                 pass
             if self._abort_all_at is not None and time.monotonic() >= self._abort_all_at:
-                for rid in list(engine.scheduler.requests):
+                for rid in list(self._streams):
                     self._abort(rid)
             if engine.has_unfinished():
                 for output in engine.step():
@@ -142,7 +152,7 @@ class EngineLoop:
 @dataclass
 class Prepared:
     prompt: list[int]
-    params: list[SamplingParams]  # one per choice (n)
+    params: SamplingParams  # with n choices
 
 
 class OpenAIServing:
@@ -162,11 +172,7 @@ class OpenAIServing:
         if len(prompt) >= self.max_model_len:
             raise ConfigError(f"the prompt has {len(prompt)} tokens, the model's context is "
                               f"{self.max_model_len}; shorten the prompt")
-        base = body.sampling_params(self.max_model_len - len(prompt))
-        params = [base if body.n == 1 or base.seed is None else
-                  SamplingParams(**{**base.__dict__, "seed": base.seed + i})
-                  for i in range(body.n)]
-        return Prepared(prompt, params)
+        return Prepared(prompt, body.sampling_params(self.max_model_len - len(prompt)))
 
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
         prompt = body.prompt if isinstance(body.prompt, list) else (
@@ -177,38 +183,27 @@ class OpenAIServing:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         return self._prepare(body, self.encode(self.chat_prompt(messages)))
 
-    async def _start(self, prepared: Prepared) -> list[tuple[str, asyncio.Queue]]:
-        started = []
-        try:
-            for params in prepared.params:
-                started.append(await self.loop.submit(prepared.prompt, params))
-        except BaseException:
-            for rid, _ in started:
-                self.loop.abort(rid)
-            raise
-        return started
-
     async def run(self, prepared: Prepared, chat: bool,
                   disconnected: Callable[[], object]) -> dict:
         """The whole response; aborts (and raises CancelledError) if the client leaves."""
-        started = await self._start(prepared)
-        finals: list[RequestOutput | None] = [None] * len(started)
+        rid, out = await self.loop.submit(prepared.prompt, prepared.params)
+        n = prepared.params.n
+        finals: list[RequestOutput | None] = [None] * n
         try:
-            for i, (_, out) in enumerate(started):
-                while finals[i] is None:
-                    try:
-                        o = await asyncio.wait_for(out.get(), timeout=0.5)
-                    except asyncio.TimeoutError:
-                        if await disconnected():
-                            raise asyncio.CancelledError from None
-                        continue
-                    if o.finished:
-                        finals[i] = o
+            while any(f is None for f in finals):
+                try:
+                    o = await asyncio.wait_for(out.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await disconnected():
+                        raise asyncio.CancelledError from None
+                    continue
+                if o.index < 0:  # aborted: every open choice ends here
+                    finals = [f or o for f in finals]
+                elif o.finished:
+                    finals[o.index] = o
         finally:
-            for (rid, _), final in zip(started, finals):
-                if final is None:
-                    self.loop.abort(rid)
-        rid = started[0][0]
+            if any(f is None for f in finals):
+                self.loop.abort(rid)
         completion = sum(len(o.token_ids) for o in finals)
         choices = []
         for i, o in enumerate(finals):
@@ -224,15 +219,16 @@ class OpenAIServing:
                 "usage": usage(len(prepared.prompt), completion)}
 
     async def stream(self, prepared: Prepared, chat: bool) -> AsyncIterator[str]:
-        """Server-sent events; `finally` aborts whatever is unfinished when the client goes."""
-        started = await self._start(prepared)
-        return self._events(started, prepared, chat)
+        """Server-sent events; the request is admitted (or refused) before the first event."""
+        rid, out = await self.loop.submit(prepared.prompt, prepared.params)
+        return self._events(rid, out, prepared.params, chat)
 
-    async def _events(self, started, prepared: Prepared, chat: bool) -> AsyncIterator[str]:
-        rid = started[0][0]
+    async def _events(self, rid: str, out: asyncio.Queue, params: SamplingParams,
+                      chat: bool) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
-        holdback = max((len(s) for p in prepared.params for s in p.stop), default=1) - 1
-        finished = [False] * len(started)
+        holdback = max((len(s) for s in params.stop), default=1) - 1
+        sent = [0] * params.n
+        open_choices = set(range(params.n))
 
         def event(index: int, text: str | None, reason: str | None) -> str:
             if chat:
@@ -250,26 +246,27 @@ class OpenAIServing:
 
         try:
             if chat:
-                for i in range(len(started)):
+                for i in range(params.n):
                     yield event(i, "", None)
-            for i, (_, out) in enumerate(started):
-                sent = 0
-                while True:
-                    o = await out.get()
-                    text = o.text or ""
-                    # Hold back what may be the start of a stop string or half a character.
-                    upto = len(text) if o.finished else max(len(text) - holdback, sent)
-                    while upto > sent and text[upto - 1] == "\ufffd" and not o.finished:
-                        upto -= 1
-                    if upto > sent:
-                        yield event(i, text[sent:upto], None)
-                        sent = upto
-                    if o.finished:
-                        finished[i] = True
+            while open_choices:
+                o = await out.get()
+                if o.index < 0:  # aborted
+                    for i in sorted(open_choices):
                         yield event(i, None, o.finish_reason)
-                        break
+                    open_choices.clear()
+                    break
+                i, text = o.index, o.text or ""
+                # Hold back what may be the start of a stop string or half a character.
+                upto = len(text) if o.finished else max(len(text) - holdback, sent[i])
+                while upto > sent[i] and text[upto - 1] == "\ufffd" and not o.finished:
+                    upto -= 1
+                if upto > sent[i]:
+                    yield event(i, text[sent[i]:upto], None)
+                    sent[i] = upto
+                if o.finished:
+                    open_choices.discard(i)
+                    yield event(i, None, o.finish_reason)
             yield "data: [DONE]\n\n"
         finally:
-            for (r, _), done in zip(started, finished):
-                if not done:
-                    self.loop.abort(r)
+            if open_choices:
+                self.loop.abort(rid)
