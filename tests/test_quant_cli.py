@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from common import small_config
 
 from fivefold.cli import main
 from fivefold.data.prepare import prepare
@@ -14,6 +15,7 @@ from fivefold.models.init import build_model
 from fivefold.models.presets import ModelConfig
 from fivefold.quant.convert import quantize_
 from fivefold.quant.io import load_quantized
+from fivefold.train.trainer import Trainer
 
 CFG = ModelConfig(name="q", vocab_size=256, hidden_size=128, intermediate_size=256,
                   num_layers=2, num_heads=4, num_kv_heads=4, max_seq_len=128, init_std=0.05)
@@ -130,3 +132,22 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(work, capsys):
         assert len(lines) == 1 and expected in lines[0], (case, err)
     assert before == {d: digest(work / d) for d in ("existing", "q-int8", "hf")}
     assert not any((work / f"x{i}").exists() for i in range(1, 9))
+
+
+def test_awq_from_a_training_checkpoint_calibrates_on_its_training_split(tmp_path, capsys):
+    trainer = Trainer(small_config(tmp_path, "--train.steps", "3"), quiet=True)
+    for _ in range(3):
+        trainer.train_step()
+    trainer.save_checkpoint()
+    trainer.close()
+    out = tmp_path / "q-awq"
+    code, stdout, err = run(capsys, "quantize", "--checkpoint", str(tmp_path / "ckpt"),
+                            "--method", "awq", "--group-size", "32", "--calib-samples", "4",
+                            "--calib-seq-len", "32", "--out", str(out))
+    assert code == 0, err
+    assert "AWQ: calibrating on 4 x 32 tokens" in stdout
+    model, cfg, tokenizer = load_quantized(out)
+    assert cfg.hidden_size == 32 and tokenizer == "byte"
+    code, stdout, err = run(capsys, "generate", "--checkpoint", str(out), "--prompt", "The",
+                            "--max-new-tokens", "4", "--greedy")
+    assert code == 0, err
