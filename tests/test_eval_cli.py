@@ -90,22 +90,59 @@ def test_perplexity_of_hf_model_over_a_token_file(hf_dir, tmp_path, capsys):
     assert result["run"]["seq_len"] == 64 and result["bleu"] is None
 
 
-def test_checkpoint_perplexity_is_the_trainers_validation_loss(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A fivefold checkpoint after one step, and the trainer's validation loss there."""
     from fivefold.train.trainer import Trainer
 
-    cfg = small_config(tmp_path, "--train.steps", "2", "--train.eval_batches", "2")
+    root = tmp_path_factory.mktemp("run")
+    cfg = small_config(root, "--train.steps", "2", "--train.eval_batches", "2")
     with Trainer(cfg, quiet=True) as trainer:
         trainer.train_step()
         val_loss = trainer.evaluate()["val_loss"]
         trainer.save_checkpoint()
-    # the trainer's validation: 2 batches of 4 windows of 32 targets from the split's start
-    code, out, err = run(capsys, "--checkpoint", str(tmp_path / "ckpt"), "--json",
-                         "--max-tokens", str(2 * 4 * 32 + 1))
+    return root / "ckpt", val_loss
+
+
+# the trainer's validation: 2 batches of 4 windows of 32 targets from the split's start
+VAL_TOKENS = 2 * 4 * 32
+
+
+def test_checkpoint_perplexity_is_the_trainers_validation_loss(trained, capsys):
+    checkpoint, val_loss = trained
+    code, out, err = run(capsys, "--checkpoint", str(checkpoint), "--json",
+                         "--max-tokens", str(VAL_TOKENS + 1))
     assert code == 0, err
     result = json.loads(out.strip().splitlines()[-1])
-    assert result["tokens"] == 2 * 4 * 32
+    assert result["tokens"] == VAL_TOKENS
     assert result["loss"] == pytest.approx(val_loss, rel=1e-6)
     assert "validation split (last 0.05)" in result["run"]["data"]
+
+
+def test_a_quantised_checkpoint_is_scored_on_its_sources_split(trained, tmp_path, capsys):
+    """`fivefold quantize` output: the validation split of the float checkpoint it came
+    from, through the quantised model `fivefold generate` loads (its own perplexity on those
+    tokens, exactly), near the float model's (int8 weights)."""
+    pytest.importorskip("fivefold.quant.io")
+    from fivefold.evaluate.loading import checkpoint_meta
+    from fivefold.evaluate.perplexity import checkpoint_validation, perplexity
+    from fivefold.quant.io import load_quantized
+
+    checkpoint, val_loss = trained
+    quantised = tmp_path / "q"
+    assert main(["quantize", "--checkpoint", str(checkpoint), "--method", "int8", "--out",
+                 str(quantised)]) == 0
+    capsys.readouterr()
+    code, out, err = run(capsys, "--checkpoint", str(quantised), "--json", "--max-tokens",
+                         str(VAL_TOKENS + 1))
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    tokens, _, seq_len = checkpoint_validation(checkpoint_meta(checkpoint))
+    model = load_quantized(quantised)[0]
+    direct = perplexity(model, tokens, seq_len, max_tokens=VAL_TOKENS + 1)
+    assert result["tokens"] == direct.tokens == VAL_TOKENS
+    assert result["loss"] == direct.loss
+    assert result["loss"] != val_loss and result["loss"] == pytest.approx(val_loss, rel=1e-2)
 
 
 def test_task_predictions_are_transformers_greedy(hf_dir, tmp_path, capsys):
