@@ -1,10 +1,9 @@
 """The model and tokenizer an evaluation runs: through the loader `fivefold generate` uses
-(a fivefold checkpoint, a quantised one, or a Hugging Face directory), so what is
+(a fivefold checkpoint, a LoRA or quantised one, or a Hugging Face directory), so what is
 evaluated is what is generated from."""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 from fivefold.config import ConfigError
@@ -21,23 +20,15 @@ def step_path(checkpoint: str | Path) -> Path:
     return path
 
 
-def _quant_io():
-    """fivefold.quant.io, where this install has it."""
-    try:
-        return importlib.import_module("fivefold.quant.io")
-    except ImportError:
-        return None
-
-
 def checkpoint_meta(checkpoint: str | Path) -> dict:
     """The step's meta.json, checked against its manifest. For a quantised checkpoint
     (`fivefold quantize`), the meta.json of the fivefold checkpoint it was made from, so
     its validation split is the one the float model held out."""
+    from fivefold.quant.io import is_quantized, read_manifest
     from fivefold.train.checkpoint import read_meta
 
-    quant_io = _quant_io()
-    if quant_io is not None and quant_io.is_quantized(checkpoint):
-        source = quant_io.read_manifest(checkpoint).get("source") or {}
+    if is_quantized(checkpoint):
+        source = read_manifest(checkpoint).get("source") or {}
         if not source.get("checkpoint"):
             raise ConfigError(f"--checkpoint {checkpoint} was quantised from "
                               f"{source.get('hf') or 'a model'} with no validation split on "
