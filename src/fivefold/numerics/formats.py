@@ -51,3 +51,21 @@ FP8_BLOCK = 128
 
 # Below this an amax is treated as zero when turned into a scale (torchao float8_utils.EPS).
 SCALE_EPS = 1e-12
+
+# Weight-only formats (numerics/intx.py, nf4.py, mx.py; quant/ builds the layers on them).
+# int8: symmetric per output row, codes -127..127 (LLM.int8(), Dettmers et al. 2022).
+INT8_MAX = 127
+# int4 groupwise along K: unsigned codes 0..15 with a zero point (AWQ/GPTQ), or symmetric
+# -8..7 stored as code + 8; 128 columns per group is the deployment default (AWQ §4).
+INT4_LEVELS = 15
+INT4_SYM_OFFSET = 8
+INT4_GROUP = 128
+# NF4 (QLoRA, Dettmers et al. 2023 §3): absmax per 64 values, those absmaxes in int8 per 256.
+NF4_BLOCK = 64
+NF4_SCALER_BLOCK = 256
+# MXFP4 (OCP MX v1.0 §5): E2M1 elements (largest 6 = 1.5·2^2) in blocks of 32 sharing an
+# E8M0 scale (8-bit biased exponent, bias 127, 0xFF NaN).
+MX_BLOCK = 32
+E2M1_MAX = 6.0
+E2M1_EMAX = 2
+E8M0_BIAS = 127

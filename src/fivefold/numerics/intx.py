@@ -24,10 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-INT8_MAX = 127
-INT4_LEVELS = 15           # unsigned codes 0..15
-INT4_SYM_OFFSET = 8        # symmetric codes -8..7 stored as 0..15
-DEFAULT_GROUP_SIZE = 128
+from fivefold.numerics.formats import INT4_GROUP, INT4_LEVELS, INT4_SYM_OFFSET, INT8_MAX
+
+DEFAULT_GROUP_SIZE = INT4_GROUP
 # Smallest scale a group may get: a constant group (max == min) would otherwise divide by 0.
 # AWQ clamps (max - min) at 1e-5 for the same reason.
 MIN_RANGE = 1e-5

@@ -24,13 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from fivefold.numerics.formats import E2M1_EMAX, E2M1_MAX, E8M0_BIAS, MX_BLOCK
 from fivefold.numerics.intx import pack_nibbles, unpack_nibbles
 
-MX_BLOCK_SIZE = 32
+MX_BLOCK_SIZE = MX_BLOCK
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # magnitudes, index = code & 7
-E2M1_MAX = 6.0
-E2M1_EMAX = 2            # floor(log2(6)): the largest power of two E2M1 holds
-E8M0_BIAS = 127
 E8M0_NAN = 255
 F32_MIN_NORMAL = 2.0**-126
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fivefold.numerics.formats import NF4_BLOCK, NF4_SCALER_BLOCK
 from fivefold.numerics.intx import pack_nibbles, unpack_nibbles
 
 # The 16 NF4 values: QLoRA's normal-float quantiles, as listed in bitsandbytes
@@ -51,8 +52,8 @@ TORCHAO_NF4_CODES = (
     0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0,
 )
 
-NF4_BLOCK_SIZE = 64
-NF4_SCALER_BLOCK_SIZE = 256
+NF4_BLOCK_SIZE = NF4_BLOCK
+NF4_SCALER_BLOCK_SIZE = NF4_SCALER_BLOCK
 
 
 @dataclass
