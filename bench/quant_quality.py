@@ -1,6 +1,6 @@
 """Quality and size of every quantisation method on trained checkpoints.
 
-    python bench/quant_quality.py --checkpoint NAME=DIR [--checkpoint NAME=DIR ...]
+    python bench/quant_quality.py --checkpoint NAME=DIR[,calib=512x128][,eval_tokens=N] ...
         [--calib-samples 512 --calib-seq-len 128] [--eval-tokens 0] [--out FILE]
 
 For each checkpoint: perplexity on its validation split (fivefold.evaluate.perplexity,
@@ -62,12 +62,29 @@ def evaluate(model, tokens, seq_len: int) -> dict:
             "eval_s": time.perf_counter() - started}
 
 
-def bench_checkpoint(name: str, path: str, args, tmp: Path) -> dict:
+def parse_checkpoint(item: str, args) -> tuple[str, str, int, int, int]:
+    """NAME=DIR[,calib=SAMPLESxLEN][,eval_tokens=N] -> (name, dir, samples, len, tokens)."""
+    name, _, rest = item.partition("=")
+    path, *options = rest.split(",")
+    samples, seq_len, tokens = args.calib_samples, args.calib_seq_len, args.eval_tokens
+    for option in options:
+        key, _, value = option.partition("=")
+        if key == "calib":
+            samples, seq_len = (int(v) for v in value.split("x"))
+        elif key == "eval_tokens":
+            tokens = int(value)
+        else:
+            raise SystemExit(f"unknown option {option!r} in --checkpoint {item}")
+    return name, path, samples, seq_len, tokens
+
+
+def bench_checkpoint(item: str, args, tmp: Path) -> tuple[str, dict]:
+    name, path, calib_samples, calib_seq_len, eval_tokens = parse_checkpoint(item, args)
     step = step_dir(path)
     meta = read_meta(step, fix="--checkpoint")
     tokens, described, seq_len = checkpoint_validation(meta)
-    if args.eval_tokens:
-        tokens = tokens[: args.eval_tokens]
+    if eval_tokens:
+        tokens = tokens[:eval_tokens]
     model, model_cfg, _ = load_model_for_inference(str(step))
     parameters = sum(p.numel() for p in model.parameters())
     rows = {}
@@ -84,8 +101,8 @@ def bench_checkpoint(name: str, path: str, args, tmp: Path) -> dict:
         out = tmp / f"{name}-{method}"
         argv = ["--checkpoint", str(step), "--method", method, "--out", str(out)]
         if method == "awq":
-            argv += ["--calib-samples", str(args.calib_samples),
-                     "--calib-seq-len", str(args.calib_seq_len)]
+            argv += ["--calib-samples", str(calib_samples),
+                     "--calib-seq-len", str(calib_seq_len)]
         started = time.perf_counter()
         if quantize_main(argv) != 0:
             raise SystemExit(f"fivefold quantize {' '.join(argv)} failed")
@@ -107,11 +124,13 @@ def bench_checkpoint(name: str, path: str, args, tmp: Path) -> dict:
         "awq_share_of_rtn_gap_closed": (rtn - awq) / (rtn - fp32) if rtn > fp32 else None,
     }
     goals["awq_closes_half_the_gap"] = (goals["awq_share_of_rtn_gap_closed"] or 0) >= 0.5
-    return {"checkpoint": str(step), "model": model_cfg.name,
-            "parameters": parameters,
-            "train_steps": ((meta.get("config") or {}).get("train") or {}).get("steps"),
-            "eval": {"data": described, "seq_len": seq_len, "tokens": rows["fp32"]["tokens"]},
-            "rows": rows, "goals": goals}
+    train = (meta.get("config") or {}).get("train") or {}
+    return name, {"checkpoint": str(step), "model": model_cfg.name, "parameters": parameters,
+                  "train_steps": train.get("steps"),
+                  "eval": {"data": described, "seq_len": seq_len,
+                           "tokens": rows["fp32"]["tokens"]},
+                  "calibration": {"samples": calib_samples, "seq_len": calib_seq_len},
+                  "rows": rows, "goals": goals}
 
 
 def print_table(name: str, result: dict) -> None:
@@ -148,8 +167,8 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for item in args.checkpoint:
-            name, _, path = item.partition("=")
-            results[name] = bench_checkpoint(name, path, args, Path(tmp))
+            name, result = bench_checkpoint(item, args, Path(tmp))
+            results[name] = result
     for name, result in results.items():
         print_table(name, result)
     record = {"machine": machine(torch.device("cpu")), "git_revision": git_revision(),
