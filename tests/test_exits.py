@@ -242,5 +242,34 @@ def test_a_full_disk_or_unwritable_dir_during_save_is_one_line_and_keeps_the_pre
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000001"]
 
 
+def test_a_rank_lost_during_a_save_says_whether_the_step_was_published(tmp_path):
+    """A peer lost in the save's last barrier, after rank 0 published the step: the survivor
+    says the step is complete and a restart resumes from it (before: "saving step 1 failed
+    ... the previous checkpoint is untouched", and the restart resumed from step 1). Lost
+    before the publish: the save failed and `latest` still names the previous step."""
+    from types import SimpleNamespace
+
+    from fivefold.parallel.watchdog import RankLostError
+    from fivefold.train.recovery import save_error
+    from fivefold.train.trainer import Trainer
+
+    cfg = cfg_for(tmp_path, "lost", "--parallel.dp", "1", "--checkpoint.keep", "5")
+    with Trainer(cfg, quiet=True) as t:
+        t.train_step()
+        t.save_checkpoint()
+    survivor = SimpleNamespace(cfg=cfg, step=1, dims=SimpleNamespace(rank=0),
+                               watchdog=SimpleNamespace(active=True, lost_ranks=lambda: [1]))
+    error = save_error(survivor, RuntimeError("[../third_party/gloo] Connection closed by peer"))
+    assert isinstance(error, RankLostError)
+    assert "lost rank 1 at the end of saving step 1" in str(error), error
+    assert "a restart resumes from step 1" in str(error) and "failed" not in str(error), error
+    survivor.step = 2  # not published: the save failed
+    error = save_error(survivor, RuntimeError("Connection closed by peer"))
+    assert "saving step 2 failed: lost rank 1" in str(error), error
+    assert "step_00000001" in str(error) and "untouched" in str(error), error
+    survivor.watchdog.lost_ranks = lambda: []  # every rank alive: not a loss, not ours
+    assert save_error(survivor, RuntimeError("Connection closed by peer")) is None
+
+
 if __name__ == "__main__":
     sys.exit("run with pytest")

@@ -9,9 +9,11 @@ tensor whole: each describes what it owns as `Chunked` parts — boxes of the lo
 DCP writes those parts as the tensor's chunks (replicas hold identical boxes, which DCP's
 save planner writes once; it also checks that the chunks tile the tensor exactly). On load
 each rank asks for the boxes it owns under its own layout; DCP reads from every saved chunk
-that overlaps one, straight into the views. The logical shapes come from the checkpoint's
-metadata. So a run saved at dp 4 with ZeRO-3 resumes at dp 2, at tp 2 or at pp 2: resharding
-is intersecting boxes, and no rank's memory grows beyond a saved chunk in transit.
+that overlaps one, straight into the views. Each saved tensor must be one the model reads,
+with its exact logical shape (train/checkpoint_planners.py: another model is refused in one
+line, never read in part). So a run saved at dp 4 with ZeRO-3 resumes at dp 2, at tp 2 or
+at pp 2: resharding is intersecting boxes, and no rank's memory grows beyond a saved chunk
+in transit.
 
 Writes are atomic and durable: everything goes into `step_N.tmp`; when every rank has
 finished, its files and the directory are fsynced, and only then is it renamed to `step_N`
@@ -20,7 +22,8 @@ before the rename leaves the last good checkpoint untouched; the leftover `.tmp`
 is removed by the next save. The last file written before the publish is `manifest.json`,
 the size and sha256 of every file of the step (train/manifest.py); every load checks it
 first, so a truncated or corrupted shard is one line naming the bad step and the newest
-good one, never NaN losses.
+good one, never NaN losses. A file that cannot be written (a full disk) raises on every
+rank at the same point, so no rank waits for a peer that has given up.
 
 Retention keeps the newest `keep` steps at or below the step just saved, by step number: a
 run resumed from an older step never deletes what it has just written, and leaves the steps
@@ -29,30 +32,24 @@ of the abandoned later history alone.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from fivefold.config import ConfigError
-from fivefold.parallel import peak
+from fivefold.train.checkpoint_planners import (  # noqa: F401 - Chunked, ModelMismatch: API here
+    Chunked,
+    ChunkedLoadPlanner,
+    ChunkedSavePlanner,
+    ModelMismatch,
+)
 from fivefold.train.manifest import (  # noqa: F401 - verify_step is this module's API too
     damaged_message,
     published_steps,
@@ -67,125 +64,6 @@ PARAMETER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers"
                   "qk_norm_whole", "mlp", "norm", "num_experts", "moe_intermediate_size",
                   "moe_layer_freq", "moe_first_dense", "shared_expert_intermediate_size",
                   "shared_expert_gate")
-
-
-class ModelMismatch(ConfigError):
-    """A checkpoint of another model: a bad input (exit 2), never a reason to fall back to an
-    older step of the same directory."""
-
-
-@dataclass
-class Chunked:
-    """This rank's parts of one logical tensor: (offsets in the logical tensor, a view of
-    this rank's data shaped like the box). `size` is the logical shape (needed to save;
-    a load takes it from the checkpoint)."""
-
-    size: tuple[int, ...]
-    parts: list[tuple[tuple[int, ...], torch.Tensor]]
-
-
-class _ChunkedSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner plus one write item per part of each `Chunked` tensor."""
-
-    def __init__(self, chunked: dict[str, Chunked]):
-        super().__init__()
-        self.chunked = chunked
-        self.parts = {(key, tuple(off)): t for key, c in chunked.items() for off, t in c.parts}
-
-    def create_local_plan(self):
-        plan = super().create_local_plan()
-        items = []
-        for key, c in self.chunked.items():
-            for offsets, t in c.parts:
-                props = TensorProperties(dtype=t.dtype)
-                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.shape)
-                items.append(WriteItem(
-                    index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(chunk=chunk, properties=props,
-                                                size=torch.Size(c.size))))
-        self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex):
-        part = self.parts.get((index.fqn, tuple(index.offset or ())))
-        if part is not None:
-            peak.sample("checkpoint save")
-            return _exact_storage(part)
-        return super().lookup_object(index)
-
-
-_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _exact_storage(t: torch.Tensor) -> torch.Tensor:
-    """`t` itself, behind a storage of exactly its bytes (no copy). DCP's file writer clones
-    every tensor whose storage is larger than it, and keeps the clones of a file until the
-    file is closed: given views of a flat shard, it would copy the whole shard. numpy can
-    alias a slice of memory exactly (bf16 through a same-width integer view)."""
-    if (t.device.type != "cpu" or not t.is_contiguous()
-            or t.untyped_storage().nbytes() == t.nbytes):
-        return t  # a device tensor is copied to the host whole anyway; a clipped box is small
-    return torch.from_numpy(t.view(_SAME_WIDTH[t.element_size()]).numpy()).view(t.dtype)
-
-
-class _ChunkedLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner plus reads into the parts of each `Chunked` tensor."""
-
-    def __init__(self, chunked: dict[str, Chunked], path: Path):
-        super().__init__()
-        self.chunked, self.path = chunked, path
-        self.parts = {(key, tuple(off)): t for key, c in chunked.items() for off, t in c.parts}
-
-    def create_local_plan(self):
-        """This rank's reads; a tensor the checkpoint lacks, or holds in another shape than
-        the model's logical one, is a ModelMismatch (no box of a larger tensor is read)."""
-        plan = super().create_local_plan()
-        items = []
-        for key, c in self.chunked.items():
-            saved = self.metadata.state_dict_metadata.get(key)
-            if not isinstance(saved, TensorStorageMetadata):
-                raise ModelMismatch(f"checkpoint {self.path} has no tensor {key}: it holds "
-                                    f"another model; use a checkpoint of this model")
-            if tuple(saved.size) != tuple(c.size):
-                raise ModelMismatch(f"checkpoint {self.path} holds {key} with shape "
-                                    f"{tuple(saved.size)}, but this model's is {tuple(c.size)};"
-                                    f" use a checkpoint of this model")
-            local = [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.shape)
-                     for offsets, t in c.parts]
-            items += create_read_items_for_chunk_list(key, saved, local)
-        self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
-        return self.plan
-
-    def create_global_plan(self, global_plan):
-        """On the coordinator, with every rank's reads: each saved tensor must be read by
-        some rank, so a checkpoint holding more than the model (another expert count, q/k
-        norms the model lacks) is refused, not loaded in part."""
-        read = {_logical(item.dest_index.fqn) for plan in global_plan for item in plan.items}
-        read |= {_logical(key) for key in self.chunked}
-        for key, saved in sorted(self.metadata.state_dict_metadata.items()):
-            if (isinstance(saved, TensorStorageMetadata) and "/" in key
-                    and _logical(key) not in read):
-                raise ModelMismatch(f"checkpoint {self.path} holds {key} of shape "
-                                    f"{tuple(saved.size)}, which this model does not have; "
-                                    f"use a checkpoint of this model")
-        return super().create_global_plan(global_plan)
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        part = self.parts.get((index.fqn, tuple(index.offset or ())))
-        if part is not None:
-            peak.sample("checkpoint load")
-            return part
-        return super().lookup_tensor(index)
-
-
-def _logical(key: str) -> str:
-    """The tensor a key is about: `model/N` and `optim/N/exp_avg` are both N (an fp32 load
-    reads the master copy, not `model/N`); `buffer/N` stays itself."""
-    if key.startswith("model/"):
-        return key.removeprefix("model/")
-    if key.startswith("optim/"):
-        return key.removeprefix("optim/").rsplit("/", 1)[0]
-    return key
 
 
 def _fsync(path: Path) -> None:
@@ -303,44 +181,83 @@ def check_model_shape(meta: dict, model_cfg, path: Path) -> None:
                 f"settings or a different checkpoint.dir")
 
 
+class WriteFailed(OSError):
+    """A file of the checkpoint could not be written, on this rank or on another (each rank
+    raises it at the same point, so none is left waiting in a barrier)."""
+
+
+def _all_agree(problem: OSError | RuntimeError | None) -> None:
+    """Raise on every rank when a file write failed on any: this rank's own error, or a
+    WriteFailed naming another rank's. A plain barrier otherwise."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([0.0 if problem is None else 1.0 + _rank()], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed_rank = int(flag.item()) - 1
+    else:
+        failed_rank = -1 if problem is None else 0
+    if problem is not None:
+        raise problem
+    if failed_rank >= 0:
+        raise WriteFailed(f"rank {failed_rank} could not write its checkpoint files")
+
+
 def save(root: str, step: int, tensors: dict[str, Chunked], trainer_state: dict,
          meta: dict, keep: int) -> Path:
     """Write one checkpoint atomically; keep the newest `keep`. Every rank calls this with
-    the parts it owns (replicas may pass the same parts: each is written once)."""
+    the parts it owns (replicas may pass the same parts: each is written once). A write that
+    fails on any rank raises on every rank (DCP's CheckpointException for the shards, which
+    DCP itself spreads; OSError or WriteFailed for the files around them)."""
     root_path = Path(root)
     final = step_dir(root_path, step)
     tmp = final.with_name(final.name + ".tmp")
+    problem = None
     if _rank() == 0:
-        root_path.mkdir(parents=True, exist_ok=True)
-        for stale in root_path.glob("step_*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    _barrier()
+        try:
+            root_path.mkdir(parents=True, exist_ok=True)
+            for stale in root_path.glob("step_*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:
+            problem = e
+    _all_agree(problem)
     with warnings.catch_warnings():  # DCP warns that a single process saves without a group
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"trainer": trainer_state}, checkpoint_id=str(tmp),
-                 planner=_ChunkedSavePlanner(tensors))
-    torch.save(torch.get_rng_state(), tmp / f"rng_rank{_rank()}.pt")
-    _barrier()
+                 planner=ChunkedSavePlanner(tensors))
+    try:
+        torch.save(torch.get_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+    except (OSError, RuntimeError) as e:  # torch's writer: a RuntimeError on a full disk
+        problem = e
+    _all_agree(problem)
     if _rank() == 0:
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        write_manifest(tmp)  # last: it describes every file above
-        _fsync_tree(tmp)  # durable before it is published: a crash cannot publish holes
-        aside = final.with_name(final.name + ".old")
-        if final.exists():  # the same step saved again: keep the old copy until the new is in
-            shutil.rmtree(aside, ignore_errors=True)
-            os.replace(final, aside)
-        os.replace(tmp, final)
-        _fsync(root_path)
-        shutil.rmtree(aside, ignore_errors=True)
-        pointer_tmp = root_path / "latest.tmp"
-        pointer_tmp.write_text(final.name)
-        _fsync(pointer_tmp)
-        os.replace(pointer_tmp, root_path / "latest")
-        _fsync(root_path)
-        retire_old_steps(root_path, step, keep)
-    _barrier()
+        try:
+            _publish(root_path, tmp, final, meta)
+            retire_old_steps(root_path, step, keep)
+        except OSError as e:
+            problem = e
+    _all_agree(problem)
     return final
+
+
+def _publish(root: Path, tmp: Path, final: Path, meta: dict) -> None:
+    """Rank 0, once every rank's files are in `tmp`: meta.json, the manifest, fsync, then
+    the renames that make `final` the step `latest` names."""
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    write_manifest(tmp)  # last: it describes every file above
+    _fsync_tree(tmp)  # durable before it is published: a crash cannot publish holes
+    aside = final.with_name(final.name + ".old")
+    if final.exists():  # the same step saved again: keep the old copy until the new is in
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    _fsync(root)
+    shutil.rmtree(aside, ignore_errors=True)
+    pointer_tmp = root / "latest.tmp"
+    pointer_tmp.write_text(final.name)
+    _fsync(pointer_tmp)
+    os.replace(pointer_tmp, root / "latest")
+    _fsync(root)
 
 
 def retire_old_steps(root: Path, saved_step: int, keep: int) -> None:
@@ -370,7 +287,7 @@ def load(path: Path, tensors: dict[str, Chunked], trainer_state: dict,
         warnings.simplefilter("ignore", UserWarning)
         try:
             dcp.load(state, checkpoint_id=str(path),
-                     planner=_ChunkedLoadPlanner(tensors, Path(path)))
+                     planner=ChunkedLoadPlanner(tensors, Path(path)))
         except ConfigError:
             raise
         except (Exception, CheckpointException) as e:  # DCP's wrapper reaches every rank

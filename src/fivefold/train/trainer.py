@@ -31,7 +31,7 @@ from fivefold.models.init import build_meta
 from fivefold.parallel import comm, peak
 from fivefold.parallel.apply import ParallelModel, parallelize
 from fivefold.parallel.mesh import ParallelDims
-from fivefold.parallel.watchdog import RankLostError, Watchdog
+from fivefold.parallel.watchdog import Watchdog
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.lifecycle import ledger_paused
 from fivefold.train.metrics import (
@@ -45,8 +45,8 @@ from fivefold.train.optim import MasterWeightOptimizer, lr_at
 from fivefold.train.precision import DTYPES, LossScaler, resolve_precision
 from fivefold.train.recovery import (
     agree,
-    is_write_error,
     one_line,
+    save_error,
     save_failed,
     unwritable,
 )
@@ -368,16 +368,10 @@ class Trainer:
             ckpt.save(cfg.checkpoint.dir, self.step, tensors, self.trainer_state(), meta,
                       cfg.checkpoint.keep)
         except (Exception, CheckpointException) as e:  # DCP raises on every rank together
-            if is_write_error(e):  # disk full, unwritable
-                raise save_failed(self, e) from e
-            if not isinstance(e, RuntimeError):
+            failure = save_error(self, e)  # disk full, unwritable, a rank lost (recovery.py)
+            if failure is None:
                 raise
-            lost = self.watchdog.lost_ranks() if self.watchdog.active else []
-            if not lost:
-                raise
-            who = ", ".join(f"rank {r}" for r in lost)
-            raise RankLostError(f"saving step {self.step} failed: lost {who}; the previous "
-                                f"checkpoint in {cfg.checkpoint.dir} is untouched") from e
+            raise failure from e
 
     def resume(self, root: str, mode: str) -> None:
         """Load the first of `ckpt.candidates` that loads (train/recovery.py)."""
