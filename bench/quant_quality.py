@@ -160,6 +160,9 @@ def main() -> None:
     parser.add_argument("--calib-samples", type=int, default=512)
     parser.add_argument("--calib-seq-len", type=int, default=128)
     parser.add_argument("--eval-tokens", type=int, default=0, help="0: the whole split")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other checkpoints' results already in --out (each "
+                             "result records its own machine and git revision)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" /
                                              "quant_quality.json"))
     args = parser.parse_args()
@@ -168,14 +171,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for item in args.checkpoint:
             name, result = bench_checkpoint(item, args, Path(tmp))
-            results[name] = result
+            results[name] = {**result, "machine": machine(torch.device("cpu")),
+                             "git_revision": git_revision()}
     for name, result in results.items():
         print_table(name, result)
+    out = Path(args.out)
+    if args.merge and out.is_file():
+        results = {**json.loads(out.read_text()).get("results", {}), **results}
     record = {"machine": machine(torch.device("cpu")), "git_revision": git_revision(),
               "args": vars(args), "anchors_awq_paper_table4_wikitext2_int4_g128": ANCHORS,
               "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 
