@@ -105,11 +105,10 @@ def score_predictions(path: str) -> dict:
     return text_scores([r["prediction"] for r in records], [r["reference"] for r in records])
 
 
-def run_tasks(args, model, codec) -> dict:
-    from fivefold.evaluate.tasks import encode_prompts, greedy_predictions, read_jsonl, write_jsonl
+def run_tasks(args, tasks: list[dict], model, codec) -> dict:
+    from fivefold.evaluate.tasks import encode_prompts, greedy_predictions, write_jsonl
     from fivefold.evaluate.text_metrics import text_scores
 
-    tasks = read_jsonl(args.data, ("prompt", "reference"))
     prompts = encode_prompts(tasks, codec.encode, args.max_new_tokens, model.cfg.max_seq_len,
                              args.data)
     predictions = greedy_predictions(model, codec, prompts, args.max_new_tokens)
@@ -119,13 +118,13 @@ def run_tasks(args, model, codec) -> dict:
     return scores
 
 
-def perplexity_source(args, model) -> tuple:
-    """(tokens, description, seq_len) of what perplexity is taken over."""
+def perplexity_source(args) -> tuple:
+    """(tokens, description, seq_len or None: the model's choice) of what perplexity is
+    taken over; read and checked before any model is loaded."""
     from fivefold.evaluate import perplexity as ppl
 
     if args.data:
-        tokens, what = ppl.token_file(args.data), f"token file {args.data}"
-        seq_len = model.cfg.max_seq_len
+        tokens, what, seq_len = ppl.token_file(args.data), f"token file {args.data}", None
     elif args.checkpoint:
         from fivefold.evaluate.loading import checkpoint_meta
 
@@ -140,7 +139,7 @@ def perplexity_source(args, model) -> tuple:
         path = default_corpus_tokens(str(tokenizer))
         tokens = ppl.validation_tokens(path, DEFAULT_VAL_FRACTION)
         what = f"bundled corpus, last {DEFAULT_VAL_FRACTION:g}, in {tokenizer}"
-        seq_len = min(model.cfg.max_seq_len, DEFAULT_HF_SEQ_LEN)
+        seq_len = None
     return tokens, what, args.seq_len or seq_len
 
 
@@ -167,16 +166,23 @@ def evaluate(args) -> dict:
         result["lm_eval"] = run_lm_eval(lm, tasks, limit=args.limit or None, manager=manager)
     else:
         from fivefold.evaluate.loading import load_model
+        from fivefold.evaluate.tasks import read_jsonl
 
+        # The data first: a bad line or token file is one line before a model is loaded.
+        tasks = read_jsonl(args.data, ("prompt", "reference")) if _is_tasks(args.data) else None
+        source = None if tasks else perplexity_source(args)
         model, codec = load_model(SimpleNamespace(**vars(args)))
-        if _is_tasks(args.data):
+        if tasks:
             run.update(task="generate", data=args.data, out=args.out, decoding="greedy",
                        max_new_tokens=args.max_new_tokens)
-            result.update(run_tasks(args, model, codec))
+            result.update(run_tasks(args, tasks, model, codec))
         else:
             from fivefold.evaluate.perplexity import perplexity
 
-            tokens, what, seq_len = perplexity_source(args, model)
+            tokens, what, seq_len = source
+            if seq_len is None:  # a token file: the model's context; the corpus: at most 2048
+                seq_len = model.cfg.max_seq_len if args.data else min(model.cfg.max_seq_len,
+                                                                      DEFAULT_HF_SEQ_LEN)
             got = perplexity(model, tokens, seq_len, args.batch_size, args.max_tokens or None)
             run.update(task="perplexity", data=what, seq_len=got.seq_len, windows=got.windows)
             result.update(perplexity=got.perplexity, loss=got.loss, tokens=got.tokens)
