@@ -1,0 +1,199 @@
+"""Serving throughput: fivefold's engine vs transformers' `generate` on the same requests.
+
+    python bench/serve.py [--preset llama-25m] [--requests 64] [--batch 16] [--threads 1]
+
+The workload: `--requests` greedy requests, all arriving at once, with prompt lengths drawn
+uniformly from 16-256 tokens and output lengths from 16-256 (EOS ignored: every request
+produces exactly its `max_tokens`). Both runs use the same weights (fivefold's model saved
+as a Hugging Face directory and loaded by transformers), fp32, on this CPU:
+
+- fivefold, same batch: `Engine` with continuous batching, at most `--batch` sequences per
+  step, a paged KV cache of 16-token blocks;
+- fivefold, same KV memory: no cap on sequences, but a KV pool of only as many token slots
+  as transformers' static batch reserves (`--batch` × (256 + 256): every row padded to the
+  longest prompt plus the longest output). This is PagedAttention's claim: in the memory a
+  static batch reserves, paging fits more sequences;
+- transformers: `model.generate` over static batches of `--batch` requests in arrival order,
+  prompts left-padded to the batch's longest, each batch generating up to its longest
+  `max_tokens` (the tokens past a request's own `max_tokens` are not counted).
+
+Printed and written to bench/results/serve.json: output tokens/s, requests/s, time to first
+token and inter-token latency percentiles (p50, p90, p99; all requests arrive at t = 0, so
+a request of a later static batch waits for the earlier ones), the ratio of tokens/s, how
+many requests' tokens agree between the two, the machine, versions and git revision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from fivefold.models.hf import save_hf  # noqa: E402
+from fivefold.models.init import build_model  # noqa: E402
+from fivefold.models.presets import preset  # noqa: E402
+from fivefold.serve.engine import Engine  # noqa: E402
+from fivefold.serve.sampling_params import SamplingParams  # noqa: E402
+from fivefold.train.bench import git_revision, machine  # noqa: E402
+
+
+def workload(n: int, vocab: int, seed: int, prompt=(16, 256), output=(16, 256)):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(prompt[0], prompt[1] + 1, (n,), generator=g).tolist()
+    outputs = torch.randint(output[0], output[1] + 1, (n,), generator=g).tolist()
+    # ids 3.. : clear of the pad and special ids transformers might treat specially
+    prompts = [torch.randint(3, vocab, (m,), generator=g).tolist() for m in lengths]
+    return prompts, outputs
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def at(q):
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "mean": statistics.fmean(values)}
+
+
+def summarize(name, seconds, outputs, first_times, token_times) -> dict:
+    tokens = sum(len(o) for o in outputs)
+    itl = [b - a for times in token_times for a, b in zip(times, times[1:])]
+    return {"name": name, "seconds": seconds, "output_tokens": tokens,
+            "tokens_per_s": tokens / seconds, "requests_per_s": len(outputs) / seconds,
+            "ttft_s": percentiles(first_times), "itl_s": percentiles(itl)}
+
+
+def run_fivefold(model, prompts, outputs, name: str, max_num_seqs: int,
+                 num_blocks: int) -> tuple[dict, list[list[int]]]:
+    engine = Engine(model, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
+                    max_num_batched_tokens=4096)
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in outputs]
+    start = time.perf_counter()
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    for rid in ids:  # all arrive at t = 0
+        engine.scheduler.requests[rid].arrival_time = start
+    final = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                final[o.request_id] = o
+    seconds = time.perf_counter() - start
+    outs = [final[i] for i in ids]
+    result = summarize(name, seconds, [o.token_ids for o in outs],
+                       [o.first_token_time - start for o in outs],
+                       [o.token_times for o in outs])
+    result["steps"] = engine.num_steps
+    result["preemptions"] = engine.scheduler.num_preemptions
+    result["max_num_seqs"], result["kv_blocks"] = max_num_seqs, num_blocks
+    return result, [o.token_ids for o in outs]
+
+
+class StepClock:
+    """A transformers streamer that only notes when each step's tokens appear."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.first = True
+
+    def put(self, value):
+        if self.first:  # generate first hands over the prompt
+            self.first = False
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def run_transformers(hf, prompts, outputs, batch: int, pad_id: int):
+    start = time.perf_counter()
+    tokens, first_times, token_times = [], [], []
+    for b in range(0, len(prompts), batch):
+        chunk, wanted = prompts[b:b + batch], outputs[b:b + batch]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        clock = StepClock()
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(wanted),
+                              do_sample=False, pad_token_id=pad_id, streamer=clock)
+        for row, m in zip(out[:, width:].tolist(), wanted):
+            tokens.append(row[:m])
+            first_times.append(clock.times[0] - start)
+            token_times.append(clock.times[:m])
+    seconds = time.perf_counter() - start
+    return summarize("transformers", seconds, tokens, first_times, token_times), tokens
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama-25m")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    base = preset(args.preset)
+    cfg = base.replace(max_seq_len=max(base.max_seq_len, 512))
+    model = build_model(cfg, seed=args.seed).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf(model, cfg, Path(tmp))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # as ignore_eos: every request runs its length
+    prompts, outputs = workload(args.requests, cfg.vocab_size, args.seed)
+    static_slots = args.batch * (256 + 256)  # what one padded static batch reserves
+    ours, our_tokens = run_fivefold(model, prompts, outputs, "fivefold", args.batch,
+                                    args.batch * 32 + 64)
+    memory, memory_tokens = run_fivefold(model, prompts, outputs, "fivefold-same-kv",
+                                         args.requests, static_slots // 16)
+    theirs, their_tokens = run_transformers(hf, prompts, outputs, args.batch, pad_id=0)
+    same = sum(a == b for a, b in zip(our_tokens, their_tokens))
+    same_runs = sum(a == b for a, b in zip(our_tokens, memory_tokens))
+    ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    ratio_memory = memory["tokens_per_s"] / theirs["tokens_per_s"]
+    info = machine(torch.device("cpu"))
+    print(f"{info['device']}; torch {torch.__version__}, transformers "
+          f"{transformers.__version__}; {args.threads} thread(s); {cfg.name} fp32")
+    print(f"{args.requests} requests, prompts 16-256, outputs 16-256 tokens, batch "
+          f"{args.batch}")
+    for r in (ours, memory, theirs):
+        print(f"{r['name']:>16}: {r['tokens_per_s']:8.1f} tokens/s  {r['requests_per_s']:6.3f} "
+              f"req/s  {r['seconds']:7.1f} s  TTFT p50 {r['ttft_s']['p50']:.2f} s p99 "
+              f"{r['ttft_s']['p99']:.2f} s  ITL p50 {r['itl_s']['p50'] * 1e3:.1f} ms p99 "
+              f"{r['itl_s']['p99'] * 1e3:.1f} ms")
+    print(f"fivefold / transformers tokens/s: {ratio:.2f}x at the same batch ({args.batch}), "
+          f"{ratio_memory:.2f}x in the same KV memory ({static_slots} token slots); "
+          f"identical greedy outputs: {same}/{args.requests} (fivefold's two runs: "
+          f"{same_runs}/{args.requests})")
+    result = {"benchmark": "serve", "model": cfg.name, "dtype": "fp32",
+              "requests": args.requests, "batch": args.batch, "threads": args.threads,
+              "workload": {"prompt_tokens": [16, 256], "output_tokens": [16, 256],
+                           "seed": args.seed, "arrivals": "all at t=0"},
+              "fivefold": ours, "fivefold_same_kv_memory": memory, "transformers": theirs,
+              "tokens_per_s_ratio": ratio, "tokens_per_s_ratio_same_kv_memory": ratio_memory,
+              "identical_outputs": same, "identical_outputs_between_fivefold_runs": same_runs,
+              "machine": info, "git": git_revision(),
+              "command": "python bench/serve.py " + " ".join(argv or sys.argv[1:])}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
