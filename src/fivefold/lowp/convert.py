@@ -62,7 +62,7 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe,
     for pattern in keep_out:
         if not any(_matches(name, pattern) for name in targets):
             raise ConfigError(f"train.fp8_keep_out pattern '{pattern}' matches no linear "
-                              f"layer of the model; name modules such as 'lm_head', "
+                              f"layer of the model; name modules such as 'q_proj', "
                               f"'layers.0', '*.down_proj' or 'experts'")
     converted = []
     for name, module in targets.items():
