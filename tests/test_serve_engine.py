@@ -264,3 +264,23 @@ def test_n_choices_share_the_prompt_and_copy_its_last_block_on_write(model):
     greedy = Engine(model, num_blocks=64).generate(
         [prompt, [1, 2]], SamplingParams(max_tokens=5, temperature=0, n=3))
     assert len(greedy) == 6 and len({tuple(o.token_ids) for o in greedy[:3]}) == 1
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "lora"])
+def test_quantised_and_lora_models_serve_like_their_dense_path(kind):
+    """The engine takes the models those loaders return (linears swapped, forward kept)."""
+    model = build_model(CFG, seed=3).eval()
+    if kind == "lora":
+        from fivefold.finetune.inject import apply_lora
+
+        apply_lora(model, 4, 8.0, "q_proj,v_proj")
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # B starts at zero: make the adapters matter
+                torch.nn.init.normal_(p, std=0.1)
+    else:
+        from fivefold.quant.convert import QuantSpec, quantize_
+
+        quantize_(model, QuantSpec(kind, group_size=32))
+    prompts, params = workload(6, seed=2, output=(1, 16))
+    dense = [generate(model, p, sp.max_tokens, greedy=True) for p, sp in zip(prompts, params)]
+    assert [o.token_ids for o in Engine(model, num_blocks=128).generate(prompts, params)] == dense

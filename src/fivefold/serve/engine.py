@@ -172,7 +172,7 @@ class Engine:
                 children += self._fork(request, num_new, logits[rid])
         changed = self.scheduler.update_from_output(out, sampled) + children
         self.num_steps += 1
-        self.num_generated_tokens += len(sampled)
+        self.num_generated_tokens += len(sampled) + len(children)
         outputs = []
         for request in changed:
             text = self._apply_stop_strings(request)
