@@ -15,6 +15,7 @@ from fivefold.lowp.linear import FP8LinearMixin, FP8Recipe
 from fivefold.models.init import build_model
 from fivefold.models.presets import preset
 from fivefold.parallel.memory import SavedActivations
+from fivefold.plan.activations import activation_bytes_per_microbatch
 from fivefold.train.trainer import Trainer
 
 SMALL = ["--model.preset", "tiny", "--data.tokenizer", "byte", "--parallel.mbs", "1",
@@ -60,30 +61,39 @@ def test_keep_out_and_what_always_stays_high_precision():
         convert_to_fp8(model, FP8Recipe(), ["nothing_here"])
 
 
-def test_saved_activations_of_fp8_linears_are_half_their_bf16_size():
-    """One forward of the tiny Llama in bf16 and in fp8 (rowwise: one fp32 scale per token),
-    counted by distinct storages as the peak tracker counts them. The linears' inputs
-    (q, k, v share one, gate and up share one, down_proj's) are saved in 1 byte instead of
-    2, plus their scales. o_proj's input is the exception: in bf16 it is a view of the
-    attention output that SDPA saves anyway (no bytes of its own); in fp8 it is a new 1-byte
-    copy beside it. The difference is checked to the byte."""
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_saved_activations_of_fp8_linears_are_half_their_bf16_size(recipe):
+    """One forward of the tiny Llama in bf16 and in fp8, counted by distinct storages as the
+    peak tracker counts them. The linears' inputs (q, k, v share one, gate and up share one,
+    down_proj's) are saved in 1 byte instead of 2, plus their scales. o_proj's input is the
+    exception: in bf16 it is a view of the attention output that SDPA saves anyway (no bytes
+    of its own); in fp8 it is a new 1-byte copy beside it. The difference is checked to the
+    byte, against the formula and against the planner (plan/fp8.py), item by item."""
     cfg = preset("tiny")
-    tokens = torch.randint(0, cfg.vocab_size, (2, 64))
+    mbs, seq = 2, 64
+    tokens = torch.randint(0, cfg.vocab_size, (mbs, seq))
     saved = {}
     for precision in ("bf16", "fp8"):
         model = build_model(cfg, seed=0, dtype=torch.bfloat16)
         if precision == "fp8":
-            convert_to_fp8(model, FP8Recipe.from_name("rowwise"))
+            convert_to_fp8(model, FP8Recipe.from_name(recipe))
         with SavedActivations(model.parameters()) as meter:
             model(tokens, tokens)
         saved[precision] = meter.bytes
-    t, h, f, q, layers = tokens.numel(), cfg.hidden_size, cfg.intermediate_size, cfg.q_size, \
+    t, h, f, q, layers = mbs * seq, cfg.hidden_size, cfg.intermediate_size, cfg.q_size, \
         cfg.num_layers
     halved = layers * t * (h + h + f)  # bf16 bytes 2·n become 1·n: n saved
     o_proj_copy = layers * t * q
-    scales = layers * 4 * t * 4  # one fp32 scale per token for each of the 4 FP8 inputs
+    tiles = {"rowwise": [1, 1, 1, 1], "blockwise": [-(-k // 128) for k in (h, h, f, q)]}
+    scales = layers * 4 * t * sum(tiles[recipe])  # fp32 scales of the 4 FP8 inputs
     assert saved["bf16"] - saved["fp8"] == halved - o_proj_copy - scales
-    assert saved["fp8"] < saved["bf16"]
+    planned = {p: activation_bytes_per_microbatch(cfg, mbs, seq, dtype_bytes=2, fp8_recipe=r)
+               for p, r in (("bf16", ""), ("fp8", recipe))}
+    assert planned["bf16"].outside_terms == planned["fp8"].outside_terms
+    assert layers * (planned["bf16"].layer - planned["fp8"].layer) == (
+        saved["bf16"] - saved["fp8"])
+    for item in ("qkv_input", "mlp_input"):  # half, plus one scale per token (per tile)
+        assert planned["fp8"].layer_terms[item] * 2 < planned["bf16"].layer_terms[item] * 1.1
 
 
 def test_fp8_checkpoint_is_high_precision_and_resumes_under_bf16(tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fivefold.models.presets import ModelConfig
+from fivefold.plan.fp8 import apply_fp8_terms
 
 INDEX_BYTES = 8  # int64 token ids and targets
 STAT_BYTES = 4  # fp32 norm statistics and softmax log-sum-exp
@@ -74,6 +75,7 @@ def activation_bytes_per_microbatch(
     sp_saves_gathered: bool = True,
     cp_comm: str = "ring",
     ep: int = 1,
+    fp8_recipe: str = "",
 ) -> ActivationBytes:
     """Bytes one micro-batch leaves saved for backward on one rank, per layer and outside.
 
@@ -190,6 +192,10 @@ def activation_bytes_per_microbatch(
         moe = sum(moe_layer_terms(model, tokens, B).values())
         terms["mlp_hidden"] = (n * moe + (model.num_layers - n) * terms["mlp_hidden"]) / (
             model.num_layers)
+    if fp8_recipe and recompute == "none" and not model.num_experts:  # FP8 linears' inputs
+        apply_fp8_terms(terms, recipe=fp8_recipe, tokens=tokens, h=h, q=q,
+                        f=model.intermediate_size / tp, dtype_bytes=B,
+                        swiglu=model.mlp == "swiglu", qkv_tokens=col_input / (h * B))
     return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq_len / cp)
 
 

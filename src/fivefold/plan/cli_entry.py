@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--gbs", type=int, help="global batch in sequences (default: about "
                        "4M tokens, rounded to GPUs × a power of two so every dp divides it)")
     batch.add_argument("--gbs-tokens", type=float, help="global batch in tokens (e.g. 4e6)")
-    tr.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    tr.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"))
     tr.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd",
                                                              "adamw8bit"))
     tr.add_argument("--grad-dtype-bytes", type=int, choices=(2, 4),

@@ -185,6 +185,7 @@ def training_plan_inputs(cfg: fconfig.Config, hw=None, assume=None,
     precision = "bf16" if tr.precision == "auto" else tr.precision
     workload_options.setdefault("grad_sync", getattr(par, "grad_sync", "step"))
     workload_options.setdefault("memory_budget_gib", getattr(tr, "memory_budget_gib", 0.0))
+    workload_options.setdefault("fp8_recipe", getattr(tr, "fp8_recipe", "blockwise"))
     lora = getattr(cfg, "lora", None)
     if lora is not None and lora.rank > 0:  # a frozen base with adapters (plan/lora.py)
         workload_options.setdefault("lora_rank", lora.rank)

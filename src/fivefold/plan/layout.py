@@ -23,7 +23,7 @@ from fivefold.plan.split import (
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb", "dualpipev")
 RECOMPUTE = ("none", "selective", "full", "auto")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 # Optimizer state bytes per parameter (fp32 moments): Adam m+v 8, SGD momentum 4, 8-bit Adam 2.
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "adamw8bit": 2}
 
@@ -120,6 +120,7 @@ class Workload:
     lora_rank: int = 0  # > 0: a frozen base with LoRA adapters of this rank (plan/lora.py)
     lora_base: str = "none"  # the frozen base's storage: none (compute dtype) | nf4 | int8
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    fp8_recipe: str = "blockwise"  # precision = fp8: how the saved inputs scale (plan/fp8.py)
 
     @property
     def dtype_bytes(self) -> int:

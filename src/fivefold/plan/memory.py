@@ -406,7 +406,7 @@ def _act_kwargs(work: Workload, layout: Layout) -> dict:
     return {"tp": layout.tp, "sp": layout.sp, "cp": layout.cp, "recompute": recompute,
             "dtype_bytes": work.dtype_bytes, "flash": work.flash, "dropout": work.dropout,
             "sp_saves_gathered": layout.sp_saved != "shard", "cp_comm": layout.cp_comm,
-            "ep": layout.ep}
+            "ep": layout.ep, "fp8_recipe": work.fp8_recipe if work.precision == "fp8" else ""}
 
 
 def _activations(work: Workload, layout: Layout) -> ActivationBytes:

@@ -116,6 +116,10 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     layers, _, head = stage(mc, lay, rank)
     fwd = forward_flops_per_token(mc, work.seq_len)
     peak = hw.peak_flops(work.precision)
+    # fp8: the linears' and experts' GEMMs at the FP8 peak; attention, the output head and
+    # the loss stay in bf16 (DeepSeek-V3 §3.3; lowp/convert.py). Quantisation's elementwise
+    # passes are not modelled.
+    high_peak = hw.peak_flops("bf16") if work.precision == "fp8" else peak
     h, t = mc.hidden_size, lay.tp
     q, kv = mc.num_heads * mc.dim_per_head, mc.num_kv_heads * mc.dim_per_head
     ffn = mc.moe_intermediate_size if mc.num_experts else mc.intermediate_size
@@ -143,7 +147,7 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     # flash skips the masked half of the causal square; math attention computes all of it
     attn_flops = tokens * layers * fwd.layer_attention / t * (0.5 if work.flash else 1.0)
     attn_rate = (profile_attention_rate(hw, work.seq_len / lay.cp)
-                 or peak * hw.matmul_efficiency * assume.attention_efficiency)
+                 or high_peak * hw.matmul_efficiency * assume.attention_efficiency)
     attn = attn_flops / attn_rate * scale
     # HBM traffic of elementwise kernels per layer: two norms (read+write h each), two
     # residual adds (2 reads + 1 write), RoPE on q and k, the SwiGLU product (3f) or GeLU (2f).
@@ -154,7 +158,7 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     elem = layers * elem_bytes / hbm * scale
     head_time = 0.0
     if head:  # the output GEMM, and an fp32 softmax over the vocabulary
-        head_time = (tokens * fwd.head / t / gemm_rate
+        head_time = (tokens * fwd.head / t / (gemm_rate * high_peak / peak)
                      + tokens * mc.vocab_size / t * (2 * B + 12) / hbm) * scale
     layers_fwd = gemm + attn + elem
     forward = layers_fwd + head_time
