@@ -45,10 +45,11 @@ def single():
     ["--parallel.dp", "2"],
     ["--parallel.dp", "2", "--parallel.zero", "1"],
     ["--parallel.dp", "2", "--parallel.zero", "2"],
+    ["--parallel.dp", "2", "--parallel.zero", "3"],
     ["--parallel.tp", "2"],
     ["--parallel.tp", "2", "--parallel.sp", "true"],
     ["--parallel.pp", "2"],
-], ids=["dp2", "dp2-zero1", "dp2-zero2", "tp2", "tp2-sp", "pp2"])
+], ids=["dp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2", "tp2-sp", "pp2"])
 def test_lora_layout_matches_single_process(single, layout):
     losses, norms, tensors, _ = single
     world = 2

@@ -52,8 +52,9 @@ def test_planned_model_states_equal_the_engine(args, tmp_path):
             item, planned[item], measured[item])
 
 
-def test_planned_model_states_under_dp2_zero2_and_tp2():
-    for layout in (["--parallel.dp", "2", "--parallel.zero", "2"], ["--parallel.tp", "2"]):
+def test_planned_model_states_under_dp2_zero2_zero3_and_tp2():
+    for layout in (["--parallel.dp", "2", "--parallel.zero", "2"],
+                   ["--parallel.dp", "2", "--parallel.zero", "3"], ["--parallel.tp", "2"]):
         with tempfile.TemporaryDirectory() as tmp:
             for measured, planned in run_ranks(_measure, 2, tmp, ["--lora.rank", "8", *layout]):
                 for item in ("params", "grads", "master", "optimizer"):

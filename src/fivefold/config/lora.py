@@ -78,9 +78,6 @@ def check_lora(cfg) -> None:
                           "'q_proj,k_proj,v_proj,o_proj', or 'all-linear'")
     choice("lora.base", lo.base, LORA_BASES)
     par = cfg.parallel
-    if par.zero == 3:
-        raise ConfigError("lora.rank > 0 with parallel.zero = 3 is not supported yet (the "
-                          "frozen base is not sharded); use parallel.zero = 1 or 2")
     if lo.base != "none" and par.tp > 1:
         raise ConfigError(f"lora.base = {lo.base} with parallel.tp = {par.tp} is not "
                           f"supported yet; use lora.base = none or parallel.tp = 1")

@@ -120,8 +120,8 @@ def lora_flops_per_token(model: ModelConfig, seq_len: int, rank: int, targets: s
 def lora_state_items(model: ModelConfig, layout, pp_rank: int, bpp, dtype_bytes: int,
                      dense_params: float, rank: int, targets: str, base: str) -> dict:
     """Model-state bytes of one rank (the fields of plan.memory.ModelStates but `layout`):
-    the frozen base whole on every dp rank, the adapters' states sharded by ZeRO-1/2 over
-    dp×cp (ZeRO-3 is refused for LoRA by the config)."""
+    the frozen base whole on every dp rank, the adapters' states sharded by ZeRO over dp×cp
+    (under ZeRO-3 the adapters' parameters too; the frozen base is not sharded)."""
     split = lora_param_split(model, layout, pp_rank, rank, targets, dense_params)
     adapters, shards, zero = split["adapters"], layout.dp * layout.cp, layout.zero
 
@@ -132,7 +132,7 @@ def lora_state_items(model: ModelConfig, layout, pp_rank: int, bpp, dtype_bytes:
     if layout.offload and bpp.master == 0:
         master = part(4, 1)
     frozen = base_bytes(model, layout, pp_rank, rank, targets, base, dtype_bytes, dense_params)
-    return {"params": frozen + adapters * bpp.param, "grads": part(bpp.grad, 2),
+    return {"params": frozen + part(bpp.param, 3), "grads": part(bpp.grad, 2),
             "master": 0.0 if layout.offload else master,
             "optimizer": 0.0 if layout.offload else optim,
             "grad_accum": part(bpp.grad_accum, 2),

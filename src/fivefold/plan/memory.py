@@ -234,6 +234,12 @@ def dp_comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
     per_layer = sum(layer_param_counts(mc, layout.tp, layout.ep).values())
     vocab = mc.vocab_size * mc.hidden_size / layout.tp
     norm = (1 if mc.norm == "rmsnorm" else 2) * mc.hidden_size
+    if work.lora_rank:  # the units hold the adapters alone; the frozen rest is no unit
+        from fivefold.plan.lora import layer_lora_counts
+
+        per_layer = layer_lora_counts(mc, work.lora_rank, work.lora_targets,
+                                      layout.tp)["adapters"]
+        vocab = norm = 0.0
     layers, chunks = chunk_layer_counts(mc, layout), rank_chunks(layout, rank)
     last = num_chunks(layout) - 1
     # A tied head on another rank than the embedding holds its own copy; on the same rank
