@@ -6,7 +6,8 @@ chosen point of a chosen step on each attempt of torch elastic's restart loop.
 Attempt k (TORCHELASTIC_RESTART_COUNT) uses the k-th fault; attempts beyond the list run
 clean. Points: forward, backward, reduction (entering the gradient reduction), optimizer
 (entering the update), save (after the step's checkpoint data is written, before it is
-published).
+published); and slow: the rank sleeps 15 s before saving the step's checkpoint, alive but
+late.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 
 def _die() -> None:
@@ -32,6 +34,15 @@ def install(point: str, step: int) -> None:
         now = self.step + 1
         if point == "forward" and now == step:
             _die()
+        if point == "slow" and now == step:  # alive (heartbeats go on), but late into the
+            real_save = self.save_checkpoint  # save's first all-reduce over the world group
+
+            def late_save(*args, **kwargs):
+                sys.stderr.write(f"fault_worker: rank {os.environ['RANK']} sleeps 15 s\n")
+                time.sleep(15.0)
+                self.save_checkpoint = real_save
+                return real_save(*args, **kwargs)
+            self.save_checkpoint = late_save
         if point == "backward" and now == step and not getattr(self, "_fault_hooked", False):
             self._fault_hooked = True
             next(iter(self.model.named_parameters()))[1].register_hook(lambda g: _die())

@@ -271,5 +271,67 @@ def test_a_rank_lost_during_a_save_says_whether_the_step_was_published(tmp_path)
     assert save_error(survivor, RuntimeError("Connection closed by peer")) is None
 
 
+def test_resuming_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
+    """Before: exit 0 and no line at all."""
+    from fivefold.cli import main
+
+    args = ["train", "--model.preset", "tiny", "--data.tokenizer", "byte", "--parallel.mbs",
+            "1", "--model.hidden_size", "32", "--model.intermediate_size", "64",
+            "--model.num_layers", "2", "--train.seq_len", "32", "--train.gbs", "4",
+            "--train.steps", "2", "--train.device", "cpu", "--train.precision", "fp32",
+            "--log.progress", "false", "--log.tensorboard", "false",
+            "--checkpoint.dir", str(tmp_path / "ck"), "--log.dir", str(tmp_path / "log")]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "nothing to do: checkpoint at step 2 ≥ train.steps 2" in out, out
+    assert (tmp_path / "ck" / "latest").read_text() == "step_00000002"
+
+
+def test_the_start_banner_prints_the_whole_layout_and_says_what_is_ignored(tmp_path):
+    """Before: dp, tp, pp, cp and zero only (no ep, schedule, sp), and a pipeline schedule
+    with pp 1 accepted without a word."""
+    from fivefold.config import load
+    from fivefold.train.loop import layout_line, layout_notes
+
+    cfg = load(None, ["--parallel.tp", "2", "--parallel.sp", "true", "--parallel.pp", "2",
+                      "--parallel.schedule", "zb", "--parallel.dp", "2", "--parallel.cp", "2",
+                      "--train.seq_len", "64", "--train.gbs", "8"])
+    line = layout_line(cfg)
+    for part in ("dp=2", "tp=2", "pp=2", "cp=2", "ep=1", "zero=0", "sp=on", "schedule=zb",
+                 "cp_layout=zigzag"):
+        assert part in line, line
+    moe = load(None, ["--model.preset", "tiny-moe", "--parallel.dp", "2", "--parallel.ep", "2",
+                      "--data.tokenizer", "byte"])
+    assert "ep=2" in layout_line(moe), layout_line(moe)
+    assert layout_notes(cfg) == []
+    one = load(None, ["--parallel.schedule", "zb"])
+    assert "schedule=" not in layout_line(one)
+    (note,) = layout_notes(one)
+    assert "parallel.schedule = zb has no effect with parallel.pp = 1" in note, note
+
+
+def test_the_default_model_is_counted_the_same_everywhere(capsys):
+    """README and presets said 1.06M; the run printed 1.05M (1,049,728)."""
+    import inspect
+
+    from fivefold.models import presets
+
+    n = presets.preset("tiny-bpe").num_params()
+    assert f"{n / 1e6:.2f}M parameters ({n:,})" in inspect.getsource(presets), n
+
+
+def test_parallel_timeout_s_has_a_floor():
+    """At 0.01 s healthy gloo collectives time out (and at 1-2 s the rendezvous itself)."""
+    import pytest
+
+    from fivefold.config import ConfigError, load
+
+    with pytest.raises(ConfigError, match=r"parallel.timeout_s = 0.01 is below the floor of 5 s"):
+        load(None, ["--parallel.timeout_s", "0.01"])
+    assert load(None, ["--parallel.timeout_s", "5"]).parallel.timeout_s == 5
+
+
 if __name__ == "__main__":
     sys.exit("run with pytest")

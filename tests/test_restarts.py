@@ -85,3 +85,25 @@ def test_killed_ranks_restart_and_resume_to_the_uninterrupted_losses(tmp_path):
     assert (ck / "latest").read_text() == f"step_{steps:08d}"
     assert not list(ck.glob("*.tmp"))  # the interrupted save was cleared by a later one
     assert same(losses(tmp_path / "job"), reference(tmp_path, steps))
+
+
+@pytest.mark.slow  # waits out a 5 s timeout under torchrun: about 35 s
+def test_a_collective_timing_out_with_every_rank_alive_names_the_key(tmp_path):
+    """Rank 1 sleeps 15 s before step 2 (its heartbeat goes on) under parallel.timeout_s = 5:
+    gloo times the collective out. Before: a raw gloo error and exit 4 (or "lost no silent
+    peer found", exit 3); now one line naming parallel.timeout_s, exit 1, no traceback."""
+    out = tmp_path / "slow"
+    args = [a for a in SMALL if a not in ("--parallel.timeout_s", "30")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "--monitor-interval=0.2", str(HERE / "fault_worker.py"), "slow:1:2", "--",
+           *args, "--parallel.timeout_s", "5", "--train.steps", "3", "--parallel.dp", "2",
+           "--checkpoint.dir", str(out / "ck"), "--log.dir", str(out)]
+    job = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert job.returncode != 0
+    lines = [ln for ln in job.stderr.splitlines() if ln.startswith("error: ")]
+    # The rank whose collective timed out names the key; its peer, finding it gone, may name
+    # it as lost (the store it hosted went with it).
+    timed_out = [ln for ln in lines if "every rank alive" in ln]
+    assert timed_out and all("parallel.timeout_s = 5.0" in ln for ln in timed_out), \
+        job.stderr[-3000:]
+    assert "exit 4" not in job.stderr and " failed with RuntimeError" not in job.stderr

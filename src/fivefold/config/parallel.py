@@ -43,6 +43,12 @@ class ParallelSection:
         return self.dp * self.tp * self.pp * self.cp
 
 
+# parallel.timeout_s below this ends healthy runs: at 0.01 s gloo's own collectives time out
+# while every rank is alive, and at 1-2 s the rendezvous itself (the TCP store waits
+# parallel.timeout_s for every rank to join) fails when ranks start a few seconds apart.
+MIN_TIMEOUT_S = 5.0
+
+
 def check_parallel(cfg, mc) -> None:
     """The layout's keys against the model shape `mc` (the micro-batch resolved first)."""
     par, tr = cfg.parallel, cfg.train
@@ -70,9 +76,11 @@ def check_parallel(cfg, mc) -> None:
         raise ConfigError(f"parallel.buckets_in_flight = {par.buckets_in_flight} must be >= 1 "
                           f"(2 keeps one bucket filling while the one before it is reduced)")
     check_grad_sync(par)
-    if par.timeout_s <= 0:
-        raise ConfigError(f"parallel.timeout_s = {par.timeout_s} must be > 0 seconds; the "
-                          f"default is 300")
+    if par.timeout_s < MIN_TIMEOUT_S:
+        raise ConfigError(f"parallel.timeout_s = {par.timeout_s} is below the floor of "
+                          f"{MIN_TIMEOUT_S:g} s: healthy collectives wait that long for a slow "
+                          f"peer (a checkpoint save, an evaluation) and would end the run; use "
+                          f">= {MIN_TIMEOUT_S:g} (the default is 300)")
 
 
 def check_grad_sync(par: ParallelSection) -> None:

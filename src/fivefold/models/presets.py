@@ -153,7 +153,8 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=4, num_kv_heads=2, max_seq_len=1024, tie_embeddings=True,
     ),
     # The default job's model: tiny with the vocabulary of the bundled corpus's 2048-token BPE
-    # (data.tokenizer auto takes it), 1.06M parameters of which 0.26M are the tied embedding.
+    # (data.tokenizer auto takes it), 1.05M parameters (1,049,728) of which 0.26M are the tied
+    # embedding.
     "tiny-bpe": ModelConfig(
         name="tiny-bpe", vocab_size=2048, hidden_size=128, intermediate_size=384, num_layers=4,
         num_heads=4, num_kv_heads=2, max_seq_len=1024, tie_embeddings=True,

@@ -39,6 +39,22 @@ class RankLostError(RunError):
     exit_code = EXIT_RANK_LOST
 
 
+class CollectiveTimeout(RunError):
+    """A collective failed while every peer's heartbeat was alive: on some rank it waited
+    longer than parallel.timeout_s (the rank it waited for was slow, not lost). Exit 1."""
+
+    exit_code = 1
+
+
+# What gloo and NCCL put in the RuntimeError of a failed or timed-out collective.
+_COMM_FAILURES = ("gloo", "Timed out", "timed out", "Connection closed", "Application timeout",
+                  "NCCL", "Connection reset")
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and any(w in str(exc) for w in _COMM_FAILURES)
+
+
 class _State:
     def __init__(self, rank: int, world: int, timeout_s: float):
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
@@ -190,7 +206,18 @@ class Watchdog:
         try:
             handle.wait()
         except Exception as exc:
-            lost = self.lost_ranks()
-            who = ", ".join(f"rank {r}" for r in lost) if lost else "no silent peer found"
-            raise RankLostError(f"{what} failed: lost {who} ({type(exc).__name__}: "
-                                f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+            raise self.explain(exc, what) from exc
+
+    def explain(self, exc: BaseException, what: str) -> RunError:
+        """The one-line error for a failed collective: the lost rank, or, with every peer's
+        heartbeat alive, the timeout that ended it and the key that sets it."""
+        lost = self.lost_ranks()
+        first = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if lost:
+            who = ", ".join(f"rank {r}" for r in lost)
+            return RankLostError(f"{what} failed: lost {who} ({first})")
+        return CollectiveTimeout(
+            f"{what} failed with every rank alive ({first[:200]}): a collective waited longer "
+            f"than parallel.timeout_s = {self.state.timeout_s} s on some rank; raise "
+            f"parallel.timeout_s (the default is 300) if a step, evaluation or checkpoint "
+            f"save can take that long")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from fivefold.config import Config
 from fivefold.parallel.mesh import ParallelDims
+from fivefold.parallel.watchdog import is_comm_failure
 from fivefold.text import count
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.lifecycle import StopSignal, Terminated
@@ -129,13 +130,51 @@ def run(cfg: Config, dims: ParallelDims | None = None) -> list[dict]:
     stop = StopSignal().install()
     try:
         with Trainer(cfg, dims) as trainer:
-            return _train(cfg, trainer, stop)
+            try:
+                return _train(cfg, trainer, stop)
+            except RuntimeError as e:  # a collective outside the watchdog's waits: explained
+                if trainer.watchdog.active and is_comm_failure(e):
+                    raise trainer.watchdog.explain(e, f"step {trainer.step + 1}") from e
+                raise
     finally:
         stop.restore()
 
 
+def layout_line(cfg: Config) -> str:
+    """The whole layout the run uses, as the keys name it (pipeline schedule with pp > 1,
+    sequence parallelism with tp > 1, the cp split with cp > 1)."""
+    par = cfg.parallel
+    parts = [f"dp={par.dp}", f"tp={par.tp}", f"pp={par.pp}", f"cp={par.cp}", f"ep={par.ep}",
+             f"zero={par.zero}" + (" offload" if par.offload else ""), f"mbs={par.mbs}"]
+    if par.tp > 1:
+        parts.append(f"sp={'on' if par.sp else 'off'}")
+    if par.pp > 1:
+        parts.append(f"schedule={par.schedule}" + (f" virtual_stages={par.virtual_stages}"
+                                                   if par.virtual_stages > 1 else ""))
+    if par.cp > 1:
+        parts.append(f"cp_layout={par.cp_layout} cp_comm={par.cp_comm}")
+    return "layout " + " ".join(parts)
+
+
+def layout_notes(cfg: Config) -> list[str]:
+    """Settings the layout accepts but does not use, said once at the start."""
+    par = cfg.parallel
+    notes = []
+    if par.pp == 1 and par.schedule != "1f1b":
+        notes.append(f"note: parallel.schedule = {par.schedule} has no effect with "
+                     f"parallel.pp = 1 (a schedule orders pipeline stages); set parallel.pp > 1"
+                     f" to use it")
+    return notes
+
+
 def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
     log = trainer.is_logger
+    if trainer.resumed_from and trainer.step >= cfg.train.steps:
+        if log:
+            print(f"nothing to do: checkpoint at step {trainer.step} ≥ train.steps "
+                  f"{cfg.train.steps} ({trainer.resumed_from}); raise train.steps to train "
+                  f"further", flush=True)
+        return []
     writer = MetricsWriter(cfg.log.dir, cfg.log.tensorboard, enabled=log,
                            resume_step=trainer.step if trainer.resumed_from else None)
     progress = Progress(cfg.train.steps, trainer.step, cfg.log.progress and log, cfg.log.every)
@@ -143,11 +182,9 @@ def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
         progress.message(f"resumed from {trainer.resumed_from} at step {trainer.step}")
     elif log:
         n = trainer.model_cfg.num_params()
-        progress.message(f"model {trainer.model_cfg.name}: {n / 1e6:.2f}M parameters, "
-                         f"{trainer.precision}, device {trainer.device}, "
-                         f"layout dp={cfg.parallel.dp}"
-                         f" tp={cfg.parallel.tp} pp={cfg.parallel.pp} cp={cfg.parallel.cp}"
-                         f" zero={cfg.parallel.zero}")
+        progress.message(f"model {trainer.model_cfg.name}: {n / 1e6:.2f}M parameters "
+                         f"({n:,}), {trainer.precision}, device {trainer.device}, "
+                         f"{layout_line(cfg)}")
         mc = trainer.model_cfg
         progress.message(f"attention: SDPA {attention_backend(trainer)} kernel"
                          + (", blocks compiled (train.compile)" if cfg.train.compile else ""))
@@ -165,7 +202,7 @@ def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
     planned = planned_model_states(trainer) if log else None
     peak = planned_peak_bytes(trainer) if log else None
     if log:
-        for note in start_notes(cfg, trainer.resumed_meta, trainer.step):
+        for note in start_notes(cfg, trainer.resumed_meta, trainer.step) + layout_notes(cfg):
             print(note, flush=True)
         low = memory_warning(sum(peak.values()), trainer.dims.world_size)
         if low and trainer.device.type == "cpu":
