@@ -333,5 +333,19 @@ def test_parallel_timeout_s_has_a_floor():
     assert load(None, ["--parallel.timeout_s", "5"]).parallel.timeout_s == 5
 
 
+def test_a_convention_refuses_a_schedule_its_engine_does_not_run(capsys):
+    """Before: `--convention deepspeed --layout ...,schedule=zb` planned zero-bubble although
+    DeepSpeed's pipeline engine runs 1F1B only."""
+    from fivefold.cli import main
+
+    base = ["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--convention", "deepspeed",
+            "--layout"]
+    assert main([*base, "dp=2,pp=4,schedule=zb"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "schedule=zb is outside the deepspeed convention" in err and "1f1b" in err, err
+    assert main([*base, "dp=2,pp=4,schedule=1f1b"]) == 0
+
+
 if __name__ == "__main__":
     sys.exit("run with pytest")

@@ -262,6 +262,11 @@ def run(argv: list[str]) -> int:
         given = {item.split("=", 1)[0] for item in args.layout.replace(" ", ",").split(",")
                  if "=" in item}
         layout = convention.apply_layout(layout, given | ({"sp"} if layout.tp == 1 else set()))
+        if "schedule" in given and layout.schedule not in convention.schedules:
+            raise ConfigError(f"--layout schedule={layout.schedule} is outside the "
+                              f"{convention.name} convention, whose engine runs "
+                              f"{', '.join(convention.schedules)}; pick one of those, or plan "
+                              f"it without --convention")
         if model.num_experts and "sp" not in given:  # experts replicate over tp, without SP
             layout = layout.replace(sp=False)
         if layout.world_size != args.gpus:
