@@ -107,12 +107,18 @@ def fp8_mm(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype = torch.float32) -
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"fp8_mm: inner dimensions differ: {a.shape} x {b.shape}ᵀ")
     kinds = (a.granularity, b.granularity)
-    if kinds == ("tensorwise", "tensorwise"):
-        return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=b.scale,
-                                out_dtype=out_dtype)
-    if kinds == ("rowwise", "rowwise"):
-        return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale,
-                                scale_b=b.scale.reshape(1, -1), out_dtype=out_dtype)
+    if kinds in (("tensorwise", "tensorwise"), ("rowwise", "rowwise")):
+        scale_b = b.scale if b.granularity == "tensorwise" else b.scale.reshape(1, -1)
+        try:
+            return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=scale_b,
+                                    out_dtype=out_dtype)
+        except (RuntimeError, NotImplementedError):
+            if a.data.device.type != "cpu":
+                raise
+            # torch < 2.12 has no CPU _scaled_mm: the same product, exact FP8 values
+            # multiplied in fp32 and scaled after (equal up to fp32 summation order).
+            out = (a.data.float() @ b.data.float().t()) * (a.scale * scale_b)
+            return out.to(out_dtype)
     if a.granularity in ("tiles", "blocks") and b.granularity in ("tiles", "blocks"):
         return blockwise_mm(a, b).to(out_dtype)
     raise ValueError(f"fp8_mm has no kernel for {a.granularity} x {b.granularity} scales")
