@@ -94,3 +94,32 @@ def test_plan_cli_lora_flags(capsys):
     out = capsys.readouterr().out
     assert code == 0 and "LoRA" in out, out
     assert dataclasses  # noqa: B018 - keeps the import for dataclass-based helpers
+
+
+def _peaks(rank, world, tmp, args):
+    from fivefold.parallel.peak import PeakTracker
+    from fivefold.train.loop import planned_peak_bytes
+    from fivefold.train.trainer import Trainer
+
+    cfg = small_config(Path(tmp) / f"r{rank}", *SHAPE, "--train.steps", "2", *args)
+    with Trainer(cfg, ParallelDims.from_config(cfg.parallel), quiet=True) as trainer:
+        trainer.train_step()
+        with PeakTracker(trainer.peak_sources()) as tracker:
+            trainer.train_step()
+        return dict(tracker.item_peaks), planned_peak_bytes(trainer)
+
+
+@pytest.mark.parametrize("args", [["--lora.rank", "8"],
+                                  ["--lora.rank", "8", "--train.recompute", "full"]],
+                         ids=["none", "recompute-full"])
+def test_planned_activations_and_states_at_the_peak(args):
+    """Each item's own peak over a step (peak tracker) against the planner's item: the model
+    states exactly, activations and the head's logits within 3% (the full-training agreement
+    tests allow 2.5%)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        measured, planned = run_ranks(_peaks, 1, tmp, args)[0]
+    for item in ("params", "grads", "master", "optimizer"):
+        assert measured[item] == planned[item], (item, measured, planned)
+    for item in ("activations", "logits_loss"):
+        assert abs(measured[item] - planned[item]) <= 0.03 * planned[item], (
+            item, measured[item], planned[item])
