@@ -116,7 +116,7 @@ def test_cli_errors_are_one_line(capsys):
     err = capsys.readouterr().err
     assert "tp = 3 does not divide num_heads = 32" in err and err.count("\n") == 1
     # argparse's own errors too: no usage block
-    for argv in (["--gpus", "abc"], ["--model", "llama-3.1-8b", "--precision", "fp8"],
+    for argv in (["--gpus", "abc"], ["--model", "llama-3.1-8b", "--precision", "fp4"],
                  ["--model", "llama-3.1-8b", "--gbs", "0"], ["--model", "tiny", "--top", "0"]):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err

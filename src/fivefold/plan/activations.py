@@ -33,6 +33,9 @@ class ActivationBytes:
     layer: float  # sum of layer_terms
     outside_terms: dict[str, float] = field(default_factory=dict)  # embedding, head, loss
     loss_backward: float = 0.0  # transient during the loss backward (not saved), last stage
+    # A materialised loss's transient is the peak itself (every activation is still alive
+    # when it is made), not a cached block beside a later peak (memory.allocator_waste).
+    loss_transient_is_peak: bool = False
 
     @property
     def embedding(self) -> float:
@@ -75,6 +78,7 @@ def activation_bytes_per_microbatch(
     sp_saves_gathered: bool = True,
     cp_comm: str = "ring",
     ep: int = 1,
+    chunked_loss: bool = True,
     fp8_recipe: str = "",
 ) -> ActivationBytes:
     """Bytes one micro-batch leaves saved for backward on one rank, per layer and outside.
@@ -108,6 +112,13 @@ def activation_bytes_per_microbatch(
       in backward; its inputs q, k, v (unexpanded) stay saved, its output/lse or scores do not
       (Korthikanti §5, "selective activation recomputation").
     recompute = "full": only each layer's input T·h·B is kept (seq region; Korthikanti's 2sbh).
+    `chunked_loss = False` plans a materialised loss instead (the head's logits cast to fp32,
+    log-softmax keeping T·V/tp·4; other engines' default).
+    recompute = "op": torchtitan's per-operator selective checkpointing (`op_sac_kept`): the
+      layer's input and the outputs of the attention kernel and of the odd-numbered matmuls
+      (q, v, gate and down in a Llama block), each as large as the operator's output
+      (`op_output_bytes`). A planner-only policy, for planning torchtitan's runs; the engine's
+      per-operator choices are train.recompute = auto (plan/recompute_plan.py).
 
     Context parallelism (cp > 1; parallel/context/): the ring core is flash-style whatever
     `flash` says, saving q, its packed K/V, output and LSE. Selective recomputation leaves it
@@ -129,8 +140,8 @@ def activation_bytes_per_microbatch(
     over the saved one), or in backward the two gradients scaled by the loss's gradient,
     T·h·B + V/tp·h·B.
     """
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be none, selective or full, not {recompute!r}")
+    if recompute not in ("none", "selective", "full", "op"):
+        raise ValueError(f"recompute must be none, selective, full or op, not {recompute!r}")
     h, d, B = model.hidden_size, model.dim_per_head, dtype_bytes
     tokens = mbs * seq_len / cp
     seq_div = tp if sp else 1
@@ -143,6 +154,14 @@ def activation_bytes_per_microbatch(
     col_input = tokens * h * B if (sp and sp_saves_gathered) else seq_tensor
 
     terms: dict[str, float] = {}
+    if recompute == "op":  # the block checkpointed, keeping the outputs of some operators
+        if model.num_experts:
+            raise ValueError("recompute = op models dense layers only")
+        outputs = op_output_bytes(model, tokens, tp=tp, dtype_bytes=B)
+        terms["layer_input"] = seq_tensor
+        terms.update({f"kept_{op}": outputs[op] for op in op_sac_kept(model)})
+        return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq_len / cp,
+                   chunked_loss)
     if recompute == "full":
         terms["layer_input"] = seq_tensor
         if ep > 1 and model.num_experts:
@@ -151,7 +170,8 @@ def activation_bytes_per_microbatch(
             # stay from the forward to the layer's backward. Averaged over the layers.
             replay = 2 * tokens * model.experts_top_k * h * B
             terms["ep_replay"] = replay * model.num_moe_layers / model.num_layers
-        return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq_len / cp)
+        return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq_len / cp,
+                   chunked_loss)
 
     terms["attn_norm_input"] = seq_tensor
     terms["norm_stats"] = 2 * tokens * stats / seq_div
@@ -196,7 +216,57 @@ def activation_bytes_per_microbatch(
         apply_fp8_terms(terms, recipe=fp8_recipe, tokens=tokens, h=h, q=q,
                         f=model.intermediate_size / tp, dtype_bytes=B,
                         swiglu=model.mlp == "swiglu", qkv_tokens=col_input / (h * B))
-    return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq_len / cp)
+    return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq_len / cp,
+                   chunked_loss)
+
+
+# The per-operator model of a dense block, shared with train.recompute = auto
+# (plan/recompute_plan.py): the operators whose outputs a selective checkpointing policy may
+# keep, in the order a Llama block's forward runs them. `core` is the attention kernel (its
+# output and log-sum-exp), the others are the projections (one matmul each).
+BLOCK_OPS = ("q", "k", "v", "core", "o", "gate", "up", "down")
+
+
+def op_output_bytes(model: ModelConfig, tokens: float, *, tp: int = 1,
+                    dtype_bytes: int = 2) -> dict[str, float]:
+    """Bytes of each operator's output for `tokens` tokens of one layer on one tp rank."""
+    d, B = model.dim_per_head, dtype_bytes
+    q = model.num_heads * d / tp
+    kv = kv_heads_per_rank(model, tp) * d
+    f = model.intermediate_size / tp
+    out = {"q": tokens * q * B, "k": tokens * kv * B, "v": tokens * kv * B,
+           "core": tokens * q * B + tokens * model.num_heads / tp * STAT_BYTES,
+           "o": tokens * model.hidden_size * B, "up": tokens * f * B,
+           "down": tokens * model.hidden_size * B}
+    if model.mlp == "swiglu":
+        out["gate"] = tokens * f * B
+    return out
+
+
+def op_sac_kept(model: ModelConfig) -> tuple[str, ...]:
+    """The operators torchtitan's per-operator selective checkpointing keeps (its default
+    `selective_ac_option = "op"`; torchtitan @9dec370, torchtitan/parallelisms/
+    parallelize_llama.py, `_save_list` and `_custom_policy`): the outputs of the attention
+    kernel and of every odd-numbered matmul of the block, counted in forward order; the
+    even-numbered matmuls and every elementwise operator run again in backward. In a Llama
+    block the matmuls run wq, wk, wv, wo, w1 (gate), w3 (up), w2 (down), so q, v, gate and
+    down are kept; a GeLU block (fc1, fc2) keeps q, v and fc1 (`up`)."""
+    matmuls = ["q", "k", "v", "o"] + (["gate", "up", "down"] if model.mlp == "swiglu"
+                                      else ["up", "down"])
+    return ("core", *matmuls[0::2])
+
+
+def op_sac_recomputed_matmul_share(model: ModelConfig) -> float:
+    """The share of a layer's projection FLOPs that per-operator checkpointing runs again
+    (the matmuls it does not keep)."""
+    h, d = model.hidden_size, model.dim_per_head
+    q, kv, f = model.num_heads * d, model.num_kv_heads * d, model.intermediate_size
+    flops = {"q": h * q, "k": h * kv, "v": h * kv, "o": q * h, "gate": h * f, "up": h * f,
+             "down": f * h}
+    if model.mlp != "swiglu":
+        del flops["gate"]
+    kept = op_sac_kept(model)
+    return sum(v for k, v in flops.items() if k not in kept) / sum(flops.values())
 
 
 def moe_layer_terms(model: ModelConfig, tokens: float, B: int) -> dict[str, float]:
@@ -223,8 +293,8 @@ def moe_layer_terms(model: ModelConfig, tokens: float, B: int) -> dict[str, floa
     return out
 
 
-def _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input,
-            seq: float) -> ActivationBytes:
+def _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq: float,
+            chunked_loss: bool = True) -> ActivationBytes:
     h = model.hidden_size
     vocab_local = -(-model.vocab_size // tp)  # padded to tp pieces
     stats = STAT_BYTES * (2 if model.norm == "layernorm" else 1)
@@ -242,6 +312,18 @@ def _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input,
     # Backward: both saved gradients scaled by the loss's, beside the saved ones.
     cast = B if B < 4 else 0
     forward = rows * vocab_local * (4 + cast) + (4 - B) * vocab_local * h
+    if not chunked_loss:
+        # Materialised logits, cast to fp32 for the loss (torchtitan: F.cross_entropy(pred
+        # .float(), ...), the compute-dtype logits deleted before backward): log-softmax keeps
+        # its fp32 output T·V/tp·4; the head keeps its input. Forward holds the logits in
+        # both dtypes beside it for a moment; backward, the incoming fp32 gradient and
+        # log-softmax's, 2·T·V/tp·4.
+        logits = tokens * vocab_local
+        outside["logits"] = logits * 4
+        return ActivationBytes(layer_terms=terms, layer=sum(terms.values()),
+                               outside_terms=outside,
+                               loss_backward=max(logits * (B + 4), 2 * logits * 4),
+                               loss_transient_is_peak=True)
     return ActivationBytes(
         layer_terms=terms,
         layer=sum(terms.values()),
@@ -254,7 +336,7 @@ def recompute_working_set(model: ModelConfig, mbs: int, seq_len: int, *, tp: int
                           sp: bool = False, cp: int = 1, recompute: str = "none",
                           dtype_bytes: int = 2, flash: bool = True,
                           dropout: bool = False, sp_saves_gathered: bool = True,
-                          cp_comm: str = "ring", ep: int = 1) -> float:
+                          cp_comm: str = "ring", ep: int = 1, **_) -> float:
     """Transient bytes while one layer is recomputed in backward: under full recompute a whole
     layer's activations come back for one micro-batch; under selective, its attention core
     (none under cp > 1, where selective recomputation leaves the ring core alone)."""
@@ -263,6 +345,10 @@ def recompute_working_set(model: ModelConfig, mbs: int, seq_len: int, *, tp: int
     if recompute == "full":  # the layer's input is already kept: it comes back as itself
         full = activation_bytes_per_microbatch(model, mbs, seq_len, recompute="none", **kwargs)
         return full.layer - full.layer_terms["attn_norm_input"]
+    if recompute == "op":  # what autograd saves, less the input and the kept outputs
+        full = activation_bytes_per_microbatch(model, mbs, seq_len, recompute="none", **kwargs)
+        kept = activation_bytes_per_microbatch(model, mbs, seq_len, recompute="op", **kwargs)
+        return max(0.0, full.layer - kept.layer)
     if recompute == "selective" and cp == 1:
         full = activation_bytes_per_microbatch(model, mbs, seq_len, recompute="none", **kwargs)
         return full.layer_terms.get("attn_core", 0.0)

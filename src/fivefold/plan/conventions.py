@@ -92,7 +92,7 @@ CONVENTIONS: dict[str, Convention] = {
         # FSDP2 mixed precision: sharded fp32 parameters (the master copy), bf16 compute
         # copies gathered per unit, fp32 gradient reduction: 4 + 4 + 8 = 16 B/param, sharded.
         {"grad_dtype_bytes": 4, "fp32_grad_accum": False, "fp32_params": True,
-         "causal_flops": False, "zero3_keep_gathered_pp": True},
+         "causal_flops": False, "zero3_keep_gathered_pp": True, "chunked_loss": False},
         # DTensor ColwiseParallel redistributes the sequence shard to Replicate before the
         # linear, which saves the gathered input; even split; mesh
         # ["pp", "dp_replicate", "dp_shard", "cp", "tp"]; FSDP (ZeRO-3) by default.
@@ -106,6 +106,10 @@ CONVENTIONS: dict[str, Convention] = {
          "not pp_enabled by default (parameters stay gathered under PP)",
          "torch.distributed.pipelining schedules: GPipe, 1F1B, Interleaved1F1B, DualPipeV "
          "(its zero-bubble schedules are interleaved, not fivefold's one-chunk ZB-H1)",
+         "torchtitan train.py @9dec370: loss_fn = F.cross_entropy(pred.flatten(0, 1).float(), "
+         "...) on the model's materialised logits, `del pred` before backward",
+         "torchtitan parallelisms/parallelize_llama.py @9dec370: selective_ac_option = 'op' "
+         "saves the SDPA outputs and every odd-numbered mm (plan: recompute=op)",
          "benchmarks @9dec370: MFU = 6·N + 12·L·h·s per token (full square); memory logged "
          "as torch.cuda.memory_stats()['reserved_bytes.all.peak'] (max reserved, GiB)"),
         ("afab", "1f1b", "interleaved", "dualpipev")),

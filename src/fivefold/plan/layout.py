@@ -22,7 +22,9 @@ from fivefold.plan.split import (
 )
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb", "dualpipev")
-RECOMPUTE = ("none", "selective", "full", "auto")
+# "op": torchtitan's per-operator selective checkpointing, planned for its runs
+# (plan/activations.py: op_sac_kept); the engine runs the others.
+RECOMPUTE = ("none", "selective", "full", "auto", "op")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 # Optimizer state bytes per parameter (fp32 moments): Adam m+v 8, SGD momentum 4, 8-bit Adam 2.
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "adamw8bit": 2}
@@ -84,7 +86,7 @@ class Layout:
             parts.append(f"ep{self.ep}")
         parts += [f"z{self.zero}{'+off' if self.offload else ''}", f"mbs{self.mbs}",
                   {"none": "rc-none", "selective": "rc-sel", "full": "rc-full",
-                   "auto": "rc-auto"}[self.recompute]]
+                   "auto": "rc-auto", "op": "rc-op"}[self.recompute]]
         return " ".join(parts)
 
     def _sp_label(self) -> str:
@@ -117,6 +119,9 @@ class Workload:
     bucket_mb: float = 25.0
     buckets_in_flight: int = 2  # ZeRO-2/3 gradient buckets alive at once (parallel/data.py)
     memory_budget_gib: float = 0.0  # recompute = auto: peak allocated bytes per GPU to fit
+    # The head and loss in chunks, nothing T×V kept (models/loss.py), or materialised logits
+    # cast to fp32 for the loss (torchtitan and most engines; plan/activations.py).
+    chunked_loss: bool = True
     lora_rank: int = 0  # > 0: a frozen base with LoRA adapters of this rank (plan/lora.py)
     lora_base: str = "none"  # the frozen base's storage: none (compute dtype) | nf4 | int8
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"

@@ -402,7 +402,7 @@ def allocator_waste(act: ActivationBytes, layer_microbatches: float, head: bool,
     Fragmentation therefore grows with the size and number of activation blocks."""
     large = sum(1 for v in act.layer_terms.values() if v >= MIB) * layer_microbatches
     large += sum(1 for v in act.outside_terms.values() if v >= MIB) * (2 if head else 1)
-    cached = act.loss_backward if head else working_set
+    cached = (0.0 if act.loss_transient_is_peak else act.loss_backward) if head else working_set
     return large * MIB + cached
 
 
@@ -412,7 +412,8 @@ def _act_kwargs(work: Workload, layout: Layout) -> dict:
     return {"tp": layout.tp, "sp": layout.sp, "cp": layout.cp, "recompute": recompute,
             "dtype_bytes": work.dtype_bytes, "flash": work.flash, "dropout": work.dropout,
             "sp_saves_gathered": layout.sp_saved != "shard", "cp_comm": layout.cp_comm,
-            "ep": layout.ep, "fp8_recipe": work.fp8_recipe if work.precision == "fp8" else ""}
+            "ep": layout.ep, "fp8_recipe": work.fp8_recipe if work.precision == "fp8" else "",
+            "chunked_loss": work.chunked_loss}
 
 
 def _activations(work: Workload, layout: Layout) -> ActivationBytes:

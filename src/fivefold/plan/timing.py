@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from fivefold.plan.activations import op_sac_recomputed_matmul_share
 from fivefold.plan.comm import REGATHER, Collective, collectives
 from fivefold.plan.flops import forward_flops_per_token
 from fivefold.plan.hardware import (
@@ -166,6 +167,8 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     # (parallel/context/: it keeps only O(s) tensors, and a re-run would repeat its transfers).
     selective = attn if lay.cp == 1 else 0.0
     recompute = {"full": layers_fwd, "selective": selective}.get(lay.recompute, 0.0)
+    if lay.recompute == "op":  # the matmuls it does not keep and every elementwise kernel
+        recompute = gemm * op_sac_recomputed_matmul_share(mc) + elem
     if lay.recompute == "auto":  # the per-layer choices under the budget
         from fivefold.plan.recompute_plan import recompute_seconds
 
