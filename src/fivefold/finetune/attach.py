@@ -15,6 +15,7 @@ reference to the base. `load_for_inference` rebuilds base + adapters from that.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -126,17 +127,34 @@ def check_resume(meta: dict, cfg, path) -> None:
 def load_for_inference(path: str):
     """(model, model_cfg, tokenizer_spec, lora settings or None) from a checkpoint directory,
     on CPU: a LoRA checkpoint gives its base (from the reference in meta.json) with the
-    adapters loaded (LoraLinear modules; an NF4/int8 base stays quantised)."""
+    adapters loaded (LoraLinear modules; an NF4/int8 base stays quantised); any other goes
+    to `train.checkpoint.load_model_for_inference`, which checks it."""
     from fivefold.train.checkpoint import load_model_for_inference, read_meta
 
-    p = Path(path)
-    if (p / "latest").is_file():
-        p = p / (p / "latest").read_text().strip()
-    meta = read_meta(p, fix="--checkpoint")
-    lora = (meta.get("config") or {}).get("lora") or {}
-    if not int(lora.get("rank", 0) or 0):
-        return (*load_model_for_inference(str(p)), None)
+    p = _step_dir(Path(path))
+    lora = _lora_settings(p)
+    if lora is None:
+        return (*load_model_for_inference(str(path)), None)
+    meta = read_meta(p, fix="--checkpoint")  # every file checked against the manifest
     return (*_load_lora(p, meta, lora), lora)
+
+
+def _step_dir(p: Path) -> Path:
+    """A checkpoint root's `latest` step, or the step directory itself."""
+    if (p / "latest").is_file() and (p / (p / "latest").read_text().strip()).is_dir():
+        return p / (p / "latest").read_text().strip()
+    return p
+
+
+def _lora_settings(step: Path) -> dict | None:
+    """The [lora] section a step was saved with, if it trained adapters (a glance at
+    meta.json; the loaders check the step in full)."""
+    try:
+        meta = json.loads((step / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    lora = ((meta.get("config") or {}).get("lora") or {}) if isinstance(meta, dict) else {}
+    return lora if int(lora.get("rank", 0) or 0) else None
 
 
 def _load_lora(p: Path, meta: dict, lora: dict):
@@ -183,12 +201,10 @@ def export_peft(checkpoint_dir: str, outdir: str) -> Path:
     from fivefold.finetune.io import adapter_config, save_peft
     from fivefold.train.checkpoint import read_meta
 
-    p = Path(checkpoint_dir)
-    if (p / "latest").is_file():
-        p = p / (p / "latest").read_text().strip()
+    p = _step_dir(Path(checkpoint_dir))
     meta = read_meta(p, fix="--checkpoint")
-    lora = (meta.get("config") or {}).get("lora") or {}
-    if not int(lora.get("rank", 0) or 0):
+    lora = _lora_settings(p)
+    if lora is None:
         raise ConfigError(f"--checkpoint {checkpoint_dir} is not a LoRA run (lora.rank = 0): "
                           f"there are no adapters; drop --peft to export the whole model")
     model, _, _, _ = load_for_inference(str(p))
