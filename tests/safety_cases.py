@@ -40,6 +40,9 @@ def make_world(root: Path, finished_run: Path) -> dict[str, Path]:
     (root / "empty.txt").write_text("")
     prepare([str(root / "text.txt")], str(root / "tokens.bin"))
     (root / "bad.toml").write_text("[train\nsteps = 3\n")
+    (root / "tasks.jsonl").write_text('{"prompt": "To be", "reference": "or not"}\n')
+    (root / "tasks_noref.jsonl").write_text('{"prompt": "a", "reference": "b"}\n'
+                                            '{"prompt": "To be"}\n')
     (root / "afile").write_text("not a directory")
     (root / "full").mkdir()
     (root / "full" / "x").write_text("taken")
@@ -65,7 +68,8 @@ def make_world(root: Path, finished_run: Path) -> dict[str, Path]:
     os.truncate(next(latest.glob("*.distcp")), 5000)
     w["damaged_step"] = latest
     w.update({k: root / k for k in ("hf_good", "hf_heads0", "hf_hidden_str", "hf_vocab_null",
-                                     "hf_truncated", "damaged", "tokens.bin")})
+                                     "hf_truncated", "damaged", "tokens.bin", "tasks.jsonl",
+                                     "tasks_noref.jsonl")})
     return w
 
 
@@ -188,6 +192,16 @@ def cases(w: dict[str, Path]) -> list[tuple[str, list[str], int, str]]:
         ("plan config dir", ["plan", "--config", str(r / "adir")], 2, "is a directory"),
         ("plan top 0", [*plan, "--top", "0"], 2, "--top 0"),
         ("plan plot unwritable", [*plan, "--plot", UNWRITABLE], 2, "not writable"),
+        # eval
+        ("eval no source", ["eval"], 2, "required"),
+        ("eval tasks no reference", ["eval", "--checkpoint", ck, "--data",
+                                     str(w["tasks_noref.jsonl"]), "--out", str(r / "p.jsonl")],
+         2, 'line 2 has no "reference"'),
+        ("eval out exists", ["eval", "--checkpoint", ck, "--data", str(w["tasks.jsonl"]),
+                             "--out", str(w["tokens.bin"])], 2, "--overwrite"),
+        ("eval predictions no field", ["eval", "--predictions", str(w["tasks.jsonl"])], 2,
+         'line 1 has no "prediction"'),
+        ("eval missing checkpoint", ["eval", "--checkpoint", str(r / "nope")], 2, "nope"),
         # schedule and the command itself
         ("schedule unknown", ["schedule", "--schedule", "nope", "--pp", "2", "--microbatches",
                               "4", "--out", str(r / "s.png")], 2, "nope"),
