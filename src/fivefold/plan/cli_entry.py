@@ -22,7 +22,7 @@ from fivefold.config import ArgumentParser, ConfigError, writable_dir, writable_
 from fivefold.plan.advice import layout_warnings
 from fivefold.plan.conventions import CONVENTIONS, get_convention
 from fivefold.plan.evaluate import plan_layout
-from fivefold.plan.hardware import CATALOG, get_hardware, load_profile, parse_overrides
+from fivefold.plan.hardware import CATALOG, GIB, get_hardware, load_profile, parse_overrides
 from fivefold.plan.inputs import (
     default_gbs,
     engine_accepts,
@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--dropout", action="store_true", help="count dropout masks (GPT-3 style)")
     tr.add_argument("--causal-flops", action="store_true",
                     help="count half the attention FLOPs in MFU (Megatron ≥ 2025)")
+    tr.add_argument("--recompute", choices=("none", "selective", "full", "auto"),
+                    help="activation recomputation of --layout, --config or the search; auto: "
+                    "per layer, the fastest set under --memory-budget-gib")
+    tr.add_argument("--memory-budget-gib", type=float, help="recompute auto: the peak "
+                    "allocated GiB per GPU (default: the GPU's memory less the context and "
+                    "the allocator's share)")
     tr.add_argument("--grad-sync", choices=("auto", "step", "microbatch"),
                     help="ZeRO-2/3 reduce-scatter once per step or per micro-batch; auto "
                     "(default; with --config, the config's parallel.grad_sync): per "
@@ -222,6 +228,9 @@ def run(argv: list[str]) -> int:
     if args.config:
         cfg = read_training_config(args.config, extra)
         work, layout = training_plan_inputs(cfg, hw, assume, **options)
+        work = _recompute_options(args, work, hw, assume)
+        if args.recompute:
+            layout = dataclasses.replace(layout, recompute=args.recompute)
         num_gpus = layout.world_size
         if args.search:
             return _search(args, work, num_gpus, hw, assume, engine_accepts(cfg))
@@ -259,6 +268,9 @@ def run(argv: list[str]) -> int:
     args.convention_obj = convention
     if args.layout:
         layout = parse_layout(args.layout, args.gpus)
+        if args.recompute:
+            layout = layout.replace(recompute=args.recompute)
+        work = _recompute_options(args, work, hw, assume)
         given = {item.split("=", 1)[0] for item in args.layout.replace(" ", ",").split(",")
                  if "=" in item}
         layout = convention.apply_layout(layout, given | ({"sp"} if layout.tp == 1 else set()))
@@ -272,6 +284,7 @@ def run(argv: list[str]) -> int:
         if layout.world_size != args.gpus:
             raise ConfigError(f"--layout uses {layout.world_size} GPUs but --gpus is {args.gpus}")
         _check(work, layout, hw)
+        _check_budget(work, layout)
         plan = plan_layout(work, layout, hw, assume)
         cost = _run_cost(args, work, plan, assume)
         if args.json:
@@ -310,6 +323,9 @@ def _search(args, work, num_gpus, hw, assume, allowed=None) -> int:
     """`allowed`: for a training config, only the layouts `train` runs with it."""
     space = SearchSpace.parse(args.space)
     space.allowed = allowed
+    if args.recompute:
+        space.recompute = (args.recompute,)
+    work = _recompute_options(args, work, hw, assume)
     convention = getattr(args, "convention_obj", None)
     if convention is not None:  # its layout settings, but the search still explores ZeRO
         space.fixed = {k: v for k, v in convention.layout.items() if k != "zero"}
@@ -337,6 +353,7 @@ def _search(args, work, num_gpus, hw, assume, allowed=None) -> int:
 def _config_check(args, work, layout, num_gpus, hw, assume, allowed=None) -> int:
     """'fits: 61.2 of 80 GiB' or 'does not fit: … ; try …' before launch."""
     _check(work, layout, hw)
+    _check_budget(work, layout)
     plan = plan_layout(work, layout, hw, assume)
     line = plan.why
     if not plan.fits:
@@ -370,3 +387,27 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _recompute_options(args, work, hw, assume):
+    """--recompute and --memory-budget-gib: the budget goes into the workload (default: what
+    the GPU leaves for allocated bytes, memory less context, over 1 + fragmentation)."""
+    budget = args.memory_budget_gib
+    if budget is not None and budget <= 0:
+        raise ConfigError(f"--memory-budget-gib {budget:g} must be > 0")
+    if budget is None and not work.memory_budget_gib:
+        budget = ((hw.memory_bytes - assume.context_gib * GIB) / (1 + assume.fragmentation)
+                  / GIB)
+    return dataclasses.replace(work, memory_budget_gib=budget or work.memory_budget_gib)
+
+
+def _check_budget(work, layout) -> None:
+    if layout.recompute != "auto":
+        return
+    from fivefold.plan.recompute_plan import minimum_budget
+
+    low = minimum_budget(work, layout)
+    if work.memory_budget_gib < low:
+        raise ConfigError(f"--memory-budget-gib {work.memory_budget_gib:g} is below full "
+                          f"recomputation's peak for {layout.short()}, {low:.4g} GiB; give at "
+                          f"least that")

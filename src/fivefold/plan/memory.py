@@ -313,11 +313,19 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
                       for c, n in zip(rank_chunks(layout, rank), chunk_layers)]
     alive = inflight_per_chunk(layout, m, rank, tuple(per_microbatch))
     activations = sum(n * b for n, b in zip(alive, per_microbatch)) + _working_set(work, layout)
-    if layout.recompute == "auto":  # the per-layer choices under the budget
-        from fivefold.plan.recompute_plan import full_layer_activations, plan_rank
+    if layout.recompute == "auto":  # the per-layer choices under the budget (below the
+        # minimum nothing is chosen: full recomputation's bytes stand, over the budget)
+        from fivefold.plan.recompute_plan import (
+            BudgetTooSmall,
+            full_layer_activations,
+            plan_rank,
+        )
 
-        activations += (plan_rank(work, layout, rank, assume).activations
-                        - full_layer_activations(work, layout, rank))
+        try:
+            activations += (plan_rank(work, layout, rank, assume).activations
+                            - full_layer_activations(work, layout, rank))
+        except BudgetTooSmall:
+            pass
     logits_loss = 0.0
     if head:
         # With one chunk per rank (AFAB, 1F1B, ZB-H1) the head's logits live as long as the

@@ -314,10 +314,14 @@ def minimum_budget(work: Workload, layout: Layout, assume: Assumptions | None = 
 
 def recompute_seconds(work: Workload, layout: Layout, rank: int, hw: Hardware,
                       assume: Assumptions) -> float:
-    """Recompute seconds per micro-batch of the plan chosen for `rank`, at `hw`'s rates."""
-    plan = plan_rank(work, layout, rank)
+    """Recompute seconds per micro-batch of the plan chosen for `rank`, at `hw`'s rates
+    (full recomputation's when the budget is below its peak)."""
     ops = op_table(work, layout, hw, assume)
     elem = elementwise_seconds(work, layout, hw, assume)
+    try:
+        plan = plan_rank(work, layout, rank)
+    except BudgetTooSmall:
+        return len(rank_weights(work, layout, rank)) * (elem + sum(o[2] for o in ops.values()))
     total = 0.0
     for c in plan.choices:
         if c.kind == "selective":

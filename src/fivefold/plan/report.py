@@ -113,6 +113,10 @@ def format_explain(plan: LayoutPlan, work: Workload) -> str:
         lines.append(f"  {group:<6} {ledger}; wire {_bytes(p.wire.get(group, 0.0))}")
     if not p.ledger:
         lines.append("  none (a single GPU)")
+    if lay.recompute == "auto":
+        from fivefold.plan.recompute_plan import describe
+
+        lines += ["", *describe(p.context[0] if p.context else work, lay)]
     lines += ["", f"step time {p.time.total:.3f} s:"]
     for key, value in p.time.parts().items():
         if value:
