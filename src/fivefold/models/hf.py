@@ -22,8 +22,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from fivefold.config import ConfigError
-from fivefold.models.hf_config import hf_config_from_model, model_config_from_hf
-from fivefold.models.hf_moe import stack_experts, unstack_experts
+from fivefold.models.hf_config import (
+    EXPERT_BIAS_ARCHS,
+    hf_config_from_model,
+    model_config_from_hf,
+)
+from fivefold.models.hf_moe import EXPERT_BIAS, stack_experts, unstack_experts
 from fivefold.models.init import build_meta
 from fivefold.models.llama import Llama, Rotary, rope_inv_freq
 from fivefold.models.presets import ModelConfig
@@ -129,8 +133,12 @@ def load_hf_into(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
         model.to_empty(device=device)
         local = {(names or {}).get(n, n): (n, p) for n, p in model.named_parameters()}
     filled: set[str] = set()
+    biases: dict[str, torch.Tensor] = {}  # the routers' expert biases: buffers, set last
     with torch.no_grad():
         for name, tensor in tensors:
+            if name.endswith(f".mlp.{EXPERT_BIAS}"):
+                biases[name] = tensor
+                continue
             check_tensor(source, name, tuple(tensor.shape), logical_shapes)
             if name in filled:
                 raise ConfigError(f"{source}: tensor '{ours_to_hf(name)}' is stored twice; "
@@ -148,7 +156,33 @@ def load_hf_into(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
                           f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''};"
                           f" the checkpoint is incomplete or for another model")
     _reset_rotary(model, next(model.parameters()).device)
+    _load_expert_biases(model, biases, names or {}, source)
     return model
+
+
+def _load_expert_biases(model: nn.Module, biases: dict[str, torch.Tensor],
+                        names: dict[str, str], source: str) -> None:
+    """Copy saved router biases (logical names) into the MoE layers' fp32 buffers, after
+    `_reset_rotary` zeroed them; a layer that has none, or a bias of another size, is an
+    error naming the tensor."""
+    if not biases:
+        return
+    local = {}
+    for n, b in model.named_buffers():
+        if n.endswith(f".mlp.{EXPERT_BIAS}"):
+            weight = n.removesuffix(EXPERT_BIAS) + "router.weight"
+            local[names.get(weight, weight).removesuffix("router.weight") + EXPERT_BIAS] = b
+    for name, tensor in biases.items():
+        if name not in local:
+            if not names:  # a whole model: no layer takes it
+                raise ConfigError(f"{source}: unexpected tensor '{ours_to_hf(name)}' for this "
+                                  f"model config; check config.json matches the weights")
+            continue  # held by another pipeline stage
+        if tuple(tensor.shape) != tuple(local[name].shape):
+            raise ConfigError(f"{source}: tensor '{ours_to_hf(name)}' has shape "
+                              f"{tuple(tensor.shape)}, config.json implies "
+                              f"{tuple(local[name].shape)}; the weights do not fit the config")
+        local[name].copy_(tensor.float())
 
 
 def load_hf(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -179,6 +213,25 @@ def _shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict
     return shards
 
 
+def _expert_biases(model: nn.Module, cfg: ModelConfig, arch: str
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """The routers' aux-loss-free biases to export: all of them for a family with a place
+    for one (DeepSeek-V3's `e_score_correction_bias`), none for the others, where a bias that
+    is not zero is a ConfigError (the export would route differently: issue 27)."""
+    biases = [(n, b) for n, b in model.named_buffers() if n.endswith(f".mlp.{EXPERT_BIAS}")]
+    if arch in EXPERT_BIAS_ARCHS:
+        return biases
+    used = next((n for n, b in biases if bool(b.ne(0).any())), None)
+    if used is not None:
+        raise ConfigError(f"model '{cfg.name}' routes with an expert bias (model."
+                          f"expert_bias_rate = {cfg.expert_bias_rate}; {used} is not zero) and "
+                          f"{arch} has no place for one, so the export would choose other "
+                          f"experts; export a model trained with expert_bias_rate = 0, or with "
+                          f"sigmoid scores, per-head qk_norm and ungated shared experts "
+                          f"(dots.llm1, which keeps the bias)")
+    return []
+
+
 def save_hf(model: nn.Module, cfg: ModelConfig, directory: str | os.PathLike,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
             generation_config: dict | None = None, extra_config: dict | None = None,
@@ -197,9 +250,13 @@ def save_hf(model: nn.Module, cfg: ModelConfig, directory: str | os.PathLike,
                           f"or remove this one")
     dtype = next(model.parameters()).dtype
     config = hf_config_from_model(cfg, _dtype_name(dtype))
+    arch = config["architectures"][0]
     state = {}
     for n, p in model.named_parameters():
-        for name, t in unstack_experts(n, p.detach(), config["architectures"][0]):
+        for name, t in unstack_experts(n, p.detach(), arch):
+            state[ours_to_hf(name)] = t.to("cpu").contiguous()
+    for n, bias in _expert_biases(model, cfg, arch):  # fp32, as DeepSeek-V3 keeps it
+        for name, t in unstack_experts(n, bias.detach().float(), arch):
             state[ours_to_hf(name)] = t.to("cpu").contiguous()
     config.update(extra_config or {})
     target.parent.mkdir(parents=True, exist_ok=True)

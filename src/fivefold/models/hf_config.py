@@ -27,9 +27,13 @@ SUPPORTED = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "Dots1ForCausalLM": "dots1",
 }
 MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-             "OlmoeForCausalLM")
+             "OlmoeForCausalLM", "Dots1ForCausalLM")
+# The families whose router has a place for the aux-loss-free expert bias (DeepSeek-V3's
+# `gate.e_score_correction_bias`); the others' exports would route without it.
+EXPERT_BIAS_ARCHS = ("Dots1ForCausalLM",)
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -206,6 +210,8 @@ def moe_fields(arch: str, hf: dict, where: Path) -> dict:
                     moe_intermediate_size=hf["intermediate_size"],
                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)), qk_norm=True,
                     qk_norm_whole=True)
+    if arch == "Dots1ForCausalLM":
+        return dots1_fields(hf)
     if arch == "MixtralForCausalLM":
         return dict(num_experts=hf.get("num_local_experts", 8),
                     experts_top_k=hf.get("num_experts_per_tok", 2),
@@ -227,14 +233,42 @@ def moe_fields(arch: str, hf: dict, where: Path) -> dict:
     return out
 
 
+def dots1_fields(hf: dict) -> dict:
+    """dots.llm1 (transformers' Dots1): DeepSeek-V3's router (sigmoid scores, groups, the
+    expert bias as `gate.e_score_correction_bias`, routed scaling) and ungated shared experts
+    after `first_k_dense_replace` dense layers, with Qwen3's per-head q/k norms."""
+    inter = hf["moe_intermediate_size"]
+    return dict(num_experts=hf.get("n_routed_experts") or hf.get("num_local_experts"),
+                experts_top_k=hf["num_experts_per_tok"], moe_intermediate_size=inter,
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), router_score="sigmoid",
+                routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                router_groups=hf.get("n_group") or 1, router_topk_groups=hf.get("topk_group") or 1,
+                moe_first_dense=hf.get("first_k_dense_replace") or 0,
+                shared_expert_intermediate_size=inter * (hf.get("n_shared_experts") or 0),
+                qk_norm=True)
+
+
+def _dots1_fits(cfg: ModelConfig) -> bool:
+    return (cfg.router_score == "sigmoid" and cfg.qk_norm and not cfg.qk_norm_whole
+            and not cfg.qkv_bias and cfg.moe_layer_freq == 1 and cfg.capacity_factor == 0
+            and not cfg.shared_expert_gate and cfg.shared_expert_intermediate_size > 0
+            and cfg.shared_expert_intermediate_size % cfg.moe_intermediate_size == 0
+            and cfg.num_experts % cfg.router_groups == 0)
+
+
 def _moe_arch(cfg: ModelConfig) -> str:
     """The HF family a fivefold MoE model exports to, or a ConfigError saying why none fits."""
     where = f"model '{cfg.name}'"
+    if _dots1_fits(cfg):
+        return "Dots1ForCausalLM"
     plain = (cfg.router_score == "softmax" and cfg.routed_scaling_factor == 1.0
              and cfg.router_groups == 1 and cfg.capacity_factor == 0)
     if not plain:
         raise ConfigError(f"{where}: sigmoid scores, routed scaling, group-limited routing and "
-                          f"capacity have no Mixtral/Qwen-MoE equivalent; it cannot be exported")
+                          f"capacity have no Mixtral/Qwen-MoE equivalent, and dots.llm1's also "
+                          f"needs per-head qk_norm, ungated shared experts (a multiple of "
+                          f"moe_intermediate_size), every layer MoE after moe_first_dense and no "
+                          f"capacity; it cannot be exported")
     if cfg.shared_expert_intermediate_size:
         if not cfg.shared_expert_gate or cfg.qk_norm:
             raise ConfigError(f"{where}: a shared expert exports only as Qwen2-MoE (gated, "
@@ -254,6 +288,16 @@ def _moe_arch(cfg: ModelConfig) -> str:
 
 
 def _moe_export(cfg: ModelConfig, arch: str) -> dict:
+    if arch == "Dots1ForCausalLM":
+        return {"n_routed_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_top_k,
+                "moe_intermediate_size": cfg.moe_intermediate_size,
+                "n_shared_experts": cfg.shared_expert_intermediate_size
+                // cfg.moe_intermediate_size, "n_group": cfg.router_groups,
+                "topk_group": cfg.router_topk_groups, "first_k_dense_replace": cfg.moe_first_dense,
+                "norm_topk_prob": cfg.norm_topk_prob,
+                "routed_scaling_factor": cfg.routed_scaling_factor, "attention_bias": False,
+                "sliding_window": None, "max_window_layers": cfg.num_layers,
+                "output_router_logits": False}
     if arch == "OlmoeForCausalLM":
         return {"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_top_k,
                 "intermediate_size": cfg.moe_intermediate_size, "clip_qkv": None,

@@ -8,6 +8,9 @@ as `layers.i.mlp.router.weight [E, H]`. Checkpoints name them differently:
         layers.i.block_sparse_moe.experts.j.{w1 (gate), w3 (up), w2 (down)}.weight
     Qwen2-MoE / Qwen3-MoE / OLMoE: layers.i.mlp.gate.weight,
         layers.i.mlp.experts.j.{gate_proj, up_proj, down_proj}.weight
+    dots.llm1 (Dots1): as Qwen, with the shared experts as layers.i.mlp.shared_experts.* and
+        the router's aux-loss-free bias as layers.i.mlp.gate.e_score_correction_bias (our
+        buffer layers.i.mlp.router.expert_bias; DeepSeek-V3's name for it)
     transformers 5's in-memory fused layout, read too: layers.i.mlp.experts.gate_up_proj
         [E, 2I, H] (gate rows first, then up) and layers.i.mlp.experts.down_proj [E, H, I]
 
@@ -29,6 +32,9 @@ _PER_EXPERT = re.compile(
     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _ROUTER = re.compile(r"^layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight$")
+_BIAS = re.compile(r"^layers\.(\d+)\.mlp\.gate\.e_score_correction_bias$")
+_SHARED_EXPERTS = re.compile(r"^layers\.(\d+)\.mlp\.shared_experts\.(.*)$")
+EXPERT_BIAS = "router.expert_bias"  # our buffer's name inside a MoE layer
 _OURS = {"w1": "w_gate", "gate_proj": "w_gate", "w3": "w_up", "up_proj": "w_up",
          "w2": "w_down", "down_proj": "w_down"}
 _MIXTRAL = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
@@ -42,6 +48,10 @@ def stack_experts(tensors: Iterator[tuple[str, torch.Tensor]], num_experts: int,
     for name, tensor in tensors:
         if m := _ROUTER.match(name):
             yield f"layers.{m.group(1)}.mlp.router.weight", tensor
+        elif m := _BIAS.match(name):
+            yield f"layers.{m.group(1)}.mlp.{EXPERT_BIAS}", tensor
+        elif m := _SHARED_EXPERTS.match(name):
+            yield f"layers.{m.group(1)}.mlp.shared_expert.{m.group(2)}", tensor
         elif m := _PER_EXPERT.match(name):
             layer, expert, proj = int(m.group(1)), int(m.group(2)), _OURS[m.group(3)]
             if expert >= num_experts:
@@ -78,7 +88,11 @@ def unstack_experts(name: str, tensor: torch.Tensor, arch: str
     mixtral = arch == "MixtralForCausalLM"
     block = "block_sparse_moe" if mixtral else "mlp"
     m = re.match(r"^layers\.(\d+)\.mlp\.(experts\.(w_gate|w_up|w_down)|router\.weight)$", name)
-    if m is None:
+    if m is None and arch == "Dots1ForCausalLM" and ".mlp.shared_expert." in name:
+        yield name.replace(".mlp.shared_expert.", ".mlp.shared_experts."), tensor
+    elif m is None and name.endswith(f".mlp.{EXPERT_BIAS}"):  # only families with a place
+        yield name.replace(f".mlp.{EXPERT_BIAS}", ".mlp.gate.e_score_correction_bias"), tensor
+    elif m is None:
         yield name, tensor
     elif m.group(3) is None:
         yield f"layers.{m.group(1)}.{block}.gate.weight", tensor
