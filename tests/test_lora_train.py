@@ -219,6 +219,7 @@ def test_adapter_of_another_architecture_is_refused(tmp_path, hf_dir, capsys):
     made = peft.get_peft_model(transformers.LlamaForCausalLM(cfg),
                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
     made.save_pretrained(other)
+    capsys.readouterr()  # what transformers printed while saving is not the command's
     code = main(["train", *small_config_args(tmp_path), "--model.hf_path", str(hf_dir),
                  "--lora.init_from", str(other)])
     err = capsys.readouterr().err
