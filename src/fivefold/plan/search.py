@@ -205,14 +205,16 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
 
     def lower_bound(lay: Layout) -> float:
         m = work.num_microbatches(lay)
+        # auto's recomputation follows the whole layout (its budget is what the states leave)
+        whole = lay if lay.recompute == "auto" else None
         key = (lay.tp, lay.cp, lay.pp, lay.mbs, lay.schedule, lay.virtual_stages,
-               lay.recompute, lay.sp)
+               lay.recompute, lay.sp, whole)
         per_mb = compute_cache.get(key)
         if per_mb is None:
             per_mb = 0.0
             for rank in critical_ranks(work.model, lay):
                 rkey = (lay.tp, lay.cp, lay.mbs, lay.recompute, lay.sp,
-                        stage(work.model, lay, rank))
+                        stage(work.model, lay, rank), whole)
                 rc = compute_cache.get(rkey)
                 if rc is None:
                     one = rank_compute(work, lay, hw, assume, rank)
