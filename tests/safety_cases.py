@@ -100,7 +100,7 @@ def cases(w: dict[str, Path]) -> list[tuple[str, list[str], int, str]]:
         ("override no value", [*t, "--train.lr"], 2, "has no value"),
         ("stray word", [*t, "oops"], 2, "unexpected argument 'oops'"),
         ("gbs vs mbs", [*t, "--train.gbs", "6", "--parallel.mbs", "4"], 2, "train.gbs = 6"),
-        ("bad precision", [*t, "--train.precision", "fp8"], 2, "train.precision"),
+        ("bad precision", [*t, "--train.precision", "fp64"], 2, "train.precision"),
         ("seq_len too long", [*t, "--train.seq_len", "4096"], 2, "max_seq_len"),
         ("tp vs heads", [*t, "--parallel.tp", "3"], 2, "parallel.tp = 3"),
         ("sp without tp", [*t, "--parallel.sp", "true"], 2, "parallel.sp"),
