@@ -24,8 +24,8 @@ SHAPE = ["--model.hidden_size", "128", "--model.intermediate_size", "256",
 
 def _measure(rank, world, tmp, args):
     from fivefold.finetune.attach import frozen_state
-    from fivefold.train.trainer import Trainer
     from fivefold.train.loop import planned_model_states
+    from fivefold.train.trainer import Trainer
 
     cfg = small_config(Path(tmp) / f"r{rank}", *SHAPE, *args)
     with Trainer(cfg, ParallelDims.from_config(cfg.parallel), quiet=True) as trainer:
