@@ -20,7 +20,8 @@ as a Hugging Face directory and loaded by transformers), fp32, on this CPU:
 Printed and written to bench/results/serve.json: output tokens/s, requests/s, time to first
 token and inter-token latency percentiles (p50, p90, p99; all requests arrive at t = 0, so
 a request of a later static batch waits for the earlier ones), the ratio of tokens/s, how
-many requests' tokens agree between the two, the machine, versions and git revision.
+many requests' tokens agree between the two, one decode step of each at the same batch
+and context timed alone, the machine, versions and git revision.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def summarize(name, seconds, outputs, first_times, token_times) -> dict:
 def run_fivefold(model, prompts, outputs, name: str, max_num_seqs: int,
                  num_blocks: int) -> tuple[dict, list[list[int]]]:
     engine = Engine(model, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
-                    max_num_batched_tokens=4096)
+                    max_num_batched_tokens=4096, max_model_len=512)
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in outputs]
     start = time.perf_counter()
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -136,6 +137,41 @@ def run_transformers(hf, prompts, outputs, batch: int, pad_id: int):
     return summarize("transformers", seconds, tokens, first_times, token_times), tokens
 
 
+def decode_step_ms(model, hf, batch: int, context: int, rounds: int = 7) -> dict:
+    """One decode step of `batch` sequences of `context` tokens, alone: the engine (paged
+    cache, gather + SDPA) and transformers (its cache, torch.cat + SDPA), median of
+    alternating rounds."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, model.cfg.vocab_size, (context,), generator=g).tolist()
+               for _ in range(batch)]
+    engine = Engine(model, max_num_seqs=batch, num_blocks=batch * (context // 16 + 4) + 8,
+                    max_num_batched_tokens=max(batch * context, 2048),
+                    max_model_len=context + 16)
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=rounds + 4, temperature=0,
+                                                  ignore_eos=True))
+    engine.step()  # every prompt, one step
+    with torch.inference_mode():
+        out = hf(torch.tensor(prompts), use_cache=True)
+    state = {"cache": out.past_key_values, "next": out.logits[:, -1:].argmax(-1)}
+
+    def theirs():
+        with torch.inference_mode():
+            o = hf(state["next"], past_key_values=state["cache"], use_cache=True)
+        state["cache"], state["next"] = o.past_key_values, o.logits[:, -1:].argmax(-1)
+
+    ours_ms, theirs_ms = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        engine.step()
+        ours_ms.append((time.perf_counter() - start) * 1e3)
+        start = time.perf_counter()
+        theirs()
+        theirs_ms.append((time.perf_counter() - start) * 1e3)
+    return {"batch": batch, "context": context, "fivefold_ms": statistics.median(ours_ms),
+            "transformers_ms": statistics.median(theirs_ms)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-25m")
@@ -166,6 +202,7 @@ def main(argv=None) -> int:
     same_runs = sum(a == b for a, b in zip(our_tokens, memory_tokens))
     ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
     ratio_memory = memory["tokens_per_s"] / theirs["tokens_per_s"]
+    step = decode_step_ms(model, hf, args.batch, 300)
     info = machine(torch.device("cpu"))
     print(f"{info['device']}; torch {torch.__version__}, transformers "
           f"{transformers.__version__}; {args.threads} thread(s); {cfg.name} fp32")
@@ -180,6 +217,8 @@ def main(argv=None) -> int:
           f"{ratio_memory:.2f}x in the same KV memory ({static_slots} token slots); "
           f"identical greedy outputs: {same}/{args.requests} (fivefold's two runs: "
           f"{same_runs}/{args.requests})")
+    print(f"one decode step alone, batch {step['batch']}, {step['context']} tokens of context: "
+          f"fivefold {step['fivefold_ms']:.1f} ms, transformers {step['transformers_ms']:.1f} ms")
     result = {"benchmark": "serve", "model": cfg.name, "dtype": "fp32",
               "requests": args.requests, "batch": args.batch, "threads": args.threads,
               "workload": {"prompt_tokens": [16, 256], "output_tokens": [16, 256],
@@ -187,6 +226,7 @@ def main(argv=None) -> int:
               "fivefold": ours, "fivefold_same_kv_memory": memory, "transformers": theirs,
               "tokens_per_s_ratio": ratio, "tokens_per_s_ratio_same_kv_memory": ratio_memory,
               "identical_outputs": same, "identical_outputs_between_fivefold_runs": same_runs,
+              "decode_step_alone": step,
               "machine": info, "git": git_revision(),
               "command": "python bench/serve.py " + " ".join(argv or sys.argv[1:])}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
