@@ -8,6 +8,7 @@ leaves mid-stream has its blocks freed, and SIGTERM ends the process with exit c
 within seconds. Every wait is bounded.
 """
 
+import json
 import os
 import signal
 import socket
@@ -231,3 +232,18 @@ def test_sigterm_stops_the_server_with_exit_code_0(server):
     assert not reader.is_alive() and events  # the stream ended, finished or aborted
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{base}/health", timeout=2)
+
+
+def test_chat_template_from_tokenizer_config_or_plain(tmp_path):
+    from fivefold.serve.openai.api_server import chat_template, plain_chat_prompt
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert chat_template(None) is plain_chat_prompt
+    assert plain_chat_prompt(messages) == "system: be brief\nuser: hi\nassistant:"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": {"content": "</s>"},
+        "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]"
+                         "{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                         "{% if add_generation_prompt %}[assistant]{% endif %}"}))
+    render = chat_template(tmp_path)
+    assert render(messages) == "<s>[system]be brief</s>[user]hi</s>[assistant]"
