@@ -70,3 +70,40 @@ def test_lora_layout_matches_single_process(single, layout):
     for name, value in tensors.items():
         diff = (merged[name] - value).abs().max().item()
         assert diff <= 1e-5, (name, diff)
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    path = tmp_path_factory.mktemp("qlora") / "hf"
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("layout", [["--parallel.dp", "2", "--parallel.zero", "2"],
+                                    ["--parallel.pp", "2"]], ids=["dp2-zero2", "pp2"])
+def test_qlora_layout_matches_single_process(hf_base, layout):
+    """QLoRA (an NF4 base from a Hugging Face directory): every rank quantises the same base
+    the same way, so the layouts agree with one process as LoRA does."""
+    qlora = ["--model.hf_path", str(hf_base), "--lora.base", "nf4"]
+    with tempfile.TemporaryDirectory() as tmp:
+        losses, norms, tensors, _ = run_ranks(_run, 1, tmp, qlora)[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(_run, 2, tmp, qlora + layout)
+    for a, b in zip(losses, results[0][0]):
+        assert abs(a - b) <= 1e-6 * abs(a), (losses, results[0][0])
+    for a, b in zip(norms, results[0][1]):
+        assert abs(a - b) <= 1e-5 * abs(a), (norms, results[0][1])
+    merged = {}
+    for *_, rank_tensors, _ in results:
+        merged.update(rank_tensors)
+    assert set(merged) == set(tensors)
+    for name, value in tensors.items():
+        assert (merged[name] - value).abs().max().item() <= 1e-5, name
+
