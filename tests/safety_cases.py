@@ -67,6 +67,10 @@ def make_world(root: Path, finished_run: Path) -> dict[str, Path]:
     latest = root / "damaged" / (root / "damaged" / "latest").read_text().strip()
     os.truncate(next(latest.glob("*.distcp")), 5000)
     w["damaged_step"] = latest
+    shutil.copytree(finished_run / "ck", root / "incomplete")  # a step without its manifest
+    unvouched = root / "incomplete" / (root / "incomplete" / "latest").read_text().strip()
+    (unvouched / "manifest.json").unlink()
+    w["incomplete_step"] = unvouched
     w.update({k: root / k for k in ("hf_good", "hf_heads0", "hf_hidden_str", "hf_vocab_null",
                                      "hf_truncated", "damaged", "tokens.bin", "tasks.jsonl",
                                      "tasks_noref.jsonl")})
@@ -89,6 +93,7 @@ def cases(w: dict[str, Path]) -> list[tuple[str, list[str], int, str]]:
         ("seed negative", [*t, "--train.seed", "-1"], 2, "train.seed = -1"),
         ("seed too big", [*t, "--train.seed", str(2**40)], 2, "train.seed"),
         ("timeout zero", [*t, "--parallel.timeout_s", "0"], 2, "parallel.timeout_s = 0.0"),
+        ("timeout below floor", [*t, "--parallel.timeout_s", "0.01"], 2, "floor of 5 s"),
         ("bucket nan", [*t, "--parallel.bucket_mb", "nan"], 2, "parallel.bucket_mb = 'nan'"),
         ("bucket zero", [*t, "--parallel.bucket_mb", "0"], 2, "parallel.bucket_mb = 0.0"),
         ("steps zero", [*t, "--train.steps", "0"], 2, "train.steps = 0"),
@@ -160,6 +165,8 @@ def cases(w: dict[str, Path]) -> list[tuple[str, list[str], int, str]]:
                                 "--max-shard-size", "big"], 2, "--max-shard-size"),
         ("convert damaged", ["convert", "--checkpoint", str(w["damaged_step"]), "--to-hf",
                              str(r / "o2")], 2, "is damaged"),
+        ("convert incomplete", ["convert", "--checkpoint", str(w["incomplete_step"]),
+                                "--to-hf", str(r / "o5")], 2, "is incomplete"),
         ("convert hf vocab null", ["convert", "--hf", str(w["hf_vocab_null"]), "--to-hf",
                                    str(r / "o3")], 2, "vocab_size"),
         ("convert hf truncated", ["convert", "--hf", str(w["hf_truncated"]), "--to-hf",
@@ -185,6 +192,10 @@ def cases(w: dict[str, Path]) -> list[tuple[str, list[str], int, str]]:
         ("hw unknown field", [*plan, "--hw", "memroy_gib=80"], 2, "did you mean"),
         ("hw not a number", [*plan, "--hw", "memory_gib=lots"], 2, "not a number"),
         ("plan unknown gpu", [*plan, "--gpu", "h900"], 2, "unknown GPU"),
+        ("plan schedule outside convention", ["plan", "--model", "llama-3.1-8b", "--gpus", "8",
+                                              "--convention", "deepspeed", "--layout",
+                                              "dp=2,pp=4,schedule=zb"], 2,
+         "outside the deepspeed convention"),
         ("plan unknown model", ["plan", "--model", "nope", "--gpus", "1"], 2, "nope"),
         ("plan hf heads 0", ["plan", "--model", str(w["hf_heads0"]), "--gpus", "1"], 2,
          "num_attention_heads"),

@@ -90,7 +90,10 @@ def test_a_real_full_file_system_is_one_line_on_every_rank(tmp_path):
     with tmpfs(tmp_path / "fs", "4m") as fs:
         for message in run_ranks(_fill_then_save, 2, str(fs)):
             assert "\n" not in message, message
-            assert "saving step 2" in message and "no space left on device" in message, message
+            # Where the shards ran out of room torch's writer fails without errno (named from
+            # statvfs); where a plain file did, an OSError ENOSPC: the same words either way.
+            assert "saving step 2" in message, message
+            assert "no space left on device" in message.lower(), message
             assert "step_00000001 is intact" in message, message
         check_intact(fs / "ck")
 
