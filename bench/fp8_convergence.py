@@ -56,7 +56,12 @@ def run(variant: str, steps: int) -> dict:
     val = trainer.evaluate()["val_loss"]
     trainer.close()
     return {"val_loss": val, "final_train_loss": losses[-1], "seconds": seconds,
-            "losses": losses}
+            "git": git_revision(), "losses": losses}
+
+
+def git_revision() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
 
 
 def main() -> None:
@@ -85,15 +90,16 @@ def main() -> None:
         rel = (res["val_loss"] - base) / base
         summary[name] = {"val_loss": res["val_loss"], "rel_vs_bf16": rel,
                          "final_train_loss": res["final_train_loss"],
-                         "seconds": res["seconds"]}
+                         "seconds": res["seconds"], "git": res.get("git", "")}
         print(f"{name:>10}: final val_loss {res['val_loss']:.4f}  vs bf16 {rel * 100:+.2f}%  "
               f"(train loss {res['final_train_loss']:.4f}, {res['seconds']:.0f} s)")
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True).stdout.strip()
+    rev = git_revision()
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared), "
                          f"1 thread per run", "device": "cpu",
               "torch": torch.__version__, "git": rev, "model": "tiny-bpe", "steps": steps,
               "gbs": 16, "seq_len": 128, "summary": summary,
+              "note": "seconds: wall clock of runs sharing the cores with other work; "
+                      "a record of the run, not a speed measurement",
               "losses": {n: r["losses"] for n, r in runs.items()}}
     out = Path("bench/results/fp8_convergence.json")
     out.parent.mkdir(parents=True, exist_ok=True)
