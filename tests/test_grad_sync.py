@@ -115,12 +115,21 @@ AGREE = {f"dp2-zero{zero}-m4-{sync}": ["--parallel.dp", "2", "--parallel.zero", 
          for zero in (2, 3) for sync in ("step", "microbatch")}
 
 
+# Measured, with either setting: the engine holds 3072 bytes (3 int64 per token of the
+# 128-token micro-batch) more activations than planned at 4 micro-batches; at 1 they agree
+# to the byte (test_plan_agreement.py's dp2-zero2). Not the gradients' doing.
+ACTIVATION_GAP = (0.004, "measured +0.31% at 4 micro-batches per rank, either grad_sync")
+
+
 @pytest.mark.parametrize("name", list(AGREE))
-def test_planner_agrees_with_engine_on_grad_sync(name, tmp_path, capsys):
-    """Through the trainer at 4 micro-batches per rank: model states (1%), the peak items
-    (whole gradients, buckets in flight, activations: 10%) and the ledger (exactly), as
-    tests/test_plan_agreement.py checks every layout."""
+def test_planner_agrees_with_engine_on_grad_sync(name, tmp_path, capsys, monkeypatch):
+    """Through the trainer at 4 micro-batches per rank: model states, the peak items (whole
+    gradients and buckets in flight to the byte, activations within ACTIVATION_GAP) and the
+    ledger (exactly), as tests/test_plan_agreement.py checks every layout."""
+    import test_plan_agreement
     from test_plan_agreement import check_rank, measure
+
+    monkeypatch.setitem(test_plan_agreement.PEAK_GAPS, (name, "activations"), ACTIVATION_GAP)
 
     results = run_ranks(measure, 2, str(tmp_path), AGREE[name])
     for got in results:

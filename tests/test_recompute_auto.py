@@ -5,7 +5,7 @@ budget (plan/recompute_plan.py), applied by selective activation checkpointing
 Through the trainer, on the agreement tests' model: for budgets between full recomputation's
 peak and no recomputation's, the tracker's peak (the second step, when Adam's moments exist)
 stays under the budget, the planner's activations item for the chosen plan agrees with the
-tracker within the agreement tests' 10%, and losses and weights are bit-identical to no
+tracker within 2% (measured within 1.7%), and losses and weights are bit-identical to no
 recomputation (recomputation changes no arithmetic). The dynamic program is checked against
 brute force, and a budget below the minimum is refused in one line naming it.
 """
@@ -37,6 +37,7 @@ from fivefold.plan.recompute_plan import (
 from fivefold.train.trainer import Trainer
 
 FRACTIONS = (0.25, 0.5, 0.75)  # of the way from full recomputation's peak to none's
+ACTIVATIONS_TOLERANCE = 0.02
 
 
 def planned_allocated(tmp, args) -> tuple[float, dict]:
@@ -76,9 +77,11 @@ def test_auto_fits_the_budget_agrees_with_the_planner_and_changes_no_math(tmp_pa
         planned, items = planned_allocated(tmp_path, args)
         assert planned <= budget * GIB
         assert got["peak"] <= budget * GIB, (frac, got["peak"], budget * GIB)
-        # The item the choice moves, as tests/test_plan_agreement.py checks it: 10%.
-        assert abs(got["activations"] - items["activations"]) <= 0.10 * items["activations"], (
-            frac, got["activations"], items["activations"])
+        # The item the choice moves, measured +0.16%, +0.13% and -1.7% (the last plan mixes
+        # kinds, and the planner adds the largest working set on top of every layer kept, as
+        # for selective in tests/test_plan_agreement.py's PEAK_GAPS, there -3.3%).
+        assert abs(got["activations"] - items["activations"]) <= ACTIVATIONS_TOLERANCE * items[
+            "activations"], (frac, got["activations"], items["activations"])
         assert got["losses"] == ref["losses"], (frac, got["losses"], ref["losses"])
         for name, value in ref["params"].items():
             assert torch.equal(got["params"][name], value), (frac, name)
