@@ -118,3 +118,19 @@ def test_fp8_checkpoint_is_high_precision_and_resumes_under_bf16(tmp_path):
     resumed.close()
     assert abs(loss - losses[-1]) < 0.5 and torch.isfinite(torch.tensor(loss))
     assert pathlib.Path(tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_an_inf_in_an_fp8_gemm_reaches_the_bad_step_guard(tmp_path, recipe):
+    """An inf in a weight would saturate to ±448 in a plain cast and train on silently; here
+    its scaling group becomes NaN, so the loss is non-finite and the step is skipped."""
+    args = [*SMALL, "--checkpoint.dir", str(tmp_path / "ck"), "--log.dir", str(tmp_path / "log")]
+    cfg = small_config(tmp_path, *args, "--train.precision", "fp8", "--train.fp8_recipe", recipe)
+    trainer = Trainer(cfg, quiet=True)
+    up = trainer.model.chunks[0].layers[0].mlp.up_proj
+    assert isinstance(up, FP8LinearMixin)
+    with torch.no_grad():
+        up.weight[3, 5] = float("inf")
+    record = trainer.train_step()
+    trainer.close()
+    assert record["skipped"] and record["bad"], record
