@@ -1,5 +1,6 @@
-"""FP8 training under data parallelism with ZeRO-3, tensor, pipeline and expert parallelism
-tracks the single-process FP8 run of the same config (same seed, same global batch).
+"""FP8 training under data parallelism with ZeRO-3, tensor (with and without SP), pipeline,
+context and expert parallelism tracks the single-process FP8 run of the same config (same
+seed, same global batch).
 
 Why the tolerances differ by layout:
 - dp2 + ZeRO-3, pp2, ep2: every micro-batch is the one the single process runs, so every
@@ -13,6 +14,10 @@ Why the tolerances differ by layout:
   roundings, by design (the issue: "FP8 block boundaries under TP change rounding").
   Tolerance: loss 3e-4 relative per step, gradient norm 1e-2 relative (measured: loss
   <= 3.2e-5, gradient norm <= 1.4e-3 over the 3 steps).
+- cp2 (blockwise): each rank holds half of every sequence, so the weight gradient's
+  1x128 tiles along the tokens group other tokens than the single process's (then the
+  ranks' gradients are summed). Tolerance: loss 1e-4, gradient norm 5e-3 (measured: loss
+  <= 1.2e-5, gradient norm <= 1.5e-3). tp2 with SP: as tp2 (the same numbers measured).
 - tp2 (blockwise, widths whose shards are whole 128-blocks): a row-parallel linear's
   local K is exactly one tile wide and a column-parallel one keeps whole weight blocks, so
   every FP8 group is the single process's; but each rank's partial output of a row-parallel
@@ -47,6 +52,9 @@ CASES = {  # name: (reference args, layout args, loss tol, grad-norm tol)
                   ["--parallel.dp", "2", "--parallel.zero", "3"], 1e-4, 3e-3),
     "pp2": (["--train.fp8_recipe", "blockwise"], ["--parallel.pp", "2"], 1e-4, 3e-3),
     "tp2-rowwise": (["--train.fp8_recipe", "rowwise"], ["--parallel.tp", "2"], 3e-4, 1e-2),
+    "tp2-sp-rowwise": (["--train.fp8_recipe", "rowwise"],
+                       ["--parallel.tp", "2", "--parallel.sp", "true"], 3e-4, 1e-2),
+    "cp2": (["--train.fp8_recipe", "blockwise"], ["--parallel.cp", "2"], 1e-4, 5e-3),
     "tp2-blockwise": (["--train.fp8_recipe", "blockwise", *ALIGNED], ["--parallel.tp", "2"],
                       1e-3, 1e-2),
 }
