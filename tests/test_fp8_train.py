@@ -134,3 +134,18 @@ def test_an_inf_in_an_fp8_gemm_reaches_the_bad_step_guard(tmp_path, recipe):
     record = trainer.train_step()
     trainer.close()
     assert record["skipped"] and record["bad"], record
+
+
+def test_scaled_mm_recipes_are_refused_on_a_gpu_without_fp8(monkeypatch):
+    """No GPU here: the device query is replaced by an A100's (8.0) and an H100's (9.0)."""
+    from fivefold.lowp.convert import check_fp8_device
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    for recipe in ("rowwise", "tensorwise"):
+        with pytest.raises(ConfigError, match="compute capability 8.0"):
+            check_fp8_device(FP8Recipe.from_name(recipe), cuda)
+    check_fp8_device(FP8Recipe.from_name("blockwise"), cuda)  # K slices in fp32 run anywhere
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    check_fp8_device(FP8Recipe.from_name("rowwise"), cuda)
