@@ -38,8 +38,7 @@ from fivefold.plan.evaluate import plan_layout
 from fivefold.plan.hardware import GIB, Assumptions, get_hardware
 from fivefold.plan.inputs import training_plan_inputs
 from fivefold.plan.layout import Layout, Workload
-from fivefold.plan.memory import memory_items
-from fivefold.plan.recompute_plan import minimum_budget, plan_rank
+from fivefold.plan.memory import auto_plan, memory_items, minimum_budget
 from fivefold.train.bench import git_revision, machine
 from fivefold.train.trainer import Trainer
 
@@ -126,7 +125,7 @@ def planned_rows() -> list[dict]:
             lay = dataclasses.replace(layout, recompute="auto")
             p = plan_layout(w, lay, hw, assume)
             rows.append({"model": name, "layout": lay.short(), "mode": "auto",
-                         "budget_gib": budget, "plan": plan_rank(p.context[0], lay, 0).summary(),
+                         "budget_gib": budget, "plan": auto_plan(p.context[0], lay, 0).summary(),
                          "peak_allocated_gib": p.peak_allocated / GIB, "step_s": p.time.total,
                          "recompute_s": p.time.recompute})
     return rows

@@ -26,14 +26,9 @@ from fivefold.parallel.mesh import ParallelDims
 from fivefold.parallel.peak import PeakTracker
 from fivefold.plan.hardware import GIB, Assumptions
 from fivefold.plan.inputs import training_plan_inputs
-from fivefold.plan.memory import memory_items
-from fivefold.plan.recompute_plan import (
-    LayerChoice,
-    _knapsack,
-    choose,
-    minimum_budget,
-    plan_rank,
-)
+from fivefold.plan.memory import auto_plan, memory_items, minimum_budget
+from fivefold.plan.recompute_auto import config_plan
+from fivefold.plan.recompute_plan import LayerChoice, _knapsack, choose
 from fivefold.train.trainer import Trainer
 
 FRACTIONS = (0.25, 0.5, 0.75)  # of the way from full recomputation's peak to none's
@@ -100,13 +95,13 @@ def test_auto_beats_full_and_selective_at_their_memory(tmp_path):
     for mode in ("full", "selective"):
         peak, _ = planned_allocated(tmp_path, ["--train.recompute", mode])
         budget = dataclasses.replace(work, memory_budget_gib=peak / GIB)
-        plan = plan_rank(budget, auto, 0)
-        assert plan is plan_rank(budget, auto, 0)  # memoised: memory and time read one plan
+        plan = auto_plan(budget, auto, 0)
+        assert plan is auto_plan(budget, auto, 0)  # memoised: memory and time read one plan
         kind = {"full": ("keep", frozenset()), "selective": ("selective", frozenset())}[mode]
         assert plan.seconds <= _mode_seconds(work, auto, *kind) * layers + 1e-15, (
             mode, plan.summary())
     full_peak, _ = planned_allocated(tmp_path, ["--train.recompute", "full"])
-    roomy = plan_rank(dataclasses.replace(work, memory_budget_gib=1.2 * full_peak / GIB), auto, 0)
+    roomy = auto_plan(dataclasses.replace(work, memory_budget_gib=1.2 * full_peak / GIB), auto, 0)
     assert roomy.seconds < _mode_seconds(work, auto, "keep", frozenset()) * layers
 
 
@@ -158,9 +153,10 @@ def test_the_dynamic_program_is_exact_against_brute_force():
     (["--train.memory_budget_gib", "1", "--parallel.tp", "2"], ["parallel.tp = 2"]),
 ])
 def test_a_bad_budget_or_layout_is_refused_in_one_line(args, words, tmp_path):
-    with pytest.raises(ConfigError) as e:  # loading validates
-        validate(small_config(pathlib.Path(tmp_path), *MODEL, "--train.recompute", "auto",
-                              *args))
+    with pytest.raises(ConfigError) as e:  # the keys' rules (loading validates), then the
+        cfg = small_config(pathlib.Path(tmp_path), *MODEL, "--train.recompute", "auto", *args)
+        validate(cfg)  # planner's minimum: both before `fivefold train` writes (cli.py)
+        config_plan(cfg)
     text = str(e.value)
     assert "\n" not in text and all(w in text for w in words), text
     if "at least" in text:  # the minimum it names is full recomputation's planned peak

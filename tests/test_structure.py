@@ -32,8 +32,8 @@ def _type_checking_only(node: ast.If) -> bool:
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The package's modules that `name` imports. `from a.b import c` counts as a.b.c when c
-    is a module, else as a.b. A package's __init__ re-exporting its own submodules is the
-    package's face, not an edge back."""
+    is a module, else as a.b. A package's __init__ importing its submodules counts too: a
+    module that imports the package runs them."""
     is_package = path.name == "__init__.py"
     found: set[str] = set()
 
@@ -57,10 +57,7 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             visit(child)
 
     visit(ast.parse(path.read_text(), str(path)))
-    edges = {m for m in found if m in modules and m != name}
-    if is_package:
-        edges = {m for m in edges if not m.startswith(name + ".")}
-    return edges
+    return {m for m in found if m in modules and m != name}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

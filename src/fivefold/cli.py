@@ -57,6 +57,10 @@ def train_main(argv: list[str]) -> int:
               + describe_keys())
         return 0
     cfg = config.load(args.config, overrides)
+    if cfg.train.recompute == "auto":  # the planner's minimum, refused before anything is written
+        from fivefold.plan.recompute_auto import config_plan
+
+        config_plan(cfg)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != cfg.parallel.world_size:  # before anything is written or joined
         raise ConfigError(

@@ -102,6 +102,3 @@ def check_memory_budget(cfg, mc) -> None:
         raise ConfigError(f"train.recompute = 'auto' runs without tensor, pipeline, context "
                           f"or expert parallelism and on dense models; {others[0]}: use "
                           f"selective or full")
-    from fivefold.plan.recompute_plan import config_plan
-
-    config_plan(cfg)  # a budget below full recomputation's peak: one line with the minimum

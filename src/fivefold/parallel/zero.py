@@ -344,5 +344,5 @@ def optimizer_options(model, cfg, watchdog: Watchdog | None) -> dict:
     return dict(stage=par.zero, offload=par.offload, bucket_mb=par.bucket_mb,
                 chunks=model.chunks, timeout_s=par.timeout_s, watchdog=watchdog,
                 buckets_in_flight=par.buckets_in_flight,
-                # "auto" is resolved by the trainer (plan/grad_sync.py); unresolved, it is "step"
+                # "auto" is resolved by the trainer (plan/inputs.py); unresolved, it is "step"
                 grad_sync="microbatch" if par.grad_sync == "microbatch" else "step")

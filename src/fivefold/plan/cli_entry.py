@@ -18,7 +18,8 @@ import os
 import sys
 from pathlib import Path
 
-from fivefold.config import ArgumentParser, ConfigError, writable_dir, writable_file
+from fivefold.config.rules import writable_dir, writable_file
+from fivefold.errors import ArgumentParser, ConfigError
 from fivefold.plan.advice import layout_warnings
 from fivefold.plan.conventions import CONVENTIONS, get_convention
 from fivefold.plan.evaluate import plan_layout
@@ -404,7 +405,7 @@ def _recompute_options(args, work, hw, assume):
 def _check_budget(work, layout) -> None:
     if layout.recompute != "auto":
         return
-    from fivefold.plan.recompute_plan import minimum_budget
+    from fivefold.plan.memory import minimum_budget
 
     low = minimum_budget(work, layout)
     if work.memory_budget_gib < low:

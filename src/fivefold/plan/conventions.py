@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from fivefold.config import ConfigError
+from fivefold.errors import ConfigError
 from fivefold.plan.layout import SCHEDULES, Layout, Workload
 
 

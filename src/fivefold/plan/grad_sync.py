@@ -60,18 +60,3 @@ def resolve_grad_sync(work: Workload, layout: Layout, hw: Hardware,
         return work
     choice, _ = choose_grad_sync(work, layout, hw, assume)
     return dataclasses.replace(work, grad_sync=choice)
-
-
-def resolve_config_grad_sync(cfg, device_name: str | None = None) -> str:
-    """Make a training config's `parallel.grad_sync = "auto"` concrete in place, as planned
-    for the GPU called `device_name` (`torch.cuda.get_device_name`; None or an unknown name:
-    the planner's default GPU). Returns the choice."""
-    from fivefold.plan.hardware import get_hardware, hardware_for_device_name
-    from fivefold.plan.inputs import DEFAULT_GPU, training_plan_inputs
-
-    if cfg.parallel.grad_sync == "auto":
-        hw = hardware_for_device_name(device_name) if device_name else None
-        _, assume = get_hardware(DEFAULT_GPU)
-        work, _ = training_plan_inputs(cfg, hw, assume)
-        cfg.parallel.grad_sync = work.grad_sync
-    return cfg.parallel.grad_sync

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fivefold.config import ConfigError
+from fivefold.errors import ConfigError
 
 GIB = 2**30
 

@@ -13,9 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fivefold import config as fconfig
-from fivefold.config import ConfigError
+from fivefold.errors import ConfigError
 from fivefold.models.hf_config import check_shape
 from fivefold.models.presets import MODEL_FIELDS, ModelConfig, preset
+from fivefold.plan.grad_sync import resolve_grad_sync
+from fivefold.plan.hardware import get_hardware, hardware_for_device_name
 from fivefold.plan.layout import Layout, Workload
 
 if sys.version_info >= (3, 11):
@@ -200,15 +202,24 @@ def training_plan_inputs(cfg: fconfig.Config, hw=None, assume=None,
                     sp_saved=par.sp_saved_input, cp_comm=par.cp_comm, pp_split=par.pp_split,
                     pp_layers=tuple(par.pp_layers))
     if work.grad_sync == "auto":
-        from fivefold.plan.grad_sync import resolve_grad_sync
-        from fivefold.plan.hardware import get_hardware
-
         default_hw, default_assume = get_hardware(DEFAULT_GPU)
         work = resolve_grad_sync(work, layout, hw or default_hw, assume or default_assume)
     return work, layout
 
 
 DEFAULT_GPU = "h100-sxm"  # `fivefold plan --gpu`'s default
+
+
+def resolve_config_grad_sync(cfg, device_name: str | None = None) -> str:
+    """Make a training config's `parallel.grad_sync = "auto"` concrete in place, as planned
+    for the GPU called `device_name` (`torch.cuda.get_device_name`; None or an unknown name:
+    the planner's default GPU). Returns the choice."""
+    if cfg.parallel.grad_sync == "auto":
+        hw = hardware_for_device_name(device_name) if device_name else None
+        _, assume = get_hardware(DEFAULT_GPU)
+        work, _ = training_plan_inputs(cfg, hw, assume)
+        cfg.parallel.grad_sync = work.grad_sync
+    return cfg.parallel.grad_sync
 
 
 # Layout field → [parallel] key, for every field that decides what the engine runs.

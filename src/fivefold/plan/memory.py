@@ -3,6 +3,7 @@ logits, communication buffers and framework overhead, itemised on the most-loade
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from fivefold.models.presets import ModelConfig
@@ -27,6 +28,12 @@ from fivefold.plan.layout import (
     pending_weight_passes,
     rank_chunks,
     stage,
+)
+from fivefold.plan.recompute_plan import (
+    BudgetTooSmall,
+    RankPlan,
+    full_layer_activations,
+    plan_rank,
 )
 
 # Order of the items in reports and stacked bars.
@@ -315,17 +322,9 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
     activations = sum(n * b for n, b in zip(alive, per_microbatch)) + _working_set(work, layout)
     if layout.recompute == "auto":  # the per-layer choices under the budget (below the
         # minimum nothing is chosen: full recomputation's bytes stand, over the budget)
-        from fivefold.plan.recompute_plan import (
-            BudgetTooSmall,
-            full_layer_activations,
-            plan_rank,
-        )
-
-        try:
-            activations += (plan_rank(work, layout, rank, assume).activations
-                            - full_layer_activations(work, layout, rank))
-        except BudgetTooSmall:
-            pass
+        plan = auto_plan(work, layout, rank, assume)
+        if plan is not None:
+            activations += plan.activations - full_layer_activations(work, layout, rank)
     logits_loss = 0.0
     if head:
         # With one chunk per rank (AFAB, 1F1B, ZB-H1) the head's logits live as long as the
@@ -450,3 +449,27 @@ def peak_memory(work: Workload, layout: Layout,
         if best is None or total > best[0]:
             best = (total, rank, items, cpu)
     return best[1], best[2], best[3]
+
+
+def _full_allocated(work: Workload, layout: Layout, assume: Assumptions, rank: int) -> float:
+    """Peak allocated bytes of `rank` under full recomputation (the items but the overhead)."""
+    items, _ = memory_items(work, dataclasses.replace(layout, recompute="full"), assume, rank)
+    return sum(v for k, v in items.items() if k != "overhead")
+
+
+def auto_plan(work: Workload, layout: Layout, rank: int,
+              assume: Assumptions | None = None) -> RankPlan | None:
+    """recompute = auto: the per-layer plan of `rank` under the budget (plan/recompute_plan.py),
+    or None where even full recomputation does not fit."""
+    assume = assume or Assumptions()
+    try:
+        return plan_rank(work, layout, rank, _full_allocated(work, layout, assume, rank), assume)
+    except BudgetTooSmall:
+        return None
+
+
+def minimum_budget(work: Workload, layout: Layout, assume: Assumptions | None = None) -> float:
+    """GiB of peak allocated memory under full recomputation: the smallest budget recompute =
+    auto accepts (the most-loaded pipeline rank's)."""
+    assume = assume or Assumptions()
+    return max(_full_allocated(work, layout, assume, rank) for rank in range(layout.pp)) / GIB

@@ -34,7 +34,6 @@ planned; plan/timing.py charges the chosen plan at the planned GPU's rates.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -233,17 +232,12 @@ def rank_weights(work: Workload, layout: Layout, rank: int) -> list[float]:
     return [a for c, a in zip(chunks, alive) for _ in range(counts[c])]
 
 
-def layer_budget(work: Workload, layout: Layout, rank: int, assume: Assumptions) -> float:
+def layer_budget(work: Workload, layout: Layout, rank: int, full_allocated: float) -> float:
     """Bytes the budget leaves for the layers' activations on `rank`: the budget minus the
-    rest of the peak allocated under full recomputation (its layer inputs and working set
-    taken out)."""
-    from fivefold.plan.memory import memory_items
-
-    full_layout = dataclasses.replace(layout, recompute="full")
-    items, _ = memory_items(work, full_layout, assume, rank)
-    allocated = sum(v for k, v in items.items() if k != "overhead")
+    rest of the peak allocated under full recomputation (`full_allocated`, the planner's
+    items for that layout without the overhead; its layer inputs and working set taken out)."""
     full = full_layer_activations(work, layout, rank)
-    return work.memory_budget_gib * GIB - (allocated - full)
+    return work.memory_budget_gib * GIB - (full_allocated - full)
 
 
 def full_layer_activations(work: Workload, layout: Layout, rank: int) -> float:
@@ -265,31 +259,32 @@ def _ranking_hardware():
 _PLANS: dict[str, RankPlan] = {}
 
 
-def plan_rank(work: Workload, layout: Layout, rank: int,
+def plan_rank(work: Workload, layout: Layout, rank: int, full_allocated: float,
               assume: Assumptions | None = None) -> RankPlan:
-    """The fastest choice per layer of `rank` under `work.memory_budget_gib`; raises
-    BudgetTooSmall when even full recomputation does not fit. Memoised: memory and time
-    ask for the same plan (the model config holds a dict, so the key is its repr)."""
-    key = repr((work, layout, rank, assume))
+    """The fastest choice per layer of `rank` under `work.memory_budget_gib`, given the peak
+    allocated bytes of full recomputation on that rank (plan/memory.py `auto_plan` supplies
+    it); raises BudgetTooSmall when even full recomputation does not fit. Memoised: memory
+    and time ask for the same plan (the model config holds a dict, so the key is its repr)."""
+    key = repr((work, layout, rank, full_allocated, assume))
     if key not in _PLANS:
         if len(_PLANS) > 4096:
             _PLANS.clear()
-        _PLANS[key] = _plan_rank(work, layout, rank, assume)
+        _PLANS[key] = _plan_rank(work, layout, rank, full_allocated, assume)
     return _PLANS[key]
 
 
-def _plan_rank(work: Workload, layout: Layout, rank: int,
+def _plan_rank(work: Workload, layout: Layout, rank: int, full_allocated: float,
                assume: Assumptions | None) -> RankPlan:
     hw, default_assume = _ranking_hardware()
     assume = assume or default_assume
-    budget = layer_budget(work, layout, rank, assume)
+    budget = layer_budget(work, layout, rank, full_allocated)
     choices = layer_choices(work, layout, hw, assume)
     weights = rank_weights(work, layout, rank)
     picked = choose(choices, weights, budget) if weights else ()
     if picked is None:
         raise BudgetTooSmall(f"a budget of {work.memory_budget_gib:g} GiB is below full "
-                             f"recomputation's peak of {minimum_budget(work, layout, assume):.3g}"
-                             f" GiB")
+                             f"recomputation's peak of {full_allocated / GIB:.3g} GiB on "
+                             f"pipeline rank {rank}")
     # Layers of equal weight are interchangeable: list each chunk's choices grouped.
     picked = sorted(picked, key=lambda c: (-c.stored, c.label())) if len(set(weights)) == 1 \
         else picked
@@ -298,29 +293,13 @@ def _plan_rank(work: Workload, layout: Layout, rank: int,
     return RankPlan(tuple(picked), stored + working, sum(c.seconds for c in picked), budget)
 
 
-def minimum_budget(work: Workload, layout: Layout, assume: Assumptions | None = None) -> float:
-    """GiB of peak allocated memory under full recomputation: the smallest budget that fits
-    (the most-loaded pipeline rank's)."""
-    from fivefold.plan.memory import memory_items
-
-    assume = assume or _ranking_hardware()[1]
-    full_layout = dataclasses.replace(layout, recompute="full")
-    worst = 0.0
-    for rank in range(layout.pp):
-        items, _ = memory_items(work, full_layout, assume, rank)
-        worst = max(worst, sum(v for k, v in items.items() if k != "overhead"))
-    return worst / GIB
-
-
 def recompute_seconds(work: Workload, layout: Layout, rank: int, hw: Hardware,
-                      assume: Assumptions) -> float:
-    """Recompute seconds per micro-batch of the plan chosen for `rank`, at `hw`'s rates
-    (full recomputation's when the budget is below its peak)."""
+                      assume: Assumptions, plan: RankPlan | None) -> float:
+    """Recompute seconds per micro-batch of `plan` (the one chosen for `rank`), at `hw`'s
+    rates; None (a budget below full recomputation's peak): full recomputation's."""
     ops = op_table(work, layout, hw, assume)
     elem = elementwise_seconds(work, layout, hw, assume)
-    try:
-        plan = plan_rank(work, layout, rank)
-    except BudgetTooSmall:
+    if plan is None:
         return len(rank_weights(work, layout, rank)) * (elem + sum(o[2] for o in ops.values()))
     total = 0.0
     for c in plan.choices:
@@ -329,49 +308,3 @@ def recompute_seconds(work: Workload, layout: Layout, rank: int, hw: Hardware,
         elif c.kind == "keep":
             total += elem + sum(ops[op][2] for op in ops if op not in c.kept)
     return total
-
-
-def layer_policies(work: Workload, layout: Layout) -> list[LayerChoice]:
-    """The choice for every layer of the model, in forward order (each chunk's layers from
-    the plan of the rank that holds it)."""
-    plans = [plan_rank(work, layout, rank) for rank in range(layout.pp)]
-    taken = [0] * layout.pp
-    counts = chunk_layer_counts(work.model, layout)
-    out = []
-    for chunk, n in enumerate(counts):
-        rank = next(r for r in range(layout.pp) if chunk in rank_chunks(layout, r))
-        out += plans[rank].choices[taken[rank]:taken[rank] + n]
-        taken[rank] += n
-    return out
-
-
-def config_plan(cfg, precision: str | None = None) -> list[LayerChoice]:
-    """The per-layer choices of a training config with recompute = auto (`precision`: the
-    one the engine resolved; by default fp32 on a CPU device, else bf16). A budget below
-    full recomputation's peak is a ConfigError naming the minimum."""
-    from fivefold.errors import ConfigError
-    from fivefold.plan.inputs import training_plan_inputs
-
-    work, layout = training_plan_inputs(cfg)
-    tr = cfg.train
-    if precision is None and tr.precision == "auto":
-        precision = "fp32" if tr.device == "cpu" else "bf16"
-    work = dataclasses.replace(work, precision=precision or work.precision)
-    try:
-        return layer_policies(work, layout)
-    except BudgetTooSmall:
-        low = minimum_budget(work, layout)
-        raise ConfigError(f"train.memory_budget_gib = {tr.memory_budget_gib:g} is below what "
-                          f"full recomputation needs at its peak with this layout, "
-                          f"{low:.4g} GiB; raise the budget to at least that") from None
-
-
-def describe(work: Workload, layout: Layout) -> list[str]:
-    """Lines for `fivefold plan`: the chosen set per pipeline rank and its cost."""
-    lines = [f"recompute auto under {work.memory_budget_gib:g} GiB (minimum, full "
-             f"recomputation: {minimum_budget(work, layout):.4g} GiB):"]
-    for rank in range(layout.pp):
-        plan = plan_rank(work, layout, rank)
-        lines.append(f"  pp rank {rank}: {plan.summary()}; recompute "
-                     f"{plan.seconds * 1e3:.3g} ms per micro-batch (ranking GPU)")
-    return lines

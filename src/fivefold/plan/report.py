@@ -114,7 +114,7 @@ def format_explain(plan: LayoutPlan, work: Workload) -> str:
     if not p.ledger:
         lines.append("  none (a single GPU)")
     if lay.recompute == "auto":
-        from fivefold.plan.recompute_plan import describe
+        from fivefold.plan.recompute_auto import describe
 
         lines += ["", *describe(p.context[0] if p.context else work, lay)]
     lines += ["", f"step time {p.time.total:.3f} s:"]

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fivefold.config import ConfigError
+from fivefold.errors import ConfigError
 from fivefold.plan.evaluate import LayoutPlan, plan_layout
 from fivefold.plan.hardware import Assumptions, Hardware
 from fivefold.plan.layout import (

@@ -34,7 +34,8 @@ from fivefold.plan.layout import (
     moe_layers_on_rank,
     stage,
 )
-from fivefold.plan.memory import rank_param_counts, work_bytes_per_param
+from fivefold.plan.memory import auto_plan, rank_param_counts, work_bytes_per_param
+from fivefold.plan.recompute_plan import recompute_seconds
 
 GEMM_HALF_SIZE = 128  # a GEMM whose smallest side is 128 runs at half the large-GEMM rate
 
@@ -170,9 +171,8 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     if lay.recompute == "op":  # the matmuls it does not keep and every elementwise kernel
         recompute = gemm * op_sac_recomputed_matmul_share(mc) + elem
     if lay.recompute == "auto":  # the per-layer choices under the budget
-        from fivefold.plan.recompute_plan import recompute_seconds
-
-        recompute = recompute_seconds(work, lay, rank, hw, assume) * scale
+        plan = auto_plan(work, lay, rank)  # ranked at the default GPU's rates, as the engine
+        recompute = recompute_seconds(work, lay, rank, hw, assume, plan) * scale
     # A frozen base (LoRA, plan/lora.py) runs no weight-gradient GEMMs: its backward is the
     # input-gradient GEMM alone (the adapters' rank-r GEMMs are thin and left out).
     weight_passes = 1 if work.lora_rank else 2

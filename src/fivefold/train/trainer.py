@@ -87,7 +87,7 @@ class Trainer:
         self.dtype = DTYPES[self.precision]
         self.model_cfg = cfg.model.resolve()
         if cfg.parallel.grad_sync == "auto":  # the planner's choice for this GPU
-            from fivefold.plan.grad_sync import resolve_config_grad_sync
+            from fivefold.plan.inputs import resolve_config_grad_sync
 
             resolve_config_grad_sync(cfg, torch.cuda.get_device_name(self.device)
                                      if self.device.type == "cuda" else None)
@@ -106,7 +106,7 @@ class Trainer:
             add_adapters(plain, cfg.lora)
         self.recompute_policies = None
         if cfg.train.recompute == "auto":  # per-layer choices under the budget (plan/)
-            from fivefold.plan.recompute_plan import config_plan
+            from fivefold.plan.recompute_auto import config_plan
 
             self.recompute_policies = config_plan(cfg, self.precision)
         self.model = parallelize(plain, self.dims, cfg, self.device, self.dtype,
