@@ -174,8 +174,7 @@ def test_a_training_config_resolves_auto_as_the_planner_does(tmp_path):
     dominates, once per step (the planner predicts +41% for per micro-batch there)."""
     from common import small_config
 
-    from fivefold.plan.inputs import resolve_config_grad_sync
-    from fivefold.plan.inputs import training_plan_inputs
+    from fivefold.plan.inputs import resolve_config_grad_sync, training_plan_inputs
 
     big = small_config(tmp_path, "--parallel.dp", "8", "--parallel.zero", "3", "--train.gbs",
                        "64", "--model.preset", "llama-3.1-8b")
