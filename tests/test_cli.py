@@ -67,7 +67,7 @@ def bad_inputs(w: Path):
         "other model's checkpoint": (
             ["train", *SMALL, "--checkpoint.dir", str(w / "other"), "--checkpoint.resume",
              "latest", "--log.dir", str(w / "log")], "hidden_size = 64"),
-        "bad choice": (["train", "--train.precision", "fp8"], "train.precision"),
+        "bad choice": (["train", "--train.precision", "fp64"], "train.precision"),
         "missing config": (["train", "--config", str(w / "none.toml")], "none.toml"),
         "bad toml": (["train", "--config", str(w / "bad.toml")], "not valid TOML"),
         "negative lr": (["train", "--train.lr", "-1"], "train.lr"),
