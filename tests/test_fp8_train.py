@@ -15,6 +15,7 @@ from fivefold.lowp.linear import FP8LinearMixin, FP8Recipe
 from fivefold.models.init import build_model
 from fivefold.models.presets import preset
 from fivefold.parallel.memory import SavedActivations
+from fivefold.parallel.peak import PeakTracker
 from fivefold.plan.activations import activation_bytes_per_microbatch
 from fivefold.train.trainer import Trainer
 
@@ -149,3 +150,24 @@ def test_scaled_mm_recipes_are_refused_on_a_gpu_without_fp8(monkeypatch):
     check_fp8_device(FP8Recipe.from_name("blockwise"), cuda)  # K slices in fp32 run anywhere
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     check_fp8_device(FP8Recipe.from_name("rowwise"), cuda)
+
+
+def test_peak_tracker_sees_what_the_planner_plans_for_fp8(tmp_path):
+    """The trainer's peak tracker (saved tensors held through its own hooks) measures the
+    activation peak of one step in bf16 and in fp8 (blockwise); their difference is the
+    planner's difference of the layers' saved bytes, to the byte."""
+    peaks = {}
+    for precision in ("bf16", "fp8"):
+        cfg = small_config(tmp_path / precision, "--train.precision", precision)
+        trainer = Trainer(cfg, quiet=True)
+        trainer.train_step()
+        with PeakTracker(trainer.peak_sources()) as tracker:
+            trainer.train_step()
+        peaks[precision] = tracker.item_peaks["activations"]
+        model, seq = trainer.model_cfg, cfg.train.seq_len
+        trainer.close()
+    planned = {p: model.num_layers * activation_bytes_per_microbatch(
+        model, 1, seq, dtype_bytes=2, fp8_recipe=r).layer for p, r in (("bf16", ""),
+                                                                        ("fp8", "blockwise"))}
+    assert peaks["fp8"] < peaks["bf16"]
+    assert peaks["bf16"] - peaks["fp8"] == planned["bf16"] - planned["fp8"]

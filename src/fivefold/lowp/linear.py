@@ -114,23 +114,27 @@ class FP8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-# The last input quantised, weakly held: q, k and v (gate and up) read the same tensor, and
-# quantising it once lets them save one FP8 copy between them, as a bf16 linear's saved
-# input is one storage shared by all three (a fused QKV projection gets this for free).
+# The last input quantised: q, k and v (gate and up) read the same tensor, and quantising
+# it once lets them save one FP8 copy between them, as a bf16 linear's saved input is one
+# storage shared by all three (a fused QKV projection gets this for free). The entry lives
+# as long as that input does (a weak reference whose death clears it): the FP8 copy must
+# be held here, since saved-tensor hooks (the peak tracker's) may keep only a detached view.
 _LAST: list = [None]
+
+
+def _forget(ref: weakref.ref) -> None:
+    if _LAST[0] is not None and _LAST[0][0] is ref:
+        _LAST[0] = None
 
 
 def _quantized_input(x: torch.Tensor, recipe: FP8Recipe) -> FP8Tensor:
     last = _LAST[0]
     if last is not None:
-        ref, version, last_recipe, data_ref, scale_ref = last
-        data, scale = data_ref(), scale_ref()
-        if (ref() is x and version == x._version and last_recipe == recipe
-                and data is not None and scale is not None):
-            return FP8Tensor(data, scale, recipe.act_granularity, E4M3, recipe.block)
+        ref, version, last_recipe, xq = last
+        if ref() is x and version == x._version and last_recipe == recipe:
+            return xq
     xq = recipe.quantize_act(x.reshape(-1, x.shape[-1]))
-    _LAST[0] = (weakref.ref(x), x._version, recipe, weakref.ref(xq.data),
-                weakref.ref(xq.scale))
+    _LAST[0] = (weakref.ref(x, _forget), x._version, recipe, xq)
     return xq
 
 
