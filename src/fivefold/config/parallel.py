@@ -31,10 +31,10 @@ class ParallelSection:
     pp_layers: list = field(default_factory=list)  # explicit layers per stage, e.g. [3, 4, 4, 3]
     bucket_mb: float = 25.0  # gradient bucket size for DP reduction, in MB
     buckets_in_flight: int = 2  # ZeRO-2/3: buckets filling or reducing at once (ZeRO-3 head apart)
-    # ZeRO-2/3 gradient reduce-scatter: step (once, after the last micro-batch; the whole
-    # gradient accumulates meanwhile) | microbatch (every micro-batch, into the shard; pp = 1)
-    # | auto (microbatch where the planner predicts a step at most 2% slower: plan/grad_sync.py)
-    grad_sync: str = "auto"
+    # step: once, after the last micro-batch (the whole gradient accumulates meanwhile);
+    # microbatch: every micro-batch, into the shard (pp = 1); auto: microbatch where the
+    # planner predicts a step at most 2% slower (plan/grad_sync.py)
+    grad_sync: str = "auto"  # ZeRO-2/3 gradient reduce-scatter: auto | step | microbatch
     timeout_s: float = 300.0  # a collective waiting longer than this fails the run
     backend: str = "auto"  # auto | gloo | nccl
 

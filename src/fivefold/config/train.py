@@ -31,8 +31,7 @@ class TrainSection:
     fp8_grad_format: str = "auto"  # auto | e4m3 | e5m2: the output gradient's FP8 format
     fp8_keep_out: str = ""  # comma list of module-name patterns whose linears stay bf16
     recompute: str = "none"  # none | selective | full | auto (per layer, under memory_budget_gib)
-    # recompute = auto: the peak allocated GiB per rank to fit (plan/recompute_plan.py)
-    memory_budget_gib: float = 0.0
+    memory_budget_gib: float = 0.0  # recompute = auto: the peak allocated GiB per rank to fit
     compile: bool = False  # torch.compile each transformer block (inductor)
     seed: int = 1234
     deterministic: bool = False
