@@ -129,14 +129,13 @@ def load_for_inference(path: str):
     on CPU: a LoRA checkpoint gives its base (from the reference in meta.json) with the
     adapters loaded (LoraLinear modules; an NF4/int8 base stays quantised); any other goes
     to `train.checkpoint.load_model_for_inference`, which checks it."""
-    from fivefold.train.checkpoint import load_model_for_inference, read_meta
+    from fivefold.train.checkpoint import inference_step, load_model_for_inference
 
-    p = _step_dir(Path(path))
-    lora = _lora_settings(p)
+    lora = _lora_settings(_step_dir(Path(path)))
     if lora is None:
         return (*load_model_for_inference(str(path)), None)
-    meta = read_meta(p, fix="--checkpoint")  # every file checked against the manifest
-    return (*_load_lora(p, meta, lora), lora)
+    p, meta, model_cfg = inference_step(path)  # the manifest, the model keys: one line each
+    return (*_load_lora(p, meta, model_cfg, lora), lora)
 
 
 def _step_dir(p: Path) -> Path:
@@ -157,11 +156,10 @@ def _lora_settings(step: Path) -> dict | None:
     return lora if int(lora.get("rank", 0) or 0) else None
 
 
-def _load_lora(p: Path, meta: dict, lora: dict):
+def _load_lora(p: Path, meta: dict, model_cfg, lora: dict):
     from types import SimpleNamespace
 
     from fivefold.models.init import build_meta, materialize
-    from fivefold.models.presets import ModelConfig
     from fivefold.train.checkpoint import Chunked, load
 
     config = meta.get("config") or {}
@@ -178,7 +176,6 @@ def _load_lora(p: Path, meta: dict, lora: dict):
     if hf_path and not (Path(hf_path) / "config.json").is_file():
         raise ConfigError(f"--checkpoint {p}: its base model.hf_path = '{hf_path}' is not "
                           f"there any more; put the base model back at that path")
-    model_cfg = ModelConfig(**meta["model"])
     model = build_meta(model_cfg)
     add_adapters(model, settings)
     materialize(model, model_cfg, int(seed or 0))

@@ -304,14 +304,10 @@ def load(path: Path, tensors: dict[str, Chunked], trainer_state: dict,
         torch.set_rng_state(torch.load(rng))
 
 
-def load_model_for_inference(path: str):
-    """(model, model_cfg, tokenizer_spec) from a checkpoint directory, on CPU in fp32.
-
-    `path` may be a step_* directory or a checkpoint root holding a `latest` pointer. The
-    step must be complete (a manifest listing every file, each matching it) and hold exactly
-    the model its meta.json describes; anything else is one ConfigError line.
-    """
-    from fivefold.models.init import build_meta
+def inference_step(path: str):
+    """(step directory, meta, ModelConfig) of the checkpoint `path` names (a step_* directory
+    or a root holding `latest`), checked: the step complete against its manifest, its model
+    one this fivefold knows. Every problem is one ConfigError line."""
     from fivefold.models.presets import MODEL_FIELDS, ModelConfig
 
     p = Path(path)
@@ -329,7 +325,19 @@ def load_model_for_inference(path: str):
     if unknown:
         raise ConfigError(f"{p / 'meta.json'} describes a model with {unknown[0]}, which this "
                           f"fivefold does not know; load it with the version that saved it")
-    model_cfg = ModelConfig(**meta["model"])
+    return p, meta, ModelConfig(**meta["model"])
+
+
+def load_model_for_inference(path: str):
+    """(model, model_cfg, tokenizer_spec) from a checkpoint directory, on CPU in fp32.
+
+    `path` may be a step_* directory or a checkpoint root holding a `latest` pointer. The
+    step must be complete (a manifest listing every file, each matching it) and hold exactly
+    the model its meta.json describes; anything else is one ConfigError line.
+    """
+    from fivefold.models.init import build_meta
+
+    p, meta, model_cfg = inference_step(path)
     model = build_meta(model_cfg)
     model.to_empty(device="cpu")
     load(p, inference_parts(model), {}, fix="--checkpoint")
