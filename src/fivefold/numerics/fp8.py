@@ -93,7 +93,10 @@ def quantize(x: torch.Tensor, fmt: FloatFormat = E4M3, granularity: str = "tenso
     multiplier = amax_to_scale(_amax(x, granularity, block), fmt, pow2)
     full = expand_scale(multiplier, tuple(x.shape), granularity, block)
     scaled = (x.float() * full).clamp(-fmt.max, fmt.max)
-    return FP8Tensor(scaled.to(fmt.dtype), multiplier.reciprocal(), granularity, fmt, block)
+    # row-major data whatever x's strides (a transposed x gives a transposed result):
+    # cuBLASLt's FP8 GEMM takes its first operand row-major
+    return FP8Tensor(scaled.to(fmt.dtype).contiguous(), multiplier.reciprocal(), granularity,
+                     fmt, block)
 
 
 def dequantize(q: FP8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
