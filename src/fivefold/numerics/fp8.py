@@ -118,8 +118,9 @@ def fp8_mm(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype = torch.float32) -
         except (RuntimeError, NotImplementedError):
             if a.data.device.type != "cpu":
                 raise
-            # torch < 2.12 has no CPU _scaled_mm: the same product, exact FP8 values
-            # multiplied in fp32 and scaled after (equal up to fp32 summation order).
+            # A torch build without a CPU _scaled_mm (2.13 has one): the same product,
+            # exact FP8 values multiplied in fp32 and scaled after (equal up to fp32
+            # summation order; this path is not exercised by the tests here).
             out = (a.data.float() @ b.data.float().t()) * (a.scale * scale_b)
             return out.to(out_dtype)
     if a.granularity in ("tiles", "blocks") and b.granularity in ("tiles", "blocks"):
