@@ -9,7 +9,7 @@
     python bench/fp8_convergence.py --variants blockwise --parts DIR   # one run, saved in DIR
     python bench/fp8_convergence.py --parts DIR                        # combine saved runs
 
-Each run trains the `tiny-bpe` preset (the default job: 1.06M parameters, 16 sequences of
+Each run trains the `tiny-bpe` preset (the default job: 1.05M parameters, 16 sequences of
 128 tokens per step, the bundled corpus) for `steps` steps on CPU and evaluates the
 validation loss at the end (train.eval_batches batches of the held-out split). The script
 prints each recipe's final validation loss and its relative difference to bf16 (the issue's
