@@ -18,6 +18,7 @@ from fivefold.errors import ConfigError
 
 LORA_BASES = ("none", "nf4", "int8")
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+NF4_BLOCK = 64  # numerics/nf4.py NF4_BLOCK_SIZE (QLoRA's block); config imports no torch
 
 
 @dataclass
@@ -52,8 +53,9 @@ def adapter_settings(directory: str) -> dict:
             "dropout": float(config.get("lora_dropout", 0.0))}
 
 
-def check_lora(cfg) -> None:
-    """Adapter shape and storage; a quantised base needs pretrained weights to quantise."""
+def check_lora(cfg, mc=None) -> None:
+    """Adapter shape and storage; a quantised base needs pretrained weights to quantise.
+    `mc` (the resolved model shape) lets an NF4 base under tp be checked shard by shard."""
     lo = cfg.lora
     if lo.init_from:
         settings = adapter_settings(lo.init_from)
@@ -78,9 +80,8 @@ def check_lora(cfg) -> None:
                           "'q_proj,k_proj,v_proj,o_proj', or 'all-linear'")
     choice("lora.base", lo.base, LORA_BASES)
     par = cfg.parallel
-    if lo.base != "none" and par.tp > 1:
-        raise ConfigError(f"lora.base = {lo.base} with parallel.tp = {par.tp} is not "
-                          f"supported yet; use lora.base = none or parallel.tp = 1")
+    if lo.base == "nf4" and par.tp > 1 and mc is not None:
+        check_nf4_shards(mc, par.tp, lo.targets)
     if lo.dropout > 0 and par.tp > 1:  # each tp rank would draw its own mask of one input
         raise ConfigError(f"lora.dropout = {lo.dropout} with parallel.tp = {par.tp} is not "
                           f"supported (the ranks' masks would differ); use lora.dropout = 0")
@@ -91,3 +92,22 @@ def check_lora(cfg) -> None:
         raise ConfigError(f"lora.base = {lo.base} quantises pretrained weights, but "
                           f"model.hf_path is empty; set model.hf_path to the base model "
                           f"(or lora.base = none)")
+
+
+def check_nf4_shards(mc, tp: int, targets: str) -> None:
+    """Under tp each rank quantises its own shard of a targeted linear (finetune/
+    tensor_parallel.py), so NF4's blocks of 64 must tile the shard: a shard of another size
+    would end in a padded block that no whole-tensor layout has. int8 (one scale per output
+    row of the shard) holds any shard."""
+    d, h, f = mc.dim_per_head, mc.hidden_size, mc.intermediate_size
+    q, kv = mc.num_heads * d // tp, max(mc.num_kv_heads // tp, 1) * d
+    shards = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
+    if not mc.num_experts:
+        shards.update(gate_proj=(f // tp, h), up_proj=(f // tp, h), down_proj=(h, f // tp))
+    wanted = {t.strip() for t in targets.split(",") if t.strip()}
+    for name, (rows, cols) in shards.items():
+        if ("all-linear" in wanted or name in wanted) and (rows * cols) % NF4_BLOCK:
+            raise ConfigError(f"lora.base = nf4 with parallel.tp = {tp}: each rank's shard of "
+                              f"{name} is {rows}x{cols} = {rows * cols} weights, not a "
+                              f"multiple of the NF4 block ({NF4_BLOCK}); pick another "
+                              f"parallel.tp or lora.base = int8")

@@ -32,6 +32,7 @@ from fivefold.finetune.inject import (
 )
 from fivefold.finetune.io import load_peft_into
 from fivefold.finetune.lora import LoraLinear
+from fivefold.finetune.tensor_parallel import quantize_parallel_base
 
 
 def lora_enabled(cfg) -> bool:
@@ -71,14 +72,20 @@ def finish_adapters(chunks: list[nn.Module], named_params, cfg, model_cfg) -> No
 
 def quantize_bases(model: nn.Module, kind: str) -> int:
     """Replace the frozen `nn.Linear` base of every `LoraLinear` by its NF4 or int8 copy
-    (fivefold.quant.linear); the float weight is dropped. Returns how many were replaced."""
+    (fivefold.quant.linear), or under tensor parallelism the base's local weight shard
+    (finetune/tensor_parallel.py); the float weight is dropped. Returns how many were replaced."""
     from fivefold.quant.linear import Int8Linear, NF4Linear
 
     cls = {"nf4": NF4Linear, "int8": Int8Linear}[kind]
     count = 0
-    for module in lora_modules(model).values():
-        if isinstance(module.base_layer, nn.Linear):
-            module.base_layer = cls.from_float(module.base_layer)
+    for name, module in lora_modules(model).items():
+        base = module.base_layer
+        if isinstance(base, nn.Linear):
+            module.base_layer = cls.from_float(base)
+            count += 1
+        elif isinstance(getattr(base, "weight", None), nn.Parameter) and hasattr(
+                base, "linear_fn"):  # a tensor-parallel shard: quantised where it lies
+            quantize_parallel_base(base, kind, name)
             count += 1
     return count
 
