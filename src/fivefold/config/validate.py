@@ -26,7 +26,7 @@ def validate_layout(cfg: Config) -> None:
     mc = check_model(cfg)
     check_parallel(cfg, mc)
     check_train(cfg, mc)
-    check_lora(cfg)
+    check_lora(cfg, mc)
 
 
 def engine_refusal(cfg: Config) -> str | None:

@@ -78,7 +78,7 @@ def layer_lora_counts(model: ModelConfig, rank: int, targets: str, tp: int = 1) 
         local_in = fin / tp if style == "row" else fin
         weights = local_in * local_out
         base += weights
-        inputs.append((weights, fin))
+        inputs.append((weights, local_in))  # int8 keeps a scale per row of the shard
         adapters += rank * fin + local_out * rank if style != "row" else (
             rank * local_in + fout * rank)
     return {"base": base, "adapters": adapters, "inputs": inputs}
