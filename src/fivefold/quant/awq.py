@@ -118,24 +118,49 @@ def _output_error(reference: torch.Tensor, run: Callable[[], torch.Tensor]) -> f
 
 
 @torch.no_grad()
+def weight_mean(linears: list[nn.Linear], group_size: int) -> torch.Tensor:
+    """Per input channel mean of |w| / max|w| of its quantisation group, over the output rows
+    of all the group's linears (AutoAWQ `_search_best_scale`: the weights are concatenated,
+    viewed as groups of `group_size`, normalised by each group's max, then averaged)."""
+    weight = torch.cat([lin.weight.detach().float() for lin in linears], dim=0)
+    groups = weight.abs().reshape(-1, group_size)
+    groups = groups / (groups.amax(dim=1, keepdim=True) + 1e-6)
+    return groups.reshape(weight.shape).mean(0)
+
+
+def scale_for(x_mean: torch.Tensor, w_mean: torch.Tensor | None, alpha: float
+              ) -> torch.Tensor:
+    """s = mean|x|^α (llm-awq), or with `w_mean` AutoAWQ's duo scaling
+    s = mean|x|^α / (mean|w|^(1-α) + 1e-4) (AutoAWQ `_compute_best_scale`); both clamped
+    at 1e-4 and normalised by sqrt(max·min)."""
+    if w_mean is None:
+        s = x_mean.pow(alpha).clamp(min=SCALE_FLOOR)
+    else:
+        s = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=SCALE_FLOOR)
+    return s / (s.max() * s.min()).sqrt()
+
+
+@torch.no_grad()
 def search_scale(x: torch.Tensor, linears: list[nn.Linear], run: Callable[[], torch.Tensor],
-                 quantize: Callable[[torch.Tensor], torch.Tensor], n_grid: int = ALPHA_GRID
+                 quantize: Callable[[torch.Tensor], torch.Tensor], n_grid: int = ALPHA_GRID,
+                 w_mean: torch.Tensor | None = None
                  ) -> tuple[float, torch.Tensor, float, float]:
-    """(α, s, error at α = 0, error at α) for one group; weights are left as they were."""
+    """(α, s, error of plain RTN, error at α) for one group; weights are left as they were.
+    With `w_mean` (duo scaling) α = 0 is not RTN, so RTN's error is measured on its own and
+    kept as the choice (s = 1) when no α beats it."""
     x_mean = x.abs().reshape(-1, x.shape[-1]).float().mean(0)
     reference = run()
     originals = [lin.weight.detach().clone() for lin in linears]
-    best = (float("inf"), 0.0, torch.ones_like(x_mean))
-    error_rtn = float("nan")
     try:
+        for lin, w in zip(linears, originals):
+            lin.weight.copy_(quantize(w.float()).to(w.dtype))
+        error_rtn = _output_error(reference, run)
+        best = (error_rtn, 0.0, torch.ones_like(x_mean))
         for alpha in torch.linspace(0, 1, n_grid).tolist():
-            s = x_mean.pow(alpha).clamp(min=SCALE_FLOOR)
-            s = s / (s.max() * s.min()).sqrt()
+            s = scale_for(x_mean, w_mean, alpha)
             for lin, w in zip(linears, originals):
                 lin.weight.copy_((quantize(w.float() * s) / s).to(w.dtype))
             error = _output_error(reference, run)
-            if alpha == 0.0:
-                error_rtn = error
             if error < best[0]:
                 best = (error, alpha, s)
     finally:
@@ -203,9 +228,16 @@ def _layer_inputs(model: nn.Module, tokens: torch.Tensor):
 @torch.no_grad()
 def apply_awq(model: nn.Module, tokens: torch.Tensor, group_size: int = 128,
               symmetric: bool = False, clip: bool = True, n_grid: int = ALPHA_GRID,
-              log: Callable[[str], None] | None = None) -> AWQReport:
+              log: Callable[[str], None] | None = None, duo: bool = False,
+              loss: str = "module") -> AWQReport:
     """Rescale (and clip) the float weights of every decoder layer of a fivefold Llama in
-    place for int4 quantisation; `tokens` (n, seq) is the calibration batch."""
+    place for int4 quantisation; `tokens` (n, seq) is the calibration batch.
+
+    `duo` uses AutoAWQ's duo scaling (see `scale_for`). `loss` is where a group's error is
+    measured: "module" (llm-awq/AutoAWQ: the attention, the MLP, or the linear itself) or
+    "layer" (the whole decoder layer's output, residuals included)."""
+    if loss not in ("module", "layer"):
+        raise ValueError(f"loss must be 'module' or 'layer', not {loss!r}")
 
     def quantize(w: torch.Tensor) -> torch.Tensor:
         return fake_quantize_int4(w, group_size, symmetric)
@@ -221,13 +253,18 @@ def apply_awq(model: nn.Module, tokens: torch.Tensor, group_size: int = 128,
             linears = [layer.get_submodule(n) for n in group.linears]
             inspect = layer.get_submodule(group.inspect)
             x = inputs[group.linears[0]]
-            if group.inspect == "self_attn":
+            if loss == "layer":
+                def run(m=layer, h=hidden):
+                    return m(h, cos, sin)
+            elif group.inspect == "self_attn":
                 def run(m=inspect, h=x):
                     return m(h, cos, sin)
             else:
                 def run(m=inspect, h=x):
                     return m(h)
-            alpha, s, error_rtn, error_awq = search_scale(x, linears, run, quantize, n_grid)
+            w_mean = weight_mean(linears, group_size) if duo else None
+            alpha, s, error_rtn, error_awq = search_scale(x, linears, run, quantize, n_grid,
+                                                          w_mean)
             fold_scale(layer.get_submodule(group.prev), linears, s)
             # The recorded inputs of this group's linears are now x / s for the clip search.
             for n in group.linears:
