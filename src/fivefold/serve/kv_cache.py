@@ -11,9 +11,11 @@ token and, per sequence, the slots of its whole context.
 values into their slots (all sequences, before any attention, so a sequence may read a
 shared prefix block another sequence fills in the same step), then:
 
-- decoding sequences (one new token each) in one batched call: their contexts' blocks are
-  gathered into (B, kv_heads, L, d), padded to the longest, and a key mask hides the padding
-  (and the unused tail of each last block);
+- decoding sequences (one new token each): the blocks of all their contexts are gathered
+  with one `index_select` per pool (no padding), then each sequence attends to exactly its
+  own keys with an unmasked SDPA call, the call the dense cache makes for one sequence. On
+  CPU this is 3-6x faster than one padded batched call with a key mask: a mask sends SDPA
+  down a slower path and the padding is computed and thrown away (bench/serve.py);
 - each prefill (or prefill chunk) alone: a fresh prompt attends to its own new keys with the
   causal mask (the very call the dense cache makes); a chunk after a cached or computed
   prefix gathers its context and masks keys after each query's position.
@@ -46,10 +48,10 @@ class Prefill:
 
 @dataclass
 class PagedBatch:
-    slot_mapping: torch.Tensor  # (T,) where each new token's K/V goes
-    decode_index: torch.Tensor | None = None  # (B,) row positions of one-token sequences
-    decode_blocks: torch.Tensor | None = None  # (B, nb) their block tables (padded)
-    decode_mask: torch.Tensor | None = None  # (B, 1, 1, nb · block_size) True: a real key
+    slot_mapping: torch.Tensor | None  # (T,) where each new token's K/V goes
+    decode_rows: list[int] = field(default_factory=list)  # row positions of one-token seqs
+    decode_lens: list[int] = field(default_factory=list)  # their context lengths (new included)
+    decode_blocks: torch.Tensor | None = None  # their block tables, concatenated, unpadded
     prefills: list[Prefill] = field(default_factory=list)
 
 
@@ -117,6 +119,21 @@ class PagedKVCache:
             self.k[:, dst * bs:(dst + 1) * bs] = self.k[:, src * bs:(src + 1) * bs]
             self.v[:, dst * bs:(dst + 1) * bs] = self.v[:, src * bs:(src + 1) * bs]
 
+    def _decode(self, layer: int, q: torch.Tensor, out: torch.Tensor,
+                batch: PagedBatch) -> None:
+        """Each one-token sequence attends to its own context, unmasked and unpadded."""
+        bs, (heads, d) = self.block_size, self.k.shape[-2:]
+        rows = batch.decode_blocks
+        keys = self.k[layer].view(self.num_blocks, -1).index_select(0, rows)
+        values = self.v[layer].view(self.num_blocks, -1).index_select(0, rows)
+        first = 0
+        for row, length in zip(batch.decode_rows, batch.decode_lens):
+            last = first + (length + bs - 1) // bs
+            kb = keys[first:last].view(-1, heads, d)[:length].transpose(0, 1)[None]
+            vb = values[first:last].view(-1, heads, d)[:length].transpose(0, 1)[None]
+            out[:, :, row:row + 1] = sdpa(q[:, :, row:row + 1], kb.to(q.dtype), vb.to(q.dtype))
+            first = last
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """q (1, heads, T, d); k, v (1, kv_heads, T, d) of the row's T new tokens."""
@@ -124,11 +141,8 @@ class PagedKVCache:
         self.k[layer].index_copy_(0, batch.slot_mapping, k[0].transpose(0, 1).to(self.k.dtype))
         self.v[layer].index_copy_(0, batch.slot_mapping, v[0].transpose(0, 1).to(self.v.dtype))
         out = torch.empty_like(q)
-        if batch.decode_index is not None:
-            qd = q[0, :, batch.decode_index].transpose(0, 1).unsqueeze(2)  # (B, heads, 1, d)
-            kd, vd = self.gather_blocks(layer, batch.decode_blocks)
-            od = sdpa(qd, kd.to(q.dtype), vd.to(q.dtype), batch.decode_mask)
-            out[0, :, batch.decode_index] = od[:, :, 0].transpose(0, 1)
+        if batch.decode_rows:
+            self._decode(layer, q, out, batch)
         for p in batch.prefills:
             qp = q[:, :, p.begin:p.end]
             if p.context_blocks is None:

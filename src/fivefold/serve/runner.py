@@ -34,8 +34,9 @@ class ModelRunner:
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        decode_rows, decode_tables, decode_lens = [], [], []
+        decode_blocks: list[int] = []
         prefills, samplers = [], []
+        batch = PagedBatch(slot_mapping=None)
         for request, num_new in out.scheduled:
             begin, start = len(tokens), request.num_computed_tokens
             table = self.kv.block_ids(request.request_id)
@@ -43,23 +44,17 @@ class ModelRunner:
             positions.extend(range(start, start + num_new))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + num_new))
             if num_new == 1:
-                decode_rows.append(begin)
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
+                batch.decode_rows.append(begin)
+                batch.decode_lens.append(start + 1)
+                decode_blocks.extend(table[:start // bs + 1])
             else:
                 context = None if start == 0 else self._tensor(table)
                 prefills.append(Prefill(begin, begin + num_new, start, context))
             if start + num_new == request.num_tokens:
                 samplers.append((request.request_id, len(tokens) - 1))
-        batch = PagedBatch(slot_mapping=self._tensor(slots), prefills=prefills)
-        if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            batch.decode_blocks = self._tensor([t + [0] * (width - len(t))
-                                                for t in decode_tables])
-            lens = self._tensor(decode_lens)
-            keys = torch.arange(width * bs, device=self.device)
-            batch.decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]
-            batch.decode_index = self._tensor(decode_rows)
+        batch.slot_mapping, batch.prefills = self._tensor(slots), prefills
+        if decode_blocks:
+            batch.decode_blocks = self._tensor(decode_blocks)
         return tokens, positions, batch, samplers
 
     @torch.inference_mode()
