@@ -10,6 +10,7 @@ import types
 import typing
 from pathlib import Path
 
+from fivefold.config.parallel import offload_value
 from fivefold.config.rules import suggest
 from fivefold.config.schema import SECTIONS, Config
 from fivefold.config.validate import validate
@@ -104,6 +105,8 @@ def set_value(cfg: Config, dotted: str, value) -> None:
         names = [n for n in fields if n != "overrides"]
         raise ConfigError(f"unknown key {section}.{key}{suggest(key, names)}; "
                           f"{section} takes: {', '.join(names)}")
+    if dotted == "parallel.offload":  # a tier name that also takes its old booleans
+        value = offload_value(value)
     setattr(obj, key, coerce(dotted, value, fields[key].type))
 
 

@@ -17,7 +17,10 @@ class ParallelSection:
     cp: int = 1
     ep: int = 1
     zero: int = 0  # 0: plain DP; 1, 2, 3: ZeRO stages
-    offload: bool = False  # fp32 master weights and optimizer states on CPU
+    # none | cpu | nvme: where the fp32 master and Adam's moments live (true = cpu, false =
+    # none); nvme: files under offload_dir, streamed in chunks (parallel/nvme.py)
+    offload: str = "none"
+    offload_dir: str = ""  # offload = "nvme": the directory (a fast local disk) for them
     sp: bool = False  # sequence parallelism (needs tp > 1)
     # full | shard: what SP column linears keep for backward. full by default: measured on
     # CPU/gloo, shard saved 9% of saved bytes for a 12% slower step (bench/sp_saved_input.py)
@@ -76,6 +79,7 @@ def check_parallel(cfg, mc) -> None:
         raise ConfigError(f"parallel.buckets_in_flight = {par.buckets_in_flight} must be >= 1 "
                           f"(2 keeps one bucket filling while the one before it is reduced)")
     check_grad_sync(par)
+    check_offload(par)
     if par.timeout_s < MIN_TIMEOUT_S:
         raise ConfigError(f"parallel.timeout_s = {par.timeout_s} is below the floor of "
                           f"{MIN_TIMEOUT_S:g} s: healthy collectives wait that long for a slow "
@@ -90,6 +94,60 @@ def check_grad_sync(par: ParallelSection) -> None:
     if par.grad_sync == "microbatch" and par.pp > 1:
         raise ConfigError(f"parallel.grad_sync = 'microbatch' needs parallel.pp = 1 (pipeline "
                           f"stages reduce once per step), not {par.pp}; use 'step' or 'auto'")
+
+
+OFFLOAD_TIERS = ("none", "cpu", "nvme")
+
+
+def offload_value(value):
+    """parallel.offload as given: a tier name, or the boolean it used to be (true = cpu)."""
+    if isinstance(value, bool):
+        return "cpu" if value else "none"
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no",
+                                                    "on", "off"):
+        return "cpu" if value.lower() in ("true", "1", "yes", "on") else "none"
+    return value
+
+
+def check_offload(par: ParallelSection) -> None:
+    """The tier; nvme streams ZeRO's sharded states, so it needs a ZeRO stage and a dir."""
+    par.offload = offload_value(par.offload)  # a config built in code may still say a bool
+    choice("parallel.offload", par.offload, OFFLOAD_TIERS)
+    if par.offload != "nvme":
+        return
+    if par.zero == 0:
+        raise ConfigError("parallel.offload = 'nvme' streams ZeRO's sharded optimizer states "
+                          "and needs parallel.zero >= 1; set parallel.zero = 1, 2 or 3")
+    if not par.offload_dir:
+        raise ConfigError("parallel.offload = 'nvme' needs parallel.offload_dir, a directory "
+                          "on a fast local disk for the optimizer states")
+
+
+def offload_dir_problem(path: str) -> str | None:
+    """Why `path` cannot hold offload files, or None. Nothing is created here: the directory,
+    or where it does not exist yet its nearest existing parent, must be a writable
+    directory (the run creates it, and its files, when the optimizer is built)."""
+    import os
+    from pathlib import Path
+
+    target = Path(path).absolute()
+    while not target.exists():
+        target = target.parent
+    if not target.is_dir():
+        return f"{target} is not a directory"
+    if not os.access(target, os.W_OK | os.X_OK):
+        return f"{target} is not writable"
+    return None
+
+
+def check_offload_dir(cfg) -> None:
+    """Before training: offload = "nvme" needs a directory it can write (exit 2 if not)."""
+    par = cfg.parallel
+    if par.offload == "nvme":
+        problem = offload_dir_problem(par.offload_dir)
+        if problem:
+            raise ConfigError(f"parallel.offload_dir = {par.offload_dir!r} cannot take the "
+                              f"optimizer states: {problem}; give a writable directory")
 
 
 def check_tensor(par: ParallelSection, mc) -> None:

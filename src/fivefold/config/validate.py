@@ -8,7 +8,7 @@ from fivefold.config.data import check_data
 from fivefold.config.lora import check_lora
 from fivefold.config.model import check_model
 from fivefold.config.output import check_output
-from fivefold.config.parallel import check_parallel
+from fivefold.config.parallel import check_offload_dir, check_parallel
 from fivefold.config.schema import Config
 from fivefold.config.train import check_train
 from fivefold.errors import ConfigError
@@ -19,6 +19,7 @@ def validate(cfg: Config) -> None:
     validate_layout(cfg)
     check_data(cfg)
     check_output(cfg)
+    check_offload_dir(cfg)
 
 
 def validate_layout(cfg: Config) -> None:

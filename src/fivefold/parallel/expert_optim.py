@@ -46,13 +46,13 @@ class ExpertParallelOptimizer:
     def __init__(self, named_params, dims, tr, scaler, stage: int = 0, offload: bool = False,
                  bucket_mb: float = 25.0, chunks=None, timeout_s: float = 300.0,
                  watchdog: Watchdog | None = None, buckets_in_flight: int = BUCKETS_IN_FLIGHT,
-                 grad_sync: str = "step"):
+                 grad_sync: str = "step", nvme_dir: str | None = None):
         self.dims, self.tr, self.scaler, self.stage = dims, tr, scaler, stage
         self.owns_watchdog = watchdog is None
         self.watchdog = watchdog or Watchdog(timeout_s)
         common = dict(stage=stage, offload=offload, bucket_mb=bucket_mb, chunks=chunks,
                       watchdog=self.watchdog, buckets_in_flight=buckets_in_flight,
-                      grad_sync=grad_sync)
+                      grad_sync=grad_sync, nvme_dir=nvme_dir)
         dense = [(n, p) for n, p in named_params if not is_expert_param(p)]
         experts = [(n, p) for n, p in named_params if is_expert_param(p)]
         self.dense = DataParallelOptimizer(dense, dims, tr, scaler, group="dp_cp", **common)

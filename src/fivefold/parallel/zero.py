@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fivefold.config.parallel import offload_value
 from fivefold.parallel import comm, peak
 from fivefold.parallel.buffers import FlatLayout, bucket_groups, storage_bytes
 from fivefold.parallel.data import BUCKETS_IN_FLIGHT, GradReducer
@@ -52,8 +53,9 @@ class DataParallelOptimizer:
                  stage: int = 0, offload: bool = False, bucket_mb: float = 25.0,
                  chunks: list[nn.Module] | None = None, timeout_s: float = 300.0,
                  watchdog: Watchdog | None = None, buckets_in_flight: int = BUCKETS_IN_FLIGHT,
-                 group: str = "dp_cp", grad_sync: str = "step"):
+                 group: str = "dp_cp", grad_sync: str = "step", nvme_dir: str | None = None):
         self.dims, self.tr, self.scaler, self.stage, self.offload = dims, tr, scaler, stage, offload
+        self.nvme_dir = nvme_dir  # offload = "nvme": the states stream from files (nvme.py)
         self.group = dims[group]  # the ranks holding these weights: dp_cp, or edp for experts
         self.names = [n for n, _ in named_params]
         params = [p for _, p in named_params]
@@ -100,6 +102,8 @@ class DataParallelOptimizer:
 
     def _build_states(self) -> None:
         """fp32 master pieces and Adam moments over this rank's flat shard."""
+        if self.nvme_dir is not None:
+            return self._build_nvme_states()
         shard_numel = self.layout.total // self.layout.shards
         self.state_device = torch.device("cpu") if self.offload else self.device
         self.separate_master = self.dtype != torch.float32 or self.offload
@@ -127,11 +131,41 @@ class DataParallelOptimizer:
                   {"params": no_decay, "weight_decay": 0.0}]
         self.optimizer = adamw([g for g in groups if g["params"]], self.tr, self.state_device)
         self._reset_moments(step=0)
+        self._build_shares()
+
+    def _build_shares(self) -> None:
         self.shares = torch.tensor([norm_share(self.layout.params[pc.slot].param,
                                                self.dims.tp) for pc in self.pieces],
                                    dtype=torch.float32, device=self.state_device)
 
+    def _build_nvme_states(self) -> None:
+        """The master and moments in files under offload_dir, streamed by `NvmeAdamW`."""
+        from fivefold.parallel.nvme import NvmeAdamW
+
+        self.state_device, self.separate_master = torch.device("cpu"), True
+        self.master_flat = self.exp_avg = self.exp_avg_sq = None
+        self.master_pieces, self.loading = [], None
+        self.optimizer = NvmeAdamW(self, self.nvme_dir)
+        self._build_shares()
+
+    def _state_flats(self, load: bool) -> tuple:
+        """(master, exp_avg, exp_avg_sq) flat shards: resident, or read from the offload
+        files (for a load: fresh buffers, written to the files by `loaded`)."""
+        if self.nvme_dir is None:
+            return self.master_flat, self.exp_avg, self.exp_avg_sq
+        if load:
+            numel = self.layout.total // self.layout.shards
+            self.loading = {k: torch.zeros(numel) for k in ("master", "exp_avg", "exp_avg_sq")}
+            flats = self.loading
+        else:
+            flats = self.optimizer.read_states()
+        return flats["master"], flats["exp_avg"], flats["exp_avg_sq"]
+
     def _reset_moments(self, step: int) -> None:
+        if self.nvme_dir is not None:
+            self.optimizer.load_states(self.loading, step)
+            self.loading = None
+            return
         # Adam's moments are views of two flat buffers: torch's AdamW initialises a state
         # only when it is empty, so filling it here keeps the storage flat and countable.
         # Fused AdamW (CUDA) reads its step counters on the device; foreach keeps them on CPU.
@@ -184,14 +218,18 @@ class DataParallelOptimizer:
                      for g in grads]
         for m, g in zip(self.master_pieces, grads):
             m.grad = g
+        if self.nvme_dir is not None:
+            self.optimizer.grads = grads
         peak.sample("optimizer step")
         return grads
 
     def after_step(self, stats: StepStats) -> None:
         for m in self.master_pieces:
             m.grad = None
-        if not stats.skipped:
-            self._publish_params()
+        if self.nvme_dir is not None:
+            self.optimizer.grads = []
+        if not stats.skipped:  # nvme: the step itself wrote the master into the parameters
+            self._publish_params(from_master=self.nvme_dir is None)
         self._disarm()
 
     def _disarm(self) -> None:
@@ -243,15 +281,16 @@ class DataParallelOptimizer:
         place and then calls `loaded(step)`. In fp32 the master *is* the parameter: a load
         reads it once, from the master."""
         params = self.gatherer.shard if self.gatherer is not None else self.param_flat
+        master, avg, avg_sq = self._state_flats(load)
         out = []
         for pc in self.pieces:
             n = pc.hi - pc.lo
             at = pc.shard if self.gatherer is not None else pc.flat
             views = {"param": params[at:at + n]}
-            views["master"] = (self.master_flat[pc.shard:pc.shard + n] if self.separate_master
+            views["master"] = (master[pc.shard:pc.shard + n] if self.separate_master
                                else views["param"])
-            views["exp_avg"] = self.exp_avg[pc.shard:pc.shard + n]
-            views["exp_avg_sq"] = self.exp_avg_sq[pc.shard:pc.shard + n]
+            views["exp_avg"] = avg[pc.shard:pc.shard + n]
+            views["exp_avg_sq"] = avg_sq[pc.shard:pc.shard + n]
             if load and not self.separate_master:
                 del views["param"]
             slot = self.layout.params[pc.slot]
@@ -280,9 +319,9 @@ class DataParallelOptimizer:
         comparisons only (checkpoints use `shard_states`, which gathers nothing)."""
         param_full = self.param_flat if self.gatherer is None else self._full_flat(
             self.gatherer.shard)
-        master_full = (self._full_flat(self.master_flat) if self.separate_master
-                       else param_full)
-        avg, avg_sq = self._full_flat(self.exp_avg), self._full_flat(self.exp_avg_sq)
+        master, avg, avg_sq = self._state_flats(load=False)
+        master_full = self._full_flat(master) if self.separate_master else param_full
+        avg, avg_sq = self._full_flat(avg), self._full_flat(avg_sq)
         out = {}
         for i, slot in enumerate(self.layout.params):
             out[slot.name] = {
@@ -293,6 +332,8 @@ class DataParallelOptimizer:
         return out
 
     def step_count(self) -> int:
+        if self.nvme_dir is not None:
+            return self.optimizer.step_count
         for state in self.optimizer.state.values():
             return int(state["step"])
         return 0
@@ -304,7 +345,13 @@ class DataParallelOptimizer:
         return {"params": storage_bytes(params),
                 "grads": storage_bytes(self.reducer.tensors()),
                 "master": storage_bytes([self.master_flat]),
-                "optimizer": storage_bytes([self.exp_avg, self.exp_avg_sq])}
+                "optimizer": storage_bytes(self._resident_moments())}
+
+    def _resident_moments(self) -> list[torch.Tensor]:
+        """Adam's moments as held in memory: the flat buffers, or nvme's staging slots."""
+        if self.nvme_dir is not None:
+            return self.optimizer.store.staging()
+        return [self.exp_avg, self.exp_avg_sq]
 
     def peak_sources(self) -> dict[str, peak.Source]:
         """What this rank holds, by planner item, for a `peak.PeakTracker`."""
@@ -318,7 +365,7 @@ class DataParallelOptimizer:
             "grads": lambda: [reducer.grad_buffer, reducer.grad_shard,
                               *(m.grad for m in self.master_pieces)],
             "master": lambda: [self.master_flat],
-            "optimizer": lambda: [self.exp_avg, self.exp_avg_sq],
+            "optimizer": self._resident_moments,
             "grad_buffer": grad_buffer,
             "comm_buffers": lambda: [*reducer.staging.values(),
                                      *(gatherer.full if gatherer is not None else [])]}
@@ -328,6 +375,8 @@ class DataParallelOptimizer:
         self.reducer.remove_hooks()
         if self.gatherer is not None:
             self.gatherer.remove_hooks()
+        if self.nvme_dir is not None:  # the offload files go with the run
+            self.optimizer.close()
         self.watchdog.close()
 
 
@@ -341,8 +390,10 @@ def build_data_parallel_optimizer(model, named_params, dims, cfg, scaler,
 def optimizer_options(model, cfg, watchdog: Watchdog | None) -> dict:
     """The `[parallel]` settings every data-parallel optimizer takes (dense and expert)."""
     par = cfg.parallel
-    return dict(stage=par.zero, offload=par.offload, bucket_mb=par.bucket_mb,
+    tier = offload_value(par.offload)  # a config built in code may still hold a boolean
+    return dict(stage=par.zero, offload=tier != "none", bucket_mb=par.bucket_mb,
                 chunks=model.chunks, timeout_s=par.timeout_s, watchdog=watchdog,
                 buckets_in_flight=par.buckets_in_flight,
                 # "auto" is resolved by the trainer (plan/inputs.py); unresolved, it is "step"
-                grad_sync="microbatch" if par.grad_sync == "microbatch" else "step")
+                grad_sync="microbatch" if par.grad_sync == "microbatch" else "step",
+                nvme_dir=par.offload_dir if tier == "nvme" else None)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fivefold import config as fconfig
+from fivefold.config.parallel import offload_value
 from fivefold.errors import ConfigError
 from fivefold.models.hf_config import check_shape
 from fivefold.models.presets import MODEL_FIELDS, ModelConfig, preset
@@ -198,7 +199,8 @@ def training_plan_inputs(cfg: fconfig.Config, hw=None, assume=None,
                     buckets_in_flight=par.buckets_in_flight, **workload_options)
     layout = Layout(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero,
                     mbs=par.mbs, recompute=tr.recompute, schedule=par.schedule,
-                    virtual_stages=par.virtual_stages, sp=par.sp, offload=par.offload,
+                    virtual_stages=par.virtual_stages, sp=par.sp,
+                    offload=offload_value(par.offload) != "none",
                     sp_saved=par.sp_saved_input, cp_comm=par.cp_comm, pp_split=par.pp_split,
                     pp_layers=tuple(par.pp_layers))
     if work.grad_sync == "auto":
@@ -236,6 +238,9 @@ def layout_config(cfg: fconfig.Config, layout: Layout) -> fconfig.Config:
     trial = copy.deepcopy(cfg)
     for name, key in PARALLEL_KEYS.items():
         value = getattr(layout, name)
+        if name == "offload":  # the layout's boolean; a config's nvme tier stays nvme
+            tier = offload_value(cfg.parallel.offload)
+            value = (tier if tier != "none" else "cpu") if value else "none"
         setattr(trial.parallel, key, list(value) if name == "pp_layers" else value)
     trial.train.recompute = layout.recompute
     return trial

@@ -191,6 +191,7 @@ def model_state_bytes(model: ModelConfig, *, tp: int = 1, pp: int = 1, dp: int =
     """Model-state bytes held by one rank between steps (pipeline rank `pp_rank`): its share of
     parameters, gradients, fp32 master weights and optimizer moments. ZeRO shards over the
     dp×cp group (cp ranks hold the same weights); expert states over dp·cp/ep."""
+    offload = offload not in (False, "none")  # a config's tier name also says it
     layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, offload=offload,
                     schedule=schedule, virtual_stages=virtual_stages, pp_split=pp_split,
                     pp_layers=tuple(pp_layers))

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from fivefold.config import Config
+from fivefold.config.parallel import offload_value
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.parallel.watchdog import is_comm_failure
 from fivefold.text import count
@@ -94,7 +95,8 @@ def planned_model_states(trainer: Trainer) -> dict[str, float]:
     par = trainer.cfg.parallel
     states = model_state_bytes(
         trainer.model_cfg, tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep, zero=par.zero,
-        offload=par.offload, precision=trainer.precision, pp_rank=trainer.dims.pp_rank,
+        offload=par.offload, precision=trainer.precision,
+        pp_rank=trainer.dims.pp_rank,
         schedule=par.schedule, virtual_stages=par.virtual_stages,
         lora_rank=trainer.cfg.lora.rank, lora_base=trainer.cfg.lora.base,
         lora_targets=trainer.cfg.lora.targets)
@@ -145,7 +147,9 @@ def layout_line(cfg: Config) -> str:
     sequence parallelism with tp > 1, the cp split with cp > 1)."""
     par = cfg.parallel
     parts = [f"dp={par.dp}", f"tp={par.tp}", f"pp={par.pp}", f"cp={par.cp}", f"ep={par.ep}",
-             f"zero={par.zero}" + (" offload" if par.offload else ""), f"mbs={par.mbs}"]
+             f"zero={par.zero}" + {"none": "", "cpu": " offload"}.get(offload_value(par.offload),
+                                                                   f" offload={par.offload}"),
+             f"mbs={par.mbs}"]
     if par.tp > 1:
         parts.append(f"sp={'on' if par.sp else 'off'}")
     if par.pp > 1:
