@@ -87,22 +87,27 @@ def _run(rank, world, tmp, layout):
                             if type(m).__name__ in ("NF4Linear", "Int8Linear")})
         floats = [n for n, p in trainer.model.named_parameters(frozen=True)
                   if n.endswith("_proj.base_layer.weight")]
+        counts = re.search(r"([\d,]+) trainable of ([\d,]+)", trainer.lora_summary).groups()
     return [r["loss"] for r in records], [r["grad_norm"] for r in records], tensors, (
-        quantised, floats)
+        quantised, floats, counts)
 
 
-@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize("kind, sp", [("nf4", []), ("int8", []),
+                                      ("nf4", ["--parallel.sp", "true"])],
+                         ids=["nf4", "int8", "nf4-sp"])
 def test_qlora_tp2_matches_single_process_with_the_same_quantisation(hf_base, tmp_path,
-                                                                    kind):
+                                                                    kind, sp):
     ref = per_shard_base(hf_base, tmp_path / "ref", kind, 2)
     with tempfile.TemporaryDirectory() as tmp:
-        losses, norms, tensors, _ = run_ranks(_run, 1, tmp, ["--model.hf_path", str(ref)])[0]
+        losses, norms, tensors, (_, _, counts) = run_ranks(
+            _run, 1, tmp, ["--model.hf_path", str(ref)])[0]
     with tempfile.TemporaryDirectory() as tmp:
         results = run_ranks(_run, 2, tmp, ["--model.hf_path", str(hf_base), "--lora.base",
-                                           kind, "--parallel.tp", "2"])
-    for *_, (quantised, floats) in results:  # every rank computes from its quantised shard
+                                           kind, "--parallel.tp", "2", *sp])
+    for *_, (quantised, floats, rank_counts) in results:  # each from its quantised shard
         assert quantised == [{"nf4": "NF4Linear", "int8": "Int8Linear"}[kind]]
         assert floats == []
+        assert rank_counts == counts  # trainable / total logical parameters, as printed
     got_losses, got_norms = results[0][0], results[0][1]
     assert losses[-1] < losses[0]
     for a, b in zip(losses, got_losses):

@@ -132,7 +132,8 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) logical parameters; a packed quantised base counts its weights."""
+    """(trainable, total) logical parameters; a packed quantised base counts its weights (a
+    tensor-parallel shard's `_full_shape`: the whole tensor's, as a sharded parameter)."""
     trainable = total = 0
     for m in model.modules():
         for p in m.parameters(recurse=False):
@@ -140,7 +141,7 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
             total += n
             trainable += n if p.requires_grad else 0
         if hasattr(m, "quantized_bytes"):  # a quantised base (quant/linear.py): its weights
-            total += m.in_features * m.out_features
+            total += math.prod(getattr(m, "_full_shape", (m.out_features, m.in_features)))
     return trainable, total
 
 

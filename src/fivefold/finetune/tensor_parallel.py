@@ -101,6 +101,7 @@ def quantize_parallel_base(layer: nn.Module, kind: str, name: str) -> None:
     shard = nn.Linear(cols, rows, bias=False, device="meta")
     shard.weight = weight
     quant = {"nf4": NF4Linear, "int8": Int8Linear}[kind].from_float(shard)
+    quant._full_shape = tuple(weight._full_shape)  # the logical weight, for counts
     del layer.weight
     layer.register_parameter("weight", None)
     layer.quant_base = quant
