@@ -83,6 +83,11 @@ class DataParallelOptimizer:
             self.param_flat = None
         else:
             self.param_flat = self._bind_params()
+        self.frozen = None  # a frozen base's block weights, sharded too (LoRA, QLoRA)
+        if stage == 3:
+            from fivefold.parallel.zero3_frozen import frozen_gatherer
+
+            self.frozen = frozen_gatherer(units, self.group, self.device, self.watchdog)
         order = self.gatherer.backward_order() if self.gatherer is not None else None
         self.reducer = GradReducer(self.layout, self.group, stage, self.dtype, self.device,
                                    self.watchdog, order, buckets_in_flight, grad_sync)
@@ -202,6 +207,8 @@ class DataParallelOptimizer:
         self.reducer.finish()
         if self.gatherer is not None:
             self.gatherer.free_all()
+        if self.frozen is not None:
+            self.frozen.free_all()
 
     def step(self, lr: float, loss: torch.Tensor | None = None) -> StepStats:
         grads = self.bind_grads()
@@ -342,6 +349,8 @@ class DataParallelOptimizer:
         """Bytes held on this rank, counted from the storages (views of a buffer once)."""
         params = ([self.param_flat] if self.gatherer is None
                   else self.gatherer.gathered_tensors())
+        if self.frozen is not None:  # the frozen base's shard (its blocks' views are freed)
+            params = [*params, *self.frozen.gathered_tensors()]
         return {"params": storage_bytes(params),
                 "grads": storage_bytes(self.reducer.tensors()),
                 "master": storage_bytes([self.master_flat]),
@@ -356,12 +365,14 @@ class DataParallelOptimizer:
     def peak_sources(self) -> dict[str, peak.Source]:
         """What this rank holds, by planner item, for a `peak.PeakTracker`."""
         reducer, gatherer = self.reducer, self.gatherer
+        frozen = [] if self.frozen is None else [self.frozen.shard]
 
         def grad_buffer():  # ZeRO-2/3: .grad accumulating whole over the micro-batches
             return [] if reducer.keep_full else [s.param.grad for s in self.layout.params]
 
         return {
-            "params": lambda: [self.param_flat if gatherer is None else gatherer.shard],
+            "params": lambda: [self.param_flat if gatherer is None else gatherer.shard,
+                               *frozen],
             "grads": lambda: [reducer.grad_buffer, reducer.grad_shard,
                               *(m.grad for m in self.master_pieces)],
             "master": lambda: [self.master_flat],
@@ -375,6 +386,8 @@ class DataParallelOptimizer:
         self.reducer.remove_hooks()
         if self.gatherer is not None:
             self.gatherer.remove_hooks()
+        if self.frozen is not None:
+            self.frozen.remove_hooks()
         if self.nvme_dir is not None:  # the offload files go with the run
             self.optimizer.close()
         self.watchdog.close()

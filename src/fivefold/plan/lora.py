@@ -117,11 +117,32 @@ def lora_flops_per_token(model: ModelConfig, seq_len: int, rank: int, targets: s
     return fwd.num_layers * layer + 2 * fwd.head
 
 
+def block_frozen_bytes(model: ModelConfig, layout, rank: int, targets: str, base: str,
+                       dtype_bytes: int, layer_params: float) -> float:
+    """Frozen bytes of one transformer block on one tp rank: its targeted linears in `base`,
+    its other weights (untargeted linears, norms) in the compute dtype. `layer_params`: the
+    block's full-training parameter count on that rank (plan.memory.layer_param_counts)."""
+    per = layer_lora_counts(model, rank, targets, layout.tp)
+    linear = sum(w * base_bytes_per_param(base, dtype_bytes, fin) for w, fin in per["inputs"])
+    if base == "nf4":
+        linear += NF4_TENSOR_BYTES * len(per["inputs"])
+    return linear + (layer_params - per["base"]) * dtype_bytes
+
+
+def sharded_block_bytes(block_bytes: float, shards: int) -> float:
+    """One rank's ZeRO-3 shard of a block's frozen bytes (parallel/zero3_frozen.py): the
+    block's bytes padded to a multiple of the dp×cp ranks, divided among them."""
+    return -(-round(block_bytes) // shards)
+
+
 def lora_state_items(model: ModelConfig, layout, pp_rank: int, bpp, dtype_bytes: int,
-                     dense_params: float, rank: int, targets: str, base: str) -> dict:
+                     dense_params: float, rank: int, targets: str, base: str,
+                     layer_params: float = 0.0) -> dict:
     """Model-state bytes of one rank (the fields of plan.memory.ModelStates but `layout`):
-    the frozen base whole on every dp rank, the adapters' states sharded by ZeRO over dp×cp
-    (under ZeRO-3 the adapters' parameters too; the frozen base is not sharded)."""
+    the adapters' states sharded by ZeRO over dp×cp (under ZeRO-3 the adapters' parameters
+    too); the frozen base whole on every dp rank, except under ZeRO-3, where each block's
+    frozen bytes are sharded too (`layer_params` gives the block's size) and only the rest
+    (embedding, final norm, head) stays whole. The gathered blocks are comm buffers."""
     split = lora_param_split(model, layout, pp_rank, rank, targets, dense_params)
     adapters, shards, zero = split["adapters"], layout.dp * layout.cp, layout.zero
 
@@ -132,6 +153,10 @@ def lora_state_items(model: ModelConfig, layout, pp_rank: int, bpp, dtype_bytes:
     if layout.offload and bpp.master == 0:
         master = part(4, 1)
     frozen = base_bytes(model, layout, pp_rank, rank, targets, base, dtype_bytes, dense_params)
+    if zero == 3 and shards > 1 and split["layers"]:
+        block = block_frozen_bytes(model, layout, rank, targets, base, dtype_bytes,
+                                   layer_params)
+        frozen += split["layers"] * (sharded_block_bytes(block, shards) - block)
     return {"params": frozen + part(bpp.param, 3), "grads": part(bpp.grad, 2),
             "master": 0.0 if layout.offload else master,
             "optimizer": 0.0 if layout.offload else optim,

@@ -203,7 +203,7 @@ def model_state_bytes(model: ModelConfig, *, tp: int = 1, pp: int = 1, dp: int =
         return ModelStates(**lora_state_items(
             model, layout, pp_rank, bpp, 4 if precision == "fp32" else 2,
             counts["dense"] + counts["expert"], lora_rank, lora_targets or DEFAULT_TARGETS,
-            lora_base), layout=bpp)
+            lora_base, sum(layer_param_counts(model, tp, ep).values())), layout=bpp)
     return shard_model_states(counts["dense"], bpp, zero, dp * cp, offload,
                               counts["expert"], max(dp * cp // ep, 1))
 
@@ -309,7 +309,8 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
 
         states = ModelStates(**lora_state_items(
             mc, layout, rank, bpp, work.dtype_bytes, counts["dense"] + counts["expert"],
-            work.lora_rank, work.lora_targets, work.lora_base), layout=bpp)
+            work.lora_rank, work.lora_targets, work.lora_base,
+            sum(layer_param_counts(mc, layout.tp, layout.ep).values())), layout=bpp)
     act = act or _activations(work, layout)
     head = stage(mc, layout, rank)[2]
     inflight = inflight_microbatches(layout, m, rank)

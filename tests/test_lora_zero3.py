@@ -1,0 +1,108 @@
+"""ZeRO-3 shards a LoRA/QLoRA run's frozen base too (parallel/zero3_frozen.py): dp2 + ZeRO-3
+with a plain, NF4 or int8 base matches the single-process run (fp32, same seed and global
+batch; tolerances of tests/test_lora_parallel.py: losses 1e-6 relative, gradient norms 1e-5
+relative, adapters 1e-5 absolute), each rank keeps 1/2 of every block's frozen bytes (counted
+from the tensors' storages after the step), and the planner's model-state bytes equal the
+engine's."""
+
+import tempfile
+from pathlib import Path
+
+import pytest
+from common import small_config
+from harness import run_ranks
+
+from fivefold.parallel.mesh import ParallelDims
+
+# Matrices of at least 64·256 weights, so NF4's scaler blocks are whole (the planner's NF4
+# bytes are then exact). train.eps = 1e-4 as in tests/test_lora_parallel.py.
+ARGS = ["--model.hidden_size", "128", "--model.intermediate_size", "256",
+        "--model.num_heads", "4", "--model.num_kv_heads", "4",
+        "--lora.rank", "4", "--lora.alpha", "8", "--lora.targets", "all-linear",
+        "--train.lr", "1e-2", "--train.steps", "3", "--train.eps", "1e-4"]
+
+
+def _run(rank, world, tmp, args):
+    from fivefold.finetune.attach import frozen_state
+    from fivefold.parallel.buffers import storage_bytes
+    from fivefold.parallel.zero3_frozen import block_frozen_tensors
+    from fivefold.train.loop import planned_model_states
+    from fivefold.train.trainer import Trainer
+
+    cfg = small_config(Path(tmp) / f"r{rank}", *ARGS, *args)
+    with Trainer(cfg, ParallelDims.from_config(cfg.parallel), quiet=True) as trainer:
+        records = [trainer.train_step() for _ in range(cfg.train.steps)]
+        chunks = trainer.model.chunks
+        blocks = [b for c in chunks for b in c.layers]
+        block_tensors = [t for b in blocks for *_, t in block_frozen_tensors(b)]
+        frozen = getattr(trainer.optimizer, "frozen", None)
+        shard = [] if frozen is None else [frozen.shard]
+        measured = trainer.optimizer.memory_bytes() if world > 1 else {}
+        if measured:
+            measured["params"] += storage_bytes(frozen_state(chunks))
+        out = {
+            "losses": [r["loss"] for r in records],
+            "norms": [r["grad_norm"] for r in records],
+            "adapters": {k: v for k, v in trainer.logical_tensors().items()
+                         if k.startswith("model/")},
+            # resident frozen bytes: the whole tensors left whole, plus this rank's shard
+            "resident": storage_bytes(frozen_state(chunks)) + storage_bytes(shard),
+            "block_bytes": [sum(t.numel() * t.element_size()
+                                for *_, t in block_frozen_tensors(b)) for b in blocks],
+            "block_storage": storage_bytes(block_tensors),  # gathered copies still held
+            "measured": measured,
+            "planned": planned_model_states(trainer) if world > 1 else {},
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    path = tmp_path_factory.mktemp("zero3-lora") / "hf"
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=4, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("base", ["none", "nf4", "int8"])
+def test_zero3_shards_the_frozen_base(hf_base, base):
+    args = ["--model.hf_path", str(hf_base), "--lora.base", base]
+    with tempfile.TemporaryDirectory() as tmp:
+        single = run_ranks(_run, 1, tmp, args)[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = run_ranks(_run, 2, tmp, args + ["--parallel.dp", "2", "--parallel.zero", "3"])
+
+    # The same run: losses, gradient norms, final adapters.
+    for r in ranks:
+        for a, b in zip(single["losses"], r["losses"], strict=True):
+            assert abs(a - b) <= 1e-6 * abs(a), (single["losses"], r["losses"])
+        for a, b in zip(single["norms"], r["norms"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(a), (single["norms"], r["norms"])
+    merged = {}
+    for r in ranks:
+        merged.update(r["adapters"])
+    assert set(merged) == set(single["adapters"]) and single["adapters"]
+    for name, value in single["adapters"].items():
+        assert (merged[name] - value).abs().max().item() <= 1e-5, name
+
+    # Resident frozen bytes: the blocks' frozen bytes halved (each block padded to even),
+    # the rest (tied embedding, final norm) whole; no gathered block left after the step.
+    blocks = single["block_bytes"]
+    assert blocks == ranks[0]["block_bytes"] and sum(blocks) > 0
+    rest = single["resident"] - sum(blocks)
+    for r in ranks:
+        assert r["block_storage"] == 0
+        assert r["resident"] == rest + sum(-(-b // 2) for b in blocks), (
+            r["resident"], rest, blocks)
+
+    # The planner's model states (frozen shard included) equal the engine's, to the byte.
+    for r in ranks:
+        for item in ("params", "grads", "master", "optimizer"):
+            assert r["planned"][item] == r["measured"][item], (item, r["planned"],
+                                                               r["measured"])
