@@ -15,6 +15,7 @@ import errno
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 from common import small_config
 from harness import run_ranks
@@ -23,6 +24,9 @@ from fivefold.cli import main
 from fivefold.config import ConfigError, load
 from fivefold.parallel import nvme
 from fivefold.parallel.mesh import ParallelDims
+from fivefold.plan.hardware import get_hardware
+from fivefold.plan.memory import model_state_bytes
+from fivefold.plan.nvme import STAGING_BYTES, nvme_states, nvme_time
 from fivefold.train.manifest import verify_step
 from fivefold.train.trainer import Trainer
 
@@ -52,10 +56,11 @@ def _parity(rank, world, tmp):
             with Trainer(cfg, ParallelDims.from_config(cfg.parallel), quiet=True) as t:
                 losses = [t.train_step()["loss"] for _ in range(STEPS)]
                 during = offload_files(root)
+                file_bytes = sum(Path(f).stat().st_size for f in during if Path(f).is_file())
                 out[zero, offload] = {"losses": losses, "states": t.optimizer.param_states(),
                                       "memory": t.optimizer.memory_bytes(),
                                       "shard": t.optimizer.layout.total // world,
-                                      "files_during": len(during)}
+                                      "files_during": len(during), "file_bytes": file_bytes}
             torch.distributed.barrier()
             out[zero, offload]["files_after"] = offload_files(root)
     return out
@@ -85,6 +90,15 @@ def test_nvme_offload_is_bit_identical_and_holds_less(tmp_path):
             # three files per rank while it ran (a directory each), none after close()
             assert disk["files_during"] == 2 * 4, disk["files_during"]
             assert disk["files_after"] == [], disk["files_after"]
+            # on disk: 3 fp32 states of each rank's shard (both ranks' files counted), as
+            # the planner says
+            assert disk["file_bytes"] == 2 * 12 * disk["shard"]
+            model = small_config(tmp_path / "plan").model.resolve()
+            states = model_state_bytes(model, dp=2, zero=zero, offload=True, precision="fp32")
+            planned = nvme_states(states)
+            # the planner counts no padding (under dp values per bucket): 1% here
+            assert 2 * planned.disk == pytest.approx(disk["file_bytes"], rel=0.01)
+            assert planned.host == min(STAGING_BYTES, 2 * states.cpu)
 
 
 def _resume(rank, world, tmp):
@@ -183,3 +197,16 @@ def test_a_disk_error_mid_run_is_one_line_and_the_last_checkpoint_stays(tmp_path
     assert (ck / "latest").read_text() == "step_00000001"
     assert verify_step(ck / "step_00000001", strict=True) is None
     assert offload_files(tmp_path) == []
+
+
+def test_the_planner_pays_only_the_io_the_update_does_not_hide():
+    """io = read + write of every offloaded byte at nvme_gbps; the step waits max(0, io -
+    update); --hw nvme_gbps overrides the data-sheet default."""
+    hw, _ = get_hardware("h100-sxm")
+    fast, _ = get_hardware("h100-sxm", {"nvme_gbps": 38.0})
+    disk = 7.6e9  # bytes per rank
+    slow_disk = nvme_time(disk, update_s=1.0, hw=hw)
+    assert slow_disk.io == pytest.approx(2 * disk / 3.8e9)  # 4 s
+    assert slow_disk.exposed == pytest.approx(3.0) and slow_disk.step == pytest.approx(4.0)
+    hidden = nvme_time(disk, update_s=1.0, hw=fast)
+    assert hidden.io == pytest.approx(0.4) and hidden.exposed == 0.0 and hidden.step == 1.0

@@ -33,6 +33,10 @@ class Hardware:
     inter_node_gbps: float  # NIC bandwidth per GPU, one direction (8×400 Gb/s → 50)
     gpus_per_node: int = 8
     host_link_gbps: float = 32.0  # PCIe to the host, one direction (offload traffic)
+    # NVMe per GPU (offload = "nvme"): one PCIe Gen4 x4 drive per GPU, its slower sequential
+    # rate (writes): e.g. Samsung PM1733 data sheet, 7.0 GB/s read, 3.8 GB/s write. Override
+    # with --hw nvme_gbps=... after measuring the disk (bench/nvme_offload.py).
+    nvme_gbps: float = 3.8
     # Share of the bf16 peak that large GEMMs reach on this part (cuBLAS/hipBLASLt measured
     # figures are 0.7-0.85 for 8k×8k×8k bf16; end-to-end training sees less).
     matmul_efficiency: float = 0.75
