@@ -169,3 +169,27 @@ def test_nf4_shard_that_blocks_cannot_tile_is_refused(hf_base, tmp_path, capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "gate_proj is 17x32 = 544 weights, not a multiple of the NF4 block (64)" in err
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "log").exists()
+
+
+def _resume_run(rank, world, tmp, args, steps, resume):
+    from fivefold.train.trainer import Trainer
+
+    cfg = small_config(Path(tmp), *LORA, *args)
+    with Trainer(cfg, ParallelDims.from_config(cfg.parallel), quiet=True) as trainer:
+        if resume:
+            assert trainer.load_checkpoint(Path(tmp) / "ckpt" / "step_00000002") is None
+        losses = [trainer.train_step()["loss"] for _ in range(steps)]
+        trainer.save_checkpoint()
+    return losses
+
+
+def test_qlora_tp2_resumes_the_same_run(hf_base):
+    """A tp2 int8 QLoRA checkpoint (adapters only; each rank quantises its shard again on
+    load) continues the run it left: 2 + 2 steps give the 4-step run's losses exactly."""
+    args = ["--model.hf_path", str(hf_base), "--lora.base", "int8", "--parallel.tp", "2"]
+    with tempfile.TemporaryDirectory() as tmp:
+        whole = run_ranks(_resume_run, 2, tmp, args, 4, False)[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        first = run_ranks(_resume_run, 2, tmp, args, 2, False)[0]
+        second = run_ranks(_resume_run, 2, tmp, args, 2, True)[0]
+    assert first + second == whole, (first + second, whole)
