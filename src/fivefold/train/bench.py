@@ -37,9 +37,10 @@ import torch
 from fivefold.config import ArgumentParser, ConfigError
 from fivefold.train.step_record import StepRecord, sync
 
-# What a benchmark run does not need: no checkpoints, validation or log files.
-BENCH_DEFAULTS = ["--train.eval_every", "0", "--checkpoint.every", "0", "--log.progress",
-                  "false", "--log.tensorboard", "false"]
+# What a benchmark run does not need: no checkpoints (written, or resumed from a run that
+# happens to live in checkpoint.dir), validation or log files.
+BENCH_DEFAULTS = ["--train.eval_every", "0", "--checkpoint.every", "0", "--checkpoint.resume",
+                  "never", "--log.progress", "false", "--log.tensorboard", "false"]
 
 
 class FivefoldRunner:
