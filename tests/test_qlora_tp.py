@@ -92,18 +92,20 @@ def _run(rank, world, tmp, layout):
         quantised, floats, counts)
 
 
-@pytest.mark.parametrize("kind, sp", [("nf4", []), ("int8", []),
-                                      ("nf4", ["--parallel.sp", "true"])],
-                         ids=["nf4", "int8", "nf4-sp"])
+@pytest.mark.parametrize("kind, extra", [
+    ("nf4", []), ("int8", []), ("nf4", ["--parallel.sp", "true"]),
+    ("nf4", ["--parallel.dp", "2", "--parallel.zero", "2"]),
+], ids=["nf4", "int8", "nf4-sp", "nf4-dp2-zero2"])
 def test_qlora_tp2_matches_single_process_with_the_same_quantisation(hf_base, tmp_path,
-                                                                    kind, sp):
+                                                                    kind, extra):
     ref = per_shard_base(hf_base, tmp_path / "ref", kind, 2)
     with tempfile.TemporaryDirectory() as tmp:
         losses, norms, tensors, (_, _, counts) = run_ranks(
             _run, 1, tmp, ["--model.hf_path", str(ref)])[0]
     with tempfile.TemporaryDirectory() as tmp:
-        results = run_ranks(_run, 2, tmp, ["--model.hf_path", str(hf_base), "--lora.base",
-                                           kind, "--parallel.tp", "2", *sp])
+        results = run_ranks(_run, 4 if "--parallel.dp" in extra else 2, tmp, [
+            "--model.hf_path", str(hf_base), "--lora.base", kind, "--parallel.tp", "2",
+            *extra])
     for *_, (quantised, floats, rank_counts) in results:  # each from its quantised shard
         assert quantised == [{"nf4": "NF4Linear", "int8": "Int8Linear"}[kind]]
         assert floats == []
