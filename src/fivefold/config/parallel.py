@@ -17,9 +17,8 @@ class ParallelSection:
     cp: int = 1
     ep: int = 1
     zero: int = 0  # 0: plain DP; 1, 2, 3: ZeRO stages
-    # none | cpu | nvme: where the fp32 master and Adam's moments live (true = cpu, false =
-    # none); nvme: files under offload_dir, streamed in chunks (parallel/nvme.py)
-    offload: str = "none"
+    # true = cpu, false = none; nvme: files under offload_dir, streamed in chunks
+    offload: str = "none"  # where the fp32 master and Adam's moments live: none | cpu | nvme
     offload_dir: str = ""  # offload = "nvme": the directory (a fast local disk) for them
     sp: bool = False  # sequence parallelism (needs tp > 1)
     # full | shard: what SP column linears keep for backward. full by default: measured on
