@@ -1,6 +1,6 @@
 """`parallel.offload = "nvme"`: ZeRO's optimizer states in files, streamed in chunks.
 
-dp 2 × ZeRO-1 and ZeRO-3 with the states on disk against the same runs with them resident
+dp 2 × ZeRO-1, 2 and 3 with the states on disk against the same runs with them resident
 (offload none) and on the CPU (offload cpu): fp32 losses and every parameter, master and
 Adam moment bit-identical (tolerance 0: AdamW is elementwise and the chunks are aligned,
 parallel/nvme.py); the bytes held by the optimizer counted from tensor storages; the files
@@ -49,7 +49,7 @@ def offload_files(root: Path) -> list[str]:
 def _parity(rank, world, tmp):
     nvme.CHUNK_NUMEL = CHUNK
     root, out = Path(tmp), {}
-    for zero in (1, 3):
+    for zero in (1, 2, 3):
         for offload in ("none", "cpu", "nvme"):
             work = root / f"z{zero}-{offload}"
             cfg = small_config(work, *nvme_args(root, offload, zero))
@@ -68,7 +68,7 @@ def _parity(rank, world, tmp):
 
 def test_nvme_offload_is_bit_identical_and_holds_less(tmp_path):
     for rank_out in run_ranks(_parity, 2, str(tmp_path)):
-        for zero in (1, 3):
+        for zero in (1, 2, 3):
             ref = rank_out[zero, "none"]
             for offload in ("cpu", "nvme"):
                 got = rank_out[zero, offload]
