@@ -95,7 +95,7 @@ def test_nvme_offload_is_bit_identical_and_holds_less(tmp_path):
             assert disk["file_bytes"] == 2 * 12 * disk["shard"]
             model = small_config(tmp_path / "plan").model.resolve()
             states = model_state_bytes(model, dp=2, zero=zero, offload=True, precision="fp32")
-            planned = nvme_states(states)
+            planned = nvme_states(states.cpu)
             # the planner counts no padding (under dp values per bucket): 1% here
             assert 2 * planned.disk == pytest.approx(disk["file_bytes"], rel=0.01)
             assert planned.host == min(STAGING_BYTES, 2 * states.cpu)
@@ -210,3 +210,18 @@ def test_the_planner_pays_only_the_io_the_update_does_not_hide():
     assert slow_disk.exposed == pytest.approx(3.0) and slow_disk.step == pytest.approx(4.0)
     hidden = nvme_time(disk, update_s=1.0, hw=fast)
     assert hidden.io == pytest.approx(0.4) and hidden.exposed == 0.0 and hidden.step == 1.0
+
+
+def test_fivefold_plan_config_gives_the_nvme_tier(tmp_path, capsys):
+    """Llama-3.1-8B, dp 4 × tp 2, ZeRO-3, bf16: 1.0e9 parameters per GPU × 12 B (fp32
+    master + two moments) on disk, read and written once per step at 3.8 GB/s."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "llama-8b-h100.toml"
+    code = main(["plan", "--config", str(example), "--parallel.zero", "3",
+                 "--parallel.offload", "nvme", "--parallel.offload_dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.startswith("NVMe tier"))
+    disk_gib = float(line.split(": ")[1].split(" GiB")[0])
+    assert disk_gib == pytest.approx(8.03e9 / 8 * 12 / 2**30, rel=0.01), line
+    io_s = float(line.split("per step ")[1].split(" s")[0])
+    assert io_s == pytest.approx(2 * disk_gib * 2**30 / 3.8e9, rel=0.01), line

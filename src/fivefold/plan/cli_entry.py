@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from fivefold.config.parallel import offload_value
 from fivefold.config.rules import writable_dir, writable_file
 from fivefold.errors import ArgumentParser, ConfigError
 from fivefold.plan.advice import layout_warnings
@@ -235,7 +236,13 @@ def run(argv: list[str]) -> int:
         num_gpus = layout.world_size
         if args.search:
             return _search(args, work, num_gpus, hw, assume, engine_accepts(cfg))
-        return _config_check(args, work, layout, num_gpus, hw, assume, engine_accepts(cfg))
+        code = _config_check(args, work, layout, num_gpus, hw, assume, engine_accepts(cfg))
+        if offload_value(cfg.parallel.offload) == "nvme" and args.json != "-":
+            from fivefold.plan.nvme import describe_nvme  # planned as cpu offload, then this
+
+            print(describe_nvme(work, layout, hw, assume,
+                                plan_layout(work, layout, hw, assume).cpu_bytes))
+        return code
     if args.model and args.params:
         raise ConfigError("give --model or --params, not both")
     if not args.model and not args.params:

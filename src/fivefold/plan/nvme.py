@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fivefold.plan.hardware import Assumptions, Hardware
+from fivefold.plan.hardware import GIB, Assumptions, Hardware
 from fivefold.plan.layout import Layout
-from fivefold.plan.memory import ModelStates
 from fivefold.plan.timing import optimizer_time
 
 CHUNK_NUMEL = 1 << 20  # parallel/nvme.py's chunk (this module imports no torch)
@@ -33,11 +32,11 @@ class NvmeStates:
     host: float  # host memory it still takes: the staging slots
 
 
-def nvme_states(offloaded: ModelStates) -> NvmeStates:
-    """From the model states of the same layout with CPU offload (`offload=True`): the bytes
-    CPU offload books in host memory go to disk instead."""
-    return NvmeStates(off_gpu=offloaded.cpu, disk=offloaded.cpu,
-                      host=min(STAGING_BYTES, 2 * offloaded.cpu))  # slots of up to 12 B/value
+def nvme_states(cpu_bytes: float) -> NvmeStates:
+    """From the host bytes CPU offload books for the same layout (`ModelStates.cpu`,
+    `LayoutPlan.cpu_bytes`): they go to disk instead."""
+    return NvmeStates(off_gpu=cpu_bytes, disk=cpu_bytes,
+                      host=min(STAGING_BYTES, 2 * cpu_bytes))  # slots of up to 12 B/value
 
 
 @dataclass(frozen=True)
@@ -58,8 +57,20 @@ def nvme_time(disk_bytes: float, update_s: float, hw: Hardware) -> NvmeTime:
 
 
 def plan_nvme(work, layout: Layout, hw: Hardware, assume: Assumptions,
-              states: ModelStates) -> tuple[NvmeStates, NvmeTime]:
-    """Memory and time of the NVMe tier for `layout` (`states`: with CPU offload)."""
-    moved = nvme_states(states)
-    offloaded = replace(layout, offload=True)
-    return moved, nvme_time(moved.disk, optimizer_time(work, offloaded, hw, assume), hw)
+              cpu_bytes: float) -> tuple[NvmeStates, NvmeTime]:
+    """Memory and time of the NVMe tier for `layout` (`cpu_bytes`: CPU offload's host bytes
+    per GPU for it)."""
+    moved = nvme_states(cpu_bytes)
+    update = optimizer_time(work, replace(layout, offload=True), hw, assume)
+    return moved, nvme_time(moved.disk, update, hw)
+
+
+def describe_nvme(work, layout: Layout, hw: Hardware, assume: Assumptions,
+                  cpu_bytes: float) -> str:
+    """The lines `fivefold plan --config` adds for a config with offload = "nvme"."""
+    moved, t = plan_nvme(work, layout, hw, assume, cpu_bytes)
+    return (f"NVMe tier (parallel.offload = nvme): {moved.disk / GIB:.2f} GiB per GPU of "
+            f"master and optimizer states on disk instead of host memory (host keeps "
+            f"{moved.host / 2**20:.0f} MiB of staging); per step {t.io:.3f} s of I/O at "
+            f"{hw.nvme_gbps:g} GB/s (--hw nvme_gbps=...) beside a {t.update:.3f} s update: "
+            f"the step waits {t.exposed:.3f} s more than with offload = cpu")
