@@ -106,3 +106,27 @@ def test_zero3_shards_the_frozen_base(hf_base, base):
         for item in ("params", "grads", "master", "optimizer"):
             assert r["planned"][item] == r["measured"][item], (item, r["planned"],
                                                                r["measured"])
+
+
+def _peaks(rank, world, tmp, args):
+    from fivefold.parallel.peak import PeakTracker
+    from fivefold.train.loop import planned_peak_bytes
+    from fivefold.train.trainer import Trainer
+
+    cfg = small_config(Path(tmp) / f"r{rank}", *ARGS, *args)
+    with Trainer(cfg, ParallelDims.from_config(cfg.parallel), quiet=True) as trainer:
+        trainer.train_step()
+        with PeakTracker(trainer.peak_sources()) as tracker:
+            trainer.train_step()
+        return dict(tracker.item_peaks), planned_peak_bytes(trainer)
+
+
+def test_zero3_gathered_frozen_blocks_at_the_peak():
+    """Over a step (peak tracker), 4 blocks: the resident params (adapter and frozen shards,
+    the whole rest) and the comm buffers (at most two blocks' frozen bases and adapters
+    gathered at once, forward and backward) equal the planner's items to the byte."""
+    args = ["--model.num_layers", "4", "--parallel.dp", "2", "--parallel.zero", "3"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for measured, planned in run_ranks(_peaks, 2, tmp, args):
+            for item in ("params", "comm_buffers"):
+                assert measured[item] == planned[item], (item, measured, planned)

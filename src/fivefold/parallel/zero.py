@@ -379,7 +379,8 @@ class DataParallelOptimizer:
             "optimizer": self._resident_moments,
             "grad_buffer": grad_buffer,
             "comm_buffers": lambda: [*reducer.staging.values(),
-                                     *(gatherer.full if gatherer is not None else [])]}
+                                     *(gatherer.full if gatherer is not None else []),
+                                     *(self.frozen.full if self.frozen is not None else [])]}
 
     def close(self) -> None:
         """Detach the hooks and stop the watchdog (tests build many optimizers per process)."""

@@ -12,11 +12,12 @@ the same way (Rajbhandari et al. 2020, "ZeRO", §5.3, applied to weights that ne
               bytes [r·S/N, (r+1)·S/N) of it
     forward   before a block runs: wait for (or start) its all-gather, start the next
               block's (prefetch); after it ran: free the gathered copy
-    backward  when the gradient of the block's output arrives: gather it again (the input
-              gradient of a frozen linear needs its weight, a quantised one dequantises
-              again); when the gradient of the block's input is complete (its backward is
-              over): free it. A block whose input needs no gradient (the first, with a
-              frozen embedding) is freed when the step's gradient sync finishes.
+    backward  when the gradient of the block's output arrives: free the block after it (its
+              backward is over: this output is its input), gather this one again (the
+              input gradient of a frozen linear needs its weight, a quantised one
+              dequantises again), start the block before it (prefetch). So at most two
+              blocks are gathered at once. The first block is freed when the step's
+              gradient sync finishes.
 
 Nothing here has a gradient: no reduce-scatter, no optimizer state. The values move as raw
 bytes, so every rank computes with exactly the single-process weights. As in FSDP (Zhao et
@@ -143,9 +144,6 @@ class FrozenGatherer:
             self.ensure(u)
             if u + 1 < len(self.blocks):
                 self.gather(u + 1)
-            x = args[0] if args else None
-            if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
-                x.register_hook(self._after_backward(u))
         return hook
 
     def _post_forward(self, u: int):
@@ -158,14 +156,11 @@ class FrozenGatherer:
 
     def _pre_backward(self, u: int):
         def hook(grad):
+            if u + 1 < len(self.blocks):
+                self.free(u + 1)  # u's output is u+1's input: u+1's backward is over
             self.ensure(u)
             if u > 0:
                 self.gather(u - 1)  # prefetch: backward runs the blocks last to first
-        return hook
-
-    def _after_backward(self, u: int):
-        def hook(grad):
-            self.free(u)
         return hook
 
     def gathered_tensors(self) -> list[torch.Tensor]:

@@ -242,12 +242,17 @@ def dp_comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
     per_layer = sum(layer_param_counts(mc, layout.tp, layout.ep).values())
     vocab = mc.vocab_size * mc.hidden_size / layout.tp
     norm = (1 if mc.norm == "rmsnorm" else 2) * mc.hidden_size
+    frozen = 0.0  # bytes of a block's gathered frozen base (LoRA: parallel/zero3_frozen.py)
     if work.lora_rank:  # the units hold the adapters alone; the frozen rest is no unit
-        from fivefold.plan.lora import layer_lora_counts
+        from fivefold.plan.lora import block_frozen_bytes, layer_lora_counts, sharded_block_bytes
 
         per_layer = layer_lora_counts(mc, work.lora_rank, work.lora_targets,
                                       layout.tp)["adapters"]
         vocab = norm = 0.0
+        shards = layout.dp * layout.cp
+        frozen = shards * sharded_block_bytes(block_frozen_bytes(
+            mc, layout, work.lora_rank, work.lora_targets, work.lora_base, work.dtype_bytes,
+            sum(layer_param_counts(mc, layout.tp, layout.ep).values())), shards)
     layers, chunks = chunk_layer_counts(mc, layout), rank_chunks(layout, rank)
     last = num_chunks(layout) - 1
     # A tied head on another rank than the embedding holds its own copy; on the same rank
@@ -261,13 +266,19 @@ def dp_comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
             rest += norm + head
             borrowed = vocab if mc.tie_embeddings and c != 0 and 0 in chunks else 0.0
         gathered = (rest + borrowed) * bpp.param
-        peak = max(peak, gathered + min(2, layers[c]) * per_layer * bpp.param)
+        peak = max(peak, gathered + min(2, layers[c]) * per_layer * bpp.param
+                   + min(2, layers[c]) * frozen)
         if not tied_across:
             staged = (rest if c == last else 0.0) * bpp.grad
             blocks = max((min(2, n + 1) * bpp.param
                           + (1 + min(k - 1, layers[c] - 1 - n)) * bpp.grad
                           for n in range(layers[c])), default=0)
             peak = max(peak, gathered + staged + blocks * per_layer)
+            if frozen:  # blocks n and n-1's frozen bases are gathered with their adapters
+                peak = max(peak, gathered + staged + max(
+                    min(2, n + 1) * (bpp.param * per_layer + frozen)
+                     + (1 + min(k - 1, layers[c] - 1 - n)) * bpp.grad * per_layer
+                     for n in range(layers[c])))
         units += [rest] * (rest > 0) + [per_layer] * layers[c]
     if tied_across:
         peak = max(peak, sum(sorted(units)[-k:]) * bpp.grad)

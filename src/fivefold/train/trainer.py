@@ -211,7 +211,12 @@ class Trainer:
         sources = {**self.optimizer.peak_sources(), **peak.activation_sources(params)}
         if self.lora:  # the frozen (maybe quantised) base is model state the optimizer lacks
             trainable = sources["params"]
-            sources["params"] = lambda: [*trainable(), *frozen_state(self.model.chunks)]
+            # ZeRO-3's gathered frozen blocks are comm buffers (the optimizer names them)
+            sharded = getattr(self.optimizer, "frozen", None)
+            gathered = {t.untyped_storage()._cdata for t in sharded.full} if sharded else set()
+            sources["params"] = lambda: [*trainable(), *(
+                t for t in frozen_state(self.model.chunks)
+                if t.untyped_storage()._cdata not in gathered)]
         return sources
 
     def global_loss(self, local_sum: torch.Tensor, num_tokens: int) -> float:
