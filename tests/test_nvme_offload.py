@@ -225,3 +225,21 @@ def test_fivefold_plan_config_gives_the_nvme_tier(tmp_path, capsys):
     assert disk_gib == pytest.approx(8.03e9 / 8 * 12 / 2**30, rel=0.01), line
     io_s = float(line.split("per step ")[1].split(" s")[0])
     assert io_s == pytest.approx(2 * disk_gib * 2**30 / 3.8e9, rel=0.01), line
+
+
+def test_a_disk_too_small_for_the_states_is_refused_before_training(tmp_path, capsys):
+    """offload_dir on a real 64 KiB tmpfs (mounted by the test; skipped, saying why, where it
+    may not mount one): writing the states' files at the start fails, one line, exit 2, no
+    run directory, the tmpfs left as it was. The files are written whole when the run
+    starts, so later steps overwrite in place (on a file system that is not copy-on-write,
+    they ask for no more room)."""
+    from test_full_disk import tmpfs
+
+    with tmpfs(tmp_path / "fs", "64k") as fs:
+        code = main(train_args(tmp_path / "run", fs / "offload"))
+        err = capsys.readouterr().err.strip()
+        assert code == 2, err
+        assert len(err.splitlines()) == 1 and "parallel.offload_dir" in err, err
+        assert "No space left on device" in err, err
+        assert not (tmp_path / "run").exists()
+        assert list(fs.iterdir()) == []

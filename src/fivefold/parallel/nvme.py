@@ -26,6 +26,7 @@ that has given up; the run's last checkpoint is untouched. The files are removed
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -75,6 +76,7 @@ class NvmeStore:
     """This rank's flat fp32 states in files, and the staging slots that stream them."""
 
     def __init__(self, root: str, rank: int, numel: int, pin: bool, chunk_numel: int):
+        self.root, self.made_root = root, not Path(root).exists()  # removed at close if so
         Path(root).mkdir(parents=True, exist_ok=True)
         self.dir = tempfile.mkdtemp(prefix=f"fivefold-offload-rank{rank}-", dir=root)
         self.numel, self.chunk_numel = numel, chunk_numel
@@ -138,6 +140,9 @@ class NvmeStore:
             os.close(fd)
         self.fds = {}
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self.made_root:
+            with contextlib.suppress(OSError):  # another rank's files may still be there
+                os.rmdir(self.root)
 
 
 class NvmeAdamW:
