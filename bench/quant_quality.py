@@ -1,7 +1,8 @@
 """Quality and size of every quantisation method on trained checkpoints.
 
     python bench/quant_quality.py --checkpoint NAME=DIR[,calib=512x128][,eval_tokens=N] ...
-        [--calib-samples 512 --calib-seq-len 128] [--eval-tokens 0] [--out FILE]
+        [--calib-samples 512 --calib-seq-len 128] [--eval-tokens 0] [--awq-variants]
+        [--merge] [--out FILE]
 
 For each checkpoint: perplexity on its validation split (fivefold.evaluate.perplexity,
 windows of the run's train.seq_len) of the float model in fp32 and bf16 and of the model
@@ -116,6 +117,8 @@ def bench_checkpoint(item: str, args, tmp: Path) -> tuple[str, dict]:
                         **({"awq": manifest["awq"]} if "awq" in manifest else {})}
         print(f"[{name}] {method}: ppl {rows[method]['perplexity']:.4f} "
               f"({quantize_s:.1f} s to quantise)", flush=True)
+    variants = awq_variants(step, calib_samples, calib_seq_len, tokens, seq_len, args,
+                            rows["fp32"]["perplexity"], rows["int4"]["perplexity"], name)
     fp32, rtn, awq = (rows[k]["perplexity"] for k in ("fp32", "int4", "awq"))
     goals = {
         "int8_relative_change": rows["int8"]["perplexity"] / fp32 - 1,
@@ -130,7 +133,51 @@ def bench_checkpoint(item: str, args, tmp: Path) -> tuple[str, dict]:
                   "eval": {"data": described, "seq_len": seq_len,
                            "tokens": rows["fp32"]["tokens"]},
                   "calibration": {"samples": calib_samples, "seq_len": calib_seq_len},
-                  "rows": rows, "goals": goals}
+                  "rows": rows, "goals": goals, "awq_variants": variants}
+
+
+# Other AWQ settings, each from the same float checkpoint and the same calibration tokens
+# (the run's training split), quantised in memory: the error measured on the decoder layer's
+# output instead of the attention/MLP/linear (llm-awq and AutoAWQ measure the module), and
+# AutoAWQ's duo scaling s = mean|x|^α / mean|w|^(1-α) (awq.scale_for), each with and without
+# the clip search.
+AWQ_VARIANTS = {"module, no clip": {"clip": False},
+                "layer loss": {"loss": "layer"},
+                "layer loss, no clip": {"loss": "layer", "clip": False},
+                "duo scaling": {"duo": True},
+                "duo scaling, no clip": {"duo": True, "clip": False}}
+
+
+def awq_variants(step: Path, samples: int, calib_len: int, tokens, seq_len: int, args,
+                 fp32: float, rtn: float, name: str) -> dict:
+    from fivefold.quant.awq import apply_awq
+    from fivefold.quant.cli import build_parser, calibration_tokens, load_float
+    from fivefold.quant.convert import QuantSpec, quantize_
+
+    if not args.awq_variants:
+        return {}
+    argv = ["--checkpoint", str(step), "--method", "awq", "--out", "unused",
+            "--calib-samples", str(samples), "--calib-seq-len", str(calib_len)]
+    qargs = build_parser().parse_args(argv)
+    out = {}
+    for label, options in AWQ_VARIANTS.items():
+        model, model_cfg, tokenizer, _, data = load_float(qargs)
+        calib = calibration_tokens(qargs, model_cfg, tokenizer, data)
+        started = time.perf_counter()
+        report = apply_awq(model, calib, 128, False, **options)
+        quantize_(model, QuantSpec("awq"))
+        quantize_s = time.perf_counter() - started
+        row = {**evaluate(model, tokens, seq_len), "quantize_s": quantize_s,
+               "options": {"clip": True, "duo": False, "loss": "module", **options},
+               "calibration_error_vs_rtn": report.summary()}
+        row["share_of_rtn_gap_closed"] = ((rtn - row["perplexity"]) / (rtn - fp32)
+                                          if rtn > fp32 else None)
+        out[label] = row
+        share = row["share_of_rtn_gap_closed"]
+        print(f"[{name}] awq ({label}): ppl {row['perplexity']:.4f}, closes "
+              f"{'n/a' if share is None else f'{100 * share:.0f}%'} of RTN's gap "
+              f"({quantize_s:.1f} s)", flush=True)
+    return out
 
 
 def print_table(name: str, result: dict) -> None:
@@ -151,6 +198,10 @@ def print_table(name: str, result: dict) -> None:
           f"{g['int8_within_1pct']}); AWQ <= RTN: {g['awq_no_worse_than_rtn']}; AWQ closes "
           f"{'n/a' if share is None else f'{100 * share:.0f}%'} of RTN's gap (>= 50%: "
           f"{g['awq_closes_half_the_gap']})")
+    for label, row in result.get("awq_variants", {}).items():
+        share = row["share_of_rtn_gap_closed"]
+        print(f"  awq ({label}): ppl {row['perplexity']:.4f}, closes "
+              f"{'n/a' if share is None else f'{100 * share:.0f}%'} of RTN's gap")
 
 
 def main() -> None:
@@ -160,6 +211,8 @@ def main() -> None:
     parser.add_argument("--calib-samples", type=int, default=512)
     parser.add_argument("--calib-seq-len", type=int, default=128)
     parser.add_argument("--eval-tokens", type=int, default=0, help="0: the whole split")
+    parser.add_argument("--awq-variants", action="store_true",
+                        help="also run the other AWQ settings (AWQ_VARIANTS) in memory")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other checkpoints' results already in --out (each "
                              "result records its own machine and git revision)")

@@ -15,8 +15,10 @@ auto_scale.py`, `auto_clip.py`) does:
 2. For each group of linears that share an input, search α ∈ linspace(0, 1, n_grid) for the
    smallest mean squared error of the group's module output (the whole attention for
    q/k/v, the whole MLP for gate/up, the linear itself for o and down) with the linears
-   fake-quantised; normalise s by sqrt(max·min) as llm-awq does. α = 0 is plain RTN, so on
-   the calibration data the chosen scale is never worse than RTN.
+   fake-quantised; normalise s by sqrt(max·min) as llm-awq does. Plain RTN (s = 1) is
+   measured as well and kept when no α beats it, so on the calibration data the chosen
+   scale is never worse than RTN. Options: AutoAWQ's duo scaling (`scale_for`) and the
+   error measured on the whole decoder layer (`apply_awq(loss="layer")`).
 3. Fold: W[:, j] *= s_j, and the producer divides by s: the norm's weight (input_layernorm
    before q/k/v, post_attention_layernorm before gate/up), v_proj's output rows before o_proj
    (only without grouped-query attention, where v and o's input have the same width; llm-awq
