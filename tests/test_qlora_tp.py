@@ -95,7 +95,8 @@ def _run(rank, world, tmp, layout):
 @pytest.mark.parametrize("kind, extra", [
     ("nf4", []), ("int8", []), ("nf4", ["--parallel.sp", "true"]),
     ("nf4", ["--parallel.dp", "2", "--parallel.zero", "2"]),
-], ids=["nf4", "int8", "nf4-sp", "nf4-dp2-zero2"])
+    ("nf4", ["--parallel.dp", "2", "--parallel.zero", "3"]),
+], ids=["nf4", "int8", "nf4-sp", "nf4-dp2-zero2", "nf4-dp2-zero3"])
 def test_qlora_tp2_matches_single_process_with_the_same_quantisation(hf_base, tmp_path,
                                                                     kind, extra):
     ref = per_shard_base(hf_base, tmp_path / "ref", kind, 2)
