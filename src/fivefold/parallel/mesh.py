@@ -38,6 +38,9 @@ class ParallelDims:
     rank: int = 0
     ledger: Ledger = field(default_factory=Ledger)
     groups: dict[str, Group] = field(default_factory=dict)
+    # Collectives of every sub-group time out with the world's (parallel.timeout_s); left
+    # None, torch's default for new groups applies (30 minutes for gloo).
+    timeout_s: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -100,7 +103,9 @@ class ParallelDims:
         distributed = dist.is_available() and dist.is_initialized()
         for name, rows in self._slices().items():
             for ranks in rows:
-                pg = dist.new_group(ranks) if distributed and len(ranks) > 1 else None
+                timeout = timedelta(seconds=self.timeout_s) if self.timeout_s else None
+                pg = (dist.new_group(ranks, timeout=timeout)
+                      if distributed and len(ranks) > 1 else None)
                 if self.rank in ranks:
                     self.groups[name] = Group(name, ranks, pg, self.ledger)
         self.groups["world"] = Group(
@@ -123,7 +128,8 @@ class ParallelDims:
                     f"launched {dist.get_world_size()} processes but parallel.dp·tp·pp·cp = "
                     f"{par.world_size}; launch that many or change the layout")
             rank = dist.get_rank()
-        dims = cls(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, rank=rank or 0)
+        dims = cls(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, rank=rank or 0,
+                   timeout_s=par.timeout_s)
         if (dims.dp * dims.cp) % dims.ep:
             raise ValueError(f"parallel.ep = {dims.ep} must divide dp·cp = {dims.dp * dims.cp}")
         dims.build_groups()
