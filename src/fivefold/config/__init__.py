@@ -9,7 +9,7 @@ This package imports no torch.
 """
 
 from fivefold.config.data import CORPUS_BPE_VOCAB, CORPUS_TOKENIZERS, DataSection, corpus_tokenizer
-from fivefold.config.load import apply_overrides, coerce, from_dict, load, set_value
+from fivefold.config.load import apply_overrides, coerce, from_dict, load, read, set_value
 from fivefold.config.model import ModelSection
 from fivefold.config.output import RESUME_MODES, CheckpointSection, LogSection
 from fivefold.config.parallel import AUTO_MBS_TOKENS, ParallelSection, resolve_mbs
@@ -23,7 +23,7 @@ __all__ = [
     "AUTO_MBS_TOKENS", "CORPUS_BPE_VOCAB", "CORPUS_TOKENIZERS", "RESUME_MODES", "SECTIONS",
     "ArgumentParser", "CheckpointSection", "Config", "ConfigError", "DataSection", "LogSection",
     "ModelSection", "ParallelSection", "RunError", "TrainSection", "apply_overrides", "choice",
-    "coerce", "corpus_tokenizer", "engine_refusal", "from_dict", "load", "positive",
+    "coerce", "corpus_tokenizer", "engine_refusal", "from_dict", "load", "positive", "read",
     "resolve_mbs", "section_class", "set_value", "suggest", "validate", "validate_layout",
     "writable_dir", "writable_file",
 ]

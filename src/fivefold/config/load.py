@@ -123,8 +123,9 @@ def from_dict(data: dict, cfg: Config | None = None) -> Config:
     return cfg
 
 
-def load(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a TOML file (optional), apply `--section.key value` overrides, validate."""
+def read(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """A TOML file (optional) with `--section.key value` overrides applied, each value type
+    checked, but not validated as a whole (the planner reads configs it may not launch)."""
     cfg = Config()
     if path:
         p = Path(path)
@@ -137,6 +138,12 @@ def load(path: str | os.PathLike | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {p} is not valid TOML ({e}); fix the syntax") from None
         from_dict(data, cfg)
     apply_overrides(cfg, overrides or [])
+    return cfg
+
+
+def load(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (optional), apply `--section.key value` overrides, validate."""
+    cfg = read(path, overrides)
     validate(cfg)
     return cfg
 

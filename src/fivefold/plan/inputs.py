@@ -22,9 +22,9 @@ from fivefold.plan.hardware import get_hardware, hardware_for_device_name
 from fivefold.plan.layout import Layout, Workload
 
 if sys.version_info >= (3, 11):
-    import tomllib
+    pass
 else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+    pass
 
 
 def model_from_hf_config(path: str | Path) -> ModelConfig:
@@ -153,17 +153,7 @@ def read_training_config(path: str | Path, overrides: list[str] | None = None) -
     """Parse a training TOML with its `--section.key value` overrides. Only the type checks run
     here, not the full launch validation: a plan may precede the data files and may use
     dimensions the engine does not offer yet (the planner checks the layout itself)."""
-    p = Path(path)
-    if not p.is_file():
-        what = "is a directory" if p.is_dir() else "does not exist"
-        raise ConfigError(f"config file {p} {what}; give the path of a .toml file")
-    try:
-        data = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {p} is not valid TOML ({e}); fix the syntax") from None
-    cfg = fconfig.from_dict(data)
-    fconfig.apply_overrides(cfg, overrides or [])
-    return cfg
+    return fconfig.read(path, overrides)
 
 
 def training_model(cfg: fconfig.Config) -> ModelConfig:
