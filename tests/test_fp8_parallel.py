@@ -37,6 +37,8 @@ from fivefold.config import ConfigError
 from fivefold.lowp.experts import FP8ExpertsMixin
 from fivefold.lowp.linear import FP8LinearMixin
 from fivefold.parallel.mesh import ParallelDims
+from fivefold.plan.comm import ledger_volume
+from fivefold.plan.inputs import training_plan_inputs
 from fivefold.train.trainer import Trainer
 
 BASE = ["--train.precision", "fp8", "--train.gbs", "8", "--parallel.mbs", "2",
@@ -110,3 +112,60 @@ def test_fp8_expert_parallel_tracks_the_single_process_fp8_run(tmp_path):
 def test_blockwise_tp_cut_inside_a_block_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="cutting a 128-wide FP8 block"):
         small_config(tmp_path, *BASE, "--parallel.tp", "2")
+
+
+
+def zero3_tensorwise(rank, world, tmp, fp8_allgather):
+    """Losses and gradient norms of dp2 + ZeRO-3 tensorwise, and of its last step: the dp
+    all-gather bytes of the ledger and of the planner, the FP8 linears' weight elements and
+    the padding of the FP8 gather's messages (each rank's to the largest rank's count)."""
+    cfg = small_config(pathlib.Path(tmp), *BASE, "--train.fp8_recipe", "tensorwise",
+                       "--parallel.dp", "2", "--parallel.zero", "3",
+                       "--parallel.fp8_allgather", str(fp8_allgather).lower())
+    dims = ParallelDims.from_config(cfg.parallel)
+    trainer = Trainer(cfg, dims, quiet=True)
+    fp8_numel = sum(m.weight.numel() for chunk in trainer.model.chunks
+                    for m in chunk.modules() if isinstance(m, FP8LinearMixin))
+    padding = 0  # bytes per gather of every unit, beyond 1 per FP8 element and 2 per other
+    for unit in trainer.optimizer.gatherer.fp8.values():
+        fp8_in_unit = sum(slot.numel for _, slot in unit.views)
+        padding += (world * (unit.n8 + 2 * unit.n16)
+                    - (fp8_in_unit + 2 * (unit.seg.size - fp8_in_unit)))
+    dims.ledger.enabled = True
+    records = [trainer.train_step() for _ in range(STEPS)]  # the ledger keeps the last step
+    ledger = sum(v["bytes"] for k, v in dims.ledger.totals().items() if k[1] == "all_gather")
+    trainer.close()
+    work, layout = training_plan_inputs(cfg)
+    planned = ledger_volume(work, layout)["dp_cp"]["all_gather"]
+    gathers = 2 * work.num_microbatches(layout)  # forward and backward, per micro-batch
+    return ([(r["loss"], r["grad_norm"]) for r in records], ledger, planned, fp8_numel,
+            padding * gathers)
+
+
+def test_zero3_fp8_allgather_gives_the_same_run_at_half_the_weight_bytes(tmp_path):
+    """The FP8 all-gather's bytes of a weight are those of the tensorwise cast of the whole
+    weight (one all-reduced amax per weight, an elementwise cast), so the GEMMs see the same
+    operands: losses and gradient norms are bit-equal (tolerance 0). The ledger's all-gather
+    bytes drop by exactly one byte per FP8-linear weight element per gather (half of bf16's
+    two) less the messages' padding, and the planner's bytes equal the ledger's less that
+    padding (stated exactly; under 2% here)."""
+    off = run_ranks(zero3_tensorwise, 2, str(tmp_path / "off"), False)
+    on = run_ranks(zero3_tensorwise, 2, str(tmp_path / "on"), True)
+    for (runs_off, ledger_off, planned_off, numel, pad_off), (
+            runs_on, ledger_on, planned_on, _, padding) in zip(off, on):
+        assert runs_on == runs_off
+        assert pad_off == 0 and numel > 0
+        gathers = 2 * 2  # 2 micro-batches per rank (gbs 8, dp 2, mbs 2), forward and backward
+        assert ledger_off - ledger_on == numel * gathers - padding
+        assert 0 <= padding < 0.02 * ledger_on
+        assert planned_off == ledger_off
+        assert planned_on == ledger_on - padding
+        assert planned_off - planned_on == numel * gathers
+
+
+def test_fp8_allgather_needs_zero3_and_tensorwise(tmp_path):
+    for args in (["--train.fp8_recipe", "rowwise", "--parallel.zero", "3"],
+                 ["--train.fp8_recipe", "tensorwise", "--parallel.zero", "1"]):
+        with pytest.raises(ConfigError, match="parallel.fp8_allgather = true needs"):
+            small_config(tmp_path, *BASE, "--parallel.dp", "2", *args,
+                         "--parallel.fp8_allgather", "true")

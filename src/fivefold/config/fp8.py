@@ -20,6 +20,9 @@ Rules, each a one-line ConfigError:
     multiple of 128: a 128-wide tile or 128x128 block would straddle the tp cut, so the
     ranks would quantise other groups than one device does. Rowwise and tensorwise have
     no blocks to straddle.
+  - parallel.fp8_allgather without zero = 3, precision fp8 and the tensorwise recipe (one
+    scale per weight, so a rank's shard casts as the whole weight does; torchao does the
+    FP8 all-gather for tensorwise only).
 A keep-out pattern that matches no linear of the model is refused when the model is built
 (lowp/convert.py), where the module names exist.
 """
@@ -38,6 +41,12 @@ FP8_DEFAULTS = {"fp8_recipe": "blockwise", "fp8_grad_format": "auto", "fp8_keep_
 def check_fp8(cfg, mc) -> None:
     tr = cfg.train
     choice("train.fp8_recipe", tr.fp8_recipe, FP8_RECIPES)
+    if cfg.parallel.fp8_allgather and (cfg.parallel.zero != 3 or tr.precision != "fp8"
+                                       or tr.fp8_recipe != "tensorwise"):
+        raise ConfigError(f"parallel.fp8_allgather = true needs parallel.zero = 3, "
+                          f"train.precision = 'fp8' and train.fp8_recipe = 'tensorwise' (got "
+                          f"zero = {cfg.parallel.zero}, precision = '{tr.precision}', recipe "
+                          f"= '{tr.fp8_recipe}'); set those or parallel.fp8_allgather = false")
     choice("train.fp8_grad_format", tr.fp8_grad_format, FP8_GRAD_FORMATS)
     if tr.precision != "fp8":
         for key, default in FP8_DEFAULTS.items():

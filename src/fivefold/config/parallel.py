@@ -38,6 +38,8 @@ class ParallelSection:
     # planner predicts a step at most 2% slower (plan/grad_sync.py)
     grad_sync: str = "auto"  # ZeRO-2/3 gradient reduce-scatter: auto | step | microbatch
     timeout_s: float = 300.0  # a collective waiting longer than this fails the run
+    # needs zero = 3, train.precision = fp8 and fp8_recipe = tensorwise (parallel/zero3_fp8.py)
+    fp8_allgather: bool = False  # ZeRO-3 gathers FP8 linears' weights in FP8 (half of bf16)
     backend: str = "auto"  # auto | gloo | nccl
 
     @property

@@ -84,13 +84,16 @@ class FP8LinearFunction(torch.autograd.Function):
     """y = x Wᵀ + b; saves the FP8 input (data and scales), not the high-precision one."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: FP8Recipe):
+    def forward(ctx, x, weight, bias, recipe: FP8Recipe, wq: FP8Tensor | None = None):
+        # wq: the weight already quantised (ZeRO-3's FP8 all-gather, tensorwise)
         xq = _quantized_input(x, recipe)
-        y = fp8_mm(xq, recipe.quantize_weight(weight), out_dtype=x.dtype)
+        y = fp8_mm(xq, recipe.quantize_weight(weight) if wq is None else wq,
+                   out_dtype=x.dtype)
         if bias is not None:
             y = y + bias
         ctx.save_for_backward(xq.data, xq.scale, weight)
         ctx.recipe, ctx.has_bias, ctx.x_shape = recipe, bias is not None, x.shape
+        ctx.wq = wq  # its data is a view of ZeRO-3's gathered bytes, gathered again for backward
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -101,7 +104,8 @@ class FP8LinearFunction(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             gq = recipe.quantize_act(g2, recipe.grad_format)
-            wt = recipe.quantize_weight(weight.t())  # quantised along N, the dgrad's K
+            wt = (recipe.quantize_weight(weight.t()) if ctx.wq is None  # along N, dgrad's K
+                  else ctx.wq.t())
             grad_x = fp8_mm(gq, wt, out_dtype=grad.dtype).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             xq = FP8Tensor(x_data, x_scale, recipe.act_granularity, E4M3, recipe.block)
@@ -111,7 +115,7 @@ class FP8LinearFunction(torch.autograd.Function):
             grad_w = fp8_mm(gt, xt, out_dtype=weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(grad.dtype)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 # The last input quantised: q, k and v (gate and up) read the same tensor, and quantising
@@ -139,9 +143,9 @@ def _quantized_input(x: torch.Tensor, recipe: FP8Recipe) -> FP8Tensor:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               recipe: FP8Recipe) -> torch.Tensor:
-    """F.linear with FP8 GEMMs."""
-    return FP8LinearFunction.apply(x, weight, bias, recipe)
+               recipe: FP8Recipe, wq: FP8Tensor | None = None) -> torch.Tensor:
+    """F.linear with FP8 GEMMs (`wq`: the weight already quantised, if it is)."""
+    return FP8LinearFunction.apply(x, weight, bias, recipe, wq)
 
 
 class FP8LinearFn:
@@ -166,7 +170,8 @@ class FP8LinearMixin:
     fp8_recipe: FP8Recipe = FP8Recipe()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.bias, self.fp8_recipe)
+        return fp8_linear(x, self.weight, self.bias, self.fp8_recipe,
+                          getattr(self, "fp8_weight", None))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8_recipe.name}"

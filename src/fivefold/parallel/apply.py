@@ -65,6 +65,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
         from fivefold.lowp.convert import apply_fp8
 
         apply_fp8(model, cfg.train, device)
+        if par.fp8_allgather:  # ZeRO-3 gathers these weights in FP8 (parallel/zero3_fp8.py)
+            from fivefold.lowp.linear import FP8LinearMixin
+
+            for module in model.modules():
+                if isinstance(module, FP8LinearMixin):
+                    module.fp8_gather = True
     apply_recompute(model, cfg.train.recompute, recompute_policies)
     if par.pp > 1:
         from fivefold.parallel.pipeline.stages import split_stages

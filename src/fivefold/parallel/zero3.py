@@ -80,6 +80,22 @@ def zero3_units(chunks: list[nn.Module], named_params) -> tuple[list[list[int]],
     return groups, units
 
 
+def fp8_units(layout: FlatLayout, units: list, rank: int, device: torch.device) -> dict:
+    """Unit index -> its FP8 gather, for units holding weights of modules marked
+    `fp8_gather` (parallel.fp8_allgather: tensorwise FP8 linears)."""
+    from fivefold.parallel.zero3_fp8 import FP8UnitGather
+
+    slot_of = {id(slot.param): slot for slot in layout.params}
+    out = {}
+    for u, unit in enumerate(units):
+        weights = [(slot_of[id(m.weight)], m) for m in unit.module.modules()
+                   if getattr(m, "fp8_gather", False) and id(m.weight) in slot_of
+                   and slot_of[id(m.weight)].segment == u]
+        if weights:
+            out[u] = FP8UnitGather(layout, layout.segments[u], weights, rank, device)
+    return out
+
+
 class ParamGatherer:
     def __init__(self, layout: FlatLayout, units: list, group: comm.Group, dtype: torch.dtype,
                  device: torch.device, watchdog):
@@ -89,6 +105,7 @@ class ParamGatherer:
         self.full: list[torch.Tensor] = []
         self.state = [FREE] * len(units)
         self.handles: dict[int, object] = {}
+        self.fp8: dict = {}
         with torch.no_grad():
             for seg in layout.segments:
                 full = torch.zeros(seg.size, dtype=dtype, device=device)
@@ -103,6 +120,7 @@ class ParamGatherer:
                 self.state[seg.index] = READY
                 self.free(seg.index)
         self.unit_of = {id(slot.param): slot.segment for slot in layout.params}
+        self.fp8 = fp8_units(layout, units, self.rank, device)  # parallel.fp8_allgather
         self.backward_next = [self._backward_next(u) for u in range(len(units))]  # prefetch
         self._hooks = []
         for u, unit in enumerate(units):
@@ -116,6 +134,11 @@ class ParamGatherer:
             return
         seg, full = self.layout.segments[u], self.full[u]
         full.untyped_storage().resize_(seg.size * full.element_size())
+        if u in self.fp8:  # FP8-linear weights gather in FP8 (zero3_fp8.py), synchronously
+            self.fp8[u].gather(full, self.shard, self.group)
+            self.state[u] = READY
+            peak.sample("unit gathered")
+            return
         self.handles[u] = comm.all_gather(full, self.layout.segment_shard(self.shard, seg),
                                           self.group, async_op=True)
         self.state[u] = GATHERING
@@ -137,6 +160,8 @@ class ParamGatherer:
         if self.state[u] == GATHERING:
             self.ensure(u)  # never free memory a collective is still writing
         self.full[u].untyped_storage().resize_(0)
+        if u in self.fp8:
+            self.fp8[u].free()
         self.state[u] = FREE
 
     def free_all(self) -> None:

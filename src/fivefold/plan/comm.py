@@ -15,6 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from fivefold.plan.activations import kv_heads_per_rank
+from fivefold.plan.fp8 import fp8_gather_params
 from fivefold.plan.layout import (
     Layout,
     Workload,
@@ -132,8 +133,9 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
     # --- data parallel / ZeRO over dp×cp (experts over dp·cp/ep; at ep 1 they share the
     # dense weights' buffers, parallel/expert_optim.py) ---
     expert_group = "edp" if lay.ep > 1 else dp_group_name(lay)
-    for group, n, elems in ((dp_group_name(lay), lay.dp * lay.cp, params["dense"]),
-                            (expert_group, lay.dp * lay.cp // lay.ep, params["expert"])):
+    for k, (group, n, elems) in enumerate((
+            (dp_group_name(lay), lay.dp * lay.cp, params["dense"]),
+            (expert_group, lay.dp * lay.cp // lay.ep, params["expert"]))):
         rs_calls = m if (lay.zero >= 2 and work.grad_sync == "microbatch") else 1
         if lay.zero == 0:
             add(group, "all_reduce", grad_bytes, elems, 1, n, "grad", "gradients")
@@ -143,8 +145,11 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
         elif keeps_gathered(work, lay):  # gathered once, kept through every micro-batch
             add(group, "all_gather", bpp.param, elems, 1, n, "fwd", "parameters (kept)")
         else:
-            add(group, "all_gather", bpp.param, elems, m, n, "fwd", "parameters (forward)")
-            add(group, "all_gather", bpp.param, elems, m, n, "bwd", "parameters (backward)")
+            fp8 = fp8_gather_params(work, lay, layers) if k == 0 else 0
+            for phase in ("fwd", "bwd"):  # FP8 linears' weights in FP8 with fp8_allgather
+                add(group, "all_gather", bpp.param, elems - fp8, m, n, phase,
+                    "parameters (forward)" if phase == "fwd" else "parameters (backward)")
+                add(group, "all_gather", 1, fp8, m, n, phase, "FP8 linear weights (FP8)")
             add(group, "reduce_scatter", grad_bytes, elems, rs_calls, n, "grad", "gradients")
     if (lay.zero == 3 and mc.tie_embeddings and lay.pp > 1 and 0 in chunks and last in chunks
             and lay.dp * lay.cp > 1):

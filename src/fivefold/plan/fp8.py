@@ -13,6 +13,12 @@ Scales per saved input of K channels (fp32): tensorwise 4 bytes; rowwise 4 per t
 blockwise 4 per token per 128 channels (DeepSeek-V3's 1x128 tiles). The engine checks this
 to the byte (tests/test_fp8_train.py); MoE experts and selective/full recomputation keep
 their bf16 terms here (not modelled for FP8).
+
+parallel.fp8_allgather (ZeRO-3, tensorwise): the dense layers' linear weights (q, k, v, o and
+the MLP's; not the head, norms, embedding or MoE experts) are all-gathered as 1-byte FP8
+(parallel/zero3_fp8.py); `fp8_gather_params` counts them per rank. The engine pads each
+rank's FP8 and bf16 messages to the largest rank's count (a unit's shard boundaries fall
+anywhere in its weights), which this does not count: well under 1% of a unit at real sizes.
 """
 
 from __future__ import annotations
@@ -46,3 +52,16 @@ def apply_fp8_terms(terms: dict[str, float], *, recipe: str, tokens: float, h: i
     product = tokens * f * dtype_bytes
     if swiglu:
         terms["mlp_hidden"] += saved_input(recipe, tokens, f) - product
+
+
+def fp8_gather_params(work, layout, layers: int) -> float:
+    """Elements of this rank's FP8-linear weights that ZeRO-3 gathers in FP8 (dense layers
+    of `layers` on this pipeline stage, over tp); 0 unless parallel.fp8_allgather is on."""
+    mc = work.model
+    if not (work.fp8_allgather and work.precision == "fp8" and layout.zero == 3):
+        return 0
+    h = mc.hidden_size
+    attn = h * mc.q_size * 2 + h * mc.kv_size * 2  # q, o; k, v
+    mlp = h * mc.intermediate_size * (3 if mc.mlp == "swiglu" else 2)
+    dense_layers = layers - (layers * mc.num_moe_layers / mc.num_layers if mc.num_experts else 0)
+    return (attn * layers + mlp * dense_layers) / layout.tp

@@ -179,6 +179,7 @@ def training_plan_inputs(cfg: fconfig.Config, hw=None, assume=None,
     workload_options.setdefault("grad_sync", getattr(par, "grad_sync", "step"))
     workload_options.setdefault("memory_budget_gib", getattr(tr, "memory_budget_gib", 0.0))
     workload_options.setdefault("fp8_recipe", getattr(tr, "fp8_recipe", "blockwise"))
+    workload_options.setdefault("fp8_allgather", getattr(par, "fp8_allgather", False))
     lora = getattr(cfg, "lora", None)
     if lora is not None and lora.rank > 0:  # a frozen base with adapters (plan/lora.py)
         workload_options.setdefault("lora_rank", lora.rank)

@@ -126,6 +126,7 @@ class Workload:
     lora_base: str = "none"  # the frozen base's storage: none (compute dtype) | nf4 | int8
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     fp8_recipe: str = "blockwise"  # precision = fp8: how the saved inputs scale (plan/fp8.py)
+    fp8_allgather: bool = False  # ZeRO-3 gathers FP8 linears' weights at 1 byte (plan/fp8.py)
 
     @property
     def dtype_bytes(self) -> int:
