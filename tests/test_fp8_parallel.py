@@ -35,7 +35,7 @@ from harness import run_ranks
 
 from fivefold.config import ConfigError
 from fivefold.lowp.experts import FP8ExpertsMixin
-from fivefold.lowp.linear import FP8LinearMixin
+from fivefold.lowp.linear import FP8LinearMixin, FP8Recipe
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.plan.comm import ledger_volume
 from fivefold.plan.inputs import training_plan_inputs
@@ -115,15 +115,23 @@ def test_blockwise_tp_cut_inside_a_block_is_refused(tmp_path):
 
 
 
-def zero3_tensorwise(rank, world, tmp, fp8_allgather):
+def zero3_tensorwise(rank, world, tmp, fp8_allgather, extra=()):
     """Losses and gradient norms of dp2 + ZeRO-3 tensorwise, and of its last step: the dp
     all-gather bytes of the ledger and of the planner, the FP8 linears' weight elements and
     the padding of the FP8 gather's messages (each rank's to the largest rank's count)."""
     cfg = small_config(pathlib.Path(tmp), *BASE, "--train.fp8_recipe", "tensorwise",
                        "--parallel.dp", "2", "--parallel.zero", "3",
-                       "--parallel.fp8_allgather", str(fp8_allgather).lower())
+                       "--parallel.fp8_allgather", str(fp8_allgather).lower(), *extra)
     dims = ParallelDims.from_config(cfg.parallel)
     trainer = Trainer(cfg, dims, quiet=True)
+    quantized = [0]  # weights the GEMMs quantise themselves (none with the FP8 gather)
+    quantize_weight = FP8Recipe.quantize_weight
+
+    def counting(recipe, w):
+        quantized[0] += 1
+        return quantize_weight(recipe, w)
+
+    FP8Recipe.quantize_weight = counting  # this forked rank's copy of the class only
     fp8_numel = sum(m.weight.numel() for chunk in trainer.model.chunks
                     for m in chunk.modules() if isinstance(m, FP8LinearMixin))
     padding = 0  # bytes per gather of every unit, beyond 1 per FP8 element and 2 per other
@@ -138,8 +146,9 @@ def zero3_tensorwise(rank, world, tmp, fp8_allgather):
     work, layout = training_plan_inputs(cfg)
     planned = ledger_volume(work, layout)["dp_cp"]["all_gather"]
     gathers = 2 * work.num_microbatches(layout)  # forward and backward, per micro-batch
+    FP8Recipe.quantize_weight = quantize_weight
     return ([(r["loss"], r["grad_norm"]) for r in records], ledger, planned, fp8_numel,
-            padding * gathers)
+            padding * gathers, quantized[0])
 
 
 def test_zero3_fp8_allgather_gives_the_same_run_at_half_the_weight_bytes(tmp_path):
@@ -151,9 +160,10 @@ def test_zero3_fp8_allgather_gives_the_same_run_at_half_the_weight_bytes(tmp_pat
     padding (stated exactly; under 2% here)."""
     off = run_ranks(zero3_tensorwise, 2, str(tmp_path / "off"), False)
     on = run_ranks(zero3_tensorwise, 2, str(tmp_path / "on"), True)
-    for (runs_off, ledger_off, planned_off, numel, pad_off), (
-            runs_on, ledger_on, planned_on, _, padding) in zip(off, on):
+    for (runs_off, ledger_off, planned_off, numel, pad_off, quantized_off), (
+            runs_on, ledger_on, planned_on, _, padding, quantized_on) in zip(off, on):
         assert runs_on == runs_off
+        assert quantized_off > 0 and quantized_on == 0  # the GEMMs took the gathered FP8
         assert pad_off == 0 and numel > 0
         gathers = 2 * 2  # 2 micro-batches per rank (gbs 8, dp 2, mbs 2), forward and backward
         assert ledger_off - ledger_on == numel * gathers - padding
@@ -161,6 +171,17 @@ def test_zero3_fp8_allgather_gives_the_same_run_at_half_the_weight_bytes(tmp_pat
         assert planned_off == ledger_off
         assert planned_on == ledger_on - padding
         assert planned_off - planned_on == numel * gathers
+
+
+def test_zero3_fp8_allgather_under_full_recompute_gives_the_same_run(tmp_path):
+    """Full recomputation runs each block's forward again inside backward, on the unit
+    gathered again in FP8: bit-equal to the run without the option (tolerance 0)."""
+    extra = ("--train.recompute", "full")
+    off = run_ranks(zero3_tensorwise, 2, str(tmp_path / "off"), False, extra)
+    on = run_ranks(zero3_tensorwise, 2, str(tmp_path / "on"), True, extra)
+    for result_off, result_on in zip(off, on):
+        assert result_on[0] == result_off[0]
+        assert result_on[5] == 0 < result_off[5]
 
 
 def test_fp8_allgather_needs_zero3_and_tensorwise(tmp_path):
