@@ -22,3 +22,22 @@ def small_config(tmp_path, *overrides: str, **kw) -> config.Config:
         *overrides,
     ]
     return config.load(None, args)
+
+
+def assert_same_lora_run(losses, norms, adapters: dict, rank_runs) -> None:
+    """A parallel LoRA run against the single process it must reproduce. `rank_runs` holds,
+    per rank, (losses, gradient norms, the adapter tensors that rank holds). Every rank's
+    losses within 1e-6 relative and gradient norms within 1e-5 relative; the adapters gathered
+    from all ranks name the same tensors, each within 1e-5 absolute after its AdamW steps (the
+    parameter tolerance of the full-training parity tests, tests/test_data_parallel.py)."""
+    merged = {}
+    for got_losses, got_norms, rank_adapters in rank_runs:
+        for a, b in zip(losses, got_losses, strict=True):
+            assert abs(a - b) <= 1e-6 * abs(a), (losses, got_losses)
+        for a, b in zip(norms, got_norms, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(a), (norms, got_norms)
+        merged.update(rank_adapters)
+    assert adapters and set(merged) == set(adapters), (sorted(merged), sorted(adapters))
+    for name, value in adapters.items():
+        diff = (merged[name] - value).abs().max().item()
+        assert diff <= 1e-5, (name, diff)

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from common import small_config
+from common import assert_same_lora_run, small_config
 from harness import run_ranks
 
 from fivefold.parallel.mesh import ParallelDims
@@ -94,17 +94,8 @@ def test_zero3_shards_the_frozen_base(hf_base, singles, base, layout, world):
         ranks = run_ranks(_run, world, tmp, args + layout)
 
     # The same run: losses, gradient norms, final adapters.
-    for r in ranks:
-        for a, b in zip(single["losses"], r["losses"], strict=True):
-            assert abs(a - b) <= 1e-6 * abs(a), (single["losses"], r["losses"])
-        for a, b in zip(single["norms"], r["norms"], strict=True):
-            assert abs(a - b) <= 1e-5 * abs(a), (single["norms"], r["norms"])
-    merged = {}
-    for r in ranks:
-        merged.update(r["adapters"])
-    assert set(merged) == set(single["adapters"]) and single["adapters"]
-    for name, value in single["adapters"].items():
-        assert (merged[name] - value).abs().max().item() <= 1e-5, name
+    assert_same_lora_run(single["losses"], single["norms"], single["adapters"],
+                         [(r["losses"], r["norms"], r["adapters"]) for r in ranks])
 
     # Resident frozen bytes: the blocks' frozen bytes halved (each block padded to even),
     # the rest (tied embedding, final norm) whole; no gathered block left after the step.
