@@ -118,7 +118,8 @@ def bench_checkpoint(item: str, args, tmp: Path) -> tuple[str, dict]:
         print(f"[{name}] {method}: ppl {rows[method]['perplexity']:.4f} "
               f"({quantize_s:.1f} s to quantise)", flush=True)
     variants = awq_variants(step, calib_samples, calib_seq_len, tokens, seq_len, args,
-                            rows["fp32"]["perplexity"], rows["int4"]["perplexity"], name)
+                            rows["fp32"]["perplexity"], rows["int4"]["perplexity"], name,
+                            tmp)
     fp32, rtn, awq = (rows[k]["perplexity"] for k in ("fp32", "int4", "awq"))
     goals = {
         "int8_relative_change": rows["int8"]["perplexity"] / fp32 - 1,
@@ -136,40 +137,37 @@ def bench_checkpoint(item: str, args, tmp: Path) -> tuple[str, dict]:
                   "rows": rows, "goals": goals, "awq_variants": variants}
 
 
-# Other AWQ settings, each from the same float checkpoint and the same calibration tokens
-# (the run's training split), quantised in memory: the error measured on the decoder layer's
-# output instead of the attention/MLP/linear (llm-awq and AutoAWQ measure the module), and
-# AutoAWQ's duo scaling s = mean|x|^α / mean|w|^(1-α) (awq.scale_for), each with and without
-# the clip search.
-AWQ_VARIANTS = {"module, no clip": {"clip": False},
-                "layer loss": {"loss": "layer"},
-                "layer loss, no clip": {"loss": "layer", "clip": False},
-                "duo scaling": {"duo": True},
-                "duo scaling, no clip": {"duo": True, "clip": False}}
+# Other AWQ settings, each `fivefold quantize --method awq` with the same calibration tokens
+# (the run's training split) and one more option, written and read back as the main rows are:
+# the error measured on the decoder layer's output instead of the attention/MLP/linear
+# (llm-awq and AutoAWQ measure the module), and AutoAWQ's duo scaling
+# s = mean|x|^α / mean|w|^(1-α) (awq.scale_for), each with and without the clip search.
+AWQ_VARIANTS = {"module, no clip": ["--no-clip"],
+                "layer loss": ["--awq-loss", "layer"],
+                "layer loss, no clip": ["--awq-loss", "layer", "--no-clip"],
+                "duo scaling": ["--duo"],
+                "duo scaling, no clip": ["--duo", "--no-clip"]}
 
 
 def awq_variants(step: Path, samples: int, calib_len: int, tokens, seq_len: int, args,
-                 fp32: float, rtn: float, name: str) -> dict:
-    from fivefold.quant.awq import apply_awq
-    from fivefold.quant.cli import build_parser, calibration_tokens, load_float
-    from fivefold.quant.convert import QuantSpec, quantize_
-
+                 fp32: float, rtn: float, name: str, tmp: Path) -> dict:
     if not args.awq_variants:
         return {}
-    argv = ["--checkpoint", str(step), "--method", "awq", "--out", "unused",
-            "--calib-samples", str(samples), "--calib-seq-len", str(calib_len)]
-    qargs = build_parser().parse_args(argv)
     out = {}
-    for label, options in AWQ_VARIANTS.items():
-        model, model_cfg, tokenizer, _, data = load_float(qargs)
-        calib = calibration_tokens(qargs, model_cfg, tokenizer, data)
+    for index, (label, flags) in enumerate(AWQ_VARIANTS.items()):
+        directory = tmp / f"{name}-awq-variant-{index}"
+        argv = ["--checkpoint", str(step), "--method", "awq", "--out", str(directory),
+                "--calib-samples", str(samples), "--calib-seq-len", str(calib_len), *flags]
         started = time.perf_counter()
-        report = apply_awq(model, calib, 128, False, **options)
-        quantize_(model, QuantSpec("awq"))
+        if quantize_main(argv) != 0:
+            raise SystemExit(f"fivefold quantize {' '.join(argv)} failed")
         quantize_s = time.perf_counter() - started
+        model, _, _ = load_quantized(directory)
+        manifest = json.loads((directory / "quantized.json").read_text())["awq"]
         row = {**evaluate(model, tokens, seq_len), "quantize_s": quantize_s,
-               "options": {"clip": True, "duo": False, "loss": "module", **options},
-               "calibration_error_vs_rtn": report.summary()}
+               "flags": flags, "options": {k: manifest[k] for k in ("clip", "duo", "loss")},
+               "alphas": manifest["alphas"],
+               "calib_error_vs_rtn": manifest["calib_error_vs_rtn"]}
         row["share_of_rtn_gap_closed"] = ((rtn - row["perplexity"]) / (rtn - fp32)
                                           if rtn > fp32 else None)
         out[label] = row

@@ -2,6 +2,7 @@
 inputs (one line on stderr, exit 2, nothing written or overwritten)."""
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,32 @@ def test_awq_with_a_calibration_file(work, capsys):
     assert code == 0, err
 
 
+def test_awq_search_options_reach_the_search(work, capsys):
+    """--duo --awq-loss layer --alpha-grid 5 --no-clip: the written model equals apply_awq
+    with those options in memory, and the manifest records them."""
+    from fivefold.quant.awq import apply_awq
+    from fivefold.quant.cli import build_parser, calibration_tokens
+
+    out = work / "q-awq-options"
+    argv = ["--hf", str(work / "hf"), "--method", "awq", "--calib", str(work / "calib.bin"),
+            "--calib-samples", "4", "--calib-seq-len", "32", "--duo", "--awq-loss", "layer",
+            "--alpha-grid", "5", "--no-clip", "--out", str(out)]
+    code, stdout, err = run(capsys, "quantize", *argv)
+    assert code == 0, err
+    manifest = json.loads((out / "quantized.json").read_text())["awq"]
+    assert (manifest["duo"], manifest["loss"], manifest["alpha_grid"], manifest["clip"]) == (
+        True, "layer", 5, False)
+    assert set(manifest["alphas"]) <= {0.0, 0.25, 0.5, 0.75, 1.0}
+    expected = build_model(CFG, seed=3)
+    tokens = calibration_tokens(build_parser().parse_args(argv), CFG, "byte", None)
+    apply_awq(expected, tokens, duo=True, loss="layer", n_grid=5, clip=False)
+    quantize_(expected, "awq")
+    model, _, _ = load_quantized(out)
+    probe = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(probe), expected(probe))
+
+
 def bad_inputs(work):
     hf = str(work / "hf")
     existing = work / "existing"
@@ -97,6 +124,14 @@ def bad_inputs(work):
                                str(work / "x3")], "fewer than one calibration sequence of 64"),
         "awq without data": (["quantize", "--hf", hf, "--method", "awq", "--out",
                               str(work / "x4")], "give --calib TOKENS"),
+        "unknown awq loss": (["quantize", "--hf", hf, "--method", "awq", "--awq-loss",
+                              "layers", "--out", str(work / "x9")],
+                             "--awq-loss 'layers' is unknown"),
+        "alpha grid": (["quantize", "--hf", hf, "--method", "awq", "--alpha-grid", "1",
+                        "--out", str(work / "x10")], "--alpha-grid 1 must be >= 2"),
+        "awq option without awq": (["quantize", "--hf", hf, "--method", "int4", "--duo",
+                                    "--out", str(work / "x11")],
+                                   "--duo applies to --method awq only"),
         "existing output": (["quantize", "--hf", hf, "--method", "int8", "--out",
                              str(existing)], "already exists"),
         "quantised to train (hf_path)": (["train", "--model.hf_path", str(work / "q-int8"),
@@ -131,7 +166,7 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(work, capsys):
         lines = err.strip().splitlines()
         assert len(lines) == 1 and expected in lines[0], (case, err)
     assert before == {d: digest(work / d) for d in ("existing", "q-int8", "hf")}
-    assert not any((work / f"x{i}").exists() for i in range(1, 9))
+    assert not any((work / f"x{i}").exists() for i in range(1, 12))
 
 
 def test_awq_from_a_training_checkpoint_calibrates_on_its_training_split(tmp_path, capsys):

@@ -49,6 +49,7 @@ CLIP_GRID = 20           # llm-awq: n_grid 20, max_shrink 0.5 -> ratios 1.0, 0.9
 CLIP_MAX_SHRINK = 0.5
 CLIP_TOKENS = 512        # llm-awq's n_sample_token for the clip search
 SCALE_FLOOR = 1e-4       # llm-awq clamps s_X^α at 1e-4
+LOSSES = ("module", "layer")   # where a group's output error is measured
 
 
 @dataclass
@@ -65,9 +66,13 @@ class AWQReport:
     groups: list[GroupResult] = field(default_factory=list)
     clipped: list[str] = field(default_factory=list)
 
-    def summary(self) -> str:
+    def error_ratio(self) -> float:
+        """Mean over groups of the output error at the chosen scale over RTN's (<= 1)."""
         gain = [g.error_awq / g.error_rtn for g in self.groups if g.error_rtn > 0]
-        mean = sum(gain) / max(len(gain), 1)
+        return sum(gain) / max(len(gain), 1)
+
+    def summary(self) -> str:
+        mean = self.error_ratio()
         return (f"AWQ: {len(self.groups)} linear groups scaled, output error {mean:.3f}x "
                 f"RTN's on the calibration data (mean), {len(self.clipped)} linears clipped")
 
@@ -238,8 +243,8 @@ def apply_awq(model: nn.Module, tokens: torch.Tensor, group_size: int = 128,
     `duo` uses AutoAWQ's duo scaling (see `scale_for`). `loss` is where a group's error is
     measured: "module" (llm-awq/AutoAWQ: the attention, the MLP, or the linear itself) or
     "layer" (the whole decoder layer's output, residuals included)."""
-    if loss not in ("module", "layer"):
-        raise ValueError(f"loss must be 'module' or 'layer', not {loss!r}")
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, not {loss!r}")
 
     def quantize(w: torch.Tensor) -> torch.Tensor:
         return fake_quantize_int4(w, group_size, symmetric)

@@ -4,6 +4,7 @@ checkpoint out, with its size report.
     fivefold quantize --checkpoint C | --hf DIR --method int8|int4|awq|nf4|mxfp4
                       [--group-size 128] [--symmetric] [--calib TOKENS]
                       [--calib-samples 128] [--calib-seq-len 512] [--no-clip]
+                      [--duo] [--awq-loss module|layer] [--alpha-grid 20]
                       [--include-head] --out Q [--overwrite]
 
 Every input is checked before the model is changed and before anything is written: the
@@ -24,6 +25,7 @@ import torch
 
 from fivefold.config import ArgumentParser, ConfigError, suggest
 from fivefold.numerics.intx import DEFAULT_GROUP_SIZE
+from fivefold.quant.awq import ALPHA_GRID, LOSSES
 from fivefold.quant.convert import METHODS, QuantSpec, check_shapes, quantize_
 
 DEFAULT_CALIB_SAMPLES = 128    # AWQ §4: 128 samples of 512 tokens (from the Pile)
@@ -47,6 +49,15 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--calib-seq-len", type=int, default=DEFAULT_CALIB_SEQ_LEN,
                    help="tokens per calibration sequence (at most the model's max_seq_len)")
     p.add_argument("--no-clip", action="store_true", help="awq: skip the clipping search")
+    p.add_argument("--duo", action="store_true",
+                   help="awq: AutoAWQ's duo scaling s = mean|x|^a / mean|w|^(1-a) instead of "
+                        "llm-awq's s = mean|x|^a")
+    p.add_argument("--awq-loss", default=None,
+                   help="awq: where each group's error is measured: module (default: the "
+                        "attention, the MLP or the linear, as llm-awq) or layer (the decoder "
+                        "layer's output)")
+    p.add_argument("--alpha-grid", type=int, default=None,
+                   help=f"awq: points of the alpha search over [0, 1] (default {ALPHA_GRID})")
     p.add_argument("--include-head", action="store_true",
                    help="quantise the output head too (untied heads only)")
     p.add_argument("--out", required=True, help="the directory to write")
@@ -135,7 +146,30 @@ def check_inputs(args) -> QuantSpec:
     if out.resolve() == source or source.is_relative_to(out.resolve()):
         raise ConfigError(f"--out {out} would replace the model being quantised; give "
                           f"another directory")
+    check_awq_options(args)
     return QuantSpec(args.method, args.group_size, args.symmetric, args.include_head)
+
+
+def check_awq_options(args) -> None:
+    """AWQ's search options: valid values, and only with --method awq (elsewhere they would
+    be ignored silently). Fills in the defaults."""
+    given = [flag for flag, value in (("--no-clip", args.no_clip), ("--duo", args.duo),
+                                      ("--awq-loss", args.awq_loss),
+                                      ("--alpha-grid", args.alpha_grid))
+             if value not in (None, False)]
+    if args.method != "awq" and given:
+        raise ConfigError(f"{given[0]} applies to --method awq only, not {args.method}; "
+                          f"drop it or use --method awq")
+    if args.awq_loss is None:
+        args.awq_loss = "module"
+    elif args.awq_loss not in LOSSES:
+        raise ConfigError(f"--awq-loss '{args.awq_loss}' is unknown"
+                          f"{suggest(args.awq_loss, LOSSES)}; use one of {', '.join(LOSSES)}")
+    if args.alpha_grid is None:
+        args.alpha_grid = ALPHA_GRID
+    elif args.alpha_grid < 2:
+        raise ConfigError(f"--alpha-grid {args.alpha_grid} must be >= 2 (alpha 0 and 1 at "
+                          f"least; {ALPHA_GRID} is AWQ's choice)")
 
 
 def run(args) -> int:
@@ -160,11 +194,16 @@ def run(args) -> int:
         tokens = calibration_tokens(args, model_cfg, tokenizer, data)
         print(f"AWQ: calibrating on {tokens.shape[0]} x {tokens.shape[1]} tokens", flush=True)
         report = apply_awq(model, tokens, spec.group_size, spec.symmetric,
-                           clip=not args.no_clip, log=lambda line: print(line, flush=True))
+                           clip=not args.no_clip, n_grid=args.alpha_grid,
+                           log=lambda line: print(line, flush=True), duo=args.duo,
+                           loss=args.awq_loss)
         print(report.summary())
         extra["awq"] = {"calib_samples": int(tokens.shape[0]),
                         "calib_seq_len": int(tokens.shape[1]), "clip": not args.no_clip,
-                        "alphas": [g.alpha for g in report.groups]}
+                        "duo": args.duo, "loss": args.awq_loss,
+                        "alpha_grid": args.alpha_grid,
+                        "alphas": [g.alpha for g in report.groups],
+                        "calib_error_vs_rtn": report.error_ratio()}
     names = quantize_(model, spec)
     size = size_report(float_bytes, 4, model)   # loaded in fp32
     out = save_quantized(model, model_cfg, spec, args.out, tokenizer, source, size,
