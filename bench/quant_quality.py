@@ -134,7 +134,9 @@ def bench_checkpoint(item: str, args, tmp: Path) -> tuple[str, dict]:
                   "eval": {"data": described, "seq_len": seq_len,
                            "tokens": rows["fp32"]["tokens"]},
                   "calibration": {"samples": calib_samples, "seq_len": calib_seq_len},
-                  "rows": rows, "goals": goals, "awq_variants": variants}
+                  "rows": rows, "goals": goals, "awq_variants": variants,
+                  "activation_max_over_median": activation_spread(step, calib_samples,
+                                                                  calib_seq_len)}
 
 
 # Other AWQ settings, each `fivefold quantize --method awq` with the same calibration tokens
@@ -178,6 +180,32 @@ def awq_variants(step: Path, samples: int, calib_len: int, tokens, seq_len: int,
     return out
 
 
+def activation_spread(step: Path, samples: int, calib_len: int) -> dict:
+    """Per layer and AWQ group, max over median of the per-input-channel mean |x| on the
+    calibration tokens: how salient the largest channels are, which is what AWQ's scales
+    act on (the paper's premise: a few channels carry much larger activations)."""
+    from fivefold.quant.awq import layer_groups, layer_inputs, record_inputs
+    from fivefold.quant.cli import build_parser, calibration_tokens, load_float
+
+    qargs = build_parser().parse_args(["--checkpoint", str(step), "--method", "awq", "--out",
+                                       "unused", "--calib-samples", str(samples),
+                                       "--calib-seq-len", str(calib_len)])
+    model, model_cfg, tokenizer, _, data = load_float(qargs)
+    tokens = calibration_tokens(qargs, model_cfg, tokenizer, data)
+    spread: dict[str, list[float]] = {}
+    with torch.no_grad():
+        hidden, cos, sin = layer_inputs(model, tokens)
+        for layer in model.layers:
+            firsts = [g.linears[0] for g in layer_groups(layer)]
+            hidden, inputs = record_inputs(layer, firsts,
+                                           lambda m=layer, h=hidden: m(h, cos, sin))
+            for name in firsts:
+                x_mean = inputs[name].abs().reshape(-1, inputs[name].shape[-1]).mean(0)
+                spread.setdefault(name.split(".")[-1], []).append(
+                    float(x_mean.max() / x_mean.median()))
+    return spread
+
+
 def print_table(name: str, result: dict) -> None:
     rows, fp32 = result["rows"], result["rows"]["fp32"]
     print(f"\n{name}: {result['model']}, {result['parameters'] / 1e6:.2f}M parameters, "
@@ -196,6 +224,10 @@ def print_table(name: str, result: dict) -> None:
           f"{g['int8_within_1pct']}); AWQ <= RTN: {g['awq_no_worse_than_rtn']}; AWQ closes "
           f"{'n/a' if share is None else f'{100 * share:.0f}%'} of RTN's gap (>= 50%: "
           f"{g['awq_closes_half_the_gap']})")
+    spread = result.get("activation_max_over_median", {})
+    if spread:
+        print("activation max/median channel mean|x| per group (min..max over layers): " +
+              ", ".join(f"{k} {min(v):.1f}..{max(v):.1f}" for k, v in spread.items()))
     for label, row in result.get("awq_variants", {}).items():
         share = row["share_of_rtn_gap_closed"]
         print(f"  awq ({label}): ppl {row['perplexity']:.4f}, closes "

@@ -225,7 +225,9 @@ def apply_clip(weight: torch.Tensor, max_val: torch.Tensor, group_size: int) -> 
     groups.copy_(torch.maximum(torch.minimum(groups, limit), -limit))
 
 
-def _layer_inputs(model: nn.Module, tokens: torch.Tensor):
+def layer_inputs(model: nn.Module, tokens: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first decoder layer's input for `tokens`, and the rotary cos/sin."""
     hidden = model.embed_tokens(tokens)
     positions = torch.arange(tokens.shape[1], device=tokens.device)
     cos, sin = model.rotary(positions, hidden.dtype)
@@ -250,7 +252,7 @@ def apply_awq(model: nn.Module, tokens: torch.Tensor, group_size: int = 128,
         return fake_quantize_int4(w, group_size, symmetric)
 
     report = AWQReport()
-    hidden, cos, sin = _layer_inputs(model, tokens)
+    hidden, cos, sin = layer_inputs(model, tokens)
     for index, layer in enumerate(model.layers):
         groups = layer_groups(layer)
         names = [n for g in groups for n in g.linears]
