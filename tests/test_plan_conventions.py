@@ -135,7 +135,8 @@ def test_torchtitan_keeps_fsdp_parameters_gathered_under_pp():
     rank 0: 16 layers of 4096·(2·4096 + 2·1024) + 3·4096·14336 + 2·4096 = 218,112,000 plus the
     embedding 128,256·4096 = 525,336,576: 4,015,128,576 parameters stay gathered in bf16,
     8,030,257,152 bytes; and the parameters are gathered once per step, not twice per
-    micro-batch."""
+    micro-batch. (Pipelines run by fivefold's engine here: torch.distributed.pipelining's
+    own buffers are pinned in tests/test_plan_torch_pipelining.py.)"""
     import dataclasses
 
     from fivefold.models.presets import preset
@@ -145,7 +146,8 @@ def test_torchtitan_keeps_fsdp_parameters_gathered_under_pp():
     from fivefold.plan.memory import memory_items
 
     conv = get_convention("torchtitan")
-    work = conv.apply_workload(Workload(preset("llama-3.1-8b"), 4096, 16))
+    work = conv.apply_workload(Workload(preset("llama-3.1-8b"), 4096, 16, pp_runtime="engine"),
+                               {"pp_runtime"})
     lay = conv.apply_layout(Layout(dp=2, pp=2, mbs=2))  # zero 3 from the convention; m = 4
     resharding = dataclasses.replace(work, zero3_keep_gathered_pp=False)
     kept = memory_items(work, lay, Assumptions())[0]["comm_buffers"]

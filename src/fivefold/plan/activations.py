@@ -80,6 +80,7 @@ def activation_bytes_per_microbatch(
     ep: int = 1,
     chunked_loss: bool = True,
     fp8_recipe: str = "",
+    loss_parallel: bool = False,
 ) -> ActivationBytes:
     """Bytes one micro-batch leaves saved for backward on one rank, per layer and outside.
 
@@ -113,7 +114,8 @@ def activation_bytes_per_microbatch(
       (Korthikanti §5, "selective activation recomputation").
     recompute = "full": only each layer's input T·h·B is kept (seq region; Korthikanti's 2sbh).
     `chunked_loss = False` plans a materialised loss instead (the head's logits cast to fp32,
-    log-softmax keeping T·V/tp·4; other engines' default).
+    log-softmax keeping T·V/tp·4; other engines' default); `loss_parallel` (with tp > 1) its
+    DTensor vocabulary-parallel form, whose backward holds more fp32 buffers (`_finish`).
     recompute = "op": torchtitan's per-operator selective checkpointing (`op_sac_kept`): the
       layer's input and the outputs of the attention kernel and of the odd-numbered matmuls
       (q, v, gate and down in a Llama block), each as large as the operator's output
@@ -161,7 +163,7 @@ def activation_bytes_per_microbatch(
         terms["layer_input"] = seq_tensor
         terms.update({f"kept_{op}": outputs[op] for op in op_sac_kept(model)})
         return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq_len / cp,
-                   chunked_loss)
+                   chunked_loss, loss_parallel)
     if recompute == "full":
         terms["layer_input"] = seq_tensor
         if ep > 1 and model.num_experts:
@@ -171,7 +173,7 @@ def activation_bytes_per_microbatch(
             replay = 2 * tokens * model.experts_top_k * h * B
             terms["ep_replay"] = replay * model.num_moe_layers / model.num_layers
         return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq_len / cp,
-                   chunked_loss)
+                   chunked_loss, loss_parallel)
 
     terms["attn_norm_input"] = seq_tensor
     terms["norm_stats"] = 2 * tokens * stats / seq_div
@@ -217,7 +219,7 @@ def activation_bytes_per_microbatch(
                         f=model.intermediate_size / tp, dtype_bytes=B,
                         swiglu=model.mlp == "swiglu", qkv_tokens=col_input / (h * B))
     return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq_len / cp,
-                   chunked_loss)
+                   chunked_loss, loss_parallel)
 
 
 # The per-operator model of a dense block, shared with train.recompute = auto
@@ -294,7 +296,7 @@ def moe_layer_terms(model: ModelConfig, tokens: float, B: int) -> dict[str, floa
 
 
 def _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq: float,
-            chunked_loss: bool = True) -> ActivationBytes:
+            chunked_loss: bool = True, loss_parallel: bool = False) -> ActivationBytes:
     h = model.hidden_size
     vocab_local = -(-model.vocab_size // tp)  # padded to tp pieces
     stats = STAT_BYTES * (2 if model.norm == "layernorm" else 1)
@@ -317,12 +319,19 @@ def _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq: float
         # .float(), ...), the compute-dtype logits deleted before backward): log-softmax keeps
         # its fp32 output T·V/tp·4; the head keeps its input. Forward holds the logits in
         # both dtypes beside it for a moment; backward, the incoming fp32 gradient and
-        # log-softmax's, 2·T·V/tp·4.
+        # log-softmax's, 2·T·V/tp·4. Under DTensor loss parallel (tp > 1) the backward of
+        # nll_loss and log_softmax is one function (torch/distributed/tensor/parallel/loss.py
+        # `_nll_loss_and_log_softmax_backward`, torch 2.13 l. 451-518, the same in its 2024
+        # versions): `grad_input = zeros_like(x)`, then `(grad_input + exp(x)) * grad_output`,
+        # so zeros, exp(x) and their sum (then the product, exp(x) freed) are alive beside the
+        # saved log-softmax output x: 3·T·V/tp·4.
         logits = tokens * vocab_local
         outside["logits"] = logits * 4
+        backward = max(logits * (B + 4), 2 * logits * 4)
+        if loss_parallel and tp > 1:
+            backward = 3 * logits * 4
         return ActivationBytes(layer_terms=terms, layer=sum(terms.values()),
-                               outside_terms=outside,
-                               loss_backward=max(logits * (B + 4), 2 * logits * 4),
+                               outside_terms=outside, loss_backward=backward,
                                loss_transient_is_peak=True)
     return ActivationBytes(
         layer_terms=terms,

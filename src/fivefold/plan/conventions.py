@@ -91,8 +91,11 @@ CONVENTIONS: dict[str, Convention] = {
         "torchtitan",
         # FSDP2 mixed precision: sharded fp32 parameters (the master copy), bf16 compute
         # copies gathered per unit, fp32 gradient reduction: 4 + 4 + 8 = 16 B/param, sharded.
+        # Loss parallel with tp > 1 (on unless disable_loss_parallel); pipelines run by
+        # torch.distributed.pipelining (plan/torch_pipelining.py).
         {"grad_dtype_bytes": 4, "fp32_grad_accum": False, "fp32_params": True,
-         "causal_flops": False, "zero3_keep_gathered_pp": True, "chunked_loss": False},
+         "causal_flops": False, "zero3_keep_gathered_pp": True, "chunked_loss": False,
+         "loss_parallel": True, "pp_runtime": "torch"},
         # DTensor ColwiseParallel redistributes the sequence shard to Replicate before the
         # linear, which saves the gathered input; even split; mesh
         # ["pp", "dp_replicate", "dp_shard", "cp", "tp"]; FSDP (ZeRO-3) by default.
@@ -110,6 +113,11 @@ CONVENTIONS: dict[str, Convention] = {
          "...) on the model's materialised logits, `del pred` before backward",
          "torchtitan parallelisms/parallelize_llama.py @9dec370: selective_ac_option = 'op' "
          "saves the SDPA outputs and every odd-numbered mm (plan: recompute=op)",
+         "torchtitan @9dec370 parallelisms/parallel_dims.py: loss_parallel_enabled = tp > 1 "
+         "and enable_loss_parallel (= not training.disable_loss_parallel); "
+         "torch/distributed/tensor/parallel/loss.py (its backward)",
+         "torch/distributed/pipelining/stage.py, _backward.py (per-micro-batch receive "
+         "buffers, FSDP sync deferred to the last micro-batch; plan/torch_pipelining.py)",
          "benchmarks @9dec370: MFU = 6·N + 12·L·h·s per token (full square); memory logged "
          "as torch.cuda.memory_stats()['reserved_bytes.all.peak'] (max reserved, GiB)"),
         ("afab", "1f1b", "interleaved", "dualpipev")),

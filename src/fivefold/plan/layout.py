@@ -26,6 +26,7 @@ SCHEDULES = ("afab", "1f1b", "interleaved", "zb", "dualpipev")
 # (plan/activations.py: op_sac_kept); the engine runs the others.
 RECOMPUTE = ("none", "selective", "full", "auto", "op")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+PP_RUNTIMES = ("engine", "torch", "torch-2412")  # Workload.pp_runtime
 # Optimizer state bytes per parameter (fp32 moments): Adam m+v 8, SGD momentum 4, 8-bit Adam 2.
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "adamw8bit": 2}
 
@@ -127,6 +128,13 @@ class Workload:
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     fp8_recipe: str = "blockwise"  # precision = fp8: how the saved inputs scale (plan/fp8.py)
     fp8_allgather: bool = False  # ZeRO-3 gathers FP8 linears' weights at 1 byte (plan/fp8.py)
+    # A materialised loss on vocabulary-parallel logits (DTensor loss parallel, torchtitan
+    # with tp > 1): its backward holds more fp32 T×V/tp buffers (plan/activations.py).
+    loss_parallel: bool = False
+    # What runs the pipeline: "engine" (fivefold's), or torch.distributed.pipelining as in the
+    # installed torch ("torch") or at torch 1963fc8, Dec 2024 ("torch-2412"); the latter two
+    # hold per-micro-batch stage buffers and defer FSDP's gradient sync (plan/torch_pipelining.py).
+    pp_runtime: str = "engine"
 
     @property
     def dtype_bytes(self) -> int:
@@ -410,6 +418,8 @@ def check_layout(work: Workload, layout: Layout, gpus_per_node: int | None = Non
         bad.append("offload needs zero >= 1 (the sharded optimizer is what moves to the CPU)")
     if work.precision not in PRECISIONS:
         bad.append(f"precision = '{work.precision}' is not one of {', '.join(PRECISIONS)}")
+    if work.pp_runtime not in PP_RUNTIMES:
+        bad.append(f"pp_runtime = '{work.pp_runtime}' is not one of {', '.join(PP_RUNTIMES)}")
     if work.optimizer not in OPTIMIZER_BYTES:
         bad.append(f"optimizer = '{work.optimizer}' is not one of {', '.join(OPTIMIZER_BYTES)}")
     return bad

@@ -29,11 +29,11 @@ from fivefold.plan.layout import (
     rank_chunks,
     stage,
 )
-from fivefold.plan.recompute_plan import (
-    BudgetTooSmall,
-    RankPlan,
-    full_layer_activations,
-    plan_rank,
+from fivefold.plan.recompute_plan import BudgetTooSmall, RankPlan, full_layer_activations, plan_rank
+from fivefold.plan.torch_pipelining import (
+    deferred_sync_grad_bytes,
+    pipelined_fsdp,
+    stage_buffer_bytes,
 )
 
 # Order of the items in reports and stacked bars.
@@ -242,6 +242,8 @@ def dp_comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
     per_layer = sum(layer_param_counts(mc, layout.tp, layout.ep).values())
     vocab = mc.vocab_size * mc.hidden_size / layout.tp
     norm = (1 if mc.norm == "rmsnorm" else 2) * mc.hidden_size
+    if pipelined_fsdp(work, layout) and work.zero3_keep_gathered_pp:  # plan/torch_pipelining.py
+        return deferred_sync_grad_bytes(work, layout, rank, per_layer, vocab, norm)
     frozen = 0.0  # bytes of a block's gathered frozen base (LoRA: parallel/zero3_frozen.py)
     if work.lora_rank:  # the units hold the adapters alone; the frozen rest is no unit
         from fivefold.plan.lora import block_frozen_bytes, layer_lora_counts, sharded_block_bytes
@@ -292,7 +294,7 @@ def comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
     mc, B = work.model, work.dtype_bytes
     tokens = layout.mbs * work.seq_len / layout.cp
     total = dp_comm_buffer_bytes(work, layout, rank)
-    if layout.pp > 1:
+    if layout.pp > 1 and work.pp_runtime == "engine":  # else torch_pipelining.py's buffers
         total += 2 * tokens * mc.hidden_size * B / (layout.tp if layout.sp else 1)
     if layout.cp > 1:  # the backward of one layer's core (parallel/context/attention.py)
         kv = 2 * tokens * kv_heads_per_rank(mc, layout.tp) * mc.dim_per_head
@@ -368,17 +370,20 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
                               + kept["head"] * (chunk == last))
             split_grads += waiting * per_microbatch
     grad_buffer = 0.0
-    if layout.zero >= 2 and shards > 1 and work.grad_sync == "step" and m > 1:
+    if layout.zero >= 2 and shards > 1 and work.grad_sync == "step" and (
+            m > 1 or pipelined_fsdp(work, layout)):
         # Reduce-scattered once per step, ZeRO-2/3 gradients accumulate whole in .grad over
         # the micro-batches before the last (parallel/data.py); with one micro-batch only a
-        # bucket at a time is whole (in comm_buffers).
+        # bucket at a time is whole (in comm_buffers), except under torch.distributed.
+        # pipelining, whose FSDP2 stages accumulate in fp32 even then (torch_pipelining.py).
         grad_buffer = states.num_params * bpp.grad
     items = {
         "params": states.params, "grads": states.grads, "master": states.master,
         "optimizer": states.optimizer, "grad_accum": states.grad_accum,
         "grad_buffer": grad_buffer, "activations": activations, "logits_loss": logits_loss,
         "split_grads": split_grads,
-        "comm_buffers": comm_buffer_bytes(work, layout, rank),
+        "comm_buffers": comm_buffer_bytes(work, layout, rank)
+        + stage_buffer_bytes(work, layout, rank, alive),
     }
     if layout.zero == 3 and layout.pp > 1 and work.zero3_keep_gathered_pp and shards > 1:
         # the stage's compute-dtype parameters stay gathered from forward to backward
@@ -433,7 +438,7 @@ def _act_kwargs(work: Workload, layout: Layout) -> dict:
             "dtype_bytes": work.dtype_bytes, "flash": work.flash, "dropout": work.dropout,
             "sp_saves_gathered": layout.sp_saved != "shard", "cp_comm": layout.cp_comm,
             "ep": layout.ep, "fp8_recipe": work.fp8_recipe if work.precision == "fp8" else "",
-            "chunked_loss": work.chunked_loss}
+            "chunked_loss": work.chunked_loss, "loss_parallel": work.loss_parallel}
 
 
 def _activations(work: Workload, layout: Layout) -> ActivationBytes:
