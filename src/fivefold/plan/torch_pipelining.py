@@ -35,7 +35,10 @@ because published runs used older torches (torchtitan's Dec 2024 benchmarks: tor
 Where the peak is: the most activations a rank holds (`layout.inflight_per_chunk`) stay alive
 until its last forward; by then every micro-batch of a chunk is either alive or has run its
 backward, so m − alive of them have left their receive buffer (and, before #164329, their input
-gradient) behind. That point also has the whole fp32 accumulated gradient.
+gradient) behind. That point also has the whole fp32 accumulated gradient. A rank that runs no
+forward after its first backward (1F1B with m ≤ p − r, e.g. rank 0 at m = p) reaches its most
+activations before the accumulator exists; counting both there overstates it by the smaller of
+one micro-batch's activations and the accumulator (the planner's `grad_buffer` item).
 """
 
 from __future__ import annotations
