@@ -11,11 +11,14 @@ token and, per sequence, the slots of its whole context.
 values into their slots (all sequences, before any attention, so a sequence may read a
 shared prefix block another sequence fills in the same step), then:
 
-- decoding sequences (one new token each): the blocks of all their contexts are gathered
-  with one `index_select` per pool (no padding), then each sequence attends to exactly its
-  own keys with an unmasked SDPA call, the call the dense cache makes for one sequence. On
-  CPU this is 3-6x faster than one padded batched call with a key mask: a mask sends SDPA
-  down a slower path and the padding is computed and thrown away (bench/serve.py);
+- decoding sequences (one new token each), one sequence at a time: its blocks are gathered
+  with one `index_select` per pool (no padding) and it attends to exactly its own keys with
+  an unmasked SDPA call, the call the dense cache makes for one sequence. Gathering one
+  sequence's context (~1 MiB) right before its SDPA lets SDPA read it from the L2 cache:
+  on CPU the decode attention takes ~35% less time than gathering every sequence first
+  and then attending, with the same result bit for bit. One padded batched call with a key
+  mask is 3-6x slower: a mask sends SDPA down a slower path and the padding is computed and
+  thrown away (bench/serve.py);
 - each prefill (or prefill chunk) alone: a fresh prompt attends to its own new keys with the
   causal mask (the very call the dense cache makes); a chunk after a cached or computed
   prefix gathers its context and masks keys after each query's position.
@@ -124,14 +127,17 @@ class PagedKVCache:
         """Each one-token sequence attends to its own context, unmasked and unpadded."""
         bs, (heads, d) = self.block_size, self.k.shape[-2:]
         rows = batch.decode_blocks
-        keys = self.k[layer].view(self.num_blocks, -1).index_select(0, rows)
-        values = self.v[layer].view(self.num_blocks, -1).index_select(0, rows)
+        key_pool = self.k[layer].view(self.num_blocks, -1)
+        value_pool = self.v[layer].view(self.num_blocks, -1)
         first = 0
         for row, length in zip(batch.decode_rows, batch.decode_lens):
             last = first + (length + bs - 1) // bs
-            kb = keys[first:last].view(-1, heads, d)[:length].transpose(0, 1)[None]
-            vb = values[first:last].view(-1, heads, d)[:length].transpose(0, 1)[None]
-            out[:, :, row:row + 1] = sdpa(q[:, :, row:row + 1], kb.to(q.dtype), vb.to(q.dtype))
+            # one sequence's blocks at a time: SDPA reads them while they are still in cache
+            table = rows[first:last]
+            kb = key_pool.index_select(0, table).view(-1, heads, d)[:length]
+            vb = value_pool.index_select(0, table).view(-1, heads, d)[:length]
+            out[:, :, row:row + 1] = sdpa(q[:, :, row:row + 1], kb.transpose(0, 1)[None].to(q.dtype),
+                                          vb.transpose(0, 1)[None].to(q.dtype))
             first = last
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
