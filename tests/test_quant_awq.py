@@ -10,7 +10,7 @@ import torch
 from fivefold.models.init import build_model
 from fivefold.models.presets import ModelConfig
 from fivefold.numerics.intx import fake_quantize_int4
-from fivefold.quant.awq import apply_awq, scale_for, weight_mean
+from fivefold.quant.awq import alpha_grid, apply_awq, scale_for, weight_mean
 from fivefold.quant.convert import quantize_
 
 CFG = ModelConfig(name="q", vocab_size=256, hidden_size=128, intermediate_size=256,
@@ -108,3 +108,10 @@ def test_layer_loss_measures_the_decoder_layer_output():
 def test_unknown_loss_is_refused():
     with pytest.raises(ValueError, match="loss must be"):
         apply_awq(build_model(CFG, seed=1), torch.zeros(1, 8, dtype=torch.long), loss="logits")
+
+
+def test_alpha_grid_is_llm_awqs():
+    """llm-awq and AutoAWQ try ratio = i / n_grid for i in range(n_grid): 0 (RTN) to 0.95."""
+    grid = alpha_grid(20)
+    assert len(grid) == 20 and grid[0] == 0.0 and grid[-1] == 0.95
+    assert all(abs(b - a - 0.05) < 1e-12 for a, b in zip(grid, grid[1:]))

@@ -12,7 +12,8 @@ Done layer by layer on the float model, as llm-awq (mit-han-lab, `awq/quantize/
 auto_scale.py`, `auto_clip.py`) does:
 
 1. Run the decoder layer on its calibration input, recording every linear's input.
-2. For each group of linears that share an input, search α ∈ linspace(0, 1, n_grid) for the
+2. For each group of linears that share an input, search α ∈ {0, 1/n, ..., (n-1)/n} (n =
+   n_grid = 20: 0, 0.05, ..., 0.95, llm-awq's `ratio = ratio * 1 / n_grid`) for the
    smallest mean squared error of the group's module output (the whole attention for
    q/k/v, the whole MLP for gate/up, the linear itself for o and down) with the linears
    fake-quantised; normalise s by sqrt(max·min) as llm-awq does. Plain RTN (s = 1) is
@@ -135,6 +136,13 @@ def weight_mean(linears: list[nn.Linear], group_size: int) -> torch.Tensor:
     return groups.reshape(weight.shape).mean(0)
 
 
+def alpha_grid(n_grid: int) -> list[float]:
+    """The exponents tried: i / n_grid for i < n_grid, as llm-awq (`auto_scale.py`,
+    `_search_module_scale`) and AutoAWQ (`_search_best_scale`) iterate them; α = 1 itself is
+    not tried."""
+    return [i / n_grid for i in range(n_grid)]
+
+
 def scale_for(x_mean: torch.Tensor, w_mean: torch.Tensor | None, alpha: float
               ) -> torch.Tensor:
     """s = mean|x|^α (llm-awq), or with `w_mean` AutoAWQ's duo scaling
@@ -163,7 +171,7 @@ def search_scale(x: torch.Tensor, linears: list[nn.Linear], run: Callable[[], to
             lin.weight.copy_(quantize(w.float()).to(w.dtype))
         error_rtn = _output_error(reference, run)
         best = (error_rtn, 0.0, torch.ones_like(x_mean))
-        for alpha in torch.linspace(0, 1, n_grid).tolist():
+        for alpha in alpha_grid(n_grid):
             s = scale_for(x_mean, w_mean, alpha)
             for lin, w in zip(linears, originals):
                 lin.weight.copy_((quantize(w.float() * s) / s).to(w.dtype))

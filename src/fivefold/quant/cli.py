@@ -57,7 +57,8 @@ def build_parser() -> ArgumentParser:
                         "attention, the MLP or the linear, as llm-awq) or layer (the decoder "
                         "layer's output)")
     p.add_argument("--alpha-grid", type=int, default=None,
-                   help=f"awq: points of the alpha search over [0, 1] (default {ALPHA_GRID})")
+                   help=f"awq: N, the alpha search's points i/N for i < N (default "
+                        f"{ALPHA_GRID}, llm-awq's)")
     p.add_argument("--include-head", action="store_true",
                    help="quantise the output head too (untied heads only)")
     p.add_argument("--out", required=True, help="the directory to write")
