@@ -56,11 +56,14 @@ def linear_bytes(model, element_size: int) -> int:
                if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"))
 
 
-def evaluate(model, tokens, seq_len: int) -> dict:
+def evaluate(model, tokens, seq_len: int, calib: torch.Tensor) -> dict:
+    """Validation perplexity, and the perplexity on AWQ's calibration tokens (training split):
+    whether a gain is there in-sample, where AWQ's search looked, as well as out of it."""
     started = time.perf_counter()
     result = perplexity(model, tokens, seq_len)
     return {"perplexity": result.perplexity, "loss": result.loss, "tokens": result.tokens,
-            "eval_s": time.perf_counter() - started}
+            "eval_s": time.perf_counter() - started,
+            "calib_perplexity": perplexity(model, calib.reshape(-1), calib.shape[1]).perplexity}
 
 
 def parse_checkpoint(item: str, args) -> tuple[str, str, int, int, int]:
@@ -86,15 +89,16 @@ def bench_checkpoint(item: str, args, tmp: Path) -> tuple[str, dict]:
     tokens, described, seq_len = checkpoint_validation(meta)
     if eval_tokens:
         tokens = tokens[:eval_tokens]
+    calib = calibration(step, calib_samples, calib_seq_len)[1]
     model, model_cfg, _ = load_model_for_inference(str(step))
     parameters = sum(p.numel() for p in model.parameters())
     rows = {}
     fp32_bytes = tensor_bytes(model.state_dict().values())
-    rows["fp32"] = {**evaluate(model, tokens, seq_len), "model_bytes": fp32_bytes,
+    rows["fp32"] = {**evaluate(model, tokens, seq_len, calib), "model_bytes": fp32_bytes,
                     "linear_bytes": linear_bytes(model, 4)}
     print(f"[{name}] fp32: ppl {rows['fp32']['perplexity']:.4f}", flush=True)
     bf16 = model.to(torch.bfloat16)
-    rows["bf16"] = {**evaluate(bf16, tokens, seq_len), "model_bytes": fp32_bytes // 2,
+    rows["bf16"] = {**evaluate(bf16, tokens, seq_len, calib), "model_bytes": fp32_bytes // 2,
                     "linear_bytes": linear_bytes(bf16, 2)}
     print(f"[{name}] bf16: ppl {rows['bf16']['perplexity']:.4f}", flush=True)
     del model, bf16
@@ -110,14 +114,14 @@ def bench_checkpoint(item: str, args, tmp: Path) -> tuple[str, dict]:
         quantize_s = time.perf_counter() - started
         qmodel, _, _ = load_quantized(out)
         manifest = json.loads((out / "quantized.json").read_text())
-        rows[method] = {**evaluate(qmodel, tokens, seq_len), "quantize_s": quantize_s,
+        rows[method] = {**evaluate(qmodel, tokens, seq_len, calib), "quantize_s": quantize_s,
                         "model_bytes": tensor_bytes(qmodel.state_dict().values()),
                         "linear_bytes": sum(m.quantized_bytes() for m in qmodel.modules()
                                             if isinstance(m, QuantLinear)),
                         **({"awq": manifest["awq"]} if "awq" in manifest else {})}
         print(f"[{name}] {method}: ppl {rows[method]['perplexity']:.4f} "
               f"({quantize_s:.1f} s to quantise)", flush=True)
-    variants = awq_variants(step, calib_samples, calib_seq_len, tokens, seq_len, args,
+    variants = awq_variants(step, calib_samples, calib_seq_len, tokens, calib, seq_len, args,
                             rows["fp32"]["perplexity"], rows["int4"]["perplexity"], name,
                             tmp)
     fp32, rtn, awq = (rows[k]["perplexity"] for k in ("fp32", "int4", "awq"))
@@ -128,6 +132,12 @@ def bench_checkpoint(item: str, args, tmp: Path) -> tuple[str, dict]:
         "awq_share_of_rtn_gap_closed": (rtn - awq) / (rtn - fp32) if rtn > fp32 else None,
     }
     goals["awq_closes_half_the_gap"] = (goals["awq_share_of_rtn_gap_closed"] or 0) >= 0.5
+    fp32, rtn = rows["fp32"]["calib_perplexity"], rows["int4"]["calib_perplexity"]
+    for row in [rows["awq"], *variants.values()]:
+        row["share_of_rtn_gap_closed_on_calibration_tokens"] = (
+            (rtn - row["calib_perplexity"]) / (rtn - fp32) if rtn > fp32 else None)
+    goals["awq_share_of_rtn_gap_closed_on_calibration_tokens"] = (
+        rows["awq"]["share_of_rtn_gap_closed_on_calibration_tokens"])
     train = (meta.get("config") or {}).get("train") or {}
     return name, {"checkpoint": str(step), "model": model_cfg.name, "parameters": parameters,
                   "train_steps": train.get("steps"),
@@ -151,7 +161,7 @@ AWQ_VARIANTS = {"module, no clip": ["--no-clip"],
                 "duo scaling, no clip": ["--duo", "--no-clip"]}
 
 
-def awq_variants(step: Path, samples: int, calib_len: int, tokens, seq_len: int, args,
+def awq_variants(step: Path, samples: int, calib_len: int, tokens, calib, seq_len: int, args,
                  fp32: float, rtn: float, name: str, tmp: Path) -> dict:
     if not args.awq_variants:
         return {}
@@ -166,7 +176,7 @@ def awq_variants(step: Path, samples: int, calib_len: int, tokens, seq_len: int,
         quantize_s = time.perf_counter() - started
         model, _, _ = load_quantized(directory)
         manifest = json.loads((directory / "quantized.json").read_text())["awq"]
-        row = {**evaluate(model, tokens, seq_len), "quantize_s": quantize_s,
+        row = {**evaluate(model, tokens, seq_len, calib), "quantize_s": quantize_s,
                "flags": flags, "options": {k: manifest[k] for k in ("clip", "duo", "loss")},
                "alphas": manifest["alphas"],
                "calib_error_vs_rtn": manifest["calib_error_vs_rtn"]}
@@ -180,18 +190,26 @@ def awq_variants(step: Path, samples: int, calib_len: int, tokens, seq_len: int,
     return out
 
 
-def activation_spread(step: Path, samples: int, calib_len: int) -> dict:
-    """Per layer and AWQ group, max over median of the per-input-channel mean |x| on the
-    calibration tokens: how salient the largest channels are, which is what AWQ's scales
-    act on (the paper's premise: a few channels carry much larger activations)."""
-    from fivefold.quant.awq import layer_groups, layer_inputs, record_inputs
+def calibration(step: Path, samples: int, calib_len: int) -> tuple[torch.nn.Module,
+                                                                   torch.Tensor]:
+    """The float model and the (samples, calib_len) tokens `fivefold quantize --method awq`
+    calibrates it on (evenly spaced over the run's training split)."""
     from fivefold.quant.cli import build_parser, calibration_tokens, load_float
 
     qargs = build_parser().parse_args(["--checkpoint", str(step), "--method", "awq", "--out",
                                        "unused", "--calib-samples", str(samples),
                                        "--calib-seq-len", str(calib_len)])
     model, model_cfg, tokenizer, _, data = load_float(qargs)
-    tokens = calibration_tokens(qargs, model_cfg, tokenizer, data)
+    return model, calibration_tokens(qargs, model_cfg, tokenizer, data)
+
+
+def activation_spread(step: Path, samples: int, calib_len: int) -> dict:
+    """Per layer and AWQ group, max over median of the per-input-channel mean |x| on the
+    calibration tokens: how salient the largest channels are, which is what AWQ's scales
+    act on (the paper's premise: a few channels carry much larger activations)."""
+    from fivefold.quant.awq import layer_groups, layer_inputs, record_inputs
+
+    model, tokens = calibration(step, samples, calib_len)
     spread: dict[str, list[float]] = {}
     with torch.no_grad():
         hidden, cos, sin = layer_inputs(model, tokens)
@@ -224,14 +242,22 @@ def print_table(name: str, result: dict) -> None:
           f"{g['int8_within_1pct']}); AWQ <= RTN: {g['awq_no_worse_than_rtn']}; AWQ closes "
           f"{'n/a' if share is None else f'{100 * share:.0f}%'} of RTN's gap (>= 50%: "
           f"{g['awq_closes_half_the_gap']})")
+    share = g.get("awq_share_of_rtn_gap_closed_on_calibration_tokens")
+    print(f"on its calibration tokens (training split): fp32 "
+          f"{rows['fp32']['calib_perplexity']:.4f}, int4 {rows['int4']['calib_perplexity']:.4f},"
+          f" awq {rows['awq']['calib_perplexity']:.4f}: AWQ closes "
+          f"{'n/a' if share is None else f'{100 * share:.0f}%'} of RTN's gap")
     spread = result.get("activation_max_over_median", {})
     if spread:
         print("activation max/median channel mean|x| per group (min..max over layers): " +
               ", ".join(f"{k} {min(v):.1f}..{max(v):.1f}" for k, v in spread.items()))
     for label, row in result.get("awq_variants", {}).items():
         share = row["share_of_rtn_gap_closed"]
+        in_sample = row["share_of_rtn_gap_closed_on_calibration_tokens"]
         print(f"  awq ({label}): ppl {row['perplexity']:.4f}, closes "
-              f"{'n/a' if share is None else f'{100 * share:.0f}%'} of RTN's gap")
+              f"{'n/a' if share is None else f'{100 * share:.0f}%'} of RTN's gap "
+              f"({'n/a' if in_sample is None else f'{100 * in_sample:.0f}%'} on its "
+              f"calibration tokens)")
 
 
 def main() -> None:
