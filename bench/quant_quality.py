@@ -11,9 +11,12 @@ g128 after the scale and clip search, calibrated on the run's training split), N
 MXFP4; each quantised model is written by the command and read back by the loader that
 generate/eval use, so the table measures the shipped path. Sizes are the bytes of the
 state dict (fp32 and bf16) or of the quantised checkpoint's tensors, and of the linears
-alone. Prints the table, the goals (int8 within 1% of fp32; AWQ no worse than RTN and
-closing at least half of RTN's gap to fp32) and writes bench/results/quant_quality.json with
-the machine, versions and git revision.
+alone. Every row is also measured on AWQ's calibration tokens (training split), where the
+search looked, and each AWQ group's activation spread (max over median of the per-channel
+mean |x|) is recorded. `--awq-variants` adds `fivefold quantize --method awq` with the other
+search options (AWQ_VARIANTS). Prints the table, the goals (int8 within 1% of fp32; AWQ no
+worse than RTN and closing at least half of RTN's gap to fp32) and writes
+bench/results/quant_quality.json with the machine, versions and git revision.
 
 Anchor (AWQ paper, Lin et al. 2024, Table 4, INT4-g128 WikiText-2 perplexity): LLaMA-7B
 fp16 5.68, RTN 5.96, AWQ 5.78 (AWQ closes 64% of RTN's gap); Llama-2-7B fp16 5.47,
