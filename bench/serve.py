@@ -8,11 +8,14 @@ produces exactly its `max_tokens`). Both runs use the same weights (fivefold's m
 as a Hugging Face directory and loaded by transformers), fp32, on this CPU:
 
 - fivefold, same batch: `Engine` with continuous batching, at most `--batch` sequences per
-  step, a paged KV cache of 16-token blocks;
+  step, a paged KV cache of 16-token blocks, its linears' weights prepacked for oneDNN as
+  `fivefold serve` runs them (serve/prepack.py);
 - fivefold, same KV memory: no cap on sequences, but a KV pool of only as many token slots
   as transformers' static batch reserves (`--batch` × (256 + 256): every row padded to the
   longest prompt plus the longest output). This is PagedAttention's claim: in the memory a
   static batch reserves, paging fits more sequences;
+- fivefold, same batch, sgemm linears: as the first, but its linears call torch's `F.linear`
+  (BLAS sgemm) as transformers' do (`--no-prepack`): the gain of batching and paging alone;
 - transformers: `model.generate` over static batches of `--batch` requests in arrival order,
   prompts left-padded to the batch's longest, each batch generating up to its longest
   `max_tokens` (the tokens past a request's own `max_tokens` are not counted).
@@ -80,9 +83,9 @@ def summarize(name, seconds, outputs, first_times, token_times, cpu_seconds) -> 
 
 
 def run_fivefold(model, prompts, outputs, name: str, max_num_seqs: int,
-                 num_blocks: int) -> tuple[dict, list[list[int]]]:
+                 num_blocks: int, prepack: bool = True) -> tuple[dict, list[list[int]]]:
     engine = Engine(model, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
-                    max_num_batched_tokens=4096, max_model_len=512)
+                    max_num_batched_tokens=4096, max_model_len=512, prepack=prepack)
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in outputs]
     cpu = time.process_time()
     start = time.perf_counter()
@@ -102,6 +105,7 @@ def run_fivefold(model, prompts, outputs, name: str, max_num_seqs: int,
     result["steps"] = engine.num_steps
     result["preemptions"] = engine.scheduler.num_preemptions
     result["max_num_seqs"], result["kv_blocks"] = max_num_seqs, num_blocks
+    result["prepacked_linears"] = engine.num_prepacked
     return result, [o.token_ids for o in outs]
 
 
@@ -143,7 +147,8 @@ def run_transformers(hf, prompts, outputs, batch: int, pad_id: int):
     return summarize("transformers", seconds, tokens, first_times, token_times, cpu), tokens
 
 
-def decode_step_ms(model, hf, batch: int, context: int, rounds: int = 7) -> dict:
+def decode_step_ms(model, hf, batch: int, context: int, rounds: int = 7,
+                   prepack: bool = True) -> dict:
     """One decode step of `batch` sequences of `context` tokens, alone: the engine (paged
     cache, gather + SDPA) and transformers (its cache, torch.cat + SDPA), median of
     alternating rounds."""
@@ -152,7 +157,7 @@ def decode_step_ms(model, hf, batch: int, context: int, rounds: int = 7) -> dict
                for _ in range(batch)]
     engine = Engine(model, max_num_seqs=batch, num_blocks=batch * (context // 16 + 4) + 8,
                     max_num_batched_tokens=max(batch * context, 2048),
-                    max_model_len=context + 16)
+                    max_model_len=context + 16, prepack=prepack)
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=rounds + 4, temperature=0,
                                                   ignore_eos=True))
@@ -203,20 +208,27 @@ def main(argv=None) -> int:
                                     args.batch * 32 + 64)
     memory, memory_tokens = run_fivefold(model, prompts, outputs, "fivefold-same-kv",
                                          args.requests, static_slots // 16)
+    plain, plain_tokens = run_fivefold(model, prompts, outputs, "fivefold-sgemm", args.batch,
+                                       args.batch * 32 + 64, prepack=False)
     theirs, their_tokens = run_transformers(hf, prompts, outputs, args.batch, pad_id=0)
     same = sum(a == b for a, b in zip(our_tokens, their_tokens))
+    same_plain = sum(a == b for a, b in zip(plain_tokens, their_tokens))
+    ratio_plain = plain["tokens_per_s"] / theirs["tokens_per_s"]
+    cpu_ratio_plain = plain["tokens_per_cpu_s"] / theirs["tokens_per_cpu_s"]
     same_runs = sum(a == b for a, b in zip(our_tokens, memory_tokens))
     ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
     ratio_memory = memory["tokens_per_s"] / theirs["tokens_per_s"]
     cpu_ratio = ours["tokens_per_cpu_s"] / theirs["tokens_per_cpu_s"]
     cpu_ratio_memory = memory["tokens_per_cpu_s"] / theirs["tokens_per_cpu_s"]
     step = decode_step_ms(model, hf, args.batch, 300)
+    step["fivefold_sgemm_ms"] = decode_step_ms(model, hf, args.batch, 300,
+                                               prepack=False)["fivefold_ms"]
     info = machine(torch.device("cpu"))
     print(f"{info['device']}; torch {torch.__version__}, transformers "
           f"{transformers.__version__}; {args.threads} thread(s); {cfg.name} fp32")
     print(f"{args.requests} requests, prompts 16-256, outputs 16-256 tokens, batch "
           f"{args.batch}")
-    for r in (ours, memory, theirs):
+    for r in (ours, memory, plain, theirs):
         print(f"{r['name']:>16}: {r['tokens_per_s']:8.1f} tokens/s  {r['requests_per_s']:6.3f} "
               f"req/s  {r['seconds']:7.1f} s  TTFT p50 {r['ttft_s']['p50']:.2f} s p99 "
               f"{r['ttft_s']['p99']:.2f} s  ITL p50 {r['itl_s']['p50'] * 1e3:.1f} ms p99 "
@@ -227,13 +239,21 @@ def main(argv=None) -> int:
           f"{same_runs}/{args.requests})")
     print(f"per CPU-second: {cpu_ratio:.2f}x at the same batch, {cpu_ratio_memory:.2f}x in the "
           f"same KV memory")
+    print(f"with torch's sgemm linears, as transformers runs them (--no-prepack): "
+          f"{ratio_plain:.2f}x at the same batch ({cpu_ratio_plain:.2f}x per CPU-second); "
+          f"identical greedy outputs: {same_plain}/{args.requests}")
     print(f"one decode step alone, batch {step['batch']}, {step['context']} tokens of context: "
-          f"fivefold {step['fivefold_ms']:.1f} ms, transformers {step['transformers_ms']:.1f} ms")
+          f"fivefold {step['fivefold_ms']:.1f} ms (sgemm linears {step['fivefold_sgemm_ms']:.1f} "
+          f"ms), transformers {step['transformers_ms']:.1f} ms")
     result = {"benchmark": "serve", "model": cfg.name, "dtype": "fp32",
               "requests": args.requests, "batch": args.batch, "threads": args.threads,
               "workload": {"prompt_tokens": [16, 256], "output_tokens": [16, 256],
                            "seed": args.seed, "arrivals": "all at t=0"},
-              "fivefold": ours, "fivefold_same_kv_memory": memory, "transformers": theirs,
+              "fivefold": ours, "fivefold_same_kv_memory": memory,
+              "fivefold_sgemm_linears": plain, "transformers": theirs,
+              "tokens_per_s_ratio_sgemm_linears": ratio_plain,
+              "tokens_per_cpu_s_ratio_sgemm_linears": cpu_ratio_plain,
+              "identical_outputs_sgemm_linears": same_plain,
               "tokens_per_s_ratio": ratio, "tokens_per_s_ratio_same_kv_memory": ratio_memory,
               "tokens_per_cpu_s_ratio": cpu_ratio,
               "tokens_per_cpu_s_ratio_same_kv_memory": cpu_ratio_memory,

@@ -29,6 +29,7 @@ from fivefold.errors import ConfigError
 from fivefold.models.sampling import sample_token
 from fivefold.serve.kv_cache import PagedKVCache, kv_bytes_per_token
 from fivefold.serve.kv_cache_manager import KVCacheManager, cdiv
+from fivefold.serve.prepack import can_prepack, prepack_linears
 from fivefold.serve.request import Request, RequestStatus
 from fivefold.serve.runner import ModelRunner
 from fivefold.serve.sampling_params import SamplingParams
@@ -60,7 +61,8 @@ class Engine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  chunked_prefill: bool = False, enable_prefix_caching: bool = True,
                  eos_token_ids: Iterable[int] = (), max_model_len: int | None = None,
-                 detokenize: Callable[[list[int]], str] | None = None, seed: int = 0):
+                 detokenize: Callable[[list[int]], str] | None = None, seed: int = 0,
+                 prepack: bool = False):
         cfg = model.cfg  # the ModelConfig every fivefold model carries
         param = next(model.parameters())
         self.model, self.cfg, self.device = model.eval(), cfg, param.device
@@ -84,6 +86,11 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.max_model_len, max_num_seqs,
                                    max_num_batched_tokens, chunked_prefill, eos_token_ids)
+        # prepack: run a copy whose linears use oneDNN with weights laid out once (fp32 on a
+        # CPU only; serve/prepack.py); the caller's model stays as it was
+        self.num_prepacked = 0
+        if prepack and can_prepack(model):
+            model, self.num_prepacked = prepack_linears(model)
         self.runner = ModelRunner(model, self.cache, self.kv)
         self.detokenize = detokenize
         self._ids = itertools.count()

@@ -134,10 +134,10 @@ class PagedKVCache:
             last = first + (length + bs - 1) // bs
             # one sequence's blocks at a time: SDPA reads them while they are still in cache
             table = rows[first:last]
-            kb = key_pool.index_select(0, table).view(-1, heads, d)[:length]
-            vb = value_pool.index_select(0, table).view(-1, heads, d)[:length]
-            out[:, :, row:row + 1] = sdpa(q[:, :, row:row + 1], kb.transpose(0, 1)[None].to(q.dtype),
-                                          vb.transpose(0, 1)[None].to(q.dtype))
+            kb = key_pool.index_select(0, table).view(-1, heads, d)[:length].transpose(0, 1)
+            vb = value_pool.index_select(0, table).view(-1, heads, d)[:length].transpose(0, 1)
+            out[:, :, row:row + 1] = sdpa(q[:, :, row:row + 1], kb[None].to(q.dtype),
+                                          vb[None].to(q.dtype))
             first = last
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,

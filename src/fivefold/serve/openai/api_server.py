@@ -153,6 +153,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--chunked-prefill", action="store_true",
                    help="split long prompts into chunks of --max-num-batched-tokens")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-prepack", action="store_true",
+                   help="fp32 on a CPU: keep torch's sgemm linears instead of oneDNN with "
+                        "weights reordered once (faster; holds a second copy of the weights)")
     p.add_argument("--shutdown-grace", type=float, default=3.0,
                    help="seconds running requests get to finish after SIGTERM")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -206,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                     chunked_prefill=args.chunked_prefill,
                     enable_prefix_caching=not args.no_prefix_caching,
                     eos_token_ids=eos_ids, max_model_len=args.max_model_len,
-                    detokenize=codec.decode)
+                    detokenize=codec.decode, prepack=not args.no_prepack)
     source = Path(args.hf or args.checkpoint)
     name = args.served_model_name or source.resolve().name
     loop = EngineLoop(engine)
