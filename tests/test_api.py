@@ -16,16 +16,9 @@ from common import small_config
 import fivefold
 from fivefold.config import ConfigError
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine: threads only contend (30 s against 0.5 s)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def readme_example() -> str:

@@ -32,17 +32,10 @@ from fivefold.finetune.io import (
 from fivefold.finetune.lora import LoraLinear, kaiming_uniform_bound
 from fivefold.models.hf import load_hf, save_hf
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: one intra-op thread, as the multi-rank tests' children use (on
-    a shared 2-core machine, two spinning OpenMP threads made each small GEMM 10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -13,18 +13,10 @@ from fivefold.finetune.attach import load_for_inference
 from fivefold.finetune.lora import LoraLinear
 from fivefold.train.trainer import Trainer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: one intra-op thread, as the multi-rank tests' children use (on
-    a shared 2-core machine, two spinning OpenMP threads made each small GEMM 10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,7 @@ from fivefold.quant.convert import quantize_
 CFG = ModelConfig(name="q", vocab_size=256, hidden_size=128, intermediate_size=256,
                   num_layers=2, num_heads=4, num_kv_heads=4, max_seq_len=128, init_std=0.05)
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def salient_model():

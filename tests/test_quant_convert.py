@@ -19,14 +19,7 @@ from fivefold.quant.linear import Int4Linear, QuantLinear
 CFG = ModelConfig(name="q", vocab_size=256, hidden_size=128, intermediate_size=256,
                   num_layers=2, num_heads=4, num_kv_heads=4, max_seq_len=128, init_std=0.05)
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # A shared 2-core machine: one OpenMP thread per test process avoids oversubscription.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def salient_model(cfg=CFG):

@@ -21,15 +21,7 @@ from fivefold.train.generate import generate
 CFG = ModelConfig(name="serve", vocab_size=256, hidden_size=64, intermediate_size=128,
                   num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=512, init_std=0.1)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine: a second OpenMP thread only spins (20x
-    slower here under load)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -52,14 +52,6 @@ def test_engine_pool_equals_the_plan(dtype, name):
     assert engine.cache.nbytes == engine.num_blocks * 16 * kv_bytes_per_token(CFG, name)
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: a second thread only spins on a shared machine
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_engine_runs_exactly_the_planned_number_of_sequences_at_once(one_thread):
     model = build_model(CFG, seed=1).eval()
     context, output, block = 40, 24, 16  # 64 tokens: 4 blocks a request

@@ -15,19 +15,12 @@ from fivefold.serve.engine import Engine
 from fivefold.serve.prepack import PackedLinear, can_prepack, prepack_linears
 from fivefold.serve.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
-                                reason="this torch build has no oneDNN")
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                 reason="this torch build has no oneDNN")]
 
 CFG = ModelConfig(name="packed", vocab_size=256, hidden_size=64, intermediate_size=128,
                   num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=256, init_std=0.1)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("tied", [True, False])
