@@ -26,20 +26,23 @@ import copy
 import types
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 def can_prepack(model: nn.Module) -> bool:
     """fp32 weights on a CPU, with torch's oneDNN linear ops present (torch >= 2.1 built
-    with oneDNN, which the x86 and arm64 wheels are)."""
+    with oneDNN, which the x86 and arm64 wheels are) and giving F.linear's result."""
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu" or param.dtype != torch.float32:
         return False
     if not torch.backends.mkldnn.is_available():
         return False
-    try:
-        return all(callable(getattr(torch.ops.mkldnn, op))
-                   for op in ("_reorder_linear_weight", "_linear_pointwise"))
+    try:  # present, and right on this machine's kernels (a probe of 3 x 8 -> 4)
+        g = torch.Generator().manual_seed(0)
+        w, b, x = (torch.randn(shape, generator=g) for shape in ((4, 8), (4,), (3, 8)))
+        got = PackedLinear(w, b, batch_hint=3)(x)
+        return torch.allclose(got, F.linear(x, w, b), rtol=1e-4, atol=1e-5)
     except (AttributeError, RuntimeError):
         return False
 
