@@ -8,10 +8,10 @@ loses several percent, so whether AWQ's scale search recovers a share of a gap t
 clearly there can be seen. The AWQ paper reports both INT3-g128 and INT4-g128 (arXiv:2306.00978,
 Table 4; LLaMA-7B WikiText-2 at INT4-g128: fp16 5.68, RTN 5.96, AWQ 5.78, 64% of RTN's gap).
 
-Both arms are fake-quantised (quantise and dequantise in fp32, asymmetric with a zero point,
-per group of 128 input columns, `b`-bit codes 0..2^b - 1), so they differ only in AWQ's
+Both arms are fake-quantised (`numerics.intx.fake_quantize_int4` with levels = 2^b - 1:
+asymmetric with a zero point, per group of 128 input columns), so they differ only in AWQ's
 scaling and clipping (`quant.awq.apply_awq` with its defaults, searching with the same
-`b`-bit quantiser) applied first. Calibration: 128 x 128 tokens of the run's training split,
+`b`-bit grid) applied first. Calibration: 128 x 128 tokens of the run's training split,
 as `fivefold quantize` takes them; evaluation: the run's validation split. Results go to
 bench/results/awq_bits.json with the machine and git revision.
 """
@@ -32,32 +32,19 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from quant_quality import calibration, step_dir  # noqa: E402
 
-import fivefold.quant.awq as awq  # noqa: E402
 from fivefold.evaluate.perplexity import checkpoint_validation, perplexity  # noqa: E402
+from fivefold.numerics.intx import fake_quantize_int4  # noqa: E402
+from fivefold.quant.awq import apply_awq  # noqa: E402
 from fivefold.train.bench import git_revision, machine  # noqa: E402
 from fivefold.train.checkpoint import read_meta  # noqa: E402
 
 
-def fake_quantizer(bits: int):
-    """Asymmetric b-bit round-to-nearest per group, quantised and dequantised (fp32)."""
-    levels = 2 ** bits - 1
-
-    def fake(w: torch.Tensor, group_size: int = 128, symmetric: bool = False) -> torch.Tensor:
-        g = w.float().reshape(w.shape[0], -1, group_size)
-        high, low = g.amax(-1, keepdim=True), g.amin(-1, keepdim=True)
-        scale = (high - low).clamp_min(1e-5) / levels
-        zero = torch.round(-low / scale).clamp(0, levels)
-        q = (torch.round(g / scale) + zero).clamp(0, levels)
-        return ((q - zero) * scale).reshape(w.shape)
-    return fake
-
-
 @torch.no_grad()
-def round_linears(model: torch.nn.Module, fake, group_size: int) -> None:
+def round_linears(model: torch.nn.Module, levels: int, group_size: int) -> None:
     """RTN on every block linear (embedding and head stay float, as `fivefold quantize`)."""
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.startswith("layers."):
-            module.weight.copy_(fake(module.weight, group_size))
+            module.weight.copy_(fake_quantize_int4(module.weight, group_size, levels=levels))
 
 
 def run(name: str, path: str, bits: list[int], group_size: int) -> dict:
@@ -68,18 +55,13 @@ def run(name: str, path: str, bits: list[int], group_size: int) -> dict:
     result = {"checkpoint": str(step), "fp32": base, "validation_tokens": int(len(tokens)),
               "calibration": list(calib.shape), "bits": {}}
     for b in bits:
-        fake = fake_quantizer(b)
+        levels = 2 ** b - 1
         rtn = copy.deepcopy(model)
-        round_linears(rtn, fake, group_size)
+        round_linears(rtn, levels, group_size)
         p_rtn = perplexity(rtn, tokens, seq_len).perplexity
         scaled = copy.deepcopy(model)
-        searched = awq.fake_quantize_int4
-        awq.fake_quantize_int4 = fake  # the search measures candidates with the b-bit grid
-        try:
-            awq.apply_awq(scaled, calib, group_size)
-        finally:
-            awq.fake_quantize_int4 = searched
-        round_linears(scaled, fake, group_size)
+        apply_awq(scaled, calib, group_size, levels=levels)  # searching with the b-bit grid
+        round_linears(scaled, levels, group_size)
         p_awq = perplexity(scaled, tokens, seq_len).perplexity
         closes = (p_rtn - p_awq) / (p_rtn - base) if p_rtn != base else None
         result["bits"][str(b)] = {"rtn": p_rtn, "awq": p_awq, "closes": closes}

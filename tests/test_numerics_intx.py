@@ -86,3 +86,17 @@ def test_int4_asymmetric_is_tighter_than_symmetric_on_shifted_weights():
 def test_group_size_must_divide_k():
     with pytest.raises(ValueError, match="group size 100 must be even and divide"):
         quantize_int4(torch.randn(4, 256), group_size=100)
+
+
+def test_fewer_levels_emulate_fewer_bits():
+    """levels = 2^b - 1: each group of the result takes at most 2^b values, spanning the
+    group's range; 15 is int4 itself; symmetric fewer-level grids are refused."""
+    w = torch.randn(6, 256, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(fake_quantize_int4(w, 128, levels=15), fake_quantize_int4(w, 128))
+    three = fake_quantize_int4(w, 128, levels=7).reshape(6, 2, 128)
+    assert max(len(torch.unique(g)) for g in three.reshape(12, 128)) <= 8
+    groups = w.reshape(6, 2, 128)
+    step = (groups.amax(-1) - groups.amin(-1)) / 7
+    assert ((three - groups).abs().amax(-1) <= step / 2 + 1e-6).all()
+    with pytest.raises(ValueError):
+        fake_quantize_int4(w, 128, symmetric=True, levels=7)

@@ -96,16 +96,17 @@ def check_group_size(in_features: int, group_size: int) -> None:
                          f"dimension {in_features}")
 
 
-def int4_scale_zero(w: torch.Tensor, group_size: int, symmetric: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scale (and zero point) per (row, group) of w (out, in), fp32."""
+def int4_scale_zero(w: torch.Tensor, group_size: int, symmetric: bool,
+                    levels: int = INT4_LEVELS) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and zero point) per (row, group) of w (out, in), fp32. `levels`: the largest
+    asymmetric code (2^bits - 1; 15 for int4)."""
     groups = w.float().reshape(w.shape[0], -1, group_size)
     if symmetric:
         absmax = groups.abs().amax(dim=-1)
         return (absmax / (INT4_SYM_OFFSET - 1)).clamp_min(MIN_RANGE / 7), None
     high, low = groups.amax(dim=-1), groups.amin(dim=-1)
-    scale = (high - low).clamp_min(MIN_RANGE) / INT4_LEVELS
-    zero = torch.round(-low / scale).clamp(0, INT4_LEVELS)
+    scale = (high - low).clamp_min(MIN_RANGE) / levels
+    zero = torch.round(-low / scale).clamp(0, levels)
     return scale, zero
 
 
@@ -143,15 +144,18 @@ def dequantize_int4(q: Int4, dtype: torch.dtype = torch.float32) -> torch.Tensor
 
 
 def fake_quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
-                       symmetric: bool = False) -> torch.Tensor:
+                       symmetric: bool = False, levels: int = INT4_LEVELS) -> torch.Tensor:
     """Quantise and dequantise in one step (fp32), without packing: what AWQ's search
-    evaluates for every candidate scale."""
-    scale, zero = int4_scale_zero(w, group_size, symmetric)
+    evaluates for every candidate scale. `levels` < 15 emulates fewer bits (asymmetric
+    only; bench/awq_bits.py measures 3 bits, levels = 7)."""
+    if symmetric and levels != INT4_LEVELS:
+        raise ValueError("fewer levels than int4's are emulated asymmetrically only")
+    scale, zero = int4_scale_zero(w, group_size, symmetric, levels)
     groups = w.float().reshape(w.shape[0], -1, group_size)
     q = torch.round(groups / scale.unsqueeze(-1))
     if zero is None:
         deq = q.clamp(-INT4_SYM_OFFSET, INT4_SYM_OFFSET - 1) * scale.unsqueeze(-1)
     else:
         z = zero.unsqueeze(-1)
-        deq = ((q + z).clamp(0, INT4_LEVELS) - z) * scale.unsqueeze(-1)
+        deq = ((q + z).clamp(0, levels) - z) * scale.unsqueeze(-1)
     return deq.reshape(w.shape)

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fivefold.numerics.formats import INT4_LEVELS
 from fivefold.numerics.intx import fake_quantize_int4
 
 ALPHA_GRID = 20
@@ -246,18 +247,19 @@ def layer_inputs(model: nn.Module, tokens: torch.Tensor
 def apply_awq(model: nn.Module, tokens: torch.Tensor, group_size: int = 128,
               symmetric: bool = False, clip: bool = True, n_grid: int = ALPHA_GRID,
               log: Callable[[str], None] | None = None, duo: bool = False,
-              loss: str = "module") -> AWQReport:
+              loss: str = "module", levels: int = INT4_LEVELS) -> AWQReport:
     """Rescale (and clip) the float weights of every decoder layer of a fivefold Llama in
     place for int4 quantisation; `tokens` (n, seq) is the calibration batch.
 
     `duo` uses AutoAWQ's duo scaling (see `scale_for`). `loss` is where a group's error is
     measured: "module" (llm-awq/AutoAWQ: the attention, the MLP, or the linear itself) or
-    "layer" (the whole decoder layer's output, residuals included)."""
+    "layer" (the whole decoder layer's output, residuals included). `levels` < 15 searches
+    with a grid of fewer bits (asymmetric; bench/awq_bits.py)."""
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, not {loss!r}")
 
     def quantize(w: torch.Tensor) -> torch.Tensor:
-        return fake_quantize_int4(w, group_size, symmetric)
+        return fake_quantize_int4(w, group_size, symmetric, levels)
 
     report = AWQReport()
     hidden, cos, sin = layer_inputs(model, tokens)
