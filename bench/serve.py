@@ -147,21 +147,23 @@ def run_transformers(hf, prompts, outputs, batch: int, pad_id: int):
     return summarize("transformers", seconds, tokens, first_times, token_times, cpu), tokens
 
 
-def decode_step_ms(model, hf, batch: int, context: int, rounds: int = 7,
-                   prepack: bool = True) -> dict:
+def decode_step_ms(model, hf, batch: int, context: int, rounds: int = 7) -> dict:
     """One decode step of `batch` sequences of `context` tokens, alone: the engine (paged
-    cache, gather + SDPA) and transformers (its cache, torch.cat + SDPA), median of
-    alternating rounds."""
+    cache, gather + SDPA) with prepacked and with sgemm linears, and transformers (its cache,
+    torch.cat + SDPA), median of alternating rounds."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, model.cfg.vocab_size, (context,), generator=g).tolist()
                for _ in range(batch)]
-    engine = Engine(model, max_num_seqs=batch, num_blocks=batch * (context // 16 + 4) + 8,
-                    max_num_batched_tokens=max(batch * context, 2048),
-                    max_model_len=context + 16, prepack=prepack)
-    for prompt in prompts:
-        engine.add_request(prompt, SamplingParams(max_tokens=rounds + 4, temperature=0,
-                                                  ignore_eos=True))
-    engine.step()  # every prompt, one step
+    engines = {}
+    for name, prepack in (("fivefold_ms", True), ("fivefold_sgemm_ms", False)):
+        engine = Engine(model, max_num_seqs=batch, num_blocks=batch * (context // 16 + 4) + 8,
+                        max_num_batched_tokens=max(batch * context, 2048),
+                        max_model_len=context + 16, prepack=prepack)
+        for prompt in prompts:
+            engine.add_request(prompt, SamplingParams(max_tokens=rounds + 4, temperature=0,
+                                                      ignore_eos=True))
+        engine.step()  # every prompt, one step
+        engines[name] = engine.step
     with torch.inference_mode():
         out = hf(torch.tensor(prompts), use_cache=True)
     state = {"cache": out.past_key_values, "next": out.logits[:, -1:].argmax(-1)}
@@ -171,16 +173,15 @@ def decode_step_ms(model, hf, batch: int, context: int, rounds: int = 7,
             o = hf(state["next"], past_key_values=state["cache"], use_cache=True)
         state["cache"], state["next"] = o.past_key_values, o.logits[:, -1:].argmax(-1)
 
-    ours_ms, theirs_ms = [], []
+    steps = {**engines, "transformers_ms": theirs}
+    times = {name: [] for name in steps}
     for _ in range(rounds):
-        start = time.perf_counter()
-        engine.step()
-        ours_ms.append((time.perf_counter() - start) * 1e3)
-        start = time.perf_counter()
-        theirs()
-        theirs_ms.append((time.perf_counter() - start) * 1e3)
-    return {"batch": batch, "context": context, "fivefold_ms": statistics.median(ours_ms),
-            "transformers_ms": statistics.median(theirs_ms)}
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {"batch": batch, "context": context,
+            **{name: statistics.median(ms) for name, ms in times.items()}}
 
 
 def main(argv=None) -> int:
@@ -221,8 +222,6 @@ def main(argv=None) -> int:
     cpu_ratio = ours["tokens_per_cpu_s"] / theirs["tokens_per_cpu_s"]
     cpu_ratio_memory = memory["tokens_per_cpu_s"] / theirs["tokens_per_cpu_s"]
     step = decode_step_ms(model, hf, args.batch, 300)
-    step["fivefold_sgemm_ms"] = decode_step_ms(model, hf, args.batch, 300,
-                                               prepack=False)["fivefold_ms"]
     info = machine(torch.device("cpu"))
     print(f"{info['device']}; torch {torch.__version__}, transformers "
           f"{transformers.__version__}; {args.threads} thread(s); {cfg.name} fp32")

@@ -73,7 +73,8 @@ def prepack_linears(model: nn.Module, batch_hint: int = 16) -> tuple[nn.Module, 
     served = copy.deepcopy(model, memo=shared)
     count = 0
     head = getattr(served, "lm_head", "absent")
-    if hasattr(served, "logits") and (head is None or type(head) is nn.Linear):
+    if (hasattr(served, "logits") and hasattr(served, "output_weight")
+            and (head is None or type(head) is nn.Linear)):
         # the output head, also when tied to the embedding (Llama.logits is
         # F.linear(norm(h), output_weight())): this copy's logits use the packed weight
         bias = None if head is None else head.bias
