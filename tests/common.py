@@ -41,3 +41,20 @@ def assert_same_lora_run(losses, norms, adapters: dict, rank_runs) -> None:
     for name, value in adapters.items():
         diff = (merged[name] - value).abs().max().item()
         assert diff <= 1e-5, (name, diff)
+
+
+def save_tiny_hf_llama(path, hidden: int = 32, intermediate: int = 64, kv_heads: int = 2,
+                       tied: bool = True, seed: int = 0, **config_kw):
+    """A 2-layer transformers LlamaForCausalLM (vocabulary 256, 4 heads) with weights drawn
+    from `seed`, saved at `path`; returns the model (eval mode)."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=hidden,
+                                   intermediate_size=intermediate, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=kv_heads,
+                                   tie_word_embeddings=tied, **config_kw)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    return model

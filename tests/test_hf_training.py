@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 import torch
-from common import small_config
+from common import save_tiny_hf_llama, small_config
 from harness import run_ranks
 
 from fivefold.parallel.mesh import ParallelDims
@@ -15,14 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def save_hf_llama(path: pathlib.Path):
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=128,
-                                   tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(path)
-    return model
+    return save_tiny_hf_llama(path, tied=False, max_position_embeddings=128)
 
 
 def hf_args(path):

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from common import save_tiny_hf_llama
 from torch import nn
 
 from fivefold.config import ConfigError
@@ -42,12 +43,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def make_hf_llama(path, seed=0):
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=128,
-                                   tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    save_tiny_hf_llama(path, tied=False, seed=seed, max_position_embeddings=128)
 
 
 def hf_base(path):

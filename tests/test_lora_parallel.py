@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from common import assert_same_lora_run, small_config
+from common import assert_same_lora_run, save_tiny_hf_llama, small_config
 from harness import run_ranks
 
 from fivefold.parallel.mesh import ParallelDims
@@ -62,15 +62,9 @@ def test_lora_layout_matches_single_process(single, layout):
 
 @pytest.fixture(scope="module")
 def hf_base(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
-    import torch
-
+    pytest.importorskip("transformers")
     path = tmp_path_factory.mktemp("qlora") / "hf"
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    save_tiny_hf_llama(path)
     return path
 
 

@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from common import small_config
+from common import save_tiny_hf_llama, small_config
 from harness import run_ranks
 
 from fivefold.models.presets import preset
@@ -62,15 +62,9 @@ def test_planned_model_states_under_dp2_zero2_zero3_and_tp2():
 
 
 def _hf_base(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    import torch
-
+    pytest.importorskip("transformers")
     path = tmp_path / "hf"
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=4, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    save_tiny_hf_llama(path, hidden=128, intermediate=256, kv_heads=4)
     return path
 
 

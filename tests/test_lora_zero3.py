@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from common import assert_same_lora_run, small_config
+from common import assert_same_lora_run, save_tiny_hf_llama, small_config
 from harness import run_ranks
 
 from fivefold.parallel.mesh import ParallelDims
@@ -60,15 +60,9 @@ def _run(rank, world, tmp, args):
 
 @pytest.fixture(scope="module")
 def hf_base(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
-    import torch
-
+    pytest.importorskip("transformers")
     path = tmp_path_factory.mktemp("zero3-lora") / "hf"
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=4, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    save_tiny_hf_llama(path, hidden=128, intermediate=256, kv_heads=4)
     return path
 
 
