@@ -58,3 +58,16 @@ def save_tiny_hf_llama(path, hidden: int = 32, intermediate: int = 64, kv_heads:
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(path)
     return model
+
+
+def tiny_train_argv(root) -> list[str]:
+    """`fivefold train` argv: a 2-layer width-32 model of the byte vocabulary, 3 fp32 steps
+    on the CPU, a checkpoint every step under root/ck (the last 8 items set steps, the
+    checkpoint cadence and the directories), logs under root/log."""
+    return ["train", "--model.preset", "tiny", "--data.tokenizer", "byte", "--parallel.mbs",
+            "1", "--model.hidden_size", "32", "--model.intermediate_size", "64",
+            "--model.num_layers", "2", "--train.seq_len", "32", "--train.gbs", "4",
+            "--train.precision", "fp32", "--train.device", "cpu", "--train.eval_every", "0",
+            "--log.progress", "false", "--log.tensorboard", "false", "--train.steps", "3",
+            "--checkpoint.every", "1", "--checkpoint.keep", "5",
+            "--checkpoint.dir", str(root / "ck"), "--log.dir", str(root / "log")]

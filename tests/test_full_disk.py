@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from common import small_config
+from common import small_config, tiny_train_argv
 from harness import run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -98,28 +98,18 @@ def test_a_real_full_file_system_is_one_line_on_every_rank(tmp_path):
         check_intact(fs / "ck")
 
 
-def small_train_args(root: Path) -> list[str]:
-    return ["train", "--model.preset", "tiny", "--data.tokenizer", "byte", "--parallel.mbs",
-            "1", "--model.hidden_size", "32", "--model.intermediate_size", "64",
-            "--model.num_layers", "2", "--train.seq_len", "32", "--train.gbs", "4",
-            "--train.precision", "fp32", "--train.device", "cpu", "--train.eval_every", "0",
-            "--log.progress", "false", "--log.tensorboard", "false", "--train.steps", "3",
-            "--checkpoint.every", "1", "--checkpoint.keep", "5",
-            "--checkpoint.dir", str(root / "ck"), "--log.dir", str(root / "log")]
-
-
 def test_fivefold_train_on_a_file_system_with_room_for_one_checkpoint(tmp_path, capsys):
     """The command as a user runs it, nothing injected: a tmpfs with room for one step's
     checkpoint. Step 2's save fails: one line on stderr, exit code 1 (docs/runs.md: a
     checkpoint that could not be written), step 1 intact."""
     probe = tmp_path / "probe"
-    assert main(small_train_args(probe)[:-8] + ["--train.steps", "1", "--checkpoint.dir",
+    assert main(tiny_train_argv(probe)[:-8] + ["--train.steps", "1", "--checkpoint.dir",
                                                  str(probe / "ck"), "--log.dir",
                                                  str(probe / "log")]) == 0
     step_bytes = sum(f.stat().st_size for f in (probe / "ck").rglob("*") if f.is_file())
     capsys.readouterr()
     with tmpfs(tmp_path / "fs", f"{int(step_bytes * 1.6) // 4096 * 4096}") as fs:
-        code = main(small_train_args(fs))
+        code = main(tiny_train_argv(fs))
         err = capsys.readouterr().err.strip()
         assert code == 1, err
         assert len(err.splitlines()) == 1 and "Traceback" not in err, err

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from common import small_config
+from common import small_config, tiny_train_argv
 from harness import run_ranks
 
 from fivefold.cli import main
@@ -134,15 +134,8 @@ def test_a_checkpoint_written_under_nvme_resumes_with_and_without_offload(tmp_pa
 
 
 def train_args(root: Path, offload_dir: Path) -> list[str]:
-    return ["train", "--model.preset", "tiny", "--data.tokenizer", "byte", "--parallel.mbs",
-            "1", "--model.hidden_size", "32", "--model.intermediate_size", "64",
-            "--model.num_layers", "2", "--train.seq_len", "32", "--train.gbs", "4",
-            "--train.precision", "fp32", "--train.device", "cpu", "--train.eval_every", "0",
-            "--log.progress", "false", "--log.tensorboard", "false", "--train.steps", "3",
-            "--checkpoint.every", "1", "--checkpoint.keep", "5",
-            "--checkpoint.dir", str(root / "ck"), "--log.dir", str(root / "log"),
-            "--parallel.zero", "1", "--parallel.offload", "nvme",
-            "--parallel.offload_dir", str(offload_dir)]
+    return tiny_train_argv(root) + ["--parallel.zero", "1", "--parallel.offload", "nvme",
+                                    "--parallel.offload_dir", str(offload_dir)]
 
 
 def test_an_unwritable_offload_dir_is_one_line_and_exit_2(tmp_path, capsys):
