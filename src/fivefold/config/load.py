@@ -144,8 +144,28 @@ def read(path: str | os.PathLike | None = None, overrides: list[str] | None = No
 def load(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
     """Read a TOML file (optional), apply `--section.key value` overrides, validate."""
     cfg = read(path, overrides)
+    cap_steps(cfg)
     validate(cfg)
     return cfg
+
+
+STEPS_CAP_ENV = "FIVEFOLD_MAX_STEPS"
+
+
+def cap_steps(cfg: Config) -> None:
+    """Shorten train.steps to $FIVEFOLD_MAX_STEPS when it is set: the docs test runs every
+    documented command as written, and a smoke run of a command needs its path taken, not its
+    450 steps. Said in one line, so a capped run is never mistaken for the real one."""
+    cap = os.environ.get(STEPS_CAP_ENV)
+    if not cap:
+        return
+    if not cap.isdigit() or int(cap) < 1:
+        raise ConfigError(f"{STEPS_CAP_ENV} = {cap!r} is not a positive whole number; "
+                          f"unset it or give e.g. 20")
+    if cfg.train.steps > int(cap):
+        print(f"note: {STEPS_CAP_ENV} = {cap} shortens train.steps from {cfg.train.steps}",
+              file=sys.stderr)
+        cfg.train.steps = int(cap)
 
 
 def apply_overrides(cfg: Config, args: list[str]) -> None:
