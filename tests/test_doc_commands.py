@@ -23,7 +23,7 @@ from doc_commands import PAGE_ORDER, ROOT, script, shell_blocks, unmarked_comman
 
 # Each training run a page shows is cut to this many steps: enough for a checkpoint, a
 # validation pass and the step lines, the paths the commands after it depend on.
-MAX_STEPS = "12"
+MAX_STEPS = "4"
 BLOCK_TIMEOUT_S = 420
 
 
