@@ -42,6 +42,7 @@ FENCE = re.compile(r"^(```|~~~)([^\n]*)\n(.*?)^\1[ \t]*$", re.S | re.M)
 # A line that starts a command in an unmarked block: the docs test refuses such a block, so a
 # command cannot hide from it by leaving out the info string.
 COMMAND_START = re.compile(r"^\s*(\$ |fivefold |torchrun |python3? |TORCH_\w+=)")
+HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?")
 PIP = re.compile(r"^(python3? -m )?pip install\b")
 PYTEST = re.compile(r"^python3? -m pytest\b")
 
@@ -87,10 +88,13 @@ def unmarked_command_blocks(page: str) -> list[Block]:
             and any(COMMAND_START.match(line) for line in b.body.splitlines())]
 
 
+EXIT_NOTE = re.compile(r"#\s*exit (?:code )?(\d+)\b[^\n]*$")
+
+
 @dataclass
 class Command:
     text: str
-    fails: bool  # a transcript shows it refused ("error: ..."): it must exit 2
+    exit_code: int  # 0; 2 where a transcript shows its refusal ("error: ..."); N for "# exit N"
 
 
 def commands(block: Block) -> list[Command]:
@@ -98,14 +102,26 @@ def commands(block: Block) -> list[Command]:
     lines = block.body.splitlines()
     prompted = any(line.startswith("$ ") for line in lines)
     joined: list[list] = []  # [text, first output line]
-    current = ""
+    current, heredoc_end = "", None
     for line in lines:
+        if heredoc_end is not None:  # a here-document's lines belong to its command
+            current += "\n" + line
+            if line.strip() != heredoc_end:
+                continue
+            heredoc_end = None
+            joined.append([current, None])
+            current = ""
+            continue
         if prompted and not line.startswith("$ ") and not current:
             if joined and joined[-1][1] is None:
                 joined[-1][1] = line  # the first line the command before printed
             continue
         current = (current + "\n" + line) if current else (line[2:] if prompted else line)
         if current.endswith("\\"):
+            continue
+        heredoc = HEREDOC.search(line)
+        if heredoc:
+            heredoc_end = heredoc.group(1)
             continue
         joined.append([current, None])
         current = ""
@@ -117,19 +133,21 @@ def commands(block: Block) -> list[Command]:
         kept = [s for s in steps if s and not PIP.match(s) and not PYTEST.match(s)]
         text = " && ".join(kept)
         if text.strip() and not text.strip().startswith("#"):  # comments are prose
-            out.append(Command(text, bool(first_output and first_output.startswith("error:"))))
+            note = EXIT_NOTE.search(text.splitlines()[-1])
+            refused = bool(first_output and first_output.startswith("error:"))
+            out.append(Command(text, int(note.group(1)) if note else 2 if refused else 0))
     return out
 
 
 def script(block: Block) -> str:
     """One bash script for the block: stop at the first command that does not do what the
-    page says (exit 0, or exit 2 where the page shows its refusal)."""
+    page says (exit 0, 2 where the page shows its refusal, N where it says `# exit N`)."""
     lines = ["set -eo pipefail"]
     for c in commands(block):
-        if c.fails:
+        if c.exit_code:
             lines.append(f"set +e\n{c.text}\nrc=$?\nset -e\n"
-                         f"[ $rc -eq 2 ] || {{ echo \"exit $rc, the page shows a refusal (exit 2): "
-                         f"{c.text.splitlines()[0]}\" >&2; exit 1; }}")
+                         f"[ $rc -eq {c.exit_code} ] || {{ echo \"exit $rc where the page says "
+                         f"{c.exit_code}: {c.text.splitlines()[0]}\" >&2; exit 1; }}")
         else:
             lines.append(c.text)
         # Where the time goes, on stderr: the docs test is the suite's longest case.
@@ -145,6 +163,6 @@ if __name__ == "__main__":
             print(f"== {b.where}" + (f"  (not run: {reason})" if reason is not None else ""))
             if reason is None:
                 for c in commands(b):
-                    mark = "  [must exit 2]" if c.fails else ""
+                    mark = f"  [must exit {c.exit_code}]" if c.exit_code else ""
                     print("   " + c.text.replace("\n", "\n   ") + mark)
     sys.exit(0)
