@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from safety_cases import SMALL, cases, dirs, make_world
 
 from fivefold.cli import main
+from fivefold.host import cpu_label
 
 
 def snapshot(run: Path) -> dict[str, bytes]:
@@ -83,7 +83,7 @@ def main_bench() -> int:
 
     out = Path(__file__).parent / "results" / "bad_inputs.json"
     out.write_text(json.dumps({
-        "device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores",
+        "device": cpu_label(),
         "python": platform.python_version(), "torch": torch.__version__, "git": rev,
         "mode": "processes" if args.processes else "in-process", "seconds": elapsed,
         "passed": passed, "cases": rows}, indent=1))

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from fivefold.host import cpu_model  # noqa: E402
 from fivefold.models.loss import chunked_linear_cross_entropy  # noqa: E402
 from fivefold.train.allocations import PeakAllocations  # noqa: E402
 from fivefold.train.bench import git_revision  # noqa: E402
@@ -58,7 +59,7 @@ def main(argv=None) -> None:
     saved = out["materialised"]["peak_bytes"] - out["chunked"]["peak_bytes"]
     print(f"lower by {saved / 2**20:.1f} MiB; the fp32 logits are {logits / 2**20:.1f} MiB "
           f"({saved / logits:.2f}x)")
-    record = {"device": f"CPU ({platform.processor() or platform.machine()})",
+    record = {"device": f"CPU ({cpu_model()})",
               "torch": torch.__version__, "python": platform.python_version(),
               "git_revision": git_revision(), "shape": vars(args), "fp32_logits_bytes": logits,
               "peak_lower_by_bytes": saved, "variants": out}

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -40,6 +39,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from fivefold.host import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -233,7 +234,7 @@ def main(argv=None) -> None:
         print(f"{r['cp']:>3} {r['scheme']:<10} {r['step_s']:>8.3f} {ratio:>8} {r['cpu_s']:>7.2f} "
               f"{cpu_ratio:>8} {waits:>13} "
               f"{alone:>13} {share:>10} {hidden:>9} {rss:>8}")
-    record = {"device": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+    record = {"device": cpu_model(), "cpus": os.cpu_count(),
               "torch": torch.__version__, "git": git_revision(),
               "load_average": os.getloadavg(),
               "args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}

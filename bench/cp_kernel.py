@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from fivefold.host import cpu_label
 from fivefold.parallel.context import kernels
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -95,7 +95,7 @@ def main() -> None:
         rows[name] = {"median_s": t, "max_rel_error_vs_sdpa": max(errors.values()),
                       "errors": errors}
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
-            else f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores")
+            else cpu_label())
     print(f"device: {name}; torch {torch.__version__}; causal block {args.seq} tokens, "
           f"{args.heads} heads over {args.kv_heads} K/V heads of {args.head_dim}, {args.dtype}")
     for kernel, row in rows.items():

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import tempfile
@@ -35,6 +34,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from fivefold.host import cpu_label
 
 VARIANTS = ("ddp", "fsdp2", "dp", "zero1", "zero2", "zero3", "zero2-all", "zero3-all")
 PEERS = {"zero3": "fsdp2", "zero2-all": "zero2", "zero3-all": "zero3"}
@@ -143,7 +144,7 @@ def main() -> None:
     import torch.distributed.fsdp
     import torch.nn.parallel
 
-    device = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores"
+    device = cpu_label()
     revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, cwd=Path(__file__).parent).stdout.strip()
     results = {"device": device, "torch": torch.__version__, "precision": args.precision,

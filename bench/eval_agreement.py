@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 from fivefold.evaluate.perplexity import perplexity, window_bounds  # noqa: E402
+from fivefold.host import cpu_model  # noqa: E402
 from fivefold.models.hf import load_hf  # noqa: E402
 from fivefold.train.bench import git_revision  # noqa: E402
 from tests.eval_models import make_hf_dir  # noqa: E402
@@ -101,7 +101,7 @@ def main(argv=None) -> None:
         times["transformers"].append(time.perf_counter() - started)
     speed = {k: got.tokens / statistics.median(v) for k, v in times.items()}
     record = {
-        "device": f"CPU ({platform.processor() or platform.machine()}), "
+        "device": f"CPU ({cpu_model()}), "
                   f"{torch.get_num_threads()} threads",
         "torch": torch.__version__, "transformers": transformers.__version__,
         "git_revision": git_revision(), "shape": vars(args), "tokens": got.tokens,

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from fivefold.host import cpu_model
+
 SMALL = ["--model.hidden_size", "32", "--model.intermediate_size", "64", "--model.num_layers",
          "2", "--model.num_heads", "4", "--model.num_kv_heads", "2", "--train.seq_len", "32",
          "--train.gbs", "8", "--train.steps", "3", "--train.warmup_steps", "0",
@@ -75,7 +77,7 @@ def main() -> None:
     parser.add_argument("--rev", help="the git revision of --src (default: asked of git)")
     parser.add_argument("--out", default="exit_codes.json")
     args = parser.parse_args()
-    results = {"device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU "
+    results = {"device": f"{cpu_model()}, {os.cpu_count()} CPU "
                          f"cores (shared)", "torch": torch.__version__,
                "python": platform.python_version(), "src": Path(args.src).name,
                "git": args.rev or git_revision(args.src), "parallel.timeout_s": args.timeout_s,

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from fivefold.host import cpu_label
 
 VARIANTS = {
     "bf16": ["--train.precision", "bf16"],
@@ -94,7 +94,7 @@ def main() -> None:
         print(f"{name:>10}: final val_loss {res['val_loss']:.4f}  vs bf16 {rel * 100:+.2f}%  "
               f"(train loss {res['final_train_loss']:.4f}, {res['seconds']:.0f} s)")
     rev = git_revision()
-    result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared), "
+    result = {"machine": f"{cpu_label()} (shared), "
                          f"1 thread per run", "device": "cpu",
               "torch": torch.__version__, "git": rev, "model": "tiny-bpe", "steps": steps,
               "gbs": 16, "seq_len": 128, "summary": summary,

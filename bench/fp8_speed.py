@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import time
@@ -25,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from fivefold.host import cpu_label
 from fivefold.lowp.convert import convert_to_fp8
 from fivefold.lowp.linear import FP8Recipe
 from fivefold.models.llama import Block, Rotary
@@ -81,7 +80,7 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
-        f"{platform.machine()} CPU, {os.cpu_count()} cores")
+        cpu_label())
     stacks = {v: build(args.shape, args.layers, v, device) for v in args.variants}
     rates: dict[str, list[float]] = {v: [] for v in args.variants}
     for _ in range(args.rounds):  # the variants take turns, so drift hits them alike

@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from fivefold.host import cpu_label
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the fault run the tests use
@@ -44,7 +45,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--timeout-s", type=float, default=3.0, help="parallel.timeout_s")
     args = ap.parse_args()
-    device = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores"
+    device = cpu_label()
     rows = {}
     for how in ("kill", "stop"):
         took, named = [], 0

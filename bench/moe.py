@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import tempfile
@@ -44,6 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint  # noqa: F401  (import the submodules before forking)
 import torch.multiprocessing as mp
 
+from fivefold.host import cpu_label
 from fivefold.models.moe import GroupedExperts, Router, grouped_mm_available
 
 MODEL = ["--model.preset", "tiny", "--model.num_experts", "{experts}", "--model.experts_top_k",
@@ -175,7 +175,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     grouped = grouped_vs_loop(args)
-    device = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores"
+    device = cpu_label()
     results = {"device": device, "torch": torch.__version__, "git": _git_revision(),
                "load": f"{os.getloadavg()[0]:.0f} (1-minute load average at the end) on "
                        f"{os.cpu_count()} CPU cores shared with other jobs",

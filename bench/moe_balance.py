@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
+
+from fivefold.host import cpu_label
 
 VARIANTS = {
     "none": ["--model.aux_loss_coeff", "0", "--model.z_loss_coeff", "0"],
@@ -113,7 +113,7 @@ def main() -> None:
     plot(curves, Path(args.plot))
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True).stdout.strip()
-    result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared)",
+    result = {"machine": f"{cpu_label()} (shared)",
               "torch": torch.__version__, "git": rev, "steps": args.steps, "gbs": args.gbs,
               "seq_len": 128,
               "summary": summary, "curves": curves}

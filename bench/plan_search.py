@@ -7,6 +7,7 @@ import argparse
 import platform
 import time
 
+from fivefold.host import cpu_model
 from fivefold.models.presets import preset
 from fivefold.plan.hardware import get_hardware
 from fivefold.plan.layout import Workload
@@ -33,7 +34,7 @@ def main() -> None:
         times.append(time.perf_counter() - start)
     print(format_search(result, work, hw, top=5))
     print(f"\nsearch time: best {min(times):.2f} s, worst {max(times):.2f} s over {args.repeat}"
-          f" runs ({result.considered:,} layouts; {platform.processor() or platform.machine()},"
+          f" runs ({result.considered:,} layouts; {cpu_model()},"
           f" Python {platform.python_version()})")
 
 

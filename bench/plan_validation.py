@@ -15,6 +15,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
+from fivefold.host import cpu_label
 from fivefold.models.presets import ModelConfig, preset
 from fivefold.plan.conventions import get_convention
 from fivefold.plan.evaluate import plan_layout
@@ -214,7 +215,8 @@ def main():
     (ROOT / "docs" / "planner-validation.md").write_text("\n".join(lines) + "\n")
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True, cwd=ROOT).stdout.strip()
-    out = {"machine": platform.node(), "python": platform.python_version(), "git": rev,
+    out = {"machine": platform.node(), "cpu": cpu_label(),
+           "python": platform.python_version(), "git": rev,
            "rows": rows, "stats": stats, "stats_before": stats_before}
     (ROOT / "bench" / "results" / "plan_validation.json").write_text(
         json.dumps(out, indent=2, default=float) + "\n")

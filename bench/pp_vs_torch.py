@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from fivefold.host import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb", "dualpipev")
@@ -179,7 +180,7 @@ def main(argv=None) -> None:
             f"{r['ratio']:>6.2f}  {r['torch']}"
         )
     record = {
-        "device": platform.processor() or platform.machine(),
+        "device": cpu_model(),
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "args": {k: v for k, v in vars(args).items() if k != "out"},

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fivefold.config import ParallelSection
+from fivefold.host import cpu_label
 from fivefold.models.init import build_meta, materialize
 from fivefold.models.presets import preset
 from fivefold.parallel.memory import SavedActivations
@@ -105,7 +106,8 @@ def main():
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True, cwd=ROOT).stdout.strip()
     (ROOT / "bench" / "results" / "sp_saved_input.json").write_text(json.dumps(
-        {"machine": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+        {"machine": platform.node(), "cpu": cpu_label(), "cpu_count": os.cpu_count(),
+         "torch": torch.__version__,
          "git": rev, "batch": args.batch, "seq": args.seq, "results": res,
          "ratio_saved": shard["saved_bytes"] / full["saved_bytes"],
          "ratio_step": shard["step_s"] / full["step_s"]}, indent=1) + "\n")

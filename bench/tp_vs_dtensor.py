@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -34,6 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from test_tensor_parallel import dtensor_loss, dtensor_model
 
 from fivefold.config import ParallelSection
+from fivefold.host import cpu_model
 from fivefold.models.init import build_meta, materialize
 from fivefold.models.presets import preset
 from fivefold.parallel.mesh import ParallelDims
@@ -119,7 +119,7 @@ def main():
                 for mode, r in json.load(f).items():
                     rows.append({"tp": tp, "mode": mode, **r,
                                  "ratio": r["fivefold_s"] / r["dtensor_s"]})
-    device = f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    device = f"cpu: {cpu_model()}, {os.cpu_count()} cores"
     print(f"model {cfg.name} (untied, kv 4) h={cfg.hidden_size} L={cfg.num_layers} "
           f"V={cfg.vocab_size}, batch {args.batch} x seq {args.seq}, fp32, gloo; {device}")
     print(f"{'tp':>3} {'mode':>9} {'fivefold ms':>12} {'DTensor ms':>11} {'ratio':>6}")

@@ -74,6 +74,7 @@ def singles():
 ZERO3 = ["--parallel.dp", "2", "--parallel.zero", "3"]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("base,layout,world", [
     ("none", ZERO3, 2), ("nf4", ZERO3, 2), ("int8", ZERO3, 2),
     ("nf4", ZERO3 + ["--parallel.pp", "2", "--train.recompute", "full"], 4),
@@ -89,7 +90,8 @@ def test_zero3_shards_the_frozen_base(hf_base, singles, base, layout, world):
 
     # The same run: losses, gradient norms, final adapters.
     assert_same_lora_run(single["losses"], single["norms"], single["adapters"],
-                         [(r["losses"], r["norms"], r["adapters"]) for r in ranks])
+                         [(r["losses"], r["norms"], r["adapters"]) for r in ranks],
+                         width=256)  # ffn 256: the longest GEMM
 
     # Resident frozen bytes: the blocks' frozen bytes halved (each block padded to even),
     # the rest (tied embedding, final norm) whole; no gathered block left after the step.

@@ -4,6 +4,7 @@ and per-block compilation (parity with eager)."""
 import pytest
 import torch
 from common import small_config
+from tolerances import loss_rtol, trained_rtol, within
 
 from fivefold.parallel.update import squared_grad_norm
 from fivefold.train.metrics import sdpa_backend
@@ -37,10 +38,13 @@ def test_cpu_step_uses_fused_adamw_and_logs_the_attention_kernel(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parity
 def test_compiled_blocks_match_eager(tmp_path):
     """train.compile = true (inductor, the system C++ compiler on CPU) against eager, fp32,
-    3 steps from the same seed: losses within 1e-6, gradient norms and final weights within
-    1e-5 relative. The first step compiles (tens of seconds on 2 cores)."""
+    3 steps from the same seed: losses within loss_rtol, gradient norms and final weights
+    within trained_rtol (tests/tolerances.py: inductor fuses and reorders the same float32
+    sums; 4 sequences of 32 tokens per step, 2 blocks of 3 GEMMs). The first step compiles
+    (tens of seconds on 2 cores)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a loaded 2-core machine: no OpenMP threads spinning
     runs = {}
@@ -53,8 +57,11 @@ def test_compiled_blocks_match_eager(tmp_path):
     finally:
         torch.set_num_threads(threads)
     (eager, w_eager), (compiled, w_compiled) = runs["false"], runs["true"]
+    loss_tol, trained_tol = loss_rtol(4 * 32, 3 * 2), trained_rtol(4 * 32, 3 * 2)
     for a, b in zip(eager, compiled):
-        assert abs(a["loss"] - b["loss"]) / a["loss"] <= 1e-6
-        assert abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"] <= 1e-5
+        assert within(abs(a["loss"] - b["loss"]) / a["loss"], loss_tol, "compile loss")
+        assert within(abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"], trained_tol,
+                      "compile grad norm")
     for name, w in w_eager.items():
-        assert float((w_compiled[name] - w).norm() / w.norm()) <= 1e-5, name
+        err = float((w_compiled[name] - w).norm() / w.norm())
+        assert within(err, trained_tol, f"compile {name}"), (name, err)

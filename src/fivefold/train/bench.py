@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from fivefold.config import ArgumentParser, ConfigError
+from fivefold.host import cpu_label, cpu_model
 from fivefold.train.step_record import StepRecord, sync
 
 # What a benchmark run does not need: no checkpoints (written, or resumed from a run that
@@ -118,7 +119,7 @@ def git_revision() -> str:
 
 
 def machine(device: torch.device) -> dict:
-    info = {"host_cpu": platform.processor() or platform.machine(),
+    info = {"host_cpu": cpu_model(), "arch": platform.machine(),
             "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda,
@@ -126,7 +127,7 @@ def machine(device: torch.device) -> dict:
     if device.type == "cuda":
         info["device"] = torch.cuda.get_device_name(device)
     else:
-        info["device"] = f"CPU ({info['host_cpu']}, {os.cpu_count()} cores)"
+        info["device"] = f"CPU: {cpu_label()}"
     try:
         import transformers
 
