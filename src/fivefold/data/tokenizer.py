@@ -102,6 +102,23 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     return BPETokenizer(spec)
 
 
+HF_TOKENIZER_HELP = ("with --hf: the tokenizer the model was trained with, when the directory "
+                  "has no tokenizer.json: byte, corpus-bpe or a tokenizer.json file")
+
+
+def hf_tokenizer_spec(directory: str | Path, option: str | None) -> str:
+    """The tokenizer of a Hugging Face directory: --tokenizer where given, else the
+    directory's tokenizer.json. A directory without one is refused: decoding a BPE model's
+    ids as bytes would print garbage with exit 0."""
+    directory = Path(directory)
+    if option:
+        return option
+    if (directory / "tokenizer.json").is_file():
+        return str(directory / "tokenizer.json")
+    raise ConfigError(f"--hf {directory} has no tokenizer.json; give --tokenizer byte, "
+                      f"corpus-bpe or the tokenizer.json the model was trained with")
+
+
 def train_bpe(texts, vocab_size: int, out: str | Path) -> BPETokenizer:
     """Train a byte-level BPE on an iterable of documents, save it as out, and load it.
 

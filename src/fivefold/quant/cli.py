@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from fivefold.config import ArgumentParser, ConfigError, suggest
+from fivefold.data.tokenizer import HF_TOKENIZER_HELP, hf_tokenizer_spec
 from fivefold.numerics.intx import DEFAULT_GROUP_SIZE
 from fivefold.quant.awq import ALPHA_GRID, LOSSES
 from fivefold.quant.convert import METHODS, QuantSpec, check_shapes, quantize_
@@ -39,6 +40,7 @@ def build_parser() -> ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a fivefold checkpoint directory")
     source.add_argument("--hf", help="a Hugging Face model directory")
+    p.add_argument("--tokenizer", help=HF_TOKENIZER_HELP)
     p.add_argument("--method", required=True, help=f"one of {', '.join(METHODS)}")
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
                    help="int4/awq: input columns per scale (default 128)")
@@ -77,10 +79,12 @@ def load_float(args):
         if not (directory / "config.json").is_file():
             raise ConfigError(f"--hf {directory} has no config.json; give a Hugging Face "
                               f"checkpoint directory")
+        tokenizer = hf_tokenizer_spec(directory, args.tokenizer)  # one line, before loading
         model = load_hf(directory, dtype=torch.float32)
-        tok = directory / "tokenizer.json"
-        return (model, model.cfg, str(tok) if tok.is_file() else "byte",
-                {"hf": str(directory.resolve())}, None)
+        return model, model.cfg, tokenizer, {"hf": str(directory.resolve())}, None
+    if args.tokenizer:
+        raise ConfigError("--tokenizer names the tokenizer of an --hf directory; a checkpoint "
+                          "records its own, so drop --tokenizer")
     if is_quantized(args.checkpoint):
         raise ConfigError(f"--checkpoint {args.checkpoint} is already quantised; give the "
                           f"float checkpoint it was made from")
