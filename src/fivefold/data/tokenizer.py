@@ -70,6 +70,9 @@ class BPETokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         eos = [self._tok.token_to_id(name) for name in EOS_NAMES]
         eos = [i for i in eos if i is not None]
+        special = [i for i, t in self._tok.get_added_tokens_decoder().items() if t.special]
+        if not eos and len(special) == 1:  # its only special token ends a text (an export of
+            eos = special                  # a byte-level run: models/hf_tokenizer.py)
         if not eos:
             raise ConfigError(f"tokenizer {self.path} has no end-of-text token (looked for "
                               f"{', '.join(EOS_NAMES)}); add one as a special token")

@@ -49,14 +49,16 @@ def bytes_to_unicode() -> dict[int, str]:
 def byte_tokenizer_json(path: Path) -> str:
     """Write a tokenizers file equal to ByteTokenizer on text (ids = UTF-8 bytes); returns
     the end-of-text token's text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     chars = bytes_to_unicode()
     tok = Tokenizer(models.BPE(vocab={c: b for b, c in chars.items()}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    eos = chars[ByteTokenizer.eos_id]  # already in the vocabulary: it keeps id 0
+    tok.add_special_tokens([AddedToken(eos, special=True, normalized=False)])
     tok.save(str(path))
-    return chars[ByteTokenizer.eos_id]
+    return eos
 
 
 def write_tokenizer_files(spec, max_seq_len: int, outdir: Path) -> dict:
