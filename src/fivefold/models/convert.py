@@ -79,16 +79,13 @@ def export_checkpoint_to_hf(checkpoint_dir: str | Path, outdir: str | Path,
     from fivefold.finetune.inject import merge_and_unload
     from fivefold.models.hf import DEFAULT_MAX_SHARD_BYTES, save_hf
     from fivefold.models.hf_tokenizer import base_tokenizer_dir, write_tokenizer_files
-    from fivefold.train.checkpoint import inference_step
 
-    _, meta, _ = inference_step(str(checkpoint_dir))
     model, model_cfg, tokenizer_spec, lora = load_for_inference(str(checkpoint_dir))
     if lora:  # a LoRA run: the base with W + scaling · B A folded in
         model = merge_and_unload(model)
     if _torch_dtype(dtype) is not None:
         model = model.to(_torch_dtype(dtype))
-    hf_path = ((meta.get("config") or {}).get("model") or {}).get("hf_path") or ""
-    base = base_tokenizer_dir(tokenizer_spec, hf_path)
+    base = base_tokenizer_dir(tokenizer_spec, _run_hf_path(Path(checkpoint_dir)))
     with tempfile.TemporaryDirectory() as staging:
         if base is not None:
             extra = [base / name for name in COMPANION_FILES if (base / name).is_file()]
@@ -100,6 +97,18 @@ def export_checkpoint_to_hf(checkpoint_dir: str | Path, outdir: str | Path,
             extra = sorted(Path(staging).iterdir())
         return save_hf(model, model_cfg, outdir, extra_config=token_ids, extra_files=extra,
                        max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+
+
+def _run_hf_path(checkpoint: Path) -> str:
+    """The model.hf_path a checkpoint's run trained from ('' if none), from its meta.json
+    (already checked by the loader)."""
+    if (checkpoint / "latest").is_file():
+        checkpoint = checkpoint / (checkpoint / "latest").read_text().strip()
+    try:
+        meta = json.loads((checkpoint / "meta.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return ((meta.get("config") or {}).get("model") or {}).get("hf_path") or ""
 
 
 def build_parser() -> ArgumentParser:
