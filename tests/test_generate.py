@@ -113,6 +113,10 @@ def test_cli_with_hf_directory(tmp_path, capsys):
                       tie_embeddings=True, init_std=0.3)
     save_hf(build_model(cfg, seed=1), cfg, tmp_path / "hf")
     args = ["--hf", str(tmp_path / "hf"), "--prompt", "Hello", "--max-new-tokens", "8"]
+    assert main([*args, "--greedy"]) == 2  # no tokenizer.json: never bytes unless asked
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "has no tokenizer.json; give --tokenizer" in err
+    args += ["--tokenizer", "byte"]
     assert main([*args, "--greedy"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("Hello") and len(out.encode()) > len("Hello")

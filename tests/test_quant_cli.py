@@ -46,6 +46,11 @@ def digest(directory: Path) -> str:
     return h.hexdigest()
 
 
+def hf_byte(work) -> list[str]:
+    """--hf of the byte-vocabulary model, which has no tokenizer.json: --tokenizer says so."""
+    return ["--hf", str(work / "hf"), "--tokenizer", "byte"]
+
+
 def run(capsys, *argv):
     code = main(list(argv))
     out, err = capsys.readouterr()
@@ -55,7 +60,7 @@ def run(capsys, *argv):
 @pytest.mark.parametrize("method", ["int8", "int4", "nf4", "mxfp4"])
 def test_quantize_then_generate(work, capsys, method):
     out = work / f"q-{method}"
-    code, stdout, err = run(capsys, "quantize", "--hf", str(work / "hf"), "--method", method,
+    code, stdout, err = run(capsys, "quantize", *hf_byte(work), "--method", method,
                             "--out", str(out))
     assert code == 0, err
     assert "size: linears" in stdout and f"with {method}" in stdout
@@ -74,7 +79,7 @@ def test_quantize_then_generate(work, capsys, method):
 
 def test_awq_with_a_calibration_file(work, capsys):
     out = work / "q-awq"
-    code, stdout, err = run(capsys, "quantize", "--hf", str(work / "hf"), "--method", "awq",
+    code, stdout, err = run(capsys, "quantize", *hf_byte(work), "--method", "awq",
                             "--calib", str(work / "calib.bin"), "--calib-samples", "8",
                             "--calib-seq-len", "64", "--out", str(out))
     assert code == 0, err
@@ -92,7 +97,7 @@ def test_awq_search_options_reach_the_search(work, capsys):
     from fivefold.quant.cli import build_parser, calibration_tokens
 
     out = work / "q-awq-options"
-    argv = ["--hf", str(work / "hf"), "--method", "awq", "--calib", str(work / "calib.bin"),
+    argv = [*hf_byte(work), "--method", "awq", "--calib", str(work / "calib.bin"),
             "--calib-samples", "4", "--calib-seq-len", "32", "--duo", "--awq-loss", "layer",
             "--alpha-grid", "5", "--no-clip", "--out", str(out)]
     code, stdout, err = run(capsys, "quantize", *argv)
@@ -112,27 +117,27 @@ def test_awq_search_options_reach_the_search(work, capsys):
 
 
 def bad_inputs(work):
-    hf = str(work / "hf")
+    hf = str(work / "hf"), "--tokenizer", "byte"
     existing = work / "existing"
     return {
-        "unknown method": (["quantize", "--hf", hf, "--method", "int3", "--out",
+        "unknown method": (["quantize", "--hf", *hf, "--method", "int3", "--out",
                             str(work / "x1")], "--method 'int3' is unknown"),
-        "group size": (["quantize", "--hf", hf, "--method", "int4", "--group-size", "96",
+        "group size": (["quantize", "--hf", *hf, "--method", "int4", "--group-size", "96",
                         "--out", str(work / "x2")], "--group-size 96 does not fit"),
-        "short calibration": (["quantize", "--hf", hf, "--method", "awq", "--calib",
+        "short calibration": (["quantize", "--hf", *hf, "--method", "awq", "--calib",
                                str(work / "short.bin"), "--calib-seq-len", "64", "--out",
                                str(work / "x3")], "fewer than one calibration sequence of 64"),
-        "awq without data": (["quantize", "--hf", hf, "--method", "awq", "--out",
+        "awq without data": (["quantize", "--hf", *hf, "--method", "awq", "--out",
                               str(work / "x4")], "give --calib TOKENS"),
-        "unknown awq loss": (["quantize", "--hf", hf, "--method", "awq", "--awq-loss",
+        "unknown awq loss": (["quantize", "--hf", *hf, "--method", "awq", "--awq-loss",
                               "layers", "--out", str(work / "x9")],
                              "--awq-loss 'layers' is unknown"),
-        "alpha grid": (["quantize", "--hf", hf, "--method", "awq", "--alpha-grid", "1",
+        "alpha grid": (["quantize", "--hf", *hf, "--method", "awq", "--alpha-grid", "1",
                         "--out", str(work / "x10")], "--alpha-grid 1 must be >= 2"),
-        "awq option without awq": (["quantize", "--hf", hf, "--method", "int4", "--duo",
+        "awq option without awq": (["quantize", "--hf", *hf, "--method", "int4", "--duo",
                                     "--out", str(work / "x11")],
                                    "--duo applies to --method awq only"),
-        "existing output": (["quantize", "--hf", hf, "--method", "int8", "--out",
+        "existing output": (["quantize", "--hf", *hf, "--method", "int8", "--out",
                              str(existing)], "already exists"),
         "quantised to train (hf_path)": (["train", "--model.hf_path", str(work / "q-int8"),
                                           "--checkpoint.dir", str(work / "x5")],
@@ -154,7 +159,7 @@ def bad_inputs(work):
 
 def test_bad_inputs_are_one_line_exit_2_and_write_nothing(work, capsys):
     if not (work / "q-int8").is_dir():       # run alone: make the quantised checkpoint
-        assert main(["quantize", "--hf", str(work / "hf"), "--method", "int8", "--out",
+        assert main(["quantize", *hf_byte(work), "--method", "int8", "--out",
                      str(work / "q-int8")]) == 0
     (work / "existing").mkdir(exist_ok=True)
     (work / "existing" / "keep.txt").write_text("mine")
@@ -178,8 +183,9 @@ def test_awq_from_a_training_checkpoint_calibrates_on_its_training_split(tmp_pat
     out = tmp_path / "q-awq"
     code, stdout, err = run(capsys, "quantize", "--checkpoint", str(tmp_path / "ckpt"),
                             "--method", "awq", "--group-size", "32", "--calib-samples", "4",
-                            "--calib-seq-len", "32", "--out", str(out))
+                            "--out", str(out))
     assert code == 0, err
+    # Not 512 (the --calib-seq-len default): at most the train.seq_len it was trained at.
     assert "AWQ: calibrating on 4 x 32 tokens" in stdout
     model, cfg, tokenizer = load_quantized(out)
     assert cfg.hidden_size == 32 and tokenizer == "byte"

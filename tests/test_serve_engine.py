@@ -70,7 +70,7 @@ def test_generate_command_gives_the_engines_tokens(model, tmp_path, capsys):
     engine = Engine(model, num_blocks=64)
     (out,) = engine.generate([list(text.encode())], SamplingParams(max_tokens=24,
                                                                     temperature=0))
-    assert main(["--hf", str(tmp_path / "hf"), "--prompt", text, "--greedy",
+    assert main(["--hf", str(tmp_path / "hf"), "--tokenizer", "byte", "--prompt", text, "--greedy",
                  "--max-new-tokens", "24", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     assert printed.rstrip("\n") == bytes(list(text.encode()) + [t for t in out.token_ids

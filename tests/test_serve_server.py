@@ -58,10 +58,10 @@ def server(tmp_path_factory):
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fivefold.cli", "serve", "--hf", str(directory), "--port",
-         str(port), "--device", "cpu", "--served-model-name", MODEL, "--kv-cache-gib", "0.01",
-         "--shutdown-grace", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+        [sys.executable, "-m", "fivefold.cli", "serve", "--hf", str(directory), "--tokenizer",
+         "byte", "--port", str(port), "--device", "cpu", "--served-model-name", MODEL,
+         "--kv-cache-gib", "0.01", "--shutdown-grace", "1"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while True:

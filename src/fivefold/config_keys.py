@@ -19,6 +19,8 @@ MEANINGS = {
     "model.preset": "a built-in model shape (tiny-bpe, tiny, llama-3.1-8b, ...)",
     "model.hf_path": "a local Hugging Face model directory (config.json + safetensors) to "
                      "train from",
+    "model.init_from": "a fivefold checkpoint (a step_* directory or a checkpoint.dir) whose "
+                       "weights start this run, with a fresh optimizer at step 0",
     "parallel.dp": "data-parallel replicas",
     "parallel.tp": "tensor-parallel ranks (within a node)",
     "parallel.pp": "pipeline stages",

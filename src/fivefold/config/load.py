@@ -81,9 +81,9 @@ def _model_override(key: str, value):
     from fivefold.models.presets import MODEL_FIELDS
 
     if key not in MODEL_FIELDS or key == "name":
-        allowed = ["preset", "hf_path", *MODEL_FIELDS]
+        allowed = ["preset", "hf_path", "init_from", *MODEL_FIELDS]
         raise ConfigError(f"unknown key model.{key}{suggest(key, allowed)}; "
-                          f"model takes preset, hf_path or a model field")
+                          f"model takes preset, hf_path, init_from or a model field")
     return coerce(f"model.{key}", value, MODEL_FIELDS[key].type)
 
 
@@ -97,7 +97,7 @@ def set_value(cfg: Config, dotted: str, value) -> None:
         raise ConfigError(f"unknown section '{section}'{suggest(section, SECTIONS)}; "
                           f"sections: {', '.join(SECTIONS)}")
     obj = getattr(cfg, section)
-    if section == "model" and key not in ("preset", "hf_path"):
+    if section == "model" and key not in ("preset", "hf_path", "init_from"):
         obj.overrides[key] = _model_override(key, value)
         return
     fields = {f.name: f for f in dataclasses.fields(obj)}

@@ -59,6 +59,7 @@ def check_lora(cfg, mc=None) -> None:
     lo = cfg.lora
     if lo.init_from:
         settings = adapter_settings(lo.init_from)
+        lo.init_from = str(Path(lo.init_from).resolve())  # absolute in the run's metadata
         defaults = LoraSection()
         for key, value in settings.items():  # what the adapter was made with decides
             mine = getattr(lo, key)
@@ -88,10 +89,10 @@ def check_lora(cfg, mc=None) -> None:
     if par.ep > 1 or par.cp > 1:
         raise ConfigError("lora.rank > 0 runs with parallel.ep = 1 and parallel.cp = 1 for "
                           "now; set them to 1")
-    if lo.base != "none" and not cfg.model.hf_path:
+    if lo.base != "none" and not (cfg.model.hf_path or cfg.model.init_from):
         raise ConfigError(f"lora.base = {lo.base} quantises pretrained weights, but "
-                          f"model.hf_path is empty; set model.hf_path to the base model "
-                          f"(or lora.base = none)")
+                          f"model.hf_path and model.init_from are empty; set one to the base "
+                          f"model (or lora.base = none)")
 
 
 def check_nf4_shards(mc, tp: int, targets: str) -> None:

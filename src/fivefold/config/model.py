@@ -3,18 +3,20 @@ the rules of its shape (heads, RoPE, mixture-of-experts)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fivefold.config.rules import choice, not_quantized, positive, suggest
 from fivefold.errors import ConfigError
-from fivefold.models.presets import PRESETS, ModelConfig, preset
+from fivefold.models.presets import PARAMETER_KEYS, PRESETS, ModelConfig, preset
 
 
 @dataclass
 class ModelSection:
     preset: str = "tiny-bpe"
     hf_path: str = ""  # a local Hugging Face checkpoint directory (config.json + safetensors)
+    init_from: str = ""  # a fivefold checkpoint whose weights start the run (fresh optimizer)
     # Any ModelConfig field may be overridden here (hidden_size, num_layers, ...).
     overrides: dict = field(default_factory=dict)
 
@@ -39,7 +41,11 @@ def check_model(cfg) -> ModelConfig:
     if m.hf_path and not (Path(m.hf_path) / "config.json").is_file():
         raise ConfigError(f"model.hf_path = '{m.hf_path}' has no config.json; give a Hugging "
                           f"Face checkpoint directory")
+    if m.hf_path:  # absolute in the run's metadata: its checkpoints load from anywhere
+        m.hf_path = str(Path(m.hf_path).resolve())
     mc = m.resolve()
+    if m.init_from:
+        check_init_from(m, mc)
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                  "num_kv_heads", "max_seq_len"):
         positive(f"model.{name}", getattr(mc, name))
@@ -69,6 +75,45 @@ def check_model(cfg) -> ModelConfig:
     choice("model.mlp", mc.mlp, ("swiglu", "gelu"))
     choice("model.norm", mc.norm, ("rmsnorm", "layernorm"))
     return mc
+
+
+def init_step(path: str) -> Path:
+    """The step directory model.init_from names (a checkpoint root: the step its `latest`
+    pointer names now), absolute."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"model.init_from = '{path}' is not a directory; give a fivefold "
+                          f"checkpoint (a step_* directory or a checkpoint.dir)")
+    if (p / "latest").is_file():
+        p = p / (p / "latest").read_text().strip()
+    if not (p / "meta.json").is_file():
+        raise ConfigError(f"model.init_from = '{path}' holds no fivefold checkpoint (no "
+                          f"meta.json in {p}); give a step_* directory or a checkpoint.dir, or "
+                          f"model.hf_path for a Hugging Face directory")
+    return p.resolve()
+
+
+def check_init_from(m: ModelSection, mc: ModelConfig) -> None:
+    """model.init_from: a float fivefold checkpoint of this model's shape (the shape checks
+    of resume, before anything is written); stored as the absolute step directory, so a
+    later run of the base does not change what this run started from."""
+    not_quantized("model.init_from", m.init_from)
+    if m.hf_path:
+        raise ConfigError("model.init_from and model.hf_path both name starting weights; "
+                          "keep one")
+    step = init_step(m.init_from)
+    try:
+        saved = json.loads((step / "meta.json").read_text())["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError(f"model.init_from: {step / 'meta.json'} is garbled; give another "
+                          f"step_* directory") from None
+    for key in PARAMETER_KEYS:
+        if key in saved and saved[key] != getattr(mc, key):
+            raise ConfigError(f"model.init_from = '{m.init_from}' holds a model with "
+                              f"model.{key} = {saved[key]}, but the config asks for "
+                              f"{getattr(mc, key)}; use the checkpoint's model settings "
+                              f"(model.preset and overrides)")
+    m.init_from = str(step)
 
 
 def check_moe(mc: ModelConfig, par) -> None:

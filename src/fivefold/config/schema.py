@@ -27,7 +27,7 @@ class Config:
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["model"] = {"preset": self.model.preset, "hf_path": self.model.hf_path,
-                        **self.model.overrides}
+                        "init_from": self.model.init_from, **self.model.overrides}
         return out
 
 

@@ -70,6 +70,9 @@ class BPETokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         eos = [self._tok.token_to_id(name) for name in EOS_NAMES]
         eos = [i for i in eos if i is not None]
+        special = [i for i, t in self._tok.get_added_tokens_decoder().items() if t.special]
+        if not eos and len(special) == 1:  # its only special token ends a text (an export of
+            eos = special                  # a byte-level run: models/hf_tokenizer.py)
         if not eos:
             raise ConfigError(f"tokenizer {self.path} has no end-of-text token (looked for "
                               f"{', '.join(EOS_NAMES)}); add one as a special token")
@@ -100,6 +103,23 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     if str(spec) in BUILTIN:
         return BPETokenizer(BUILTIN[str(spec)], name=str(spec))
     return BPETokenizer(spec)
+
+
+HF_TOKENIZER_HELP = ("with --hf: the tokenizer the model was trained with, when the directory "
+                  "has no tokenizer.json: byte, corpus-bpe or a tokenizer.json file")
+
+
+def hf_tokenizer_spec(directory: str | Path, option: str | None) -> str:
+    """The tokenizer of a Hugging Face directory: --tokenizer where given, else the
+    directory's tokenizer.json. A directory without one is refused: decoding a BPE model's
+    ids as bytes would print garbage with exit 0."""
+    directory = Path(directory)
+    if option:
+        return option
+    if (directory / "tokenizer.json").is_file():
+        return str(directory / "tokenizer.json")
+    raise ConfigError(f"--hf {directory} has no tokenizer.json; give --tokenizer byte, "
+                      f"corpus-bpe or the tokenizer.json the model was trained with")
 
 
 def train_bpe(texts, vocab_size: int, out: str | Path) -> BPETokenizer:

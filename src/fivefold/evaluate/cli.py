@@ -35,6 +35,8 @@ def build_parser() -> ArgumentParser:
     source.add_argument("--predictions",
                         help="a JSON-lines file with \"prediction\" and \"reference\" on each "
                              "line: score it without a model")
+    p.add_argument("--tokenizer", help="with --hf: the tokenizer the model was trained with, "
+                   "when the directory has no tokenizer.json: byte, corpus-bpe or a file")
     p.add_argument("--data", help="a token file (perplexity) or a .jsonl task file of "
                                   "{\"prompt\", \"reference\"} lines (generation)")
     p.add_argument("--out", help="where to write the task file with \"prediction\" added")
@@ -131,12 +133,10 @@ def perplexity_source(args) -> tuple:
         tokens, what, seq_len = ppl.checkpoint_validation(checkpoint_meta(args.checkpoint))
     else:
         from fivefold.data.dataset import default_corpus_tokens
+        from fivefold.data.tokenizer import hf_tokenizer_spec
 
-        tokenizer = Path(args.hf) / "tokenizer.json"
-        if not tokenizer.is_file():
-            raise ConfigError(f"--hf {args.hf} has no tokenizer.json to encode the bundled "
-                              f"corpus with; give --data TOKENS made with its tokenizer")
-        path = default_corpus_tokens(str(tokenizer))
+        tokenizer = hf_tokenizer_spec(Path(args.hf), args.tokenizer)
+        path = default_corpus_tokens(tokenizer)
         tokens = ppl.validation_tokens(path, DEFAULT_VAL_FRACTION)
         what = f"bundled corpus, last {DEFAULT_VAL_FRACTION:g}, in {tokenizer}"
         seq_len = None
@@ -160,7 +160,7 @@ def evaluate(args) -> dict:
         tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()]
         manager = task_manager(tasks, args.lm_eval_include)  # before the model loads
         lm = FivefoldLM(checkpoint=args.checkpoint, hf=args.hf, device=args.device,
-                        dtype=args.dtype)
+                        dtype=args.dtype, tokenizer=args.tokenizer)
         run.update(task="lm-eval", tasks=tasks, include=args.lm_eval_include,
                    limit=args.limit or None)
         result["lm_eval"] = run_lm_eval(lm, tasks, limit=args.limit or None, manager=manager)

@@ -44,10 +44,12 @@ def prefix_token(codec, hf_dir: str | None) -> int:
 @register_model("fivefold")
 class FivefoldLM(LM):
     """lm_eval's LM over a fivefold model: `checkpoint=C` or `hf=DIR` (model_args), with
-    optional `max_length`, `device` (auto, cpu, cuda) and `dtype` (fp32, bf16, auto)."""
+    optional `max_length`, `device` (auto, cpu, cuda), `dtype` (fp32, bf16, auto) and
+    `tokenizer` (with hf=DIR lacking a tokenizer.json: byte, corpus-bpe or a file)."""
 
     def __init__(self, checkpoint: str | None = None, hf: str | None = None,
                  device: str = "cpu", dtype: str = "fp32", max_length: int | None = None,
+                 tokenizer: str | None = None,
                  **_ignored):  # lm_eval also passes batch_size and max_batch_size
         super().__init__()
         from fivefold.config import ConfigError
@@ -57,7 +59,8 @@ class FivefoldLM(LM):
             raise ConfigError("the fivefold lm-eval model needs exactly one of checkpoint=DIR "
                               "or hf=DIR in model_args")
         model, codec = load_model(SimpleNamespace(checkpoint=checkpoint, hf=hf,
-                                                  device=device or "cpu", dtype=dtype))
+                                                  device=device or "cpu", dtype=dtype,
+                                                  tokenizer=tokenizer))
         self.scorer = FivefoldScorer(model, codec, prefix_token(codec, hf),
                                      int(max_length) if max_length else None)
 

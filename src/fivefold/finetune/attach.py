@@ -124,6 +124,11 @@ def check_resume(meta: dict, cfg, path) -> None:
         raise ConfigError(f"checkpoint {path} was saved with lora.rank = {saved_rank}, this "
                           f"run has lora.rank = {mine.rank if mine else 0}; use the same "
                           f"lora settings or a different checkpoint.dir")
+    saved_base = ((meta.get("config") or {}).get("model") or {}).get("init_from") or ""
+    if mine and saved_base != cfg.model.init_from:  # a frozen base must stay the same
+        raise ConfigError(f"checkpoint {path} trained adapters on model.init_from = "
+                          f"'{saved_base}', this run starts from '{cfg.model.init_from}'; "
+                          f"use the same model.init_from, or a different checkpoint.dir")
     if mine and saved.get("targets") != mine.targets:
         raise ConfigError(f"checkpoint {path} was saved with lora.targets = "
                           f"'{saved.get('targets')}', this run has '{mine.targets}'; use the "
@@ -171,9 +176,13 @@ def _load_lora(p: Path, meta: dict, model_cfg, lora: dict):
 
     config = meta.get("config") or {}
     hf_path = (config.get("model") or {}).get("hf_path") or ""
+    init_from = (config.get("model") or {}).get("init_from") or ""
     seed = (config.get("train") or {}).get("seed")
     settings = SimpleNamespace(**lora)
-    if settings.base != "none" and not hf_path:
+    if init_from and not (Path(init_from) / "meta.json").is_file():
+        raise ConfigError(f"--checkpoint {p}: its base model.init_from = '{init_from}' is not "
+                          f"there any more; put the base checkpoint back at that path")
+    if settings.base != "none" and not (hf_path or init_from):
         raise ConfigError(f"--checkpoint {p}: a lora.base = {settings.base} checkpoint must "
                           f"name its base (model.hf_path) in meta.json, and this one names "
                           f"none; it cannot be rebuilt")
@@ -190,6 +199,14 @@ def _load_lora(p: Path, meta: dict, model_cfg, lora: dict):
         from fivefold.models.hf_slices import load_hf_slices
 
         load_hf_slices(hf_path, base_tensors(model.named_parameters()), model_cfg)
+    elif init_from:  # the fivefold checkpoint the run started from (merged, if LoRA)
+        from fivefold.finetune.inject import merge_and_unload
+
+        source, _, _, source_lora = load_for_inference(init_from)
+        full = dict((merge_and_unload(source) if source_lora else source).named_parameters())
+        with torch.no_grad():
+            for name, param in base_tensors(model.named_parameters()):
+                param.copy_(full[name])
     tensors = {f"model/{n}": Chunked(tuple(t.shape), [((0,) * t.dim(), t.detach())])
                for n, t in model.named_parameters() if is_adapter(n)}
     with torch.no_grad():

@@ -70,26 +70,45 @@ def hf_to_hf(src: str | Path, outdir: str | Path, max_shard_bytes: int,
 
 def export_checkpoint_to_hf(checkpoint_dir: str | Path, outdir: str | Path,
                             max_shard_bytes: int | None = None, dtype: str = "keep") -> Path:
-    """Write a fivefold training checkpoint as a Hugging Face model directory.
+    """Write a fivefold training checkpoint as a Hugging Face model directory, with the
+    tokenizer files transformers loads (models/hf_tokenizer.py): the run's tokenizer, or
+    the files of the Hugging Face base whose tokenizer the run used."""
+    import tempfile
 
-    A tokenizer.json the run used is copied alongside; byte-level runs have no tokenizer file.
-    """
     from fivefold.finetune.attach import load_for_inference
     from fivefold.finetune.inject import merge_and_unload
     from fivefold.models.hf import DEFAULT_MAX_SHARD_BYTES, save_hf
+    from fivefold.models.hf_tokenizer import base_tokenizer_dir, write_tokenizer_files
 
     model, model_cfg, tokenizer_spec, lora = load_for_inference(str(checkpoint_dir))
     if lora:  # a LoRA run: the base with W + scaling · B A folded in
         model = merge_and_unload(model)
     if _torch_dtype(dtype) is not None:
         model = model.to(_torch_dtype(dtype))
-    if isinstance(tokenizer_spec, dict):
-        tokenizer_spec = tokenizer_spec.get("path") or "byte"
-    extra = []
-    if tokenizer_spec and tokenizer_spec != "byte" and Path(tokenizer_spec).is_file():
-        extra.append(Path(tokenizer_spec))
-    return save_hf(model, model_cfg, outdir,
-                   max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, extra_files=extra)
+    base = base_tokenizer_dir(tokenizer_spec, _run_hf_path(Path(checkpoint_dir)))
+    with tempfile.TemporaryDirectory() as staging:
+        if base is not None:
+            extra = [base / name for name in COMPANION_FILES if (base / name).is_file()]
+            base_config = json.loads((base / "config.json").read_text())
+            token_ids = {k: base_config[k] for k in TOKEN_ID_KEYS if k in base_config}
+        else:
+            token_ids = write_tokenizer_files(tokenizer_spec, model_cfg.max_seq_len,
+                                              Path(staging))
+            extra = sorted(Path(staging).iterdir())
+        return save_hf(model, model_cfg, outdir, extra_config=token_ids, extra_files=extra,
+                       max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+
+
+def _run_hf_path(checkpoint: Path) -> str:
+    """The model.hf_path a checkpoint's run trained from ('' if none), from its meta.json
+    (already checked by the loader)."""
+    if (checkpoint / "latest").is_file():
+        checkpoint = checkpoint / (checkpoint / "latest").read_text().strip()
+    try:
+        meta = json.loads((checkpoint / "meta.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return ((meta.get("config") or {}).get("model") or {}).get("hf_path") or ""
 
 
 def build_parser() -> ArgumentParser:

@@ -283,3 +283,11 @@ def preset(name: str) -> ModelConfig:
 
 
 MODEL_FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
+
+# Every ModelConfig field that decides which tensors the model has or their shapes
+# (tests/test_checkpoint_refusal.py changes each field of ModelConfig and checks this list).
+PARAMETER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "tie_embeddings", "qkv_bias", "qk_norm",
+                  "qk_norm_whole", "mlp", "norm", "num_experts", "moe_intermediate_size",
+                  "moe_layer_freq", "moe_first_dense", "shared_expert_intermediate_size",
+                  "shared_expert_gate")

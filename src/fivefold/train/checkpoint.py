@@ -44,6 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fivefold.config import ConfigError
+from fivefold.models.presets import PARAMETER_KEYS  # noqa: F401 - this module's API too
 from fivefold.train.checkpoint_planners import (  # noqa: F401 - Chunked, ModelMismatch: API here
     Chunked,
     ChunkedLoadPlanner,
@@ -56,14 +57,6 @@ from fivefold.train.manifest import (  # noqa: F401 - verify_step is this module
     verify_step,
     write_manifest,
 )
-
-# Every ModelConfig field that decides which tensors the model has or their shapes
-# (tests/test_checkpoint_refusal.py changes each field of ModelConfig and checks this list).
-PARAMETER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "num_kv_heads", "head_dim", "tie_embeddings", "qkv_bias", "qk_norm",
-                  "qk_norm_whole", "mlp", "norm", "num_experts", "moe_intermediate_size",
-                  "moe_layer_freq", "moe_first_dense", "shared_expert_intermediate_size",
-                  "shared_expert_gate")
 
 
 def _fsync(path: Path) -> None:

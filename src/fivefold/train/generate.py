@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from fivefold.config import ArgumentParser, ConfigError
+from fivefold.data.tokenizer import HF_TOKENIZER_HELP
 from fivefold.models.llama import KVCache
 from fivefold.models.sampling import sample_token
 
@@ -119,6 +120,17 @@ def _hf_eos(directory: Path):
     return None
 
 
+def hf_codec(directory: Path, option: str | None):
+    """encode/decode for --hf: the directory's tokenizer.json (as transformers encodes,
+    with the model's end-of-text ids), or the tokenizer --tokenizer names."""
+    from fivefold.data.tokenizer import hf_tokenizer_spec, load_tokenizer
+
+    spec = hf_tokenizer_spec(directory, option)
+    if option:
+        return load_tokenizer(spec)
+    return TextCodec(Path(spec), _hf_eos(directory))
+
+
 def load_for_generation(args) -> tuple:
     """(model, codec) from --hf or --checkpoint."""
     device = args.device
@@ -128,6 +140,9 @@ def load_for_generation(args) -> tuple:
         raise ConfigError("--device cuda but no GPU is visible; use --device cpu or auto")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
              "auto": torch.bfloat16 if device == "cuda" else torch.float32}[args.dtype]
+    if getattr(args, "tokenizer", None) and not args.hf:
+        raise ConfigError("--tokenizer names the tokenizer of an --hf directory; a checkpoint "
+                          "records its own, so drop --tokenizer")
     if args.hf:
         from fivefold.models.hf import load_hf
 
@@ -135,9 +150,8 @@ def load_for_generation(args) -> tuple:
         if not (directory / "config.json").is_file():
             raise ConfigError(f"--hf {directory} has no config.json; give a Hugging Face "
                               f"checkpoint directory")
+        codec = hf_codec(directory, getattr(args, "tokenizer", None))  # before the weights
         model = load_hf(directory, dtype=dtype, device=device)
-        tok_file = directory / "tokenizer.json"
-        codec = TextCodec(tok_file if tok_file.is_file() else None, _hf_eos(directory))
         return model.eval(), codec
     from fivefold.data.tokenizer import load_tokenizer
     from fivefold.finetune.attach import load_for_inference
@@ -160,6 +174,7 @@ def build_parser() -> ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a fivefold checkpoint directory")
     source.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--tokenizer", help=HF_TOKENIZER_HELP)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
     # The command's sampling defaults are llama.cpp's (temperature 0.8, top-k 40, top-p 0.95,

@@ -113,6 +113,8 @@ class Trainer:
                                  recompute_policies=self.recompute_policies)
         if cfg.model.hf_path:
             self._load_hf_weights()
+        elif cfg.model.init_from:
+            self._load_init_weights()
         if self.lora:  # adapter values, lora.init_from, the quantised base (finetune/)
             finish_adapters(self.model.chunks, self.model.named_parameters(), cfg,
                             self.model_cfg)
@@ -179,6 +181,22 @@ class Trainer:
         named = self.model.named_parameters(frozen=True)
         load_hf_slices(self.cfg.model.hf_path, base_tensors(named) if self.lora else named,
                        self.model_cfg)
+
+    def _load_init_weights(self) -> None:
+        """model.init_from: a fivefold checkpoint's weights (a LoRA run's with its adapters
+        merged), this rank's slice of each; the optimizer, built next, starts afresh."""
+        from fivefold.finetune.attach import load_for_inference
+        from fivefold.finetune.inject import merge_and_unload
+        from fivefold.parallel.shards import local_piece
+
+        source, _, _, lora = load_for_inference(self.cfg.model.init_from)
+        if lora:
+            source = merge_and_unload(source)
+        full = dict(source.named_parameters())
+        named = self.model.named_parameters(frozen=True)
+        with torch.no_grad():
+            for name, p in base_tensors(named) if self.lora else named:
+                p.copy_(local_piece(p, full[name].detach()).to(p.dtype))
 
     # --- one step ---------------------------------------------------------------------
     def shard_sequences(self, micro_batches):

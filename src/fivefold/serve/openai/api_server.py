@@ -140,6 +140,8 @@ def build_parser() -> ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a fivefold checkpoint directory")
     source.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--tokenizer", help="with --hf: the tokenizer the model was trained with, "
+                   "when the directory has no tokenizer.json: byte, corpus-bpe or a file")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the model id clients name (default: the "
