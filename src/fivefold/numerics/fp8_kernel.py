@@ -73,7 +73,7 @@ def kernel_support(device: torch.device) -> tuple[bool, str]:
     return _probe(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe(index: int) -> tuple[bool, str]:
     """Run a 256 x 256 x 384 product (K/128 = 3: the L4 padding matters) against the
     emulation on the device; any error or a wrong result says the kernel is unusable."""
