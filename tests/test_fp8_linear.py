@@ -180,3 +180,29 @@ def test_fp8_input_is_saved_not_the_high_precision_one():
         fp8 = saved_bytes(lambda r=recipe: fp8_linear(x, w, None, FP8Recipe.from_name(r)))
         assert bf16 == x.numel() * 2
         assert 0.5 <= fp8 / bf16 < 0.52, (recipe, fp8 / bf16)
+
+
+def test_rowwise_wgrad_with_outlier_channels_is_bit_equal_to_torchao():
+    """Channels over six decades: under its row's scale a small channel's values fall into
+    e4m3's subnormals, so re-quantising the dequantised forward copy along the tokens (as
+    the wgrad operand once was) loses bits torchao's Float8Linear, which quantises its saved
+    high-precision input, keeps. The FP8 linear now quantises the original input: equal."""
+    torch.manual_seed(4)
+    t, k, n = 256, 256, 256
+    lin = nn.Linear(k, n, bias=False).bfloat16()
+    ref = _torchao_linear(lin, "rowwise")
+    x = (torch.randn(t, k) * torch.logspace(-3, 3, k)).bfloat16()
+    g = (torch.randn(t, n) * 1e-3).bfloat16()
+    y_ref, gx_ref = _run(ref, x, g)
+    w = lin.weight.detach().clone().requires_grad_()
+    recipe = FP8Recipe.from_name("rowwise")
+    y, gx = _run(lambda v: fp8_linear(v, w, None, recipe), x, g)
+    assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref)
+    assert torch.equal(w.grad, ref.weight.grad)
+    # the old operand: the forward's row-quantised copy, dequantised and quantised again
+    requantised = recipe.quantize_act(dequantize(recipe.quantize_act(x)).t())
+    old = fp8_mm(recipe.quantize_act(g.t(), recipe.grad_format), requantised,
+                 out_dtype=torch.bfloat16)
+    differing = (old != ref.weight.grad).sum().item()
+    print(f"re-quantised wgrad: {differing} of {old.numel()} elements differ from torchao")
+    assert differing > old.numel() // 10  # the case really exercises the difference

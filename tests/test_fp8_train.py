@@ -85,15 +85,17 @@ def test_saved_activations_of_fp8_linears_are_half_their_bf16_size(recipe):
         cfg.num_layers
     halved = layers * t * (h + h + f)  # bf16 bytes 2·n become 1·n: n saved
     o_proj_copy = layers * t * q
-    tiles = {"rowwise": [1, 1, 1, 1], "blockwise": [-(-k // 128) for k in (h, h, f, q)]}
-    scales = layers * 4 * t * sum(tiles[recipe])  # fp32 scales of the 4 FP8 inputs
+    # fp32 scales of the 4 FP8 inputs: rowwise saves x quantised along the tokens (one
+    # scale per channel); blockwise one per token per 128-channel tile
+    scales = layers * 4 * (h + h + f + q if recipe == "rowwise" else
+                           t * sum(-(-k // 128) for k in (h, h, f, q)))
     assert saved["bf16"] - saved["fp8"] == halved - o_proj_copy - scales
     planned = {p: activation_bytes_per_microbatch(cfg, mbs, seq, dtype_bytes=2, fp8_recipe=r)
                for p, r in (("bf16", ""), ("fp8", recipe))}
     assert planned["bf16"].outside_terms == planned["fp8"].outside_terms
     assert layers * (planned["bf16"].layer - planned["fp8"].layer) == (
         saved["bf16"] - saved["fp8"])
-    for item in ("qkv_input", "mlp_input"):  # half, plus one scale per token (per tile)
+    for item in ("qkv_input", "mlp_input"):  # half, plus the scales
         assert planned["fp8"].layer_terms[item] * 2 < planned["bf16"].layer_terms[item] * 1.1
 
 

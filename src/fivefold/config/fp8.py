@@ -10,6 +10,12 @@
     fp8_keep_out             comma list of module-name patterns whose linears stay in bf16,
                              on top of what always does (embedding, output head, norms,
                              attention's softmax, MoE routers and gates)
+    fp8_kernel               blockwise only: "scaled_mm" runs its GEMMs on cuBLASLt's
+                             blockwise FP8 kernel (CUDA, compute capability 9.x; weights in
+                             whole 128x128 blocks), "emulated" in 128-wide K slices on any
+                             device, "auto" (default) the kernel where the device and every
+                             FP8 weight allow it, else the emulation (lowp/convert.py says
+                             which, in one line, when the model is built)
 
 Rules, each a one-line ConfigError:
   - an unknown recipe or gradient format;
@@ -23,6 +29,11 @@ Rules, each a one-line ConfigError:
   - parallel.fp8_allgather without zero = 3, precision fp8 and the tensorwise recipe (one
     scale per weight, so a rank's shard casts as the whole weight does; torchao does the
     FP8 all-gather for tensorwise only).
+  - fp8_kernel other than "auto" with a recipe other than blockwise (tensorwise and
+    rowwise always run torch._scaled_mm); fp8_kernel = "scaled_mm" with train.device =
+    "cpu" or a model width (hidden, q/o, k/v, MLP, expert widths; per tp rank) that is not
+    a multiple of 128. Whether the device has the kernel is known only on it: lowp/convert.py
+    refuses there, in one line too.
 A keep-out pattern that matches no linear of the model is refused when the model is built
 (lowp/convert.py), where the module names exist.
 """
@@ -35,7 +46,9 @@ from fivefold.errors import ConfigError
 FP8_RECIPES = ("blockwise", "rowwise", "tensorwise")
 FP8_GRAD_FORMATS = ("auto", "e4m3", "e5m2")
 FP8_BLOCK = 128  # DeepSeek-V3's tile and block edge (numerics/formats.py, which needs torch)
-FP8_DEFAULTS = {"fp8_recipe": "blockwise", "fp8_grad_format": "auto", "fp8_keep_out": ""}
+FP8_KERNELS = ("auto", "scaled_mm", "emulated")
+FP8_DEFAULTS = {"fp8_recipe": "blockwise", "fp8_grad_format": "auto", "fp8_keep_out": "",
+                "fp8_kernel": "auto"}
 
 
 def check_fp8(cfg, mc) -> None:
@@ -48,6 +61,7 @@ def check_fp8(cfg, mc) -> None:
                           f"zero = {cfg.parallel.zero}, precision = '{tr.precision}', recipe "
                           f"= '{tr.fp8_recipe}'); set those or parallel.fp8_allgather = false")
     choice("train.fp8_grad_format", tr.fp8_grad_format, FP8_GRAD_FORMATS)
+    choice("train.fp8_kernel", tr.fp8_kernel, FP8_KERNELS)
     if tr.precision != "fp8":
         for key, default in FP8_DEFAULTS.items():
             value = getattr(tr, key)
@@ -60,6 +74,41 @@ def check_fp8(cfg, mc) -> None:
         return
     if tr.fp8_recipe == "blockwise" and cfg.parallel.tp > 1:
         check_block_cuts(cfg.parallel.tp, mc)
+    if tr.fp8_kernel != "auto" and tr.fp8_recipe != "blockwise":
+        raise ConfigError(f"train.fp8_kernel = '{tr.fp8_kernel}' applies to fp8_recipe = "
+                          f"'blockwise' only (tensorwise and rowwise always run "
+                          f"torch._scaled_mm); drop train.fp8_kernel")
+    if tr.fp8_kernel == "scaled_mm":
+        check_kernel_shapes(cfg, mc)
+
+
+def check_kernel_shapes(cfg, mc) -> None:
+    """fp8_kernel = 'scaled_mm': cuBLASLt's blockwise GEMM takes weights in whole 128x128
+    blocks (numerics/fp8_kernel.py), so every FP8 weight's local dims are multiples of 128."""
+    if cfg.train.device == "cpu":
+        raise ConfigError("train.fp8_kernel = 'scaled_mm' with train.device = 'cpu': the "
+                          "blockwise FP8 kernel is CUDA-only (compute capability 9.x); use "
+                          "fp8_kernel = 'auto' or 'emulated'")
+    tp = cfg.parallel.tp
+    widths = [("model.hidden_size", mc.hidden_size, mc.hidden_size),
+              ("q/o projections (num_heads x head_dim)", mc.q_size, mc.q_size // tp),
+              ("k/v projections (num_kv_heads x head_dim)", mc.kv_size,
+               mc.kv_size // tp if mc.num_kv_heads >= tp else mc.dim_per_head),
+              ("model.intermediate_size", mc.intermediate_size, mc.intermediate_size // tp)]
+    if mc.num_experts:
+        widths.append(("model.moe_intermediate_size", mc.moe_intermediate_size,
+                       mc.moe_intermediate_size))
+    if mc.shared_expert_intermediate_size:
+        widths.append(("model.shared_expert_intermediate_size",
+                       mc.shared_expert_intermediate_size, mc.shared_expert_intermediate_size))
+    for what, size, local in widths:
+        if local % FP8_BLOCK:
+            per_rank = f" ({local} per tp rank)" if local != size else ""
+            raise ConfigError(f"train.fp8_kernel = 'scaled_mm': {what} = {size}{per_rank} is "
+                              f"not a multiple of {FP8_BLOCK}, and cuBLASLt's blockwise FP8 "
+                              f"GEMM takes weights in whole 128x128 blocks; use fp8_kernel = "
+                              f"'auto' (emulated for such shapes) or widths that are multiples "
+                              f"of {FP8_BLOCK}")
 
 
 def check_block_cuts(tp: int, mc) -> None:

@@ -30,6 +30,7 @@ class TrainSection:
     fp8_recipe: str = "blockwise"  # blockwise | rowwise | tensorwise (config/fp8.py)
     fp8_grad_format: str = "auto"  # auto | e4m3 | e5m2: the output gradient's FP8 format
     fp8_keep_out: str = ""  # comma list of module-name patterns whose linears stay bf16
+    fp8_kernel: str = "auto"  # blockwise GEMMs: auto | scaled_mm | emulated (config/fp8.py)
     recompute: str = "none"  # none | selective | full | auto (per layer, under memory_budget_gib)
     memory_budget_gib: float = 0.0  # recompute = auto: the peak allocated GiB per rank to fit
     compile: bool = False  # torch.compile each transformer block (inductor)

@@ -27,6 +27,7 @@ linear is refused (ConfigError): a typo would otherwise silently change nothing.
 from __future__ import annotations
 
 import fnmatch
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -35,6 +36,7 @@ from fivefold.errors import ConfigError
 from fivefold.lowp.experts import FP8ExpertsMixin, FP8GroupedExperts
 from fivefold.lowp.linear import FP8Linear, FP8LinearFn, FP8LinearMixin, FP8Recipe
 from fivefold.models.moe import GroupedExperts
+from fivefold.numerics.fp8_kernel import kernel_shape_problem, kernel_support
 
 ALWAYS_KEPT_OUT = ("lm_head", "*.shared_expert_gate")
 
@@ -94,10 +96,60 @@ def _swap(module: nn.Module, mixin: type) -> nn.Module:
 
 
 def apply_fp8(model: nn.Module, train_cfg, device: torch.device) -> list[str]:
-    """train.precision = 'fp8': the recipe and keep-out list of [train], on `model`."""
+    """train.precision = 'fp8': the recipe and keep-out list of [train], on `model`; says
+    in one line (rank 0) which kernel the GEMMs take."""
     recipe = FP8Recipe.from_name(train_cfg.fp8_recipe, train_cfg.fp8_grad_format)
     check_fp8_device(recipe, device)
-    return convert_to_fp8(model, recipe, parse_keep_out(train_cfg.fp8_keep_out))
+    converted = convert_to_fp8(model, recipe, parse_keep_out(train_cfg.fp8_keep_out))
+    modules = dict(model.named_modules())
+    kernel, line = choose_kernel(getattr(train_cfg, "fp8_kernel", "auto"), recipe,
+                                 [modules[n] for n in converted], device)
+    if kernel != recipe.kernel:
+        set_recipe([modules[n] for n in converted], replace(recipe, kernel=kernel))
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(line, flush=True)
+    return converted
+
+
+def fp8_weight_shapes(module: nn.Module) -> list[tuple[int, int]]:
+    """The (rows, cols) of each weight an FP8 module quantises (the local shard under tp)."""
+    if isinstance(module, GroupedExperts):
+        return [tuple(w.shape[1:]) for w in (module.w_gate, module.w_up, module.w_down)]
+    return [tuple(module.weight.shape)]
+
+
+def choose_kernel(choice: str, recipe: FP8Recipe, modules: list[nn.Module],
+                  device: torch.device) -> tuple[str, str]:
+    """(the blockwise kernel to use, the line that says where the FP8 GEMMs run).
+    `choice`: train.fp8_kernel (auto | scaled_mm | emulated)."""
+    if recipe.name != "blockwise":
+        where = "cuBLASLt" if device.type == "cuda" else f"torch's {device.type} kernel"
+        return "emulated", f"fp8: {recipe.name} GEMMs on torch._scaled_mm ({where})"
+    emulated = "fp8: blockwise GEMMs emulated in 128-wide K slices, fp32 accumulation"
+    if choice == "emulated":
+        return "emulated", f"{emulated} (train.fp8_kernel = 'emulated')"
+    ok, why = kernel_support(device)
+    if ok:
+        for module in modules:
+            problem = next(filter(None, (kernel_shape_problem(*shape)
+                                         for shape in fp8_weight_shapes(module))), None)
+            if problem:
+                ok, why = False, f"{type(module).__name__}: {problem}"
+                break
+    if ok:
+        return "scaled_mm", f"fp8: blockwise GEMMs on {why}"
+    if choice == "scaled_mm":
+        raise ConfigError(f"train.fp8_kernel = 'scaled_mm' cannot run here: {why}; use "
+                          f"fp8_kernel = 'auto' or 'emulated'")
+    return "emulated", f"{emulated} ({why})"
+
+
+def set_recipe(modules: list[nn.Module], recipe: FP8Recipe) -> None:
+    for module in modules:
+        if isinstance(module, (FP8LinearMixin, FP8ExpertsMixin)):
+            module.fp8_recipe = recipe
+        else:
+            module.linear_fn = FP8LinearFn(recipe)
 
 
 def check_fp8_device(recipe: FP8Recipe, device: torch.device) -> None:

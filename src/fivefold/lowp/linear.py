@@ -18,12 +18,24 @@ is 1x128 along the token dimension — for the wgrad operands.)
 
 Memory: the input is saved for backward in FP8 (1 byte per element and its scales) rather
 than in the compute dtype, as DeepSeek-V3 caches it. The wgrad needs x quantised along the
-tokens instead of along K: tensorwise reuses the saved FP8 tensor as it is (its transpose
-has the same scale); rowwise and blockwise dequantise it and quantise the transpose again
-(DeepSeek-V3 §3.3.4 names this re-quantisation as the cost of today's hardware). With
-power-of-two scales (rowwise) the second rounding changes nothing in the normal range: a
-scale then only moves the exponent. The weight is a parameter, held anyway; it is quantised
-again in backward rather than saved a second time.
+tokens instead of along K:
+  - tensorwise reuses the forward's FP8 tensor as it is (its transpose has the same scale);
+  - rowwise quantises the original input a second time in the forward, along the tokens
+    (one scale per channel), and saves that copy instead of the forward's: the same bytes,
+    and the wgrad operand torchao's Float8Linear builds from its saved high-precision
+    input, so all three gradients are bit-equal to torchao's. (Re-quantising the
+    dequantised forward copy, as this did before, loses the channels' small values that
+    fell into e4m3's subnormals under their row's scale: with channels over six decades
+    46% of the weight-gradient elements differed from torchao's; tests/test_fp8_linear.py.)
+  - blockwise dequantises the saved 1x128-tile copy and quantises its transpose again
+    (DeepSeek-V3 §3.3.4 names this re-quantisation as the cost of today's hardware).
+The weight is a parameter, held anyway; it is quantised again in backward rather than
+saved a second time.
+
+Kernels: tensorwise and rowwise call `torch._scaled_mm` (cuBLASLt on CUDA, torch's CPU
+kernel on CPU). Blockwise takes `FP8Recipe.kernel`: "scaled_mm" (cuBLASLt's blockwise mode,
+numerics/fp8_kernel.py: CUDA, compute capability 9.x, weights in whole 128-blocks) or
+"emulated" (128-wide K slices in fp32, any device; the reference). lowp/convert.py picks it.
 """
 
 from __future__ import annotations
@@ -54,6 +66,7 @@ class FP8Recipe:
     grad_format: FloatFormat = E4M3
     pow2: bool = False
     block: int = FP8_BLOCK
+    kernel: str = "emulated"  # blockwise only: "emulated" or "scaled_mm" (numerics/fp8.py)
 
     @staticmethod
     def from_name(name: str, grad_format: str = "auto") -> FP8Recipe:
@@ -86,12 +99,12 @@ class FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: FP8Recipe, wq: FP8Tensor | None = None):
         # wq: the weight already quantised (ZeRO-3's FP8 all-gather, tensorwise)
-        xq = _quantized_input(x, recipe)
+        xq, saved = _quantized_input(x, recipe)
         y = fp8_mm(xq, recipe.quantize_weight(weight) if wq is None else wq,
-                   out_dtype=x.dtype)
+                   out_dtype=x.dtype, kernel=recipe.kernel)
         if bias is not None:
             y = y + bias
-        ctx.save_for_backward(xq.data, xq.scale, weight)
+        ctx.save_for_backward(saved.data, saved.scale, weight)
         ctx.recipe, ctx.has_bias, ctx.x_shape = recipe, bias is not None, x.shape
         ctx.wq = wq  # its data is a view of ZeRO-3's gathered bytes, gathered again for backward
         return y.view(*x.shape[:-1], weight.shape[0])
@@ -106,16 +119,25 @@ class FP8LinearFunction(torch.autograd.Function):
             gq = recipe.quantize_act(g2, recipe.grad_format)
             wt = (recipe.quantize_weight(weight.t()) if ctx.wq is None  # along N, dgrad's K
                   else ctx.wq.t())
-            grad_x = fp8_mm(gq, wt, out_dtype=grad.dtype).view(ctx.x_shape)
+            grad_x = fp8_mm(gq, wt, out_dtype=grad.dtype,
+                            kernel=recipe.kernel).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            xq = FP8Tensor(x_data, x_scale, recipe.act_granularity, E4M3, recipe.block)
-            xt = xq.t() if xq.granularity == "tensorwise" else recipe.quantize_act(
-                dequantize(xq).t())  # now along the tokens, the wgrad's K
+            saved = FP8Tensor(x_data, x_scale, recipe.act_granularity, E4M3, recipe.block)
+            xt = _wgrad_input(saved, recipe)  # x along the tokens, the wgrad's K
             gt = recipe.quantize_act(g2.t(), recipe.grad_format)
-            grad_w = fp8_mm(gt, xt, out_dtype=weight.dtype)
+            grad_w = fp8_mm(gt, xt, out_dtype=weight.dtype, kernel=recipe.kernel)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(grad.dtype)
         return grad_x, grad_w, grad_b, None, None
+
+
+def _wgrad_input(saved: FP8Tensor, recipe: FP8Recipe) -> FP8Tensor:
+    """The wgrad's x operand, (K, tokens) quantised along the tokens, from the saved copy."""
+    if recipe.name == "tensorwise":
+        return saved.t()
+    if recipe.name == "rowwise":  # saved already transposed and quantised from the original
+        return saved
+    return recipe.quantize_act(dequantize(saved).t())  # blockwise: DeepSeek's re-quantisation
 
 
 # The last input quantised: q, k and v (gate and up) read the same tensor, and quantising
@@ -131,15 +153,19 @@ def _forget(ref: weakref.ref) -> None:
         _LAST[0] = None
 
 
-def _quantized_input(x: torch.Tensor, recipe: FP8Recipe) -> FP8Tensor:
+def _quantized_input(x: torch.Tensor, recipe: FP8Recipe) -> tuple[FP8Tensor, FP8Tensor]:
+    """(the forward's operand, the copy to save for backward): the same tensor except for
+    rowwise, which saves x quantised along the tokens (see the module docstring)."""
     last = _LAST[0]
     if last is not None:
-        ref, version, last_recipe, xq = last
+        ref, version, last_recipe, pair = last
         if ref() is x and version == x._version and last_recipe == recipe:
-            return xq
-    xq = recipe.quantize_act(x.reshape(-1, x.shape[-1]))
-    _LAST[0] = (weakref.ref(x, _forget), x._version, recipe, xq)
-    return xq
+            return pair
+    x2 = x.reshape(-1, x.shape[-1])
+    xq = recipe.quantize_act(x2)
+    saved = recipe.quantize_act(x2.t()) if recipe.name == "rowwise" else xq
+    _LAST[0] = (weakref.ref(x, _forget), x._version, recipe, (xq, saved))
+    return xq, saved
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -13,7 +13,9 @@ reduction dimension), in float32 accumulation:
   - tensorwise and rowwise go to `torch._scaled_mm` (cuBLASLt on CUDA, an emulation on
     CPU), which applies a's and b's scales to the fp32 accumulator;
   - tiles x tiles and tiles x blocks (DeepSeek-V3's fine-grained scaling, arXiv 2412.19437
-    §3.3.2) run as K slices of 128: each slice's product of the FP8 values is exact in
+    §3.3.2) take `kernel`: "scaled_mm" runs cuBLASLt's blockwise FP8 GEMM (fp8_kernel.py;
+    CUDA, compute capability 9.x); "emulated", the reference and the CPU path, runs them
+    as K slices of 128: each slice's product of the FP8 values is exact in
     fp32 (two 4-bit significands), is summed over its 128 elements in fp32, multiplied by
     the slice's scales (one per row of a, one per row of b) and added to an fp32
     accumulator. This is the promotion DeepSeek-V3 does on Hopper every N_C = 128
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from fivefold.numerics.formats import E4M3, FP8_BLOCK, FloatFormat
+from fivefold.numerics.fp8_kernel import blockwise_scaled_mm
 from fivefold.numerics.scaling import (
     amax_to_scale,
     block_amax,
@@ -105,8 +108,13 @@ def dequantize(q: FP8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor
     return (q.data.float() * full).to(dtype)
 
 
-def fp8_mm(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """a · bᵀ for a (M, K), b (N, K) quantised along K, accumulated in float32."""
+KERNELS = ("emulated", "scaled_mm")
+
+
+def fp8_mm(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype = torch.float32,
+           kernel: str = "emulated") -> torch.Tensor:
+    """a · bᵀ for a (M, K), b (N, K) quantised along K, accumulated in float32.
+    `kernel` picks the blockwise path (tensorwise and rowwise always take _scaled_mm)."""
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"fp8_mm: inner dimensions differ: {a.shape} x {b.shape}ᵀ")
     kinds = (a.granularity, b.granularity)
@@ -124,6 +132,10 @@ def fp8_mm(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype = torch.float32) -
             out = (a.data.float() @ b.data.float().t()) * (a.scale * scale_b)
             return out.to(out_dtype)
     if a.granularity in ("tiles", "blocks") and b.granularity in ("tiles", "blocks"):
+        if kernel == "scaled_mm":
+            return blockwise_scaled_mm(a, b, out_dtype)
+        if kernel != "emulated":
+            raise ValueError(f"unknown blockwise FP8 kernel '{kernel}'; one of {KERNELS}")
         return blockwise_mm(a, b).to(out_dtype)
     raise ValueError(f"fp8_mm has no kernel for {a.granularity} x {b.granularity} scales")
 

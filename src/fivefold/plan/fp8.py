@@ -9,7 +9,8 @@ scales, instead of the compute dtype's B bytes. Per dense layer, with recompute 
     attn_out     o_proj's input: in bf16 a view of the attention output a saved flash core
                  keeps anyway (no bytes of its own); in FP8 a new copy, T·q + scales
 
-Scales per saved input of K channels (fp32): tensorwise 4 bytes; rowwise 4 per token;
+Scales per saved input of K channels (fp32): tensorwise 4 bytes; rowwise 4 per channel (it
+saves x quantised along the tokens, for the weight gradient: lowp/linear.py);
 blockwise 4 per token per 128 channels (DeepSeek-V3's 1x128 tiles). The engine checks this
 to the byte (tests/test_fp8_train.py); MoE experts and selective/full recomputation keep
 their bf16 terms here (not modelled for FP8).
@@ -33,7 +34,7 @@ def scale_bytes(recipe: str, tokens: float, channels: float) -> float:
     if recipe == "tensorwise":
         return SCALE_BYTES
     if recipe == "rowwise":
-        return tokens * SCALE_BYTES
+        return channels * SCALE_BYTES
     return tokens * math.ceil(channels / 128) * SCALE_BYTES  # blockwise
 
 
