@@ -70,5 +70,10 @@ class ModelRunner:
                                 positions=self._tensor(positions), logits_index=rows)
         finally:
             self.cache.batch = None
-        logits = logits[0].float()
+        logits = self.finish_logits(logits[0]).float()
         return {rid: logits[i] for i, (rid, _) in enumerate(samplers)}
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """(n, V) logits of the sampled positions from the model's output rows; a tensor-
+        parallel runner gathers the vocabulary shards here (serve/tp_worker.py)."""
+        return logits
