@@ -6,13 +6,13 @@ reaching the worker as diffs."""
 
 import pytest
 import torch
+from harness import run_ranks
 
 from fivefold.models.init import build_model
 from fivefold.models.presets import ModelConfig
 from fivefold.plan.serve import num_blocks
 from fivefold.serve.engine import Engine
 from fivefold.serve.sampling_params import SamplingParams
-from harness import run_ranks
 
 CFG = ModelConfig(name="serve-tp", vocab_size=250, hidden_size=64, intermediate_size=128,
                   num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=256, init_std=0.1)
