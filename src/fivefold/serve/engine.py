@@ -102,6 +102,7 @@ class Engine:
         self._parents: dict[str, str] = {}
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.adapters = None  # the LoRA adapters requests may name (serve/lora_batch.py)
 
     def _default_budget(self, utilization, max_num_seqs, block_size, shape, dtype) -> int:
         """CUDA: a share of the free memory; CPU: 1 GiB, or less when that is more than
@@ -132,6 +133,10 @@ class Engine:
             raise ConfigError(f"the prompt ({len(prompt)} tokens) + max_tokens "
                               f"({params.max_tokens}) exceeds the model's context of "
                               f"{self.max_model_len} tokens; shorten one of them")
+        if params.adapter is not None and (self.adapters is None
+                                           or params.adapter not in self.adapters.index):
+            raise ConfigError(f"adapter '{params.adapter}' is not served here; name one of "
+                              f"the --lora adapters or none for the base model")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         self.scheduler.add_request(Request(rid, prompt, params))
         self._generators[rid] = self._generator(params, 0)
