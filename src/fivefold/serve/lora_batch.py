@@ -88,14 +88,17 @@ class MultiLoraLinear(nn.Module):
         super().__init__()
         self.base_layer, self.rows = base_layer, rows
         self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
-        # adapter index -> (A, B, scaling); absent: that adapter leaves this linear alone
-        self.factors: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        # adapter index -> scaling; its A and B are buffers `lora_A_<index>`, `lora_B_<index>`
+        # (so `.to()` moves them); absent: that adapter leaves this linear alone
+        self.scalings: dict[int, float] = {}
         self.num_adapters = num_adapters
 
     def add(self, index: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
         weight = self.base_layer.weight
         dtype = weight.dtype if weight.is_floating_point() else torch.float32
-        self.factors[index] = (a.to(weight.device, dtype), b.to(weight.device, dtype), scaling)
+        self.register_buffer(f"lora_A_{index}", a.to(weight.device, dtype))
+        self.register_buffer(f"lora_B_{index}", b.to(weight.device, dtype))
+        self.scalings[index] = scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
@@ -104,10 +107,10 @@ class MultiLoraLinear(nn.Module):
             return y
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         for index, rows in groups:
-            factors = self.factors.get(index)
-            if factors is None:
+            scaling = self.scalings.get(index)
+            if scaling is None:
                 continue
-            a, b, scaling = factors
+            a, b = getattr(self, f"lora_A_{index}"), getattr(self, f"lora_B_{index}")
             if isinstance(rows, slice):  # one segment: shrink to r, expand, add in place
                 y2[rows] += ((x2[rows].to(a.dtype) @ a.t()) @ b.t() * scaling).to(y.dtype)
             else:
@@ -116,7 +119,7 @@ class MultiLoraLinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return f"adapters={sorted(self.factors)} of {self.num_adapters}"
+        return f"adapters={sorted(self.scalings)} of {self.num_adapters}"
 
 
 class AdapterSet:

@@ -277,7 +277,22 @@ def start_world(tp: int, backend: str, worker_fn, worker_args: tuple):
     return procs
 
 
+def _die_with_parent() -> None:
+    """Linux: end this worker when rank 0's process ends, however it ends (a worker blocked
+    in a rendezvous would otherwise wait out its timeout as an orphan)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent ended before the line above
+        os._exit(1)
+
+
 def _spawned(rank, tp, backend, init, worker_fn, worker_args) -> None:
+    _die_with_parent()
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=tp,
                             timeout=timedelta(seconds=600))
     worker_fn(rank, *worker_args)
