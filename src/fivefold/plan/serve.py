@@ -2,6 +2,7 @@
 
     fivefold plan --serve --model llama-3.1-8b --gpu h100-sxm --context 2048 --output 256
     fivefold plan --serve --model llama-3.2-1b --weights int4 --kv-cache-gib 10 --batch 64
+    fivefold plan --serve --model llama-3.1-70b --gpu h100-sxm --tp 4
 
 KV cache. Each token keeps a key and a value per layer and kv head:
     kv bytes / token = 2 · layers · kv_heads · head_dim · bytes(kv dtype)
@@ -47,14 +48,22 @@ WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0,
 KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
-def kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "bf16") -> int:
-    """2 · layers · kv_heads · head_dim · bytes."""
-    return 2 * model.num_layers * model.num_kv_heads * model.dim_per_head * KV_BYTES[kv_dtype]
+def kv_heads_per_rank(model: ModelConfig, tp: int = 1) -> int:
+    """The kv heads one tensor-parallel rank holds: its share, or one replicated head when
+    there are fewer heads than ranks (vLLM's ModelConfig.get_num_kv_heads)."""
+    return max(model.num_kv_heads // tp, 1)
+
+
+def kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "bf16", tp: int = 1) -> int:
+    """2 · layers · kv_heads · head_dim · bytes, on one of tp ranks."""
+    return (2 * model.num_layers * kv_heads_per_rank(model, tp) * model.dim_per_head
+            * KV_BYTES[kv_dtype])
 
 
 def num_blocks(budget_bytes: float, model: ModelConfig, block_size: int,
-               kv_dtype: str = "bf16") -> int:
-    return int(budget_bytes // (block_size * kv_bytes_per_token(model, kv_dtype)))
+               kv_dtype: str = "bf16", tp: int = 1) -> int:
+    """Blocks a per-rank budget holds; every rank of tp holds the same block ids."""
+    return int(budget_bytes // (block_size * kv_bytes_per_token(model, kv_dtype, tp)))
 
 
 def blocks_per_sequence(tokens: int, block_size: int) -> int:
@@ -91,11 +100,15 @@ class ServePlan:
     batch: int
     bytes_read_per_step: float
     roofline_tokens_per_s: float
+    tp: int = 1
 
     def describe(self) -> str:
         return "\n".join([
-            f"serving {self.model} on one {self.gpu}: weights {self.weights} "
-            f"({self.weight_bytes / GIB:.2f} GiB), KV cache {self.kv_dtype}",
+            f"serving {self.model} on "
+            + (f"one {self.gpu}" if self.tp == 1 else
+               f"{self.tp} x {self.gpu}, tensor parallel (figures per GPU)")
+            + f": weights {self.weights} ({self.weight_bytes / GIB:.2f} GiB), KV cache "
+            f"{self.kv_dtype}",
             f"KV bytes per token: {self.kv_bytes_per_token:,} (2 · layers · kv_heads · "
             f"head_dim · bytes)",
             f"KV budget: {self.kv_budget_bytes / GIB:.2f} GiB = {self.num_blocks:,} blocks of "
@@ -111,7 +124,11 @@ def plan_serving(model: ModelConfig, hbm_bytes_per_s: float, memory_bytes: float
                  context_bytes: float, gpu: str = "gpu", weights: str = "bf16",
                  kv_dtype: str = "bf16", context: int = 2048, output: int = 256,
                  block_size: int = 16, kv_budget_bytes: float | None = None,
-                 utilization: float = 0.9, batch: int | None = None) -> ServePlan:
+                 utilization: float = 0.9, batch: int | None = None,
+                 tp: int = 1) -> ServePlan:
+    """One GPU, or each of `tp` tensor-parallel GPUs: 1/tp of the weights (the split
+    linears, embedding and head; norms are replicated but negligible), max(1, kv_heads/tp)
+    kv heads per block, the same number of blocks on every rank."""
     if weights not in WEIGHT_BYTES:
         raise ConfigError(f"--weights {weights}: choose one of {', '.join(WEIGHT_BYTES)}")
     if kv_dtype not in KV_BYTES:
@@ -120,21 +137,24 @@ def plan_serving(model: ModelConfig, hbm_bytes_per_s: float, memory_bytes: float
         raise ConfigError("--context, --output and --block-size must be >= 1")
     if not 0 < utilization <= 1:
         raise ConfigError(f"--gpu-memory-utilization {utilization} must lie in (0, 1]")
-    weight_bytes = model.num_params() * WEIGHT_BYTES[weights]
+    if tp < 1:
+        raise ConfigError(f"--tp {tp} must be >= 1")
+    weight_bytes = model.num_params() * WEIGHT_BYTES[weights] / tp
     if kv_budget_bytes is None:
         kv_budget_bytes = utilization * (memory_bytes - context_bytes - weight_bytes)
         if kv_budget_bytes <= 0:
             raise ConfigError(f"the weights ({weight_bytes / GIB:.1f} GiB) leave no memory "
                               f"for a KV cache on {gpu}; use smaller --weights or a larger GPU")
-    per_token = kv_bytes_per_token(model, kv_dtype)
-    blocks = num_blocks(kv_budget_bytes, model, block_size, kv_dtype)
+    per_token = kv_bytes_per_token(model, kv_dtype, tp)
+    blocks = num_blocks(kv_budget_bytes, model, block_size, kv_dtype, tp)
     per_seq = blocks_per_sequence(context + output, block_size)
     concurrent = blocks // per_seq
     batch = batch or max(concurrent, 1)
-    read = weight_bytes_read(model, weights, batch) + batch * (context + output / 2) * per_token
+    read = (weight_bytes_read(model, weights, batch) / tp
+            + batch * (context + output / 2) * per_token)
     return ServePlan(model.name, gpu, weights, kv_dtype, block_size, context, output,
                      weight_bytes, kv_budget_bytes, per_token, blocks, per_seq, concurrent,
-                     batch, read, batch * hbm_bytes_per_s / read)
+                     batch, read, batch * hbm_bytes_per_s / read, tp)
 
 
 def build_parser() -> ArgumentParser:
@@ -154,6 +174,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--kv-cache-gib", type=float, help="the KV budget (default: 0.9 of what "
                    "the weights and the CUDA context leave)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (fivefold serve "
+                   "--tp): each holds 1/tp of the weights and its kv heads' share of blocks")
     p.add_argument("--batch", type=int, help="decode batch for the roofline (default: the "
                    "concurrent sequences the budget holds)")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH")
@@ -174,7 +196,7 @@ def run(argv: list[str]) -> int:
         model, hw.hbm_tbps * 1e12, hw.memory_bytes, assume.context_gib * GIB, hw.name,
         args.weights, args.kv_dtype, args.context, args.output, args.block_size,
         None if args.kv_cache_gib is None else args.kv_cache_gib * GIB,
-        args.gpu_memory_utilization, args.batch)
+        args.gpu_memory_utilization, args.batch, args.tp)
     if args.json:
         text = json.dumps(asdict(plan), indent=2)
         if args.json == "-":

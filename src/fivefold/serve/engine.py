@@ -62,7 +62,7 @@ class Engine:
                  chunked_prefill: bool = False, enable_prefix_caching: bool = True,
                  eos_token_ids: Iterable[int] = (), max_model_len: int | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, seed: int = 0,
-                 prepack: bool = False):
+                 prepack: bool = False, num_kv_heads: int | None = None):
         cfg = model.cfg  # the ModelConfig every fivefold model carries
         param = next(model.parameters())
         self.model, self.cfg, self.device = model.eval(), cfg, param.device
@@ -70,7 +70,9 @@ class Engine:
         if block_size < 1:
             raise ConfigError(f"block_size = {block_size} must be >= 1 (16 is usual)")
         self.max_model_len = min(max_model_len or cfg.max_seq_len, cfg.max_seq_len)
-        shape = (cfg.num_layers, cfg.num_kv_heads, cfg.dim_per_head)
+        # num_kv_heads: the kv heads this rank holds (its share under tensor parallelism,
+        # serve/tp_worker.py); by default all of the model's
+        shape = (cfg.num_layers, num_kv_heads or cfg.num_kv_heads, cfg.dim_per_head)
         if num_blocks is None:
             if kv_cache_bytes is None:
                 kv_cache_bytes = self._default_budget(gpu_memory_utilization, max_num_seqs,
@@ -100,6 +102,7 @@ class Engine:
         self._parents: dict[str, str] = {}
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.adapters = None  # the LoRA adapters requests may name (serve/lora_batch.py)
 
     def _default_budget(self, utilization, max_num_seqs, block_size, shape, dtype) -> int:
         """CUDA: a share of the free memory; CPU: 1 GiB, or less when that is more than
@@ -130,6 +133,10 @@ class Engine:
             raise ConfigError(f"the prompt ({len(prompt)} tokens) + max_tokens "
                               f"({params.max_tokens}) exceeds the model's context of "
                               f"{self.max_model_len} tokens; shorten one of them")
+        if params.adapter is not None and (self.adapters is None
+                                           or params.adapter not in self.adapters.index):
+            raise ConfigError(f"adapter '{params.adapter}' is not served here; name one of "
+                              f"the --lora adapters or none for the base model")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         self.scheduler.add_request(Request(rid, prompt, params))
         self._generators[rid] = self._generator(params, 0)

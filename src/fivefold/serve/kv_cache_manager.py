@@ -55,7 +55,8 @@ class KVCacheManager:
             tokens = request.all_token_ids
             bs = self.block_size
             for i in range(len(hashes), full):
-                parent = hashes[i - 1] if i else None
+                # the first block's parent is the adapter: K/V under another LoRA differ
+                parent = hashes[i - 1] if i else request.params.adapter
                 hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs])))
         return hashes
 

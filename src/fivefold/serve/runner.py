@@ -23,6 +23,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, cache: PagedKVCache, kv: KVCacheManager):
         self.model, self.cache, self.kv = model, cache, kv
         self.device = cache.k.device
+        self.adapters = None  # many LoRA adapters in one batch (serve/lora_batch.py)
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -64,11 +65,20 @@ class ModelRunner:
             self.cache.copy_blocks(out.copies)
         tokens, positions, batch, samplers = self.prepare(out)
         self.cache.batch = batch
+        if self.adapters is not None:
+            self.adapters.begin_step(out.scheduled, self.device)
         try:
             rows = self._tensor([row for _, row in samplers])
             logits = self.model(self._tensor([tokens]), cache=self.cache,
                                 positions=self._tensor(positions), logits_index=rows)
         finally:
             self.cache.batch = None
-        logits = logits[0].float()
+            if self.adapters is not None:
+                self.adapters.end_step()
+        logits = self.finish_logits(logits[0]).float()
         return {rid: logits[i] for i, (rid, _) in enumerate(samplers)}
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """(n, V) logits of the sampled positions from the model's output rows; a tensor-
+        parallel runner gathers the vocabulary shards here (serve/tp_worker.py)."""
+        return logits

@@ -26,6 +26,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     n: int = 1
+    # Not a sampling setting but the request's too: the LoRA adapter that serves it (by its
+    # --lora name; None: the base model). serve/lora_batch.py applies it per sequence.
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         # Lists from JSON become tuples, so a SamplingParams stays hashable and immutable.

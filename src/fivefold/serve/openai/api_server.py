@@ -111,7 +111,13 @@ def build_app(serving, loop):
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(metrics_text(loop.stats()))
+        stats = loop.stats()
+        text = metrics_text(stats)
+        if "replicas" in stats:  # --dp: each replica's load too
+            from fivefold.serve.dp_router import replica_metrics
+
+            text += replica_metrics(stats)
+        return PlainTextResponse(text)
 
     @app.get("/v1/models")
     async def models():
@@ -160,6 +166,14 @@ def build_parser() -> ArgumentParser:
                         "weights reordered once (faster; holds a second copy of the weights)")
     p.add_argument("--shutdown-grace", type=float, default=3.0,
                    help="seconds running requests get to finish after SIGTERM")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: each holds 1/tp "
+                   "of every linear and its kv heads' share of the cache (serve starts them, or "
+                   "`fivefold launch --nproc-per-node N serve ...` does)")
+    p.add_argument("--dp", type=int, default=1, help="engine replicas behind this endpoint, "
+                   "each request to the least loaded (on CUDA one per GPU)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                   help="serve a LoRA adapter (a PEFT directory or a fivefold LoRA checkpoint) "
+                        "as model NAME; repeatable; requests for any of them share batches")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"))
     return p
@@ -197,26 +211,20 @@ def main(argv: list[str] | None = None) -> int:
     _check_port(args.host, args.port)
     require("fastapi", "serve", "fivefold serve")
     uvicorn = require("uvicorn", "serve", "fivefold serve")
-    from fivefold.serve.engine import Engine
-    from fivefold.serve.openai.serving import EngineLoop, OpenAIServing
-    from fivefold.train.generate import load_for_generation
+    from fivefold.serve.openai.backends import start
+    from fivefold.serve.openai.serving import OpenAIServing
 
-    model, codec = load_for_generation(args)
-    eos = codec.eos_id
-    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    engine = Engine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                    kv_cache_bytes=None if args.kv_cache_gib is None
-                    else int(args.kv_cache_gib * 2**30),
-                    max_num_batched_tokens=args.max_num_batched_tokens,
-                    chunked_prefill=args.chunked_prefill,
-                    enable_prefix_caching=not args.no_prefix_caching,
-                    eos_token_ids=eos_ids, max_model_len=args.max_model_len,
-                    detokenize=codec.decode, prepack=not args.no_prepack)
+    backend = start(args)  # one engine, a tensor-parallel world or replicas
+    if backend is None:
+        return 0  # a tensor-parallel worker rank: rank 0 has stopped serving
+    loop, codec = backend.loop, backend.codec
     source = Path(args.hf or args.checkpoint)
     name = args.served_model_name or source.resolve().name
-    loop = EngineLoop(engine)
+    if name in backend.adapters:
+        raise ConfigError(f"--lora {name} has the base model's name; rename the adapter")
     serving = OpenAIServing(loop, name, codec.encode,
-                            chat_template(source if args.hf else None), engine.max_model_len)
+                            chat_template(source if args.hf else None), backend.max_model_len,
+                            backend.adapters)
     app = build_app(serving, loop)
 
     class Server(uvicorn.Server):
@@ -230,14 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM makes that a clean exit 0 instead of death by the signal.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     loop.start()
+    layout = "".join(f", {k} {v}" for k, v in (("tp", args.tp), ("dp", args.dp)) if v > 1)
     print(f"fivefold serve: {name} on http://{args.host}:{args.port}/v1 "
-          f"({engine.num_blocks} KV blocks of {args.block_size} tokens, context "
-          f"{engine.max_model_len})", file=sys.stderr, flush=True)
+          f"({backend.num_blocks} KV blocks of {args.block_size} tokens, context "
+          f"{backend.max_model_len}{layout}"
+          f"{', adapters ' + ' '.join(backend.adapters) if backend.adapters else ''})",
+          file=sys.stderr, flush=True)
     try:
         Server(config).run()
     finally:
         loop.stop()
         loop.thread.join(timeout=5)
+        backend.close()
         signal.signal(signal.SIGTERM, previous)
     print("fivefold serve: stopped", file=sys.stderr, flush=True)
     return 0

@@ -14,6 +14,7 @@ API responses, whole or as server-sent events (`data: {json}` lines, then `data:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import queue
 import threading
@@ -157,14 +158,20 @@ class Prepared:
 
 class OpenAIServing:
     def __init__(self, loop: EngineLoop, model_name: str, encode: Callable[[str], list[int]],
-                 chat_prompt: Callable[[list[dict]], str], max_model_len: int):
+                 chat_prompt: Callable[[list[dict]], str], max_model_len: int,
+                 adapters: tuple[str, ...] = ()):
         self.loop, self.model_name = loop, model_name
         self.encode, self.chat_prompt, self.max_model_len = encode, chat_prompt, max_model_len
+        self.adapters = tuple(adapters)  # LoRA adapters a request's `model` may name
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": now(), "owned_by": "fivefold",
-            "max_model_len": self.max_model_len}]}
+        base = {"id": self.model_name, "object": "model", "created": now(),
+                "owned_by": "fivefold", "max_model_len": self.max_model_len, "root":
+                self.model_name, "parent": None}
+        # adapters as vLLM lists them: their own id, the base as `parent`
+        return {"object": "list", "data": [base] + [
+            {**base, "id": name, "root": name, "parent": self.model_name}
+            for name in self.adapters]}
 
     def _prepare(self, body, prompt: list[int]) -> Prepared:
         if not prompt:
@@ -172,7 +179,10 @@ class OpenAIServing:
         if len(prompt) >= self.max_model_len:
             raise ConfigError(f"the prompt has {len(prompt)} tokens, the model's context is "
                               f"{self.max_model_len}; shorten the prompt")
-        return Prepared(prompt, body.sampling_params(self.max_model_len - len(prompt)))
+        params = body.sampling_params(self.max_model_len - len(prompt))
+        if body.model in self.adapters:  # the model names a LoRA adapter: it serves this one
+            params = dataclasses.replace(params, adapter=body.model)
+        return Prepared(prompt, params)
 
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
         prompt = body.prompt if isinstance(body.prompt, list) else (

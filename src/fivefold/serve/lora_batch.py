@@ -1,0 +1,195 @@
+"""Many LoRA adapters on one base, in one batch: each sequence gets its own adapter.
+
+Merging an adapter into the weights (finetune/inject.py, merge_and_unload) serves one adapter
+per model copy. Punica (Chen et al. 2023, arXiv 2310.18547) and S-LoRA (Sheng et al. 2023,
+arXiv 2311.03285) keep the base weights once and add each token's own low-rank update:
+
+    y = x Wᵀ + scaling_a · (x A_aᵀ) B_aᵀ        for the tokens of sequences with adapter a
+
+The base GEMM runs once for the whole step; the update runs per adapter over the rows of
+that adapter's tokens: a slice when they are contiguous (Punica's SGMV, one segment), an
+index_select / index_add over their rows otherwise (a gather per token, as BGMV does, grouped
+by adapter so each adapter's A and B are read once per step). The rows of each adapter are
+found once per step (`AdapterSet.begin_step`) and shared by every layer.
+
+Requests name their adapter in `SamplingParams.adapter` (the OpenAI `model` field picks it);
+None is the base alone. The step's row groups are per thread, so data-parallel replicas
+stepping one shared model from their own threads (serve/dp_router.py) do not mix.
+
+Adapters load from PEFT directories (adapter_config.json + adapter_model.safetensors) or from
+fivefold LoRA checkpoints (finetune/attach.py); they must fit the served model's linears.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fivefold.errors import ConfigError
+from fivefold.finetune.lora import lora_scaling
+
+
+@dataclass
+class Adapter:
+    name: str
+    rank: int
+    scaling: float
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (A r×in, B out×r)
+
+
+def load_adapter(name: str, directory: str) -> Adapter:
+    """A PEFT adapter directory or a fivefold LoRA checkpoint, as (A, B) per module."""
+    path = Path(directory)
+    if (path / "adapter_config.json").is_file():
+        from fivefold.finetune.io import read_peft_config, read_peft_tensors
+
+        cfg = read_peft_config(path)
+        rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+        scaling = lora_scaling(rank, alpha, bool(cfg.get("use_rslora")))
+        tensors = read_peft_tensors(path)
+    else:
+        from fivefold.finetune.attach import adapters_of, load_for_inference
+
+        if not path.is_dir():
+            raise ConfigError(f"--lora {name}={directory}: no such directory; give a PEFT "
+                              f"adapter directory or a fivefold LoRA checkpoint")
+        model, _, _, lora = load_for_inference(str(path))
+        if lora is None:
+            raise ConfigError(f"--lora {name}={directory} is neither a PEFT adapter directory "
+                              f"(no adapter_config.json) nor a LoRA checkpoint (lora.rank = 0)")
+        rank = int(lora["rank"])
+        scaling = lora_scaling(rank, float(lora["alpha"]), bool(lora.get("rslora")))
+        tensors = adapters_of(model)
+    factors: dict[str, list] = {}
+    for key, t in tensors.items():
+        module, _, leaf = key.removesuffix(".weight").rpartition(".")
+        factors.setdefault(module, [None, None])["AB".index(leaf[-1])] = t.detach().float()
+    return Adapter(name, rank, scaling, {m: (a, b) for m, (a, b) in factors.items()})
+
+
+class StepRows(threading.local):
+    """This thread's step: adapter index -> the rows (a slice or an index tensor) of its
+    tokens in the flattened batch."""
+
+    groups: list[tuple[int, slice | torch.Tensor]] = []
+
+    def __deepcopy__(self, memo):  # a prepacked copy of the model shares the step's rows
+        return self
+
+
+class MultiLoraLinear(nn.Module):
+    """A base linear plus any number of adapters, each applied to its own tokens' rows."""
+
+    def __init__(self, base_layer: nn.Module, rows: StepRows, num_adapters: int):
+        super().__init__()
+        self.base_layer, self.rows = base_layer, rows
+        self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
+        # adapter index -> scaling; its A and B are buffers `lora_A_<index>`, `lora_B_<index>`
+        # (so `.to()` moves them); absent: that adapter leaves this linear alone
+        self.scalings: dict[int, float] = {}
+        self.num_adapters = num_adapters
+
+    def add(self, index: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        weight = self.base_layer.weight
+        dtype = weight.dtype if weight.is_floating_point() else torch.float32
+        self.register_buffer(f"lora_A_{index}", a.to(weight.device, dtype))
+        self.register_buffer(f"lora_B_{index}", b.to(weight.device, dtype))
+        self.scalings[index] = scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        groups = self.rows.groups
+        if not groups:
+            return y
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        for index, rows in groups:
+            scaling = self.scalings.get(index)
+            if scaling is None:
+                continue
+            a, b = getattr(self, f"lora_A_{index}"), getattr(self, f"lora_B_{index}")
+            if isinstance(rows, slice):  # one segment: shrink to r, expand, add in place
+                y2[rows] += ((x2[rows].to(a.dtype) @ a.t()) @ b.t() * scaling).to(y.dtype)
+            else:
+                update = (x2.index_select(0, rows).to(a.dtype) @ a.t()) @ b.t() * scaling
+                y2.index_add_(0, rows, update.to(y.dtype))
+        return y
+
+    def extra_repr(self) -> str:
+        return f"adapters={sorted(self.scalings)} of {self.num_adapters}"
+
+
+class AdapterSet:
+    """The adapters a model serves, by name, and the per-step rows of their tokens."""
+
+    def __init__(self, names: list[str], rows: StepRows):
+        self.names = names
+        self.index = {n: i for i, n in enumerate(names)}
+        self.rows = rows
+
+    def begin_step(self, scheduled, device) -> None:
+        """Group the step's token rows by adapter (scheduled: (request, tokens) in row order)."""
+        per_adapter: dict[int, list[tuple[int, int]]] = {}
+        begin = 0
+        for request, num_new in scheduled:
+            adapter = request.params.adapter
+            if adapter is not None:
+                spans = per_adapter.setdefault(self.index[adapter], [])
+                if spans and spans[-1][1] == begin:
+                    spans[-1] = (spans[-1][0], begin + num_new)
+                else:
+                    spans.append((begin, begin + num_new))
+            begin += num_new
+        groups = []
+        for index, spans in per_adapter.items():
+            if len(spans) == 1:
+                groups.append((index, slice(*spans[0])))
+            else:
+                rows = [r for lo, hi in spans for r in range(lo, hi)]
+                groups.append((index, torch.tensor(rows, dtype=torch.long, device=device)))
+        self.rows.groups = groups
+
+    def end_step(self) -> None:
+        self.rows.groups = []
+
+
+def apply_adapters(model: nn.Module, adapters: list[Adapter]) -> AdapterSet:
+    """Wrap every linear some adapter targets in a MultiLoraLinear (in place)."""
+    rows = StepRows()
+    names = [a.name for a in adapters]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--lora names must differ; got {', '.join(names)}")
+    wrapped: dict[str, MultiLoraLinear] = {}
+    for index, adapter in enumerate(adapters):
+        for module_name, (a, b) in adapter.factors.items():
+            layer = wrapped.get(module_name)
+            if layer is None:
+                try:
+                    base = model.get_submodule(module_name)
+                except AttributeError:
+                    base = None
+                if base is None or not hasattr(base, "in_features"):
+                    raise ConfigError(f"--lora {adapter.name}: the adapter targets "
+                                      f"'{module_name}', which this model has no linear for; "
+                                      f"it was made for another model")
+                layer = wrapped[module_name] = MultiLoraLinear(base, rows, len(adapters))
+                parent, _, child = module_name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, layer)
+            if a.shape != (adapter.rank, layer.in_features) or \
+                    b.shape != (layer.out_features, adapter.rank):
+                raise ConfigError(f"--lora {adapter.name}: '{module_name}' has factors "
+                                  f"{tuple(a.shape)} and {tuple(b.shape)}, this model needs "
+                                  f"({adapter.rank}, {layer.in_features}) and "
+                                  f"({layer.out_features}, {adapter.rank}); it was made for "
+                                  f"another model")
+            layer.add(index, a, b, adapter.scaling)
+    return AdapterSet(names, rows)
+
+
+def attach(engine, adapters: AdapterSet) -> None:
+    """Let `engine` admit requests for these adapters and group its steps' rows by them."""
+    engine.adapters = adapters
+    engine.runner.adapters = adapters

@@ -1,0 +1,178 @@
+"""What answers the server's requests: one engine, a tensor-parallel world, or replicas.
+
+    --tp N    rank 0 (this process) runs HTTP and the scheduler; ranks 1..N-1 hold the other
+              shards (serve/tp_worker.py). serve spawns them, or, under `fivefold launch
+              --nproc-per-node N serve ...`, torchrun started them and each rank runs this
+              same command: rank 0 serves, the others work.
+    --dp N    N engine replicas behind one endpoint (serve/dp_router.py)
+    --lora name=DIR (repeatable)  adapters on the base, chosen per request by its `model`
+              (serve/lora_batch.py)
+
+`start(args)` returns the `Backend` for rank 0, or None on a worker rank once rank 0 has
+stopped it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from fivefold.errors import ConfigError
+
+
+@dataclass
+class Backend:
+    loop: object  # EngineLoop or DPRouter
+    codec: object
+    num_blocks: int  # per replica
+    max_model_len: int
+    adapters: list[str] = field(default_factory=list)
+    close: Callable[[], None] = lambda: None
+
+
+def check_parallel_args(args) -> None:
+    for key in ("tp", "dp"):
+        if getattr(args, key) < 1:
+            raise ConfigError(f"--{key} {getattr(args, key)} must be >= 1")
+    if args.tp > 1 and args.dp > 1:
+        raise ConfigError("--tp and --dp together are not supported yet; use one of them")
+    if args.tp > 1 and args.lora:
+        raise ConfigError("--lora with --tp is not supported yet (adapters are not sharded); "
+                          "serve adapters with --tp 1, or --dp for more throughput")
+    for spec in args.lora:
+        name, _, directory = spec.partition("=")
+        if not name or not directory:
+            raise ConfigError(f"--lora {spec}: write name=DIR (a PEFT adapter directory or a "
+                              f"fivefold LoRA checkpoint)")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and launched != args.tp:
+        raise ConfigError(f"launched {launched} processes but --tp {args.tp}; serve under "
+                          f"`fivefold launch --nproc-per-node {args.tp}` or change --tp")
+
+
+def engine_kwargs(args, codec) -> dict:
+    eos = codec.eos_id
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                kv_cache_bytes=None if args.kv_cache_gib is None
+                else int(args.kv_cache_gib * 2**30),
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                chunked_prefill=args.chunked_prefill,
+                enable_prefix_caching=not args.no_prefix_caching, eos_token_ids=eos_ids,
+                max_model_len=args.max_model_len, detokenize=codec.decode,
+                prepack=not args.no_prepack)
+
+
+def _backend_name(args) -> str:
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def _tp_rank_model(args, rank: int):
+    """Load the model on one rank and keep this rank's shard."""
+    from fivefold.serve.tp_worker import shard_model, threads_per_rank, tp_groups
+    from fivefold.train.generate import load_for_generation
+
+    torch.set_num_threads(threads_per_rank(args.tp))
+    if _backend_name(args) == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    model, codec = load_for_generation(args)
+    groups = tp_groups(args.tp)
+    return shard_model(model, groups), codec, groups
+
+
+def _tp_worker(rank: int, args) -> None:
+    import signal
+
+    from fivefold.serve.tp_worker import run_worker
+
+    # Ctrl-C reaches the whole process group and a supervisor's SIGTERM may too: a worker
+    # leaves when rank 0, which drains its requests first, says stop (or its link closes).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    model, _, groups = _tp_rank_model(args, rank)
+    run_worker(model, groups)
+
+
+def _start_tp(args) -> Backend | None:
+    import torch.distributed as dist
+
+    from fivefold.serve.openai.serving import EngineLoop
+    from fivefold.serve.tp_worker import driver_engine, start_world
+
+    procs = []
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under fivefold launch / torchrun
+        from fivefold.parallel.mesh import init_distributed
+
+        rank, _ = init_distributed(_backend_name(args))
+        if rank != 0:
+            _tp_worker(rank, args)
+            dist.destroy_process_group()
+            return None
+    else:
+        procs = start_world(args.tp, _backend_name(args), _tp_worker, (args,))
+    model, codec, groups = _tp_rank_model(args, 0)
+    engine = driver_engine(model, groups, **engine_kwargs(args, codec))
+
+    def close():
+        try:
+            engine.runner.close()
+        except RuntimeError:  # a worker is gone already; nothing to tell it
+            pass
+        for proc in procs:
+            proc.join(timeout=10)
+        dist.destroy_process_group()
+
+    return Backend(EngineLoop(engine), codec, engine.num_blocks, engine.max_model_len,
+                   close=close)
+
+
+def start(args) -> Backend | None:
+    check_parallel_args(args)
+    if args.tp > 1:
+        return _start_tp(args)
+    from fivefold.serve.engine import Engine
+    from fivefold.serve.openai.serving import EngineLoop
+    from fivefold.train.generate import load_for_generation
+
+    model, codec = load_for_generation(args)
+    adapter_set = None
+    if args.lora:
+        from fivefold.serve.lora_batch import apply_adapters, load_adapter
+
+        adapters = [load_adapter(*spec.split("=", 1)) for spec in args.lora]
+        adapter_set = apply_adapters(model, adapters)
+    engines = []
+    for replica in range(args.dp):
+        replica_model = model
+        if args.dp > 1 and next(model.parameters()).is_cuda:
+            if torch.cuda.device_count() < args.dp:
+                raise ConfigError(f"--dp {args.dp} on CUDA puts one replica on each GPU, and "
+                                  f"{torch.cuda.device_count()} are visible; lower --dp")
+            replica_model = model if replica == 0 else _copy_to(model, f"cuda:{replica}")
+        engine = Engine(replica_model, **engine_kwargs(args, codec))
+        if adapter_set is not None:
+            from fivefold.serve.lora_batch import attach
+
+            attach(engine, adapter_set)
+        engines.append(engine)
+    loops = [EngineLoop(e) for e in engines]
+    if args.dp == 1:
+        loop = loops[0]
+    else:
+        from fivefold.serve.dp_router import DPRouter
+
+        loop = DPRouter(loops)
+    return Backend(loop, codec, engines[0].num_blocks, engines[0].max_model_len,
+                   adapters=list(adapter_set.names) if adapter_set else [])
+
+
+def _copy_to(model, device: str):
+    import copy
+
+    return copy.deepcopy(model).to(device)
