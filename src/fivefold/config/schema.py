@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from fivefold.config.data import DataSection
 from fivefold.config.lora import LoraSection
 from fivefold.config.model import ModelSection
+from fivefold.config.optim import OptimSection
 from fivefold.config.output import CheckpointSection, LogSection
 from fivefold.config.parallel import ParallelSection
 from fivefold.config.train import TrainSection
@@ -23,6 +24,7 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
     lora: LoraSection = field(default_factory=LoraSection)
+    optim: OptimSection = field(default_factory=OptimSection)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

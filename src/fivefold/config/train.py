@@ -21,6 +21,7 @@ class TrainSection:
     warmup_steps: int = 30  # capped at 10% of train.steps
     lr_schedule: str = "cosine"  # cosine | linear | wsd | constant
     decay_fraction: float = 0.2  # wsd: the share of steps spent decaying
+    optimizer: str = "adamw"  # adamw | adamw8bit | adamw4bit | adafactor | muon ([optim] keys)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95

@@ -7,6 +7,7 @@ from __future__ import annotations
 from fivefold.config.data import check_data
 from fivefold.config.lora import check_lora
 from fivefold.config.model import check_model
+from fivefold.config.optim import check_optim
 from fivefold.config.output import check_output
 from fivefold.config.parallel import check_offload_dir, check_parallel
 from fivefold.config.schema import Config
@@ -27,6 +28,7 @@ def validate_layout(cfg: Config) -> None:
     mc = check_model(cfg)
     check_parallel(cfg, mc)
     check_train(cfg, mc)
+    check_optim(cfg)
     check_lora(cfg, mc)
 
 

@@ -59,7 +59,8 @@ def lr_at(step: int, tr) -> float:
 class MasterWeightOptimizer:
     """AdamW over fp32 master weights (or over the parameters themselves in fp32)."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], tr, dims, scaler):
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], tr, dims, scaler,
+                 optim=None):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.dims, self.tr, self.scaler = dims, tr, scaler
@@ -68,14 +69,34 @@ class MasterWeightOptimizer:
             self.master = [p.detach().float().clone() for p in self.params]
         else:
             self.master = self.params
-        groups = [
-            {"params": [m for n, p, m in zip(self.names, self.params, self.master)
-                        if decays(n, p)], "weight_decay": tr.weight_decay},
-            {"params": [m for n, p, m in zip(self.names, self.params, self.master)
-                        if not decays(n, p)], "weight_decay": 0.0},
-        ]
-        self.optimizer = adamw([g for g in groups if g["params"]], tr, self.params[0].device)
+        self.own_rule = getattr(tr, "optimizer", "adamw") != "adamw"  # optim_base.py
+        if self.own_rule:
+            self.optimizer = self._piece_optimizer(named_params, optim)
+        else:
+            groups = [
+                {"params": [m for n, p, m in zip(self.names, self.params, self.master)
+                            if decays(n, p)], "weight_decay": tr.weight_decay},
+                {"params": [m for n, p, m in zip(self.names, self.params, self.master)
+                            if not decays(n, p)], "weight_decay": 0.0},
+            ]
+            self.optimizer = adamw([g for g in groups if g["params"]], tr,
+                                   self.params[0].device)
         self.shares = [norm_share(p, dims.tp) for p in self.params]
+
+    def _piece_optimizer(self, named_params, optim):
+        """fivefold's own rule over whole local tensors (pieces = parameters)."""
+        from fivefold.config.optim import OptimSection
+        from fivefold.parallel.optim_base import PieceInfo
+        from fivefold.parallel.optimizers import build_piece_optimizer, check_muon_matrices
+
+        optim = optim or OptimSection()
+        if self.tr.optimizer == "muon":
+            check_muon_matrices(named_params, optim)
+        infos = [PieceInfo(i, n, p, 0, p.numel(), decays(n, p))
+                 for i, (n, p) in enumerate(named_params)]
+        assembler = TensorParallelAssembler(self.dims) if self.dims.tp > 1 else None
+        return build_piece_optimizer(self.tr.optimizer, self.master, infos, self.tr, optim,
+                                     assembler)
 
     # --- the interface the trainer uses -------------------------------------------------
     def zero_grad(self) -> None:
@@ -127,17 +148,24 @@ class MasterWeightOptimizer:
         ("param", in the compute dtype), fp32 "master", "exp_avg" and "exp_avg_sq"."""
         out = {}
         for name, p, master in zip(self.names, self.params, self.master):
-            state = self.optimizer.state.get(master, {})
             entry = {"param": p.detach(), "master": master.detach()}
+            if self.own_rule:
+                out[name] = {**entry, **self.optimizer.shaped_states(master)}
+                continue
+            state = self.optimizer.state.get(master, {})
             for key in ("exp_avg", "exp_avg_sq"):
                 entry[key] = state[key] if key in state else torch.zeros_like(master)
             out[name] = entry
         return out
 
-    def shard_states(self, load: bool = False) -> list[tuple]:
+    def shard_states(self, load: bool = False, convert_from: str | None = None) -> list[tuple]:
         """(name, parameter, 0, numel, {key: flat view}) per parameter: the whole local tensor
         and its optimizer state, as views. For a load the views are filled in place, then
-        `loaded(step)` installs them (in fp32 the master *is* the parameter: read once)."""
+        `loaded(step)` installs them (in fp32 the master *is* the parameter: read once).
+        fivefold's own optimizers name their states (optim_base.py): a view may then be a
+        (descriptor, lo, hi, flat) of a state shaped unlike the parameter."""
+        if self.own_rule:
+            return self._own_shard_states(load, convert_from)
         out, self._loading = [], []
         for name, p, master in zip(self.names, self.params, self.master):
             state = self.optimizer.state.get(master, {})
@@ -154,8 +182,20 @@ class MasterWeightOptimizer:
             out.append((name, p, 0, p.numel(), views))
         return out
 
+    def _own_shard_states(self, load: bool, convert_from: str | None) -> list[tuple]:
+        out = []
+        for name, p, master in zip(self.names, self.params, self.master):
+            views = {"param": p.detach().view(-1), "master": master.detach().view(-1),
+                     **self.optimizer.checkpoint_views(master, load, convert_from)}
+            if load and not self.mixed:
+                del views["param"]
+            out.append((name, p, 0, p.numel(), views))
+        return out
+
     def loaded(self, step: int) -> None:
         """The views of `shard_states(load=True)` are filled: make them the optimizer's."""
+        if self.own_rule:
+            return self.optimizer.loaded(step)
         fused = self.optimizer.defaults.get("fused")
         step_device = self.master[0].device if fused else torch.device("cpu")
         for master, (avg, avg_sq) in zip(self.master, self._loading):
@@ -167,6 +207,8 @@ class MasterWeightOptimizer:
         self._loading = []
 
     def step_count(self) -> int:
+        if self.own_rule:
+            return self.optimizer.steps
         for state in self.optimizer.state.values():
             return int(state["step"])
         return 0
@@ -177,17 +219,40 @@ class MasterWeightOptimizer:
             "params": lambda: self.params,
             "grads": lambda: [p.grad for p in self.params],
             "master": lambda: self.master if self.mixed else [],
-            "optimizer": lambda: [s for st in self.optimizer.state.values()
-                                  for k, s in st.items() if k in ("exp_avg", "exp_avg_sq")]}
+            "optimizer": self._state_tensors}
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        if self.own_rule:
+            return self.optimizer.state_tensors()
+        return [s for st in self.optimizer.state.values() for k, s in st.items()
+                if k in ("exp_avg", "exp_avg_sq")]
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held per rank, counted from the tensors' storages (views of one once)."""
         size = storage_bytes
-        states = [s for st in self.optimizer.state.values() for k, s in st.items()
-                  if k in ("exp_avg", "exp_avg_sq")]
+        states = self._state_tensors()
         return {
             "params": size(self.params),
             "grads": size([p.grad for p in self.params if p.grad is not None]),
             "master": size(self.master) if self.mixed else 0,
             "optimizer": size(states),
         }
+
+
+class TensorParallelAssembler:
+    """Whole logical tensors from tensor-parallel slices (shards.full_tensor) and back."""
+
+    def __init__(self, dims):
+        self.dims = dims
+
+    def full(self, values, infos):
+        from fivefold.parallel.shards import full_tensor
+
+        # every tp rank holds the same tensors and passes the same ones, in the same order
+        return {i: full_tensor(infos[i].param, v.view(infos[i].param.shape), self.dims)
+                for i, v in values.items()}
+
+    def own(self, info, full):
+        from fivefold.parallel.shards import local_piece
+
+        return local_piece(info.param, full).reshape(-1)[info.lo:info.hi]

@@ -52,6 +52,21 @@ from fivefold.train.recovery import (
 )
 
 
+def resume_conversion(meta: dict, cfg: Config, path) -> str | None:
+    """The optimizer whose states the checkpoint holds, when this run's differs and the
+    difference has a conversion (adamw -> adamw8bit/adamw4bit: its moments are quantised);
+    another optimizer is a one-line ConfigError. None: the same optimizer."""
+    saved = meta.get("config", {}).get("train", {}).get("optimizer", "adamw")
+    wanted = cfg.train.optimizer
+    if saved == wanted:
+        return None
+    if saved == "adamw" and wanted in ("adamw8bit", "adamw4bit"):
+        return saved
+    raise ConfigError(f"checkpoint {path} holds train.optimizer = {saved} states, but this "
+                      f"run asks for {wanted}; resume with {saved} (only adamw -> adamw8bit "
+                      f"or adamw4bit converts) or start a new checkpoint.dir")
+
+
 class NonFiniteError(RunError):
     """The run produced NaN or inf weights; it stops without saving them."""
 
@@ -74,7 +89,7 @@ def build_optimizer(model: ParallelModel, dims: ParallelDims, cfg: Config, scale
         from fivefold.parallel.zero import build_data_parallel_optimizer
 
         return build_data_parallel_optimizer(model, named, dims, cfg, scaler, watchdog)
-    return MasterWeightOptimizer(named, cfg.train, dims, scaler)
+    return MasterWeightOptimizer(named, cfg.train, dims, scaler, cfg.optim)
 
 
 class Trainer:
@@ -329,7 +344,8 @@ class Trainer:
                 out[f"buffer/{name}"] = bias.detach().clone()
         return out
 
-    def checkpoint_parts(self, load: bool = False) -> dict[str, ckpt.Chunked]:
+    def checkpoint_parts(self, load: bool = False, convert_from: str | None = None
+                         ) -> dict[str, ckpt.Chunked]:
         """What this rank owns of every logical tensor, as views of its shards (see
         train/checkpoint.py). Saving, a tied embedding's second copy (last pipeline stage)
         is left to the first stage, whose ZeRO layout cuts it differently."""
@@ -338,13 +354,20 @@ class Trainer:
 
         experts = expert_param_ids(self.model.chunks)
         out: dict[str, ckpt.Chunked] = {}
-        for name, p, lo, hi, views in self.optimizer.shard_states(load):
+        states = (self.optimizer.shard_states(load, convert_from) if convert_from
+                  else self.optimizer.shard_states(load))
+        for name, p, lo, hi, views in states:
             if not load and getattr(p, "_pp_replicas", 1) > 1 and self.dims.pp_rank != 0:
                 continue
-            size = tuple(getattr(p, "_full_shape", p.shape))
             for key, flat in views.items():
-                parts = logical_parts(p, lo, hi, flat)
-                by_name = (per_expert_parts(name, p, parts) if id(p) in experts
+                # a state shaped unlike its parameter comes with its own descriptor
+                # (parallel/optim_base.py): quantisation scales, packed codes, Adafactor's
+                q, a, b = p, lo, hi
+                if isinstance(flat, tuple):
+                    q, a, b, flat = flat
+                size = tuple(getattr(q, "_full_shape", q.shape))
+                parts = logical_parts(q, a, b, flat)
+                by_name = (per_expert_parts(name, q, parts) if id(p) in experts
                            else {name: parts})
                 for logical, pieces in by_name.items():
                     key_name = (f"model/{logical}" if key == "param"
@@ -417,11 +440,12 @@ class Trainer:
             return problem
         ckpt.check_model_shape(meta, self.model_cfg, path)
         check_resume(meta, self.cfg, path)  # the same adapters (or none) as this run
+        convert_from = resume_conversion(meta, self.cfg, path)
         state = {"step": 0, "optim_step": 0, "loader": self.loader.state_dict(),
                  "scaler": self.scaler.state_dict()}
         try:
             with torch.no_grad():
-                ckpt.load(path, self.checkpoint_parts(load=True), state)
+                ckpt.load(path, self.checkpoint_parts(True, convert_from), state)
         except ckpt.ModelMismatch:  # another model, on every rank: a bad input, no fallback
             raise
         except (Exception, CheckpointException) as e:  # DCP raises on every rank together;

@@ -1,0 +1,112 @@
+"""Adafactor (`train.optimizer = adafactor`): a factored second moment, no first moment.
+
+Shazeer & Stern 2018, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost"
+(arXiv 1804.04235, Algorithms 4-5), as torch.optim.Adafactor computes it
+(torch/optim/_adafactor.py `_single_tensor_adafactor`):
+
+    β̂2 = 1 − t^beta2_decay        ρ = min(lr, 1/sqrt(t))   (relative step; else ρ = lr)
+    α = max(ε2, RMS(W))·ρ          (relative step; else α = lr)
+    W ← W·(1 − lr·λ)
+    matrix:  R ← lerp(R, mean_cols(G²), β̂2)   C ← lerp(C, mean_rows(G²), β̂2)
+             V̂ = R C / max(mean(R), ε1)       (over the last two dims)
+    vector (or adafactor_factored = false):  V ← lerp(V, G², β̂2),  V̂ = V
+    U = G / sqrt(max(V̂, ε1²));   W ← W − α / max(1, RMS(U)/d) · U
+
+R and C hold rows + columns values per matrix instead of rows × columns. They need the whole
+matrix's gradient, and α and the clipping need the whole weight's and update's RMS, so the
+gradient and the weight of every piece are gathered into their logical tensors
+(`Assembler.full`, two all-gathers per step under ZeRO or TP); each rank keeps R, C (and V)
+for the whole logical tensors it holds a piece of, identical on every such rank, and
+updates its own piece: bit-identical to one device. The states are small for matrices; an
+unfactored V is a whole copy per holding rank (ZeRO does not shard it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fivefold.parallel.optim_base import Derived, PieceOptimizer
+
+
+class Adafactor(PieceOptimizer):
+    def __init__(self, masters, infos, tr, oc, assembler=None):
+        super().__init__(masters, infos, tr, assembler)
+        self.oc = oc
+        self.eps1 = oc.adafactor_eps1 or torch.finfo(torch.float32).eps
+        for m in self.masters:
+            self.reset_state(m)
+
+    def factored(self, info) -> bool:
+        return self.oc.adafactor_factored and len(info.logical_shape) >= 2
+
+    def reset_state(self, master) -> None:
+        info = self.info_of[id(master)]
+        shape, device = info.logical_shape, master.device
+        if self.factored(info):
+            self.state[master] = {"row_var": torch.zeros(*shape[:-1], 1, device=device),
+                                  "col_var": torch.zeros(*shape[:-2], 1, shape[-1],
+                                                         device=device)}
+        else:
+            self.state[master] = {"variance": torch.zeros(shape, device=device)}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.steps += 1
+        t, oc = float(self.steps), self.oc
+        infos = self.assembler_infos()
+        grads, weights = {}, {}
+        for m in self.masters:
+            info = self.info_of[id(m)]
+            grads[info.index] = (m.grad if m.grad is not None else torch.zeros_like(m)).view(-1)
+            weights[info.index] = m.view(-1)
+        grads = self.assembler.full(grads, infos)  # collectives on every rank
+        weights = self.assembler.full(weights, infos)
+        beta = t ** oc.adafactor_beta2_decay  # 1 − β̂2
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for m in group["params"]:
+                info = self.info_of[id(m)]
+                grad, weight = grads[info.index].float(), weights[info.index].float()
+                st = self.state[m]
+                if oc.adafactor_relative_step:
+                    rho = min(lr, 1 / t ** 0.5)
+                    alpha = max(oc.adafactor_eps2,
+                                weight.norm(2).item() / (weight.numel() ** 0.5)) * rho
+                else:
+                    alpha = lr
+                if self.factored(info):
+                    row_mean = torch.norm(grad, dim=-1, keepdim=True).square_().div_(
+                        grad.size(-1))
+                    st["row_var"].lerp_(row_mean, beta)
+                    col_mean = torch.norm(grad, dim=-2, keepdim=True).square_().div_(
+                        grad.size(-2))
+                    st["col_var"].lerp_(col_mean, beta)
+                    estimate = st["row_var"] @ st["col_var"]
+                    estimate.div_(st["row_var"].mean(dim=-2, keepdim=True).clamp_(
+                        min=self.eps1))
+                else:
+                    st["variance"].lerp_(grad * grad, beta)
+                    estimate = st["variance"].clone()
+                update = estimate.clamp_(min=self.eps1 * self.eps1).rsqrt_()
+                update.mul_(grad)
+                denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5)
+                                                          * oc.adafactor_clip))
+                p = m.view(-1)
+                if wd != 0:
+                    p.mul_(1 - lr * wd)
+                p.add_(self.assembler.own(info, update).to(p.device), alpha=-alpha / denom)
+
+    def assembler_infos(self):
+        return getattr(self, "all_infos", None) or self.infos
+
+    # --- checkpoints: the whole logical state, replicated on every holding rank ------------
+    def checkpoint_views(self, master, load, convert_from=None) -> dict:
+        out = {}
+        for key, value in self.state[master].items():
+            d = Derived(value.shape, value.shape, None, 1)
+            out[key] = (d, 0, value.numel(), value.view(-1))
+        return out
+
+    def shaped_states(self, master) -> dict[str, torch.Tensor]:
+        """None: R, C and V are logical tensors already, not shaped like a local piece."""
+        return {}

@@ -1,0 +1,160 @@
+"""What every optimizer other than torch's AdamW shares: an update rule over *pieces*.
+
+A piece is what one rank updates of one parameter: the whole local tensor (one replica,
+tensor-parallel slices included) or, under ZeRO, the flat range [lo, hi) of it that the rank
+owns (`buffers.FlatLayout`). The owners (`train/optim.py`, `parallel/zero.py`) hand an
+optimizer the pieces' fp32 masters, a `PieceInfo` for each, and an `Assembler` that turns
+per-piece values into the whole logical tensor (all-gathered over ZeRO ranks and tensor-
+parallel ranks) and back: the elementwise rules (8-bit and 4-bit AdamW) never call it; the
+matrix rules (Muon's orthogonalisation, Adafactor's row and column statistics) do, once per
+step, so that every layout computes them on the same whole matrix as one device does.
+
+States are described for checkpoints by the logical tensors they form (`Derived`): an
+elementwise state is shaped like its parameter; a quantised moment's scales are one value
+per block of the logical tensor; a 4-bit moment's codes two values per byte. A layout may cut
+a parameter only where a block ends (`derived`), so that each rank's states are whole blocks
+of the logical ones, and a checkpoint resumes bit-exactly under any layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fivefold.errors import ConfigError
+
+
+@dataclass
+class PieceInfo:
+    index: int  # position among the owner's pieces
+    name: str
+    param: nn.Parameter  # the local parameter (its tensor-parallel slice)
+    lo: int  # the piece: elements [lo, hi) of the flattened local parameter
+    hi: int
+    decay: bool
+
+    @property
+    def logical_shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self.param, "_full_shape", self.param.shape))
+
+    @property
+    def matrix_shape(self) -> tuple[int, ...]:
+        """The shape of one matrix: stacked expert weights are one matrix per expert."""
+        shape = self.logical_shape
+        return shape[1:] if getattr(self.param, "_ep_slice", None) is not None or (
+            len(shape) == 3) else shape
+
+
+class Derived:
+    """A state's logical tensor, described like a parameter for `shards.logical_parts`:
+    the local `shape`, the logical `_full_shape` and the tensor-parallel `_tp_slice`."""
+
+    def __init__(self, shape, full_shape, tp_slice, ratio: int):
+        self.shape, self._full_shape, self.ratio = tuple(shape), tuple(full_shape), ratio
+        if tp_slice is not None:
+            self._tp_slice = tp_slice
+
+
+def derived(info: PieceInfo, ratio: int, what: str) -> Derived:
+    """The logical tensor with one value per `ratio` consecutive values of the parameter's
+    flattened logical tensor (a quantisation block: scales; ratio 2: packed 4-bit codes).
+    It keeps the parameter's leading dims down to the last one whose tail holds whole
+    groups; a tensor-parallel cut must fall on a group boundary (else ConfigError)."""
+    local, full = tuple(info.param.shape), info.logical_shape
+    spec = getattr(info.param, "_tp_slice", None)
+    keep = len(full) - 1
+    while keep > 0 and math.prod(full[keep:]) % ratio:
+        keep -= 1
+    if math.prod(full[keep:]) % ratio or math.prod(local[keep:]) % ratio:
+        raise ConfigError(f"{info.name} {full} does not hold whole {what} of {ratio}")
+    shape = (*local[:keep], math.prod(local[keep:]) // ratio)
+    full_shape = (*full[:keep], math.prod(full[keep:]) // ratio)
+    tp = None
+    if spec is not None:
+        dim, start, stop = spec
+        inner = math.prod(full[dim + 1:keep + 1]) if dim <= keep else 0
+        if dim < keep:
+            tp = spec
+        elif dim == keep and (start * inner) % ratio == 0 and (stop * inner) % ratio == 0:
+            tp = (dim, start * inner // ratio, stop * inner // ratio)
+        else:
+            raise ConfigError(
+                f"parallel.tp cuts {info.name} {full} along dim {dim}, across its {what} of "
+                f"{ratio} values; use a tp that keeps them whole, or train.optimizer = adamw")
+    if info.lo % ratio or (info.hi % ratio and info.hi != info.param.numel()):
+        raise ConfigError(f"{info.name}: a ZeRO shard cuts a {what} of {ratio} values "
+                          f"(internal: the flat layout was not aligned)")
+    out = Derived(shape, full_shape, tp, ratio)
+    if getattr(info.param, "_ep_slice", None) is not None:  # one logical tensor per expert
+        out._ep_slice = info.param._ep_slice
+    return out
+
+
+def piece_view(d: Derived, info: PieceInfo, flat: torch.Tensor) -> tuple:
+    """A checkpoint view entry: (descriptor, lo, hi, flat) of the derived tensor."""
+    hi = -(-info.hi // d.ratio)
+    return d, info.lo // d.ratio, hi, flat
+
+
+class Assembler:
+    """Whole logical tensors from pieces and back. One replica without tensor parallelism:
+    a piece is its parameter, nothing moves."""
+
+    def full(self, values: dict[int, torch.Tensor], infos: list[PieceInfo]
+             ) -> dict[int, torch.Tensor]:
+        return {i: v.view(infos[i].logical_shape) for i, v in values.items()}
+
+    def own(self, info: PieceInfo, full: torch.Tensor) -> torch.Tensor:
+        return full.reshape(-1)[info.lo:info.hi]
+
+
+class PieceOptimizer(torch.optim.Optimizer):
+    """The base of fivefold's own optimizers: torch's Optimizer for the param groups (the
+    owners set `lr` per group each step), a step counter, and the state protocol."""
+
+    def __init__(self, masters: list[torch.Tensor], infos: list[PieceInfo], tr,
+                 assembler: Assembler | None = None, lr_ratio: float = 1.0):
+        self.infos, self.tr = infos, tr
+        self.assembler = assembler or Assembler()
+        self.info_of = {id(m): info for m, info in zip(masters, infos)}
+        self.masters = list(masters)
+        decay = [m for m, i in zip(masters, infos) if i.decay]
+        plain = [m for m, i in zip(masters, infos) if not i.decay]
+        groups = [{"params": decay, "weight_decay": tr.weight_decay},
+                  {"params": plain, "weight_decay": 0.0}]
+        super().__init__([g for g in groups if g["params"]] or [{"params": []}],
+                         {"lr": tr.lr, "lr_ratio": lr_ratio})
+        self.steps = 0
+        self.converting: dict[int, dict[str, torch.Tensor]] = {}
+
+    # --- the protocol the owners use ----------------------------------------------------
+    def checkpoint_views(self, master: torch.Tensor, load: bool,
+                         convert_from: str | None = None) -> dict:
+        """key -> a flat view of [lo, hi) of the parameter, or (Derived, lo, hi, flat)."""
+        raise NotImplementedError
+
+    def shaped_states(self, master: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The states shaped like the local parameter (fp32), for comparisons in tests."""
+        raise NotImplementedError
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every state tensor held, for byte counts."""
+        return [t for st in self.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor)]
+
+    def loaded(self, step: int) -> None:
+        """The views of `checkpoint_views(load=True)` are filled (or, at step 0, unused)."""
+        self.steps = step
+        if step == 0:
+            for m in self.masters:
+                self.reset_state(m)
+        self.converting = {}
+
+    def reset_state(self, master: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def group_lr(self, group) -> float:
+        return group["lr"] * group.get("lr_ratio", 1.0)
