@@ -47,6 +47,9 @@ def train_main(argv: list[str]) -> int:
     parser.add_argument("--overwrite", action="store_true",
                         help="start afresh in a run directory that holds an earlier run, "
                              "removing its checkpoints and metrics")
+    parser.add_argument("--hw-profile", metavar="FILE",
+                        help="with parallel.layout = auto: a `fivefold calibrate` profile of "
+                             "this machine, whose measured speeds rank the layouts")
     args, overrides = parser.parse_known_args(argv)
     from fivefold import config
 
@@ -57,6 +60,14 @@ def train_main(argv: list[str]) -> int:
               + describe_keys())
         return 0
     cfg = config.load(args.config, overrides)
+    auto = cfg.parallel.layout == "auto"
+    if auto:  # the planner picks the layout for the launched ranks (train/auto_layout.py)
+        from fivefold.train import auto_layout
+
+        cfg = auto_layout.resolve(cfg, args.hw_profile, int(os.environ.get("RANK", "0")) == 0)
+    elif args.hw_profile:
+        raise ConfigError("--hw-profile ranks layouts for parallel.layout = 'auto'; add "
+                          "--parallel.layout auto or drop --hw-profile")
     if cfg.train.recompute == "auto":  # the planner's minimum, refused before anything is written
         from fivefold.plan.recompute_auto import config_plan
 
@@ -79,6 +90,8 @@ def train_main(argv: list[str]) -> int:
 
         lifecycle.warn_shared_store_restarts()
         rank, world = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
+        if auto:
+            auto_layout.check_agreement(cfg)
         dims = ParallelDims.from_config(cfg.parallel, rank)
         from fivefold.train.loop import run
 

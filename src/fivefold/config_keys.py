@@ -19,6 +19,8 @@ MEANINGS = {
     "model.preset": "a built-in model shape (tiny-bpe, tiny, llama-3.1-8b, ...)",
     "model.hf_path": "a local Hugging Face model directory (config.json + safetensors) to "
                      "train from",
+    "parallel.layout": "manual: the [parallel] keys are the layout; auto: the planner picks it "
+                       "for the launched ranks, keeping every parallel key that is set",
     "parallel.dp": "data-parallel replicas",
     "parallel.tp": "tensor-parallel ranks (within a node)",
     "parallel.pp": "pipeline stages",
