@@ -8,6 +8,8 @@ Measured (median of timed repeats after a warm-up):
 - matmul throughput over GEMM shapes, (tokens × h) @ (h × 4h) from small to large h, so
   the planner's GEMM efficiency becomes a function of the shape's thinnest side;
 - attention throughput of `scaled_dot_product_attention` (causal) over sequence lengths;
+- memory bandwidth of an elementwise add (two reads, one write of 64 MiB tensors): the rate
+  of norms, activations and the optimizer step (`memory_gbps`);
 - bus bandwidth of all_reduce, all_gather, reduce_scatter, all_to_all and point-to-point
   per group size, through the engine's own communication door (`parallel/comm.py`), in
   NCCL-tests' convention: algorithm bandwidth × 2(n−1)/n for all-reduce, × (n−1)/n for
@@ -53,7 +55,17 @@ def _timed(fn, sync, min_s: float, repeats: int = 5, inner: int | None = None) -
     return statistics.median(samples)
 
 
-def measure_compute(device: str, quick: bool) -> dict:
+def measure_memory(device: str, quick: bool, sync) -> float:
+    """GB/s of `out = a + b` (12 bytes moved per fp32 element: two reads and a write)."""
+    import torch
+
+    elems = (1 << 16) if quick else (1 << 24)
+    a, b, out = (torch.ones(elems, device=device) for _ in range(3))
+    t = _timed(lambda: torch.add(a, b, out=out), sync, 0.05 if quick else 0.5)
+    return 12 * elems / t / 1e9
+
+
+def measure_compute(device: str, quick: bool, max_hidden: int = 8192) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -61,7 +73,8 @@ def measure_compute(device: str, quick: bool) -> dict:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     min_s = 0.05 if quick else 0.5
     tokens = 128 if quick else 4096
-    hiddens = (32, 64, 128) if quick else (256, 512, 1024, 2048, 4096, 8192)
+    hiddens = (32, 64, 128) if quick else tuple(
+        h for h in (128, 256, 512, 1024, 2048, 4096, 8192) if h <= max_hidden)
     matmul = []
     for h in hiddens:
         a = torch.randn(tokens, h, device=device, dtype=dtype)
@@ -71,13 +84,15 @@ def measure_compute(device: str, quick: bool) -> dict:
                        "flops_per_s": 2 * tokens * h * 4 * h / t})
     attention = []
     heads, dim = (2, 16) if quick else (16, 128)
-    for s in ((64, 128) if quick else (1024, 2048, 4096, 8192)):
+    for s in ((64, 128) if quick else tuple(n for n in (256, 512, 1024, 2048, 4096, 8192)
+                                           if n <= max(1024, max_hidden))):
         q, k, v = (torch.randn(1, heads, s, dim, device=device, dtype=dtype) for _ in range(3))
         t = _timed(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                    sync, min_s)
         attention.append({"seq_len": s, "heads": heads, "head_dim": dim,
                           "flops_per_s": 4 * heads * s * s * dim * 0.5 / t})
-    return {"dtype": str(dtype).replace("torch.", ""), "matmul": matmul, "attention": attention}
+    return {"dtype": str(dtype).replace("torch.", ""), "matmul": matmul, "attention": attention,
+            "memory_gbps": measure_memory(device, quick, sync)}
 
 
 def _collective_rank(rank: int, world: int, init_file: str, out: str, backend: str,
@@ -148,8 +163,20 @@ def measure_collectives(world: int, backend: str, quick: bool) -> dict:
         return json.loads(Path(out).read_text())
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux; the platform's word elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
 def calibrate(out: str | Path, world: int | None = None, device: str = "auto",
-              quick: bool = False) -> dict:
+              quick: bool = False, max_hidden: int = 8192) -> dict:
     import torch
 
     if device == "auto":
@@ -163,10 +190,11 @@ def calibrate(out: str | Path, world: int | None = None, device: str = "auto",
                           f"visible GPUs")
     profile = {
         "machine": platform.node(), "platform": platform.platform(),
-        "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor()
-        or "cpu",
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "cpu_model": cpu_model(),
         "torch": torch.__version__, "quick": quick, "world": world,
-        **measure_compute(device, quick),
+        "threads": torch.get_num_threads(),
+        **measure_compute(device, quick, max_hidden),
         "bus_gbps": measure_collectives(world, "nccl" if device == "cuda" else "gloo", quick)
         if world > 1 else {},
     }
@@ -183,12 +211,26 @@ def main(argv: list[str]) -> int:
                     "or 2 on CPU)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--quick", action="store_true", help="tiny shapes and messages (CI)")
+    ap.add_argument("--max-hidden", type=int, default=8192, help="the widest GEMM measured, "
+                    "(4096 × h) @ (h × 4h) (default 8192; lower it on a CPU, where 8192 takes "
+                    "minutes, to the widths of the models you plan)")
+    ap.add_argument("--threads", type=int, help="CPU threads for the matmul and attention "
+                    "timings (default torch's; 1 when each rank of a CPU run has one)")
     args = ap.parse_args(argv)
     if args.world is not None and not 1 <= args.world <= 64:
         raise ConfigError(f"--world {args.world} must lie in [1, 64]")
-    profile = calibrate(args.out, args.world, args.device, args.quick)
+    if args.max_hidden < 128:
+        raise ConfigError(f"--max-hidden {args.max_hidden} must be >= 128")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads {args.threads} must be >= 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    profile = calibrate(args.out, args.world, args.device, args.quick, args.max_hidden)
     best = max(m["flops_per_s"] for m in profile["matmul"]) / 1e12
     print(f"wrote {args.out}: matmul up to {best:.3g} TFLOP/s ({profile['dtype']}), "
-          f"{len(profile['attention'])} attention shapes, collectives over "
+          f"{len(profile['attention'])} attention shapes, memory "
+          f"{profile['memory_gbps']:.3g} GB/s, collectives over "
           f"{profile['world']} ranks")
     return 0

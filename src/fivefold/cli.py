@@ -51,6 +51,9 @@ def train_main(argv: list[str]) -> int:
                         help="write to runs/NAME (log.dir) and runs/NAME/checkpoints "
                              "(checkpoint.dir) instead of runs/default; --log.dir and "
                              "--checkpoint.dir still win")
+    parser.add_argument("--hw-profile", metavar="FILE",
+                        help="with parallel.layout = auto: a `fivefold calibrate` profile of "
+                             "this machine, whose measured speeds rank the layouts")
     args, overrides = parser.parse_known_args(argv)
     from fivefold import config
 
@@ -67,6 +70,14 @@ def train_main(argv: list[str]) -> int:
               + describe_keys())
         return 0
     cfg = config.load(args.config, overrides)
+    auto = cfg.parallel.layout == "auto"
+    if auto:  # the planner picks the layout for the launched ranks (train/auto_layout.py)
+        from fivefold.train import auto_layout
+
+        cfg = auto_layout.resolve(cfg, args.hw_profile, int(os.environ.get("RANK", "0")) == 0)
+    elif args.hw_profile:
+        raise ConfigError("--hw-profile ranks layouts for parallel.layout = 'auto'; add "
+                          "--parallel.layout auto or drop --hw-profile")
     if cfg.train.recompute == "auto":  # the planner's minimum, refused before anything is written
         from fivefold.plan.recompute_auto import config_plan
 
@@ -89,6 +100,8 @@ def train_main(argv: list[str]) -> int:
 
         lifecycle.warn_shared_store_restarts()
         rank, world = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
+        if auto:
+            auto_layout.check_agreement(cfg)
         dims = ParallelDims.from_config(cfg.parallel, rank)
         from fivefold.train.loop import run
 

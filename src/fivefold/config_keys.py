@@ -21,6 +21,8 @@ MEANINGS = {
                      "train from",
     "model.init_from": "a fivefold checkpoint (a step_* directory or a checkpoint.dir) whose "
                        "weights start this run, with a fresh optimizer at step 0",
+    "parallel.layout": "manual: the [parallel] keys are the layout; auto: the planner picks it "
+                       "for the launched ranks, keeping every parallel key that is set",
     "parallel.dp": "data-parallel replicas",
     "parallel.tp": "tensor-parallel ranks (within a node)",
     "parallel.pp": "pipeline stages",

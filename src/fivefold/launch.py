@@ -65,11 +65,16 @@ def layout_world_size(command: str, args: list[str]) -> int:
 
     known = argparse.ArgumentParser(add_help=False)
     known.add_argument("--config")
+    known.add_argument("--hw-profile")
     if command == "bench":
         known.add_argument("--preset")
     opts, overrides = known.parse_known_args(args)
     overrides = [a for a in overrides if a not in ("--overwrite", "--debug")]
-    return config.load(opts.config, overrides).parallel.world_size
+    cfg = config.load(opts.config, overrides)
+    if cfg.parallel.layout == "auto":  # the planner picks the layout for the ranks started
+        raise ConfigError("parallel.layout = 'auto' picks the layout for the ranks launched: "
+                          "give fivefold launch --nproc-per-node N")
+    return cfg.parallel.world_size
 
 
 def torchrun_argv(opts, nproc: int) -> list[str]:

@@ -9,12 +9,19 @@ This package imports no torch.
 """
 
 from fivefold.config.data import CORPUS_BPE_VOCAB, CORPUS_TOKENIZERS, DataSection, corpus_tokenizer
-from fivefold.config.load import apply_overrides, coerce, from_dict, load, read, set_value
+from fivefold.config.load import (
+    apply_overrides,
+    coerce,
+    from_dict,
+    load,
+    read,
+    set_value,
+)
 from fivefold.config.model import ModelSection
 from fivefold.config.output import RESUME_MODES, CheckpointSection, LogSection
 from fivefold.config.parallel import AUTO_MBS_TOKENS, ParallelSection, resolve_mbs
 from fivefold.config.rules import choice, positive, suggest, writable_dir, writable_file
-from fivefold.config.schema import SECTIONS, Config, section_class
+from fivefold.config.schema import SECTIONS, Config, given_keys, section_class
 from fivefold.config.train import TrainSection
 from fivefold.config.validate import engine_refusal, validate, validate_layout
 from fivefold.errors import ArgumentParser, ConfigError, RunError
@@ -23,7 +30,7 @@ __all__ = [
     "AUTO_MBS_TOKENS", "CORPUS_BPE_VOCAB", "CORPUS_TOKENIZERS", "RESUME_MODES", "SECTIONS",
     "ArgumentParser", "CheckpointSection", "Config", "ConfigError", "DataSection", "LogSection",
     "ModelSection", "ParallelSection", "RunError", "TrainSection", "apply_overrides", "choice",
-    "coerce", "corpus_tokenizer", "engine_refusal", "from_dict", "load", "positive", "read",
-    "resolve_mbs", "section_class", "set_value", "suggest", "validate", "validate_layout",
-    "writable_dir", "writable_file",
+    "coerce", "corpus_tokenizer", "engine_refusal", "from_dict", "given_keys", "load",
+    "positive", "read", "resolve_mbs", "section_class", "set_value", "suggest", "validate",
+    "validate_layout", "writable_dir", "writable_file",
 ]

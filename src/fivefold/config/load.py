@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fivefold.config.parallel import offload_value
 from fivefold.config.rules import suggest
-from fivefold.config.schema import SECTIONS, Config
+from fivefold.config.schema import SECTIONS, Config, given_keys
 from fivefold.config.validate import validate
 from fivefold.errors import ConfigError
 
@@ -108,6 +108,8 @@ def set_value(cfg: Config, dotted: str, value) -> None:
     if dotted == "parallel.offload":  # a tier name that also takes its old booleans
         value = offload_value(value)
     setattr(obj, key, coerce(dotted, value, fields[key].type))
+    given_keys(cfg).add(dotted)
+
 
 
 def from_dict(data: dict, cfg: Config | None = None) -> Config:

@@ -11,6 +11,10 @@ from fivefold.errors import ConfigError
 
 @dataclass
 class ParallelSection:
+    # manual: the keys below are the layout; auto: the planner picks dp, tp, pp, cp, ep, zero,
+    # mbs, recomputation, grad_sync and offload for the launched ranks, and every key below
+    # that is set is a constraint it keeps (plan/auto_layout.py)
+    layout: str = "manual"  # manual | auto
     dp: int = 1
     tp: int = 1
     pp: int = 1

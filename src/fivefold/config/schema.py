@@ -39,3 +39,12 @@ SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 def section_class(name: str) -> type:
     """The dataclass of section `name` (KeyError for an unknown one)."""
     return {f.name: f.default_factory for f in dataclasses.fields(Config)}[name]
+
+
+def given_keys(cfg: Config) -> set[str]:
+    """The `section.key`s a TOML file or an override set (at any value, defaults included):
+    under parallel.layout = auto the parallel ones are constraints (plan/auto_layout.py)."""
+    given = cfg.__dict__.get("_given")
+    if given is None:
+        given = cfg.__dict__["_given"] = set()
+    return given

@@ -180,7 +180,9 @@ def enumerate_layouts(work: Workload, num_gpus: int, hw: Hardware,
                                 if problems:
                                     _note(removed, problems[0])
                                     continue
-                                zeros = space.zero if dp * cp > 1 else (0,)
+                                # one rank has nothing to shard: stage 0, unless one is asked
+                                zeros = space.zero if dp * cp > 1 or len(space.zero) == 1 \
+                                    else (0,)
                                 for zero in zeros:
                                     for off in space.offload:
                                         if off and zero == 0:

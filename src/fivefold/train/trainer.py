@@ -400,6 +400,8 @@ class Trainer:
         meta = {"step": self.step, "model": dataclasses.asdict(self.model_cfg),
                 "config": cfg.to_dict(), "tokenizer": self.tokenizer_spec,
                 "precision": self.precision}
+        if getattr(cfg, "auto_layout", None):  # parallel.layout = auto: what it chose (resume)
+            meta["auto_layout"] = cfg.auto_layout
         tensors = self.checkpoint_parts()
         bad = self.nonfinite_tensors(tensors)
         if bad:

@@ -1,0 +1,286 @@
+"""parallel.layout = auto: the planner picks the layout a training config runs on the ranks
+that were launched, and the engine runs it.
+
+    config (model, batch, precision, the parallel keys that are set) + ranks + memory per rank
+    + hardware  ->  SearchSpace (set keys are constraints)  ->  search (plan/search.py), only
+    the layouts `fivefold train` accepts (config.engine_refusal)  ->  the fastest that fits
+    and the runner-up  ->  the config's [parallel] keys and train.recompute
+
+Searched: dp, tp, pp, cp, ep, ZeRO stage, micro-batch size, pipeline schedule, recomputation
+(none, selective, full and `auto`'s per-layer choice under the budget), grad_sync (per
+layout, plan/grad_sync.py) and CPU offload on a GPU. Not searched: NVMe offload (calibrate
+does not measure a disk; `parallel.offload = "nvme"` is kept when set), pp_split and the
+bucket sizes (kept as set). The memory each rank may hold is `train.memory_budget_gib`, or
+the device's free memory; a budget bounds peak allocated bytes (no CUDA context is added).
+
+Imports no torch: the engine side (free memory, device name, agreement of ranks) is
+train/auto_layout.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+from fivefold import config as fconfig
+from fivefold.config.parallel import offload_value
+from fivefold.errors import ConfigError
+from fivefold.plan.evaluate import LayoutPlan, plan_layout
+from fivefold.plan.hardware import CATALOG, GIB, Assumptions, Hardware
+from fivefold.plan.inputs import DEFAULT_GPU, layout_config, training_plan_inputs
+from fivefold.plan.layout import Layout, Workload
+from fivefold.plan.search import SearchSpace, enumerate_layouts, search
+
+# The recomputation the search tries when train.recompute is not set.
+RECOMPUTE_CHOICES = ("none", "selective", "full", "auto")
+# parallel keys → the SearchSpace field that holds them as a one-value choice
+SPACE_FIELDS = {"tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "zero": "zero", "mbs": "mbs",
+                "schedule": "schedule", "virtual_stages": "virtual_stages",
+                "cp_comm": "cp_comm", "sp_saved_input": "sp_saved"}
+
+
+@dataclass
+class AutoPick:
+    best: LayoutPlan
+    runner_up: LayoutPlan | None
+    world: int
+    budget_gib: float
+    budget_source: str  # "train.memory_budget_gib" or "free memory"
+    hardware: str  # what the speeds come from, in words
+    considered: int  # layouts meeting the constraints
+
+
+def auto_hardware(base: Hardware | None, ranks_per_node: int, budget_gib: float,
+                  profile: dict | None, on_cpu: bool) -> tuple[Hardware, Assumptions]:
+    """The device the search plans for: the catalog entry of the GPU (the default GPU on a
+    CPU), holding `budget_gib` per rank, `ranks_per_node` to a node, with a calibrate
+    profile's measured speeds when given. On a CPU with a profile, the peak is its fastest
+    measured matmul (so MFU is against what this machine reaches) and elementwise kernels
+    run at its measured memory bandwidth. The budget bounds allocated bytes: no context."""
+    hw = base or CATALOG[DEFAULT_GPU]
+    changes: dict = {"memory_gib": budget_gib, "gpus_per_node": max(1, ranks_per_node),
+                     "profile": profile}
+    assume = Assumptions(context_gib=0.0)
+    if profile and on_cpu:
+        best = max(m["flops_per_s"] for m in profile["matmul"]) / 1e12
+        changes.update(fp32_tflops=best, bf16_tflops=best)
+        if profile.get("memory_gbps"):  # timing applies hbm_efficiency to hbm_tbps
+            changes["hbm_tbps"] = profile["memory_gbps"] / 1e3 / assume.hbm_efficiency
+    return dataclasses.replace(hw, **changes), assume
+
+
+def _given(cfg) -> set[str]:
+    return {k.split(".", 1)[1] for k in fconfig.given_keys(cfg) if k.startswith("parallel.")
+            and k != "parallel.layout"}
+
+
+def constraints(cfg) -> dict[str, object]:
+    """The settings the search keeps: every parallel key that is set (mbs = 0 means auto and
+    constrains nothing), and train.recompute when set."""
+    par = cfg.parallel
+    out = {}
+    for key in sorted(_given(cfg)):
+        if key == "mbs" and par.mbs == 0 or key == "grad_sync" and par.grad_sync == "auto":
+            continue
+        out[f"parallel.{key}"] = getattr(par, key)
+    if "train.recompute" in fconfig.given_keys(cfg):
+        out["train.recompute"] = cfg.train.recompute
+    return out
+
+
+def search_space(cfg, keep: dict, on_cpu: bool, accepts) -> SearchSpace:
+    """The SearchSpace of an auto config: one value for every kept key."""
+    space = SearchSpace(recompute=RECOMPUTE_CHOICES, sp=(True, False),
+                        offload=(False,) if on_cpu else (False, True))
+    checks = []
+    for dotted, value in keep.items():
+        section, key = dotted.split(".", 1)
+        if section == "train":  # train.recompute
+            space.recompute = (value,)
+        elif key in SPACE_FIELDS:
+            setattr(space, SPACE_FIELDS[key], (value,))
+        elif key == "offload":
+            space.offload = (offload_value(value) != "none",)
+        elif key in ("pp_split", "pp_layers"):
+            space.fixed[key] = tuple(value) if key == "pp_layers" else value
+        if key in ("dp", "sp"):  # no SearchSpace field: kept by the filter
+            checks.append((key, value))
+        if key == "sp" and value:
+            space.sp = (True,)
+    space.allowed = lambda lay: all(getattr(lay, k) == v for k, v in checks) and accepts(lay)
+    return space
+
+
+def workload(cfg, precision: str, budget_gib: float) -> tuple[Workload, object]:
+    """The workload of the config at the engine's precision, with the budget for recompute
+    = auto, and a config the engine filter judges layouts with (budget set likewise)."""
+    judged = copy.deepcopy(cfg)
+    judged.parallel.layout = "manual"
+    if judged.train.memory_budget_gib <= 0:
+        judged.train.memory_budget_gib = budget_gib
+    # grad_sync as set ("auto": plan_layout chooses it per layout, not for the config's own)
+    work, _ = training_plan_inputs(judged, memory_budget_gib=budget_gib, grad_sync="step")
+    work = dataclasses.replace(work, precision=precision, grad_sync=cfg.parallel.grad_sync)
+    return work, judged
+
+
+def _accepts(judged):
+    def accepts(lay: Layout) -> bool:
+        return fconfig.engine_refusal(layout_config(judged, lay)) is None
+    return accepts
+
+
+def choose(cfg, world: int, hw: Hardware, assume: Assumptions, precision: str,
+           budget_source: str, hardware_words: str, on_cpu: bool) -> AutoPick:
+    """The fastest layout of `world` ranks that fits hw.memory_gib per rank and that the
+    engine runs, with the runner-up; a ConfigError naming the constraint no layout meets,
+    or the budget below every layout's need."""
+    budget = hw.memory_gib
+    work, judged = workload(cfg, precision, budget)
+    keep = constraints(cfg)
+    results = [search(work, world, hw, assume, space, top=4)
+               for space in _spaces(search_space(cfg, keep, on_cpu, _accepts(judged)), work)]
+    # the search fits grad_sync = auto at its smaller need; each plan has it resolved
+    fitting = sorted((p for r in results for p in r.top if p.fits), key=lambda p: p.time.total)
+    considered = sum(r.considered for r in results)
+    if fitting:
+        return AutoPick(fitting[0], fitting[1] if len(fitting) > 1 else None, world,
+                        budget, budget_source, hardware_words, considered)
+    smallest = min((r.smallest for r in results if r.smallest), default=None,
+                   key=lambda s: s[0])
+    if smallest is not None:
+        need, lay = smallest
+        raise ConfigError(
+            f"parallel.layout = 'auto': {_budget_words(budget_source, budget)} is below what "
+            f"any layout of {world} rank(s) needs; the smallest, {lay.short()}, needs "
+            f"{need / GIB:.3g} GiB: raise the budget, launch more ranks or shorten "
+            f"train.seq_len / train.gbs")
+    raise ConfigError(_no_layout(cfg, work, world, hw, keep, on_cpu, judged))
+
+
+def _spaces(space: SearchSpace, work: Workload) -> list[SearchSpace]:
+    """The space as two searches: recompute = auto only where the engine runs it (one rank
+    of tp, pp, cp and ep, a dense model: parallel/recompute.py's per-operator policies), since
+    planning auto costs a knapsack per layout; the other recomputation everywhere."""
+    plain = dataclasses.replace(space, recompute=tuple(r for r in space.recompute
+                                                       if r != "auto"))
+    out = [plain] if plain.recompute else []
+    dims = {d: getattr(space, d) or (1,) for d in ("tp", "pp", "cp", "ep")}
+    if "auto" in space.recompute and not work.model.num_experts and all(
+            1 in v for v in dims.values()):
+        out.append(dataclasses.replace(space, recompute=("auto",), tp=(1,), pp=(1,), cp=(1,),
+                                       ep=(1,)))
+    return out
+
+
+def _budget_words(source: str, budget: float) -> str:
+    if source == "train.memory_budget_gib":
+        return f"train.memory_budget_gib = {budget:g}"
+    return f"{budget:.3g} GiB per rank ({source})"
+
+
+def _exists(work, world, hw, space) -> tuple[bool, str]:
+    """Whether a layout meets the space (memory aside), else the first reason."""
+    removed: dict = {}
+    for lay in enumerate_layouts(work, world, hw, space, removed):
+        if space.allowed is None or space.allowed(lay):
+            return True, ""
+    return False, next(iter(removed.values()))[1] if removed else ""
+
+
+def _no_layout(cfg, work, world, hw, keep, on_cpu, judged) -> str:
+    """One line naming the kept setting without which a layout exists."""
+    accepts = _accepts(judged)
+    whole = search_space(cfg, keep, on_cpu, accepts)
+    _, reason = _exists(work, world, hw, whole)
+    dims = {k: keep.get(f"parallel.{k}", 1) for k in ("dp", "tp", "pp", "cp")}
+    product = dims["dp"] * dims["tp"] * dims["pp"] * dims["cp"]
+    if not reason and world % product:
+        reason = f"dp·tp·pp·cp of the kept keys is {product}, which does not divide {world}"
+    if not reason:  # every layout met the shape rules: the engine refused them all
+        lay = enumerate_layouts(work, world, hw, whole)
+        reason = (fconfig.engine_refusal(layout_config(judged, lay[0])) or "") if lay else ""
+    for dotted, value in keep.items():
+        rest = {k: v for k, v in keep.items() if k != dotted}
+        if _exists(work, world, hw, search_space(cfg, rest, on_cpu, accepts))[0]:
+            shown = f"'{value}'" if isinstance(value, str) else value
+            return (f"parallel.layout = 'auto' keeps {dotted} = {shown}, and no layout of "
+                    f"{world} rank(s) with it runs this model and batch"
+                    + (f" ({reason})" if reason else "") + f"; drop {dotted} or launch "
+                    f"another number of ranks")
+    return (f"parallel.layout = 'auto': no layout of {world} rank(s) runs this model and batch"
+            + (f" ({reason})" if reason else "") + "; change train.gbs, the model or the "
+            "number of ranks")
+
+
+def apply(cfg, plan: LayoutPlan, budget_gib: float):
+    """`cfg` set to run `plan`'s layout (a copy; parallel.layout stays auto, as given)."""
+    out = layout_config(cfg, plan.layout)
+    out.parallel.grad_sync = plan.grad_sync
+    if plan.layout.recompute == "auto" and out.train.memory_budget_gib <= 0:
+        out.train.memory_budget_gib = round(budget_gib, 4)
+    return out
+
+
+def plan_summary(plan: LayoutPlan) -> dict:
+    return {"layout": plan.layout.short(), "step_time_s": plan.time.total,
+            "peak_gib": plan.memory_total / GIB, "mfu": plan.mfu,
+            "grad_sync": plan.grad_sync}
+
+
+def record(pick: AutoPick) -> dict:
+    """What the run's metadata keeps of the choice (meta.json of each checkpoint)."""
+    lay = dataclasses.asdict(pick.best.layout)
+    lay["pp_layers"] = list(lay["pp_layers"])
+    return {"world": pick.world, "budget_gib": pick.budget_gib,
+            "budget_source": pick.budget_source, "hardware": pick.hardware,
+            "fields": lay, "chosen": plan_summary(pick.best),
+            "runner_up": plan_summary(pick.runner_up) if pick.runner_up else None}
+
+
+def describe(pick: AutoPick) -> list[str]:
+    """The lines printed before the first step."""
+    def line(label: str, plan: LayoutPlan) -> str:
+        return (f"  {label:<10}{plan.layout.short()}"
+                + (f" grad_sync={plan.grad_sync}" if plan.layout.zero >= 2 else "")
+                + f": step {plan.time.total:.4g} s, peak {plan.memory_total / GIB:.3g} GiB, "
+                f"MFU {100 * plan.mfu:.1f}%")
+    budget = _budget_words(pick.budget_source, pick.budget_gib)
+    lines = [f"auto layout for {pick.world} rank(s), {budget}, speeds of {pick.hardware} "
+             f"({pick.considered} layouts met the constraints):",
+             line("chosen", pick.best)]
+    lines.append(line("runner-up", pick.runner_up) if pick.runner_up
+                 else "  runner-up none: no other layout fits")
+    return lines
+
+
+def kept(cfg, saved: dict, world: int, hw: Hardware, assume: Assumptions,
+         precision: str) -> tuple[LayoutPlan | None, str]:
+    """A resume under auto: the layout the run started with (its checkpoint's record), or
+    None and why it changes (other ranks, a new constraint, refused, no longer fits)."""
+    try:
+        fields = dict(saved["fields"], pp_layers=tuple(saved["fields"]["pp_layers"]))
+        lay = Layout(**fields)
+    except (KeyError, TypeError):
+        return None, "the checkpoint's record of it is unreadable"
+    if lay.world_size != world:
+        return None, (f"it ran on {lay.world_size} rank(s) and {world} are launched")
+    work, judged = workload(cfg, precision, hw.memory_gib)
+    for dotted, value in constraints(cfg).items():
+        name = dotted.split(".", 1)[1]
+        field = {"sp_saved_input": "sp_saved"}.get(name, name)
+        have = getattr(lay, field, None)
+        if name == "offload":
+            value = offload_value(value) != "none"
+        if have is not None and (tuple(have) if name == "pp_layers" else have) != (
+                tuple(value) if name == "pp_layers" else value):
+            return None, f"{dotted} = {value} is set now and it has {have}"
+    refusal = fconfig.engine_refusal(layout_config(judged, lay))
+    if refusal:
+        return None, f"the engine refuses it now ({refusal})"
+    plan = plan_layout(work, lay, hw, assume)
+    if not plan.fits:
+        return None, (f"it needs {plan.memory_total / GIB:.3g} GiB and "
+                      f"{_budget_words(saved.get('budget_source', 'free memory'), hw.memory_gib)}")
+    return plan, ""
