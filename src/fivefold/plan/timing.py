@@ -178,6 +178,10 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     weight_passes = 1 if work.lora_rank else 2
     backward = (weight_passes * (gemm + head_time) + 2 * elem
                 + attn * (2.5 if work.flash else 2.0) + recompute)
+    # An eager engine's host time (assume.host_layer_ms per layer, a third of it in forward)
+    # bounds a micro-batch from below when the GPU's share is shorter (tp spreads it thin).
+    host = assume.host_layer_ms * 1e-3 * layers
+    forward, backward = max(forward, host / 3), max(backward, 2 * host / 3)
     return RankCompute(forward, backward, recompute, attn, gemm)
 
 
