@@ -77,8 +77,11 @@ CONVENTIONS: dict[str, Convention] = {
         # bf16 params and grads, fp32 master and Adam, and an fp32 gradient-accumulation
         # buffer: 2 + 2 + 4 + 8 + 4 = 20 B/param.
         # The loss materialises the logits (bf16, then cast to fp32) and saves their softmax.
+        # ZeRO-1 reduce-scatters the fp32 gradients after backward and all-gathers the
+        # parameters after the step, both blocking (ZeRO-0 runs DDP's overlapped buckets).
         {"grad_dtype_bytes": 2, "fp32_grad_accum": True, "fp32_params": False,
-         "causal_flops": False, "chunked_loss": False, "softmax_loss": True},
+         "causal_flops": False, "chunked_loss": False, "softmax_loss": True,
+         "zero_sync_blocking": True},
         # REDUCE_SCATTER tp mode keeps the shard and gathers in backward; blocks split by
         # cumulative compute cost (4h·q + 3h·ffn per layer, V·h for the head), greedily
         # against thresholds total·(k+1)/pp; ranks reshaped (pp, dp, tp) with tp fastest.
@@ -97,15 +100,19 @@ CONVENTIONS: dict[str, Convention] = {
          "src/nanotron/parallel/pipeline_parallel/engine.py: AllForwardAllBackward and "
          "OneForwardOneBackward engines",
          "src/nanotron/models/base.py build_model (cumulative-cost stage cut); "
-         "parallel/tensor_parallel/functional.py _ShardedCrossEntropy (softmax saved)",
+         "parallel/tensor_parallel/functional.py _ShardedCrossEntropy (softmax saved); "
+         "optim/gradient_accumulator.py sync_gradients_across_dp (ZeRO-1 reduce-scatter "
+         "after backward), optim/zero.py ZeroDistributedOptimizer (all-gather after step)",
          "fitted on the Ultra-Scale Playbook's 1,130 nanotron runs (bench/data/"
          "usp-calibration.csv, bench/usp_calibration.py; max_memory_reserved of rank 0)"),
         ("afab", "1f1b"),
         # Fitted on bench/data/usp-calibration.csv alone (bench/usp_calibration.py `fit`;
         # docs/planner-validation.md gives them fitted on 16 GPUs and judged on 128, and
-        # the other way): reserved per byte of saved activations and of loss buffers
-        # beyond the allocator model, and the host time per layer per micro-batch.
-        {"activation_reserve": 0.27, "loss_reserve": 0.67, "host_layer_ms": 2.75}),
+        # the other way): reserved per byte of saved activations and of loss buffers beyond
+        # the allocator model, bytes per token per hidden unit on the head's rank, the host
+        # time per layer per micro-batch and the fixed time per pipeline message.
+        {"activation_reserve": 0.26, "loss_reserve": 0.32, "head_token_bytes": 25.0,
+         "host_layer_ms": 4.0, "pp_message_ms": 5.0}),
     "torchtitan": Convention(
         "torchtitan",
         # FSDP2 mixed precision: sharded fp32 parameters (the master copy), bf16 compute

@@ -134,6 +134,9 @@ class Workload:
     # chunked_loss = False as nanotron's sharded cross-entropy: the fp32 softmax saved, its
     # gradient made in place (plan/activations.py).
     softmax_loss: bool = False
+    # ZeRO-1/2's gradient reduce-scatter after backward and parameter all-gather after the
+    # step run blocking, hidden behind nothing (nanotron's ZeroDistributedOptimizer).
+    zero_sync_blocking: bool = False
     # What runs the pipeline: "engine" (fivefold's), or torch.distributed.pipelining as in the
     # installed torch ("torch") or at torch 1963fc8, Dec 2024 ("torch-2412"); the latter two
     # hold per-micro-batch stage buffers and defer FSDP's gradient sync (plan/torch_pipelining.py).

@@ -393,7 +393,8 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
     waste = allocator_waste(act, layer_microbatches, head, _working_set(work, layout))
     items["overhead"] = (assume.context_gib * GIB + waste + assume.fragmentation * allocated
                          + assume.activation_reserve * activations
-                         + assume.loss_reserve * logits_loss)
+                         + assume.loss_reserve * logits_loss + head * assume.head_token_bytes
+                         * layout.mbs * work.seq_len / layout.cp * mc.hidden_size)
     return items, states.cpu
 
 

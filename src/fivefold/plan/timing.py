@@ -209,7 +209,8 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
             elif c.group == "cp" and c.op != "recv":  # all-gather K/V: exposed (Llama 3)
                 cp_exposed += collective_time(c, hw, assume, lay)
             elif c.group == "pp":
-                per["pp"] += collective_time(c, hw, assume, lay) / 2  # duplex: send ∥ recv
+                per["pp"] += (collective_time(c, hw, assume, lay)  # duplex: send ∥ recv
+                              + c.calls * assume.pp_message_ms * 1e-3) / 2
             elif c.group in ("dp", "dp_cp", "edp", "pp_embed"):
                 dp[c.phase] += collective_time(c, hw, assume, lay, bucket)
         # The column linears' input-gradient GEMMs (about their forward GEMMs, half the
@@ -227,6 +228,8 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
         if lay.zero == 3:
             exposed_dp = (max(0.0, dp["fwd"] - m * rc.forward)
                           + max(0.0, dp["bwd"] + dp["grad"] - m * rc.backward))
+        elif lay.zero in (1, 2) and work.zero_sync_blocking:
+            exposed_dp = dp["grad"] + dp["step"]
         else:
             per_mb = lay.zero == 2 and work.grad_sync == "microbatch"
             exposed_dp = (max(0.0, dp["grad"] - (m if per_mb else 1) * rc.backward)
