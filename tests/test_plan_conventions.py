@@ -159,7 +159,7 @@ def test_torchtitan_keeps_fsdp_parameters_gathered_under_pp():
 
 def test_search_under_a_convention_uses_its_settings_and_schedules(capsys):
     """nanotron's pipeline engines are all-forward-all-backward and 1F1B; its search also
-    keeps the convention's SP shard and balanced split on every layout."""
+    keeps the convention's SP shard and cumulative-cost split on every layout."""
     assert cli_main(["plan", "--model", "llama-3.1-8b", "--gpus", "16", "--gbs", "64",
                      "--convention", "nanotron", "--space", "pp=2,4 tp=1,2", "--top", "5",
                      "--json"]) == 0
@@ -167,5 +167,5 @@ def test_search_under_a_convention_uses_its_settings_and_schedules(capsys):
     assert data["convention"] == "nanotron" and data["layouts"]
     for plan in data["layouts"]:
         lay = plan["layout"]
-        assert lay["schedule"] in ("afab", "1f1b") and lay["pp_split"] == "balanced"
+        assert lay["schedule"] in ("afab", "1f1b") and lay["pp_split"] == "cumulative"
         assert lay["sp_saved"] == "shard"

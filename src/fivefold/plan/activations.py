@@ -81,6 +81,7 @@ def activation_bytes_per_microbatch(
     chunked_loss: bool = True,
     fp8_recipe: str = "",
     loss_parallel: bool = False,
+    softmax_loss: bool = False,
 ) -> ActivationBytes:
     """Bytes one micro-batch leaves saved for backward on one rank, per layer and outside.
 
@@ -115,7 +116,8 @@ def activation_bytes_per_microbatch(
     recompute = "full": only each layer's input T·h·B is kept (seq region; Korthikanti's 2sbh).
     `chunked_loss = False` plans a materialised loss instead (the head's logits cast to fp32,
     log-softmax keeping T·V/tp·4; other engines' default); `loss_parallel` (with tp > 1) its
-    DTensor vocabulary-parallel form, whose backward holds more fp32 buffers (`_finish`).
+    DTensor vocabulary-parallel form, whose backward holds more fp32 buffers (`_finish`);
+    `softmax_loss` nanotron's `_ShardedCrossEntropy`, which saves the softmax (`_finish`).
     recompute = "op": torchtitan's per-operator selective checkpointing (`op_sac_kept`): the
       layer's input and the outputs of the attention kernel and of the odd-numbered matmuls
       (q, v, gate and down in a Llama block), each as large as the operator's output
@@ -163,7 +165,7 @@ def activation_bytes_per_microbatch(
         terms["layer_input"] = seq_tensor
         terms.update({f"kept_{op}": outputs[op] for op in op_sac_kept(model)})
         return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq_len / cp,
-                   chunked_loss, loss_parallel)
+                   chunked_loss, loss_parallel, softmax_loss)
     if recompute == "full":
         terms["layer_input"] = seq_tensor
         if ep > 1 and model.num_experts:
@@ -173,7 +175,7 @@ def activation_bytes_per_microbatch(
             replay = 2 * tokens * model.experts_top_k * h * B
             terms["ep_replay"] = replay * model.num_moe_layers / model.num_layers
         return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq_len / cp,
-                   chunked_loss, loss_parallel)
+                   chunked_loss, loss_parallel, softmax_loss)
 
     terms["attn_norm_input"] = seq_tensor
     terms["norm_stats"] = 2 * tokens * stats / seq_div
@@ -219,7 +221,7 @@ def activation_bytes_per_microbatch(
                         f=model.intermediate_size / tp, dtype_bytes=B,
                         swiglu=model.mlp == "swiglu", qkv_tokens=col_input / (h * B))
     return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq_len / cp,
-                   chunked_loss, loss_parallel)
+                   chunked_loss, loss_parallel, softmax_loss)
 
 
 # The per-operator model of a dense block, shared with train.recompute = auto
@@ -296,7 +298,8 @@ def moe_layer_terms(model: ModelConfig, tokens: float, B: int) -> dict[str, floa
 
 
 def _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq: float,
-            chunked_loss: bool = True, loss_parallel: bool = False) -> ActivationBytes:
+            chunked_loss: bool = True, loss_parallel: bool = False,
+            softmax_loss: bool = False) -> ActivationBytes:
     h = model.hidden_size
     vocab_local = -(-model.vocab_size // tp)  # padded to tp pieces
     stats = STAT_BYTES * (2 if model.norm == "layernorm" else 1)
@@ -330,6 +333,13 @@ def _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq: float
         backward = max(logits * (B + 4), 2 * logits * 4)
         if loss_parallel and tp > 1:
             backward = 3 * logits * 4
+        if softmax_loss:
+            # nanotron's _ShardedCrossEntropy (parallel/tensor_parallel/functional.py
+            # @2411b022) on the head's compute-dtype logits and their fp32 cast: it subtracts
+            # the max into a new fp32 tensor, exponentiates and normalises it in place and
+            # saves that softmax (T·V/tp·4). Forward holds both inputs beside it, (B + 4) more;
+            # backward turns the softmax into the gradient in place and casts it back (B).
+            backward = logits * (B + 4)
         return ActivationBytes(layer_terms=terms, layer=sum(terms.values()),
                                outside_terms=outside, loss_backward=backward,
                                loss_transient_is_peak=True)

@@ -273,6 +273,7 @@ def run(argv: list[str]) -> int:
                     **{"grad_sync": "auto", **options})
     convention = get_convention(args.convention)
     work = convention.apply_workload(work, _explicit_workload(args))
+    assume = convention.apply_assumptions(assume, set(parse_overrides(args.hw)))
     args.convention_obj = convention
     if args.layout:
         layout = parse_layout(args.layout, args.gpus)

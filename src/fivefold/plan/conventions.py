@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from fivefold.errors import ConfigError
+from fivefold.plan.hardware import Assumptions
 from fivefold.plan.layout import SCHEDULES, Layout, Workload
 
 
@@ -25,11 +26,18 @@ class Convention:
     logged_memory: str = "allocated"  # what the engine's logs report: allocated | reserved
     sources: tuple[str, ...] = ()
     schedules: tuple[str, ...] = SCHEDULES  # the pipeline schedules the engine offers
+    # Assumptions fields (plan/hardware.py) fitted to the engine's measured runs; --hw wins.
+    assumptions: dict = field(default_factory=dict)
 
     def apply_workload(self, work: Workload, explicit: set[str] = frozenset()) -> Workload:
         """The workload under this convention; fields in `explicit` (flags given) stay."""
         changes = {k: v for k, v in self.workload.items() if k not in explicit}
         return dataclasses.replace(work, **changes)
+
+    def apply_assumptions(self, assume: Assumptions,
+                          explicit: set[str] = frozenset()) -> Assumptions:
+        changes = {k: v for k, v in self.assumptions.items() if k not in explicit}
+        return dataclasses.replace(assume, **changes)
 
     def apply_layout(self, layout: Layout, explicit: set[str] = frozenset()) -> Layout:
         changes = {k: v for k, v in self.layout.items() if k not in explicit}
@@ -68,13 +76,17 @@ CONVENTIONS: dict[str, Convention] = {
         "nanotron",
         # bf16 params and grads, fp32 master and Adam, and an fp32 gradient-accumulation
         # buffer: 2 + 2 + 4 + 8 + 4 = 20 B/param.
+        # The loss materialises the logits (bf16, then cast to fp32) and saves their softmax.
+        # ZeRO-1 reduce-scatters the fp32 gradients after backward and all-gathers the
+        # parameters after the step, both blocking (ZeRO-0 runs DDP's overlapped buckets).
         {"grad_dtype_bytes": 2, "fp32_grad_accum": True, "fp32_params": False,
-         "causal_flops": False},
+         "causal_flops": False, "chunked_loss": False, "softmax_loss": True,
+         "zero_sync_blocking": True},
         # REDUCE_SCATTER tp mode keeps the shard and gathers in backward; blocks split by
-        # cumulative compute cost (4h·q + 3h·ffn per layer, V·h for the head); ranks
-        # reshaped (pp, dp, tp) with tp fastest.
-        {"sp_saved": "shard", "pp_split": "balanced", "rank_order": "tp-cp-dp-pp"},
-        "allocated",
+        # cumulative compute cost (4h·q + 3h·ffn per layer, V·h for the head), greedily
+        # against thresholds total·(k+1)/pp; ranks reshaped (pp, dp, tp) with tp fastest.
+        {"sp_saved": "shard", "pp_split": "cumulative", "rank_order": "tp-cp-dp-pp"},
+        "reserved",
         ("huggingface/nanotron @2411b022: scripts/scaling_benchmarks.py "
          "(ACCUMULATE_GRAD_IN_FP32 = True), src/nanotron/models/llama.py "
          "(get_block_compute_costs, get_flops: full attention square)",
@@ -83,10 +95,24 @@ CONVENTIONS: dict[str, Convention] = {
          "Ultra-Scale Playbook (HF Space nanotron/ultrascale-playbook; its GitHub mirror "
          "vinjn/nanotron-ultrascale-playbook @924e4d0) index.md: '+4 if fp32 grad "
          "accumulation (nanotron "
-         "does this)'; logs peak_allocated and peak_reserved",
+         "does this)'; logs peak_allocated and peak_reserved; its benchmark rows "
+         "report torch.cuda.max_memory_reserved",
          "src/nanotron/parallel/pipeline_parallel/engine.py: AllForwardAllBackward and "
-         "OneForwardOneBackward engines"),
-        ("afab", "1f1b")),
+         "OneForwardOneBackward engines",
+         "src/nanotron/models/base.py build_model (cumulative-cost stage cut); "
+         "parallel/tensor_parallel/functional.py _ShardedCrossEntropy (softmax saved); "
+         "optim/gradient_accumulator.py sync_gradients_across_dp (ZeRO-1 reduce-scatter "
+         "after backward), optim/zero.py ZeroDistributedOptimizer (all-gather after step)",
+         "fitted on the Ultra-Scale Playbook's 1,130 nanotron runs (bench/data/"
+         "usp-calibration.csv, bench/usp_calibration.py; max_memory_reserved of rank 0)"),
+        ("afab", "1f1b"),
+        # Fitted on bench/data/usp-calibration.csv alone (bench/usp_calibration.py `fit`;
+        # docs/planner-validation.md gives them fitted on 16 GPUs and judged on 128, and
+        # the other way): reserved per byte of saved activations and of loss buffers beyond
+        # the allocator model, bytes per token per hidden unit on the head's rank, the host
+        # time per layer per micro-batch and the fixed time per pipeline message.
+        {"activation_reserve": 0.26, "loss_reserve": 0.32, "head_token_bytes": 25.0,
+         "host_layer_ms": 4.0, "pp_message_ms": 5.0}),
     "torchtitan": Convention(
         "torchtitan",
         # FSDP2 mixed precision: sharded fp32 parameters (the master copy), bf16 compute

@@ -75,6 +75,18 @@ class Assumptions:
     context_gib: float = 1.5  # CUDA context, cuBLAS workspace, NCCL buffers
     # Reserved beyond the allocator model (memory.allocator_waste), as a share of allocated.
     fragmentation: float = 0.0
+    # Reserved beyond the allocator model per byte of saved activations, and per byte of the
+    # loss's logits buffers (fitted per engine: plan/conventions.py; 0 for the engine itself).
+    activation_reserve: float = 0.0
+    loss_reserve: float = 0.0
+    # ... and bytes per token per hidden unit on the head's rank, whatever tp is.
+    head_token_bytes: float = 0.0
+    # Host time per layer per micro-batch (forward + backward, ms): an eager engine's Python
+    # and kernel launches, which the GPU hides only when its own work takes longer.
+    host_layer_ms: float = 0.0
+    # Fixed time per pipeline send or receive (ms), exposed: an engine whose point-to-point
+    # calls block and exchange metadata first waits this long per message beyond the bytes.
+    pp_message_ms: float = 0.0
     price_per_gpu_hour: float = 0.0  # for the whole-run cost (--tokens); 0: not priced
 
 
@@ -119,7 +131,9 @@ def _coerce(key: str, value, typ):
 
 # --hw values that may be 0 (a device without fp8, no latency, no overhead), and shares.
 _MAY_BE_ZERO = ("fp8_tflops", "compute_overhead", "intra_latency_us", "inter_latency_us",
-                "context_gib", "tp_overlap", "fragmentation", "price_per_gpu_hour")
+                "context_gib", "tp_overlap", "fragmentation", "price_per_gpu_hour",
+                "activation_reserve", "loss_reserve", "head_token_bytes", "host_layer_ms",
+                "pp_message_ms")
 _AT_MOST_ONE = ("tp_overlap",)
 
 

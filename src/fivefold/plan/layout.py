@@ -53,7 +53,7 @@ class Layout:
     # Context parallelism's K/V exchange: "ring" (cp − 1 point-to-point steps, overlapped with
     # the block attention) or "allgather" (one all-gather per layer; parallel.cp_comm).
     cp_comm: str = "ring"
-    pp_split: str = "even"  # even | balanced (plan/split.py)
+    pp_split: str = "even"  # even | balanced | cumulative (plan/split.py)
     pp_layers: tuple[int, ...] = ()  # explicit layers per pipeline chunk; overrides pp_split
     # How ranks fill the grid, fastest-varying first: the engine's mesh is (pp, dp, cp, tp)
     # with tp fastest (parallel/mesh.py), as Megatron-LM's default order "tp-cp-ep-dp-pp".
@@ -131,6 +131,12 @@ class Workload:
     # A materialised loss on vocabulary-parallel logits (DTensor loss parallel, torchtitan
     # with tp > 1): its backward holds more fp32 T×V/tp buffers (plan/activations.py).
     loss_parallel: bool = False
+    # chunked_loss = False as nanotron's sharded cross-entropy: the fp32 softmax saved, its
+    # gradient made in place (plan/activations.py).
+    softmax_loss: bool = False
+    # ZeRO-1/2's gradient reduce-scatter after backward and parameter all-gather after the
+    # step run blocking, hidden behind nothing (nanotron's ZeroDistributedOptimizer).
+    zero_sync_blocking: bool = False
     # What runs the pipeline: "engine" (fivefold's), or torch.distributed.pipelining as in the
     # installed torch ("torch") or at torch 1963fc8, Dec 2024 ("torch-2412"); the latter two
     # hold per-micro-batch stage buffers and defer FSDP's gradient sync (plan/torch_pipelining.py).
@@ -169,7 +175,7 @@ def chunk_layer_counts(model: ModelConfig, layout: Layout) -> tuple[int, ...]:
 
 def _split_key(model: ModelConfig, layout: Layout) -> tuple:
     """What the split depends on, hashable (the costs only matter to the balanced split)."""
-    costs = (split_costs(model) if layout.pp_split == "balanced" and not layout.pp_layers
+    costs = (split_costs(model) if layout.pp_split != "even" and not layout.pp_layers
              else (1.0, 0.0, 0.0))
     return (model.num_layers, layout.pp, layout.schedule, layout.virtual_stages,
             layout.pp_split, layout.pp_layers, costs)

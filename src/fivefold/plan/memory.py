@@ -391,8 +391,10 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
     allocated = sum(items.values())
     layer_microbatches = sum(n * k for n, k in zip(alive, chunk_layers))
     waste = allocator_waste(act, layer_microbatches, head, _working_set(work, layout))
-    items["overhead"] = (assume.context_gib * GIB + waste
-                         + assume.fragmentation * allocated)
+    items["overhead"] = (assume.context_gib * GIB + waste + assume.fragmentation * allocated
+                         + assume.activation_reserve * activations
+                         + assume.loss_reserve * logits_loss + head * assume.head_token_bytes
+                         * layout.mbs * work.seq_len / layout.cp * mc.hidden_size)
     return items, states.cpu
 
 
@@ -438,7 +440,8 @@ def _act_kwargs(work: Workload, layout: Layout) -> dict:
             "dtype_bytes": work.dtype_bytes, "flash": work.flash, "dropout": work.dropout,
             "sp_saves_gathered": layout.sp_saved != "shard", "cp_comm": layout.cp_comm,
             "ep": layout.ep, "fp8_recipe": work.fp8_recipe if work.precision == "fp8" else "",
-            "chunked_loss": work.chunked_loss, "loss_parallel": work.loss_parallel}
+            "chunked_loss": work.chunked_loss, "loss_parallel": work.loss_parallel,
+            "softmax_loss": work.softmax_loss}
 
 
 def _activations(work: Workload, layout: Layout) -> ActivationBytes:

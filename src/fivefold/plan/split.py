@@ -15,6 +15,11 @@ Three ways (`parallel.pp_split`, `parallel.pp_layers`):
   thresholds; this finds the minimum of the largest stage cost exactly (every layer costs the
   same, so a binary search over the stage-cost bound gives it) and breaks ties towards
   lighter early stages, which also hold the most in-flight activations under 1F1B.
+- "cumulative" (planner only, the nanotron convention): nanotron's own greedy cut
+  (`src/nanotron/models/base.py`, `build_model`, @2411b022): blocks in order (embedding,
+  layers, final norm, head, fp32 cast, loss) go to stage k until their cumulative cost
+  passes total·(k + 1)/S. It can leave the last stages without a layer (nanotron runs
+  pp > L that way); the head is planned on the last stage wherever nanotron puts it.
 - an explicit list of layers per stage (`parallel.pp_layers = [3, 4, 4, 3]`): Megatron-LM's
   `--decoder-first-pipeline-num-layers` / `--decoder-last-pipeline-num-layers`
   (TransformerConfig `num_layers_in_first/last_pipeline_stage`) generalised to every stage,
@@ -31,7 +36,7 @@ import math
 
 from fivefold.plan.flops import mlp_weights_per_token
 
-SPLITS = ("even", "balanced")
+SPLITS = ("even", "balanced", "cumulative")
 
 
 def split_costs(model) -> tuple[float, float, float]:
@@ -58,7 +63,7 @@ def check_split(num_layers: int, num_stages: int, split: str = "even",
         if sum(layers) != num_layers:
             return (f"parallel.pp_layers = {list(layers)} sums to {sum(layers)} but "
                     f"model.num_layers = {num_layers}; make them add up")
-    elif num_stages > num_layers:
+    elif num_stages > num_layers and split != "cumulative":
         return (f"{num_stages} pipeline stages but only {num_layers} layers: every stage "
                 f"needs at least one; lower pp or virtual_stages")
     return None
@@ -77,6 +82,8 @@ def stage_layer_counts(num_layers: int, num_stages: int, split: str = "even",
         return tuple(layers)
     if split == "balanced" and num_stages > 1 and (embed_cost or head_cost):
         return _balanced(num_layers, num_stages, layer_cost, embed_cost, head_cost)
+    if split == "cumulative" and num_stages > 1:
+        return _cumulative(num_layers, num_stages, layer_cost, embed_cost, head_cost)
     base, spare = divmod(num_layers, num_stages)
     middle = sorted(range(num_stages), key=lambda s: (abs(s - (num_stages - 1) / 2), s))
     extra = set(middle[:spare])
@@ -109,6 +116,23 @@ def _balanced(num_layers: int, stages: int, c: float, embed: float,
     for _ in range(sum(counts) - num_layers):
         costs = [n * c + e if n > 1 else -1.0 for n, e in zip(counts, extra)]
         counts[costs.index(max(costs))] -= 1
+    return tuple(counts)
+
+
+def _cumulative(num_layers: int, stages: int, c: float, embed: float,
+                head: float) -> tuple[int, ...]:
+    """nanotron's greedy cut: a block joins the current stage, which closes once the blocks'
+    cumulative cost passes its threshold total·(k + 1)/S (the zero-cost blocks after the
+    head only follow it)."""
+    costs = [embed] + [c] * num_layers + [head]
+    total, cumulative, stage = sum(costs), 0.0, 0
+    counts = [0] * stages
+    for block, cost in enumerate(costs):
+        cumulative += cost
+        if 1 <= block <= num_layers:
+            counts[stage] += 1
+        if stage < stages - 1 and cumulative > total * (stage + 1) / stages:
+            stage += 1
     return tuple(counts)
 
 

@@ -178,6 +178,10 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     weight_passes = 1 if work.lora_rank else 2
     backward = (weight_passes * (gemm + head_time) + 2 * elem
                 + attn * (2.5 if work.flash else 2.0) + recompute)
+    # An eager engine's host time (assume.host_layer_ms per layer, a third of it in forward)
+    # bounds a micro-batch from below when the GPU's share is shorter (tp spreads it thin).
+    host = assume.host_layer_ms * 1e-3 * layers
+    forward, backward = max(forward, host / 3), max(backward, 2 * host / 3)
     return RankCompute(forward, backward, recompute, attn, gemm)
 
 
@@ -205,7 +209,8 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
             elif c.group == "cp" and c.op != "recv":  # all-gather K/V: exposed (Llama 3)
                 cp_exposed += collective_time(c, hw, assume, lay)
             elif c.group == "pp":
-                per["pp"] += collective_time(c, hw, assume, lay) / 2  # duplex: send ∥ recv
+                per["pp"] += (collective_time(c, hw, assume, lay)  # duplex: send ∥ recv
+                              + c.calls * assume.pp_message_ms * 1e-3) / 2
             elif c.group in ("dp", "dp_cp", "edp", "pp_embed"):
                 dp[c.phase] += collective_time(c, hw, assume, lay, bucket)
         # The column linears' input-gradient GEMMs (about their forward GEMMs, half the
@@ -223,6 +228,8 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
         if lay.zero == 3:
             exposed_dp = (max(0.0, dp["fwd"] - m * rc.forward)
                           + max(0.0, dp["bwd"] + dp["grad"] - m * rc.backward))
+        elif lay.zero in (1, 2) and work.zero_sync_blocking:
+            exposed_dp = dp["grad"] + dp["step"]
         else:
             per_mb = lay.zero == 2 and work.grad_sync == "microbatch"
             exposed_dp = (max(0.0, dp["grad"] - (m if per_mb else 1) * rc.backward)
