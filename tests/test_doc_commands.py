@@ -18,7 +18,6 @@ import subprocess
 import sys
 
 import pytest
-
 from doc_commands import PAGE_ORDER, ROOT, script, shell_blocks, unmarked_command_blocks
 
 # Each training run a page shows is cut to this many steps: enough for a checkpoint, a
