@@ -92,3 +92,24 @@ def test_standing_on_a_fifth_of_the_file():
     assert s["memory_median_abs_error"] <= 0.10
     assert s["memory_within_10pct"] >= 0.5
     assert s["fits_right"] >= 0.90
+
+
+def test_hw_flag_overrides_a_fitted_factor(capsys):
+    """`--hw activation_reserve=0` plans without the convention's fitted reserve: the
+    logged (reserved) memory drops by 0.26 of the saved activations, all else equal."""
+    import json
+
+    from fivefold import cli
+
+    def logged(*extra):
+        code = cli.main(["plan", "--model", "llama-3.1-8b", "--gpus", "16", "--seq-len",
+                         "4096", "--gbs", "256", "--convention", "nanotron", "--layout",
+                         "dp=4,tp=4,zero=1,mbs=2", "--json", "-", *extra])
+        assert code == 0
+        data = json.loads(capsys.readouterr().out)
+        return data["convention"]["logged_memory_bytes"], data["layouts"][0]
+
+    fitted, plan = logged()
+    plain, _ = logged("--hw", "activation_reserve=0")
+    activations = plan["memory_bytes"]["activations"]
+    assert fitted - plain == pytest.approx(0.26 * activations, rel=1e-9)
