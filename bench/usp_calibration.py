@@ -337,7 +337,7 @@ def section(now: dict | None = None, before: dict | None = None) -> list[str]:
         "runs at a fraction of ZeRO-1's speed in the same layout (8B, dp 8, pp 16, mbs 1: "
         "184 against 4,348 tokens/s per GPU; 3B on 16 GPUs, dp 8, pp 2: 3,230 against "
         "15,160), and pipelines of many 1-sequence micro-batches lose hundreds of "
-        "milliseconds per micro-batch; tp 16 across two nodes runs 2-4× faster than the "
+        "milliseconds per micro-batch; tp 16 across two nodes runs 1.5-4× faster than the "
         "planner's one NIC per GPU for a group that spans nodes allows.",
         "- The pick misses where the planner ranks such a slow run first (3B and 8B on 16 "
         "GPUs, dp 8 pp 2 mbs 1) and where its fastest layout is one it says fits with "
