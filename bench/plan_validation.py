@@ -212,6 +212,10 @@ def main():
                          f"{s['median_abs']:.1%} | {s['max_abs']:.1%} | {s['mean']:+.1%} | "
                          f"{s['within_goal']:.0%} (±{GOAL[k][0]:.0%}) |")
     lines += ["", *NOTES]
+    import usp_calibration  # beside this file: the nanotron runs' section, from its JSON
+
+    if usp_calibration.OUT.exists():
+        lines += ["", *usp_calibration.section()]
     (ROOT / "docs" / "planner-validation.md").write_text("\n".join(lines) + "\n")
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True, cwd=ROOT).stdout.strip()

@@ -246,7 +246,8 @@ def workload_to_dict(work: Workload) -> dict:
 def convention_to_dict(convention, plan: LayoutPlan) -> dict:
     logged = plan.peak_reserved if convention.logged_memory == "reserved" else plan.peak_allocated
     return {"name": convention.name, "workload": convention.workload,
-            "layout": convention.layout, "logged_memory": convention.logged_memory,
+            "layout": convention.layout, "assumptions": convention.assumptions,
+            "logged_memory": convention.logged_memory,
             "logged_memory_bytes": logged, "sources": list(convention.sources)}
 
 
@@ -256,8 +257,11 @@ def describe_convention(convention, plan: LayoutPlan) -> str:
     d = convention_to_dict(convention, plan)
     settings = ", ".join(f"{k}={v}" for k, v in {**convention.workload,
                                                   **convention.layout}.items())
-    lines = [f"convention {convention.name}: {settings}",
-             f"  its logs report peak {convention.logged_memory} memory: "
+    lines = [f"convention {convention.name}: {settings}"]
+    if convention.assumptions:
+        lines.append("  fitted to its measured runs (--hw overrides): " + ", ".join(
+            f"{k}={v:g}" for k, v in convention.assumptions.items()))
+    lines += [f"  its logs report peak {convention.logged_memory} memory: "
              f"{_gib(d['logged_memory_bytes'])} GiB on the most-loaded rank"]
     lines += [f"  source: {s}" for s in convention.sources]
     return "\n".join(lines)
