@@ -20,11 +20,11 @@ import argparse
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import torch
@@ -50,14 +50,21 @@ def run_combination(capability: str, threads: int, marker: str, extra: list[str]
                                 "torch.get_num_threads())"], env=env, capture_output=True,
                                text=True)
         start = time.perf_counter()
+        junit = Path(tmp) / "junit.xml"
         proc = subprocess.run([sys.executable, "-m", "pytest", "-m", marker, "-p",
-                               "no:cacheprovider", "-q", *extra, str(ROOT / "tests")],
+                               "no:cacheprovider", f"--junitxml={junit}", "-rfE", *extra,
+                               str(ROOT / "tests")],
                               env=env, cwd=ROOT, capture_output=True, text=True)
         seconds = time.perf_counter() - start
         checks = [json.loads(line) for line in log.open()] if log.exists() else []
-    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error|errors|skipped)",
-                                                  tail)}
+        suite = ET.parse(junit).getroot() if junit.exists() else None
+    suite = suite.find("testsuite") if suite is not None and suite.tag == "testsuites" else suite
+    got = {k: int(suite.get(k, 0)) if suite is not None else 0
+           for k in ("tests", "failures", "errors", "skipped")}
+    counts = {"passed": got["tests"] - got["failures"] - got["errors"] - got["skipped"],
+              "failed": got["failures"], "error": got["errors"], "skipped": got["skipped"]}
+    tail = (f"{counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, "
+            f"{counts['skipped']} skipped")
     worst = max(checks, key=lambda c: c["err"] / c["bound"], default=None)
     failures = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
     return {
@@ -65,7 +72,7 @@ def run_combination(capability: str, threads: int, marker: str, extra: list[str]
         "capability_used": probe.stdout.split()[0] if probe.stdout else "?",
         "threads": threads, "exit_code": proc.returncode, "summary": tail,
         "passed": counts.get("passed", 0), "failed": counts.get("failed", 0),
-        "errors": counts.get("error", 0) + counts.get("errors", 0), "failures": failures,
+        "errors": counts["error"], "skipped": counts["skipped"], "failures": failures,
         "checks": len(checks),
         "worst_ratio": round(worst["err"] / worst["bound"], 4) if worst else None,
         "worst_check": worst, "seconds": round(seconds, 1),
@@ -88,7 +95,8 @@ def main() -> None:
             rows.append(row)
             print(f"{capability:>8} ({row['capability_used']}) threads {threads}: "
                   f"{row['summary']}; worst error/bound {row['worst_ratio']} over "
-                  f"{row['checks']} checks; {row['seconds']} s", flush=True)
+                  f"{row['checks']} checks ({(row['worst_check'] or {}).get('label')}); "
+                  f"{row['seconds']} s", flush=True)
     record = {
         "benchmark": "parity_kernels", "machine": cpu_label(), "git": git_revision(),
         "python": platform.python_version(), "torch": torch.__version__,

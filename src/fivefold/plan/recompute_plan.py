@@ -126,9 +126,25 @@ def elementwise_seconds(work: Workload, layout: Layout, hw: Hardware,
     return traffic / (hw.hbm_tbps * 1e12 * assume.hbm_efficiency)
 
 
+_CHOICES: dict[str, tuple[LayerChoice, ...]] = {}
+
+
 def layer_choices(work: Workload, layout: Layout, hw: Hardware,
                   assume: Assumptions) -> list[LayerChoice]:
-    """The choices of one layer that no other beats in both bytes and seconds."""
+    """The choices of one layer that no other beats in both bytes and seconds. Memoised on
+    what they depend on: a search asks for them once per layout and rank, over layouts that
+    differ only in dp, ZeRO or the schedule."""
+    key = repr((work, layout.tp, layout.sp, layout.cp, layout.mbs, layout.sp_saved,
+                layout.cp_comm, hw, assume))
+    if key not in _CHOICES:
+        if len(_CHOICES) > 4096:
+            _CHOICES.clear()
+        _CHOICES[key] = tuple(_layer_choices(work, layout, hw, assume))
+    return list(_CHOICES[key])
+
+
+def _layer_choices(work: Workload, layout: Layout, hw: Hardware,
+                   assume: Assumptions) -> list[LayerChoice]:
     kwargs = {"tp": layout.tp, "sp": layout.sp, "cp": layout.cp,
               "dtype_bytes": work.dtype_bytes, "flash": work.flash, "dropout": work.dropout,
               "sp_saves_gathered": layout.sp_saved != "shard", "cp_comm": layout.cp_comm}
@@ -167,13 +183,16 @@ def choose(choices: list[LayerChoice], weights: list[float],
            budget: float) -> tuple[LayerChoice, ...] | None:
     """The cheapest choice per layer with Σ weight·stored + max working ≤ budget (exact),
     or None when nothing fits. `weights`: per layer, the micro-batches in flight."""
-    best = None
+    best, previous = None, None
     for cap in sorted({c.working for c in choices}):
         allowed = []  # under this cap only bytes and seconds matter: their Pareto front
         for c in sorted((c for c in choices if c.working <= cap),
                         key=lambda c: (c.seconds, c.stored)):
             if not allowed or c.stored < allowed[-1].stored:
                 allowed.append(c)
+        if allowed == previous:  # the same choices under a smaller budget: no better plan
+            continue
+        previous = allowed
         picked = _knapsack(tuple(allowed), tuple(weights), budget - cap)
         if picked is not None:
             cost = sum(c.seconds for c in picked)
@@ -195,29 +214,29 @@ def _knapsack(choices: tuple[LayerChoice, ...], weights: tuple[float, ...],
     if budget <= 0:
         return None
     unit = budget / UNITS
-    seconds = np.array([c.seconds for c in choices])
+    seconds = [c.seconds for c in choices]
     best = np.zeros(UNITS + 1)
-    picks = []
+    steps = []  # per layer: (the table before it, the units of each choice)
     for w in weights:
         size = [int(np.ceil(w * c.stored / unit - 1e-9)) for c in choices]
         new = np.full(UNITS + 1, np.inf)
-        arg = np.full(UNITS + 1, -1, dtype=np.int64)
-        for i, (u, sec) in enumerate(zip(size, seconds)):
-            if u > UNITS:
-                continue
-            cand = np.full(UNITS + 1, np.inf)
-            cand[u:] = best[:UNITS + 1 - u] + sec
-            better = cand < new
-            new[better], arg[better] = cand[better], i
+        for u, sec in zip(size, seconds):
+            if u <= UNITS:
+                np.minimum(new[u:], best[:UNITS + 1 - u] + sec, out=new[u:])
+        steps.append((best, size))
         best = new
-        picks.append((arg, size))
     if not np.isfinite(best[UNITS]):
         return None
-    plan, at = [], UNITS
-    for arg, size in reversed(picks):
-        i = int(arg[at])
+    # Walk back: at each layer the first choice (in order) that reaches the table's value,
+    # the one a strict "better than" over the choices in order would have kept. The sums are
+    # the same float operations as above, so equality is exact.
+    plan, at, value = [], UNITS, best[UNITS]
+    for before, size in reversed(steps):
+        i = next(i for i, (u, sec) in enumerate(zip(size, seconds))
+                 if u <= at and before[at - u] + sec == value)
         plan.append(choices[i])
         at -= size[i]
+        value = before[at]
     return tuple(reversed(plan))
 
 

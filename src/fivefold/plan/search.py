@@ -10,6 +10,7 @@ sibling with less recomputation already fits is skipped too: it holds more FLOPs
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import re
 import time
@@ -207,16 +208,19 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
 
     def lower_bound(lay: Layout) -> float:
         m = work.num_microbatches(lay)
-        # auto's recomputation follows the whole layout (its budget is what the states leave)
-        whole = lay if lay.recompute == "auto" else None
+        # auto's recomputation costs ≥ 0 s, so none's compute bounds it from below without
+        # solving its per-layer plan, which follows the whole layout (its budget is what the
+        # states leave) and is solved only for the layouts the search reaches.
+        if lay.recompute == "auto":
+            lay = dataclasses.replace(lay, recompute="none")
         key = (lay.tp, lay.cp, lay.pp, lay.mbs, lay.schedule, lay.virtual_stages,
-               lay.recompute, lay.sp, whole)
+               lay.recompute, lay.sp)
         per_mb = compute_cache.get(key)
         if per_mb is None:
             per_mb = 0.0
             for rank in critical_ranks(work.model, lay):
                 rkey = (lay.tp, lay.cp, lay.mbs, lay.recompute, lay.sp,
-                        stage(work.model, lay, rank), whole)
+                        stage(work.model, lay, rank))
                 rc = compute_cache.get(rkey)
                 if rc is None:
                     one = rank_compute(work, lay, hw, assume, rank)
