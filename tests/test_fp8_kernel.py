@@ -137,6 +137,36 @@ def test_feature_detection(monkeypatch):
     assert "(256, 320)" in fp8_kernel.kernel_shape_problem(256, 320)
 
 
+def test_probe_accepts_the_contract_and_rejects_a_wrong_result(monkeypatch):
+    """The probe's own logic on CPU: with the float64 contract (rounded to bf16, as the
+    kernel writes) in place of cuBLASLt it says yes; with a kernel that reads the block
+    scales in another order, or raises, it says no, in one line."""
+    probe, cpu = fp8_kernel._probe.__wrapped__, torch.device("cpu")
+
+    def contract(ops, out_dtype=torch.bfloat16):
+        return fp8_kernel.reference_scaled_mm(ops).to(out_dtype)
+
+    monkeypatch.setattr(fp8_kernel, "call_scaled_mm", contract)
+    assert probe(cpu)[0]
+
+    def misread(ops, out_dtype=torch.bfloat16):  # block scales read row by row
+        sb = ops["scale_b"]
+        wrong = sb.as_strided(sb.shape, (sb.shape[1], 1)).clone()  # the values misplaced
+        return fp8_kernel.reference_scaled_mm(
+            ops | {"scale_b": wrong.t().contiguous().t()}).to(out_dtype)
+
+    monkeypatch.setattr(fp8_kernel, "call_scaled_mm", misread)
+    ok, why = probe(cpu)
+    assert not ok and "off by" in why
+
+    def raises(ops, out_dtype=torch.bfloat16):
+        raise RuntimeError("CUDA error: no kernel image\nsecond line")
+
+    monkeypatch.setattr(fp8_kernel, "call_scaled_mm", raises)
+    assert probe(cpu) == (False, "the blockwise scaled_mm probe failed: RuntimeError: CUDA "
+                                 "error: no kernel image")
+
+
 def _linear_against_float64(kernel: str, device: str, t=150, k=384, n=256):
     """Forward, input and weight gradient of the blockwise FP8 linear against the float64
     reference from the definition (as tests/test_fp8_linear.py); returns relative errors."""

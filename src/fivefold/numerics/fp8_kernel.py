@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,27 +71,49 @@ def kernel_support(device: torch.device) -> tuple[bool, str]:
     if major != 9:
         return False, (f"{torch.cuda.get_device_name(device)} has compute capability "
                        f"{major}.{minor}; cuBLASLt's blockwise FP8 GEMM needs 9.x")
-    return _probe(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _probe(torch.device("cuda", index))
+
+
+@dataclass
+class _Operand:
+    """The fields `kernel_operands` reads of an FP8Tensor (the probe builds its own)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    granularity: str
+    block: int = BLOCK
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.data.shape)
 
 
 @functools.cache
-def _probe(index: int) -> tuple[bool, str]:
-    """Run a 256 x 256 x 384 product (K/128 = 3: the L4 padding matters) against the
-    emulation on the device; any error or a wrong result says the kernel is unusable."""
-    from fivefold.numerics.fp8 import blockwise_mm, quantize  # the emulation, as the oracle
-
-    device = torch.device("cuda", index)
+def _probe(device: torch.device) -> tuple[bool, str]:
+    """Run a 256 x 384 x 256 product (K/128 = 3: the L4 padding matters) of random FP8
+    values and scales on the device against `reference_scaled_mm`; any error or a wrong
+    result says the kernel is unusable here."""
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(256, 384, device=device, generator=gen)
-    w = torch.randn(256, 384, device=device, generator=gen)
-    a, b = quantize(x, granularity="tiles"), quantize(w, granularity="blocks")
+    m, k, n = 256, 384, 256
+
+    def rand(*shape):
+        return torch.rand(*shape, device=device, generator=gen) + 0.5
+
+    a = _Operand(torch.randn(m, k, device=device, generator=gen).to(torch.float8_e4m3fn),
+                 rand(m, k // BLOCK), "tiles")
+    b = _Operand(torch.randn(n, k, device=device, generator=gen).to(torch.float8_e4m3fn),
+                 rand(n // BLOCK, k // BLOCK), "blocks")
     try:
-        out = blockwise_scaled_mm(a, b).float()
-    except (RuntimeError, ValueError, NotImplementedError) as e:
-        return False, f"the blockwise scaled_mm probe failed: {str(e).splitlines()[0]}"
-    ref = blockwise_mm(a, b)
+        ops = kernel_operands(a, b)
+        out = call_scaled_mm(ops).double().cpu()[:m]
+    except Exception as e:  # noqa: BLE001  any failure (a changed signature too) says "no"
+        text = str(e).strip().splitlines()
+        return False, (f"the blockwise scaled_mm probe failed: {type(e).__name__}: "
+                       f"{text[0] if text else ''}")
+    ref = reference_scaled_mm(ops)[:m]
     rel = ((out - ref).norm() / ref.norm()).item()
-    if not rel < 2.5e-3:  # bf16 output rounding (2^-9 per element) plus fp32 sums
+    if not rel < 2.0**-8 + 1e-4:  # bf16 output rounding plus the kernel's fp32 sums
         return False, f"the blockwise scaled_mm probe is off by {rel:.1e} (relative)"
     return True, f"cuBLASLt blockwise FP8 GEMM via {scaled_mm_api()}"
 
