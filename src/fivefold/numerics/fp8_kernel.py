@@ -60,13 +60,12 @@ def scaled_mm_api() -> str | None:
 
 def kernel_support(device: torch.device) -> tuple[bool, str]:
     """(True, what) where the blockwise kernel can run on `device`, else (False, why):
-    the API, CUDA, compute capability 9.x, then a probe that runs it once (the cuBLASLt
+    CUDA, the API, compute capability 9.x, then a probe that runs it once (the cuBLASLt
     version is not visible from Python; a build without 12.9 fails the probe)."""
-    api = scaled_mm_api()
-    if api is None:
-        return False, f"torch {torch.__version__} has neither F.scaled_mm nor _scaled_mm_v2"
     if device.type != "cuda":
         return False, f"device {device.type}: cuBLASLt's blockwise FP8 GEMM is CUDA-only"
+    if scaled_mm_api() is None:
+        return False, f"torch {torch.__version__} has neither F.scaled_mm nor _scaled_mm_v2"
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
         return False, (f"{torch.cuda.get_device_name(device)} has compute capability "
