@@ -191,7 +191,7 @@ def reference_scaled_mm(ops: dict) -> torch.Tensor:
     scale from its storage the way cuBLASLt does (by its leading dimension, not by the
     tensor's shape): a scale tensor of the wrong layout or without the L4 padding gives a
     wrong result here as on the GPU. For the tests; slow."""
-    a, b = ops["mat_a"].double(), ops["mat_b"].double()  # (M, K), (K, N)
+    a, b = (ops[key].detach().cpu().double() for key in ("mat_a", "mat_b"))  # (M, K), (K, N)
     (m, k), n = a.shape, b.shape[1]
     kb = k // BLOCK
     sa = _read(ops["scale_a"], (m, kb), (1, m))
@@ -209,9 +209,12 @@ def reference_scaled_mm(ops: dict) -> torch.Tensor:
 
 def _read(scale: torch.Tensor, size: tuple[int, int], stride: tuple[int, int]) -> torch.Tensor:
     """The (size) matrix the kernel sees at the scale's first element with `stride`."""
-    base = scale.detach().cpu()
-    need = scale.storage_offset() + (size[0] - 1) * stride[0] + (size[1] - 1) * stride[1] + 1
+    base = scale.detach().cpu()  # a dense view keeps its strides (and storage) on the copy
+    if base.stride() != scale.stride():
+        raise ValueError(f"scale of strides {scale.stride()} is not dense")
+    offset = base.storage_offset()
+    need = offset + (size[0] - 1) * stride[0] + (size[1] - 1) * stride[1] + 1
     if need > base.untyped_storage().nbytes() // base.element_size():
         raise ValueError(f"scale storage too small for {size} at strides {stride}: the kernel "
                          f"would read past it")
-    return base.as_strided(size, stride, scale.storage_offset()).double()
+    return base.as_strided(size, stride, offset).double()
