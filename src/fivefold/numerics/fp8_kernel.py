@@ -26,8 +26,9 @@ dimension is padded here with zeros to a multiple of 128: as the rows of a (forw
 input gradient) zero rows give zero outputs, sliced off; as the reduction dimension
 (weight gradient, tiles along the tokens) zero columns add nothing and a partial last
 tile keeps the scale the emulation gives it (its amax ignores zeros). So both paths
-quantise the same groups and differ only in summation order and the output rounding:
-cuBLASLt's blockwise mode returns bf16 only, so an fp32 caller gets bf16-rounded values.
+quantise the same groups and differ only in summation order and the output rounding: the
+kernel is asked for bf16 (as torchao's blockwise linear asks; fp32 output unverified), so an
+fp32 caller gets bf16-rounded values.
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def blockwise_scaled_mm(a: FP8Tensor, b: FP8Tensor,
                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """a · bᵀ on cuBLASLt (bf16 out, cast to `out_dtype`): the kernel path of fp8_mm."""
     ops = kernel_operands(a, b)
-    out = call_scaled_mm(ops, torch.bfloat16)  # the blockwise mode writes bf16 only
+    out = call_scaled_mm(ops, torch.bfloat16)  # bf16 out, as torchao asks for it
     return out[: ops["rows"]].to(out_dtype)
 
 
