@@ -34,7 +34,7 @@ from fivefold.numerics.formats import E4M3
 from fivefold.numerics.fp8 import blockwise_mm, quantize
 from fivefold.numerics.scaling import expand_scale
 
-# bf16 output rounding: cuBLASLt's blockwise mode writes bf16, unit roundoff 2^-8 per
+# bf16 output rounding: the kernel path asks for bf16 output, unit roundoff 2^-8 per
 # element, so at most 2^-8 in relative norm; plus fp32 accumulation (~sqrt(K)·2^-24 per
 # dot product, under 1e-5 here) and the tensor core's promotion every 128 products.
 BF16_OUT_TOL = 2.0**-8 + 1e-4
