@@ -15,6 +15,7 @@ revision. On CPU the FP8 GEMMs are emulated: a CPU run checks the script, not FP
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from fivefold.host import cpu_label
-from fivefold.lowp.convert import convert_to_fp8
+from fivefold.lowp.convert import choose_kernel, convert_to_fp8
 from fivefold.lowp.linear import FP8Recipe
 from fivefold.models.llama import Block, Rotary
 from fivefold.models.presets import preset
@@ -36,8 +37,12 @@ def build(shape: str, layers: int, variant: str, device: torch.device) -> torch.
     cfg = preset(shape)
     torch.manual_seed(0)
     stack = torch.nn.ModuleList(Block(cfg, i) for i in range(layers)).to(device, torch.bfloat16)
-    if variant != "bf16":
-        convert_to_fp8(stack, FP8Recipe.from_name(variant))
+    if variant != "bf16":  # blockwise takes the kernel the engine would pick on this device
+        recipe = FP8Recipe.from_name(variant)
+        linears = [m for m in stack.modules() if isinstance(m, torch.nn.Linear)]
+        kernel, line = choose_kernel("auto", recipe, linears, device)
+        convert_to_fp8(stack, dataclasses.replace(recipe, kernel=kernel))
+        print(line)
     stack.cfg = cfg
     return stack
 

@@ -15,6 +15,8 @@ Items (bench/gpu_items.py):
                          blockwise on Llama-3-8B's GEMMs (8192 tokens x 4096->4096,
                          4096->14336, 14336->4096): tokens/s and ratio, and which kernel ran
   fp8_block_stack        the same on a stack of 2 Llama-3.1-8B blocks (bench/fp8_speed.py)
+  fp8_experts            routed experts (Mixtral-8x7B's shape), bf16 grouped matmul vs the
+                         FP8 experts' per-expert GEMMs, rowwise and blockwise
   fp8_kernel_float64     tests/test_fp8_kernel.py's GPU test: the blockwise FP8 linear on
                          cuBLASLt's kernel against the float64 reference
   cp_ring_vs_sdpa        context parallelism's portable ring kernel vs SDPA (flash on CUDA):
@@ -58,6 +60,7 @@ ITEMS = [("train_default", items.train_default, True),
          ("mfu_vs_plan", items.mfu_vs_plan, False),
          ("fp8_gemms", items.fp8_gemms, True),
          ("fp8_block_stack", items.fp8_block_stack, True),
+         ("fp8_experts", items.fp8_experts, True),
          ("fp8_kernel_float64", items.fp8_kernel_float64, False),
          ("cp_ring_vs_sdpa", items.cp_ring_vs_sdpa, True),
          ("peak_memory_vs_plan", items.peak_memory_vs_plan, True),
@@ -74,7 +77,10 @@ GPU_SHAPES = {
     "rounds": 5,
     "stack_preset": "llama-3.1-8b", "stack_layers": 2, "stack_tokens": 8192,
     "stack_steps": 3, "stack_rounds": 3,
-    "cp": (8192, 32, 8, 128),  # seq, heads, kv heads, head_dim (Llama-3.1-8B's attention)
+    # seq, heads, kv heads, head_dim (Llama-3.1-8B's attention); 4096 tokens: the portable
+    # kernel holds fp32 score matrices of heads x seq^2 (2 GiB each here)
+    "cp": (4096, 32, 8, 128),
+    "experts": (8, 4096, 14336, 2048),  # Mixtral-8x7B's experts, 8192 tokens x top-2
     "serve": ("smollm2-135m", 16, 128, 128, torch.float32),  # preset, requests, prompt, out
     "qlora": (["--model.preset", "llama-3.2-1b", "--model.num_layers", "8"], 1024),
 }
@@ -88,6 +94,7 @@ DRY_SHAPES = GPU_SHAPES | {
     "gemm_tokens": 128, "gemm_shapes": [(128, 128), (128, 256), (256, 128)], "rounds": 1,
     "stack_preset": "tiny", "stack_tokens": 64, "stack_steps": 1, "stack_rounds": 1,
     "cp": (64, 4, 2, 16),
+    "experts": (2, 128, 256, 16),
     "serve": ("tiny", 2, 8, 4, torch.float32),
     "qlora": (["--model.preset", "tiny", "--model.num_layers", "2"], 32),
 }

@@ -92,7 +92,7 @@ def train_steps(ctx: Context, name: str, overrides: list[str]) -> dict:
                                   "bf16", *overrides])
     with world_of_one(ctx, name) as backend:
         runner = FivefoldRunner(cfg, ParallelDims.from_config(cfg.parallel))
-        try:
+        try:  # the trainer's watchdog thread and hooks go before the process group does
             for _ in range(warmup):
                 runner.step()
             records = [runner.step() for _ in range(steps)]
@@ -221,6 +221,38 @@ def fp8_block_stack(ctx: Context) -> dict:
     return {"preset": ctx.shape("stack_preset"), "layers": ctx.shape("stack_layers"),
             "tokens": tokens, "tokens_per_s": median, "kernels": lines,
             "ratio_vs_bf16": {v: median[v] / median["bf16"] for v in RECIPES}}
+
+
+def fp8_experts(ctx: Context) -> dict:
+    """Routed experts, forward + backward: bf16 GroupedExperts (one grouped matmul where the
+    device has it, else a loop) against the FP8 experts, which run per expert (blockwise has
+    no grouped scaled-matmul recipe; docs/fp8.md): the cost of that choice, measured."""
+    from fivefold.lowp.convert import convert_to_fp8
+    from fivefold.models.moe import GroupedExperts
+
+    experts, hidden, inter, rows = ctx.shape("experts")
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    counts = torch.full((experts,), rows, dtype=torch.long)
+    x = torch.randn(experts * rows, hidden, device=ctx.device, dtype=torch.bfloat16,
+                    generator=gen)
+    g = torch.randn_like(x)
+    rates, lines = {}, {}
+    for variant in ("bf16", "rowwise", "blockwise"):
+        module = GroupedExperts(experts, hidden, inter).to(ctx.device, torch.bfloat16)
+        for w in (module.w_gate, module.w_up, module.w_down):
+            torch.nn.init.normal_(w, std=w.shape[-1] ** -0.5, generator=gen)
+        lines[variant] = "bf16 grouped matmul" if module.use_grouped_mm(x) else "bf16 loop"
+        if variant != "bf16":
+            recipe, lines[variant] = fp8_recipe(variant, [module], ctx.device)
+            convert_to_fp8(module, recipe)
+
+        def step(m=module):
+            m(x.detach().requires_grad_(), counts).backward(g)
+
+        rates[variant] = x.shape[0] / median_time(ctx, step, ctx.shape("rounds"))
+    return {"experts": experts, "hidden": hidden, "inter": inter, "rows_per_expert": rows,
+            "rows_per_s": rates, "kernels": lines,
+            "ratio_vs_bf16": {v: rates[v] / rates["bf16"] for v in ("rowwise", "blockwise")}}
 
 
 def fp8_kernel_float64(ctx: Context) -> dict:

@@ -34,7 +34,7 @@ from fivefold.numerics.formats import E4M3
 from fivefold.numerics.fp8 import blockwise_mm, quantize
 from fivefold.numerics.scaling import expand_scale
 
-# bf16 output rounding: cuBLASLt's blockwise mode writes bf16, unit roundoff 2^-8 per
+# bf16 output rounding: the kernel path asks for bf16 output, unit roundoff 2^-8 per
 # element, so at most 2^-8 in relative norm; plus fp32 accumulation (~sqrt(K)·2^-24 per
 # dot product, under 1e-5 here) and the tensor core's promotion every 128 products.
 BF16_OUT_TOL = 2.0**-8 + 1e-4
@@ -123,18 +123,50 @@ def test_kernel_call_passes_torchs_own_checks(m, k, n, b_kind):
 def test_feature_detection(monkeypatch):
     ok, why = fp8_kernel.kernel_support(torch.device("cpu"))
     assert not ok and "CUDA-only" in why
-    assert fp8_kernel.scaled_mm_api() in ("F.scaled_mm", "torch._scaled_mm_v2")
+    if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):  # torch 2.10+
+        assert fp8_kernel.scaled_mm_api() == "F.scaled_mm"
     monkeypatch.delattr(F, "scaled_mm", raising=False)  # a torch without the public API
     if hasattr(torch, "_scaled_mm_v2"):
         assert fp8_kernel.scaled_mm_api() == "torch._scaled_mm_v2"
         monkeypatch.delattr(torch, "_scaled_mm_v2")
     assert fp8_kernel.scaled_mm_api() is None
-    ok, why = fp8_kernel.kernel_support(torch.device("cpu"))
+    # on CUDA the missing API is the reason, found before any device query
+    ok, why = fp8_kernel.kernel_support(torch.device("cuda"))
     assert not ok and "has neither F.scaled_mm nor _scaled_mm_v2" in why
     with pytest.raises(ValueError, match="not a multiple of 128"):
         fp8_kernel.kernel_operands(*_operands(128, 256, 192, "blocks"))
     assert fp8_kernel.kernel_shape_problem(256, 384) is None
     assert "(256, 320)" in fp8_kernel.kernel_shape_problem(256, 320)
+
+
+def test_probe_accepts_the_contract_and_rejects_a_wrong_result(monkeypatch):
+    """The probe's own logic on CPU: with the float64 contract (rounded to bf16, as the
+    kernel writes) in place of cuBLASLt it says yes; with a kernel that reads the block
+    scales in another order, or raises, it says no, in one line."""
+    probe, cpu = fp8_kernel._probe.__wrapped__, torch.device("cpu")
+
+    def contract(ops, out_dtype=torch.bfloat16):
+        return fp8_kernel.reference_scaled_mm(ops).to(out_dtype)
+
+    monkeypatch.setattr(fp8_kernel, "call_scaled_mm", contract)
+    assert probe(cpu)[0]
+
+    def misread(ops, out_dtype=torch.bfloat16):  # block scales read row by row
+        sb = ops["scale_b"]
+        wrong = sb.as_strided(sb.shape, (sb.shape[1], 1)).clone()  # the values misplaced
+        return fp8_kernel.reference_scaled_mm(
+            ops | {"scale_b": wrong.t().contiguous().t()}).to(out_dtype)
+
+    monkeypatch.setattr(fp8_kernel, "call_scaled_mm", misread)
+    ok, why = probe(cpu)
+    assert not ok and "off by" in why
+
+    def raises(ops, out_dtype=torch.bfloat16):
+        raise RuntimeError("CUDA error: no kernel image\nsecond line")
+
+    monkeypatch.setattr(fp8_kernel, "call_scaled_mm", raises)
+    assert probe(cpu) == (False, "the blockwise scaled_mm probe failed: RuntimeError: CUDA "
+                                 "error: no kernel image")
 
 
 def _linear_against_float64(kernel: str, device: str, t=150, k=384, n=256):

@@ -26,14 +26,16 @@ dimension is padded here with zeros to a multiple of 128: as the rows of a (forw
 input gradient) zero rows give zero outputs, sliced off; as the reduction dimension
 (weight gradient, tiles along the tokens) zero columns add nothing and a partial last
 tile keeps the scale the emulation gives it (its amax ignores zeros). So both paths
-quantise the same groups and differ only in summation order and the output rounding:
-cuBLASLt's blockwise mode returns bf16 only, so an fp32 caller gets bf16-rounded values.
+quantise the same groups and differ only in summation order and the output rounding: the
+kernel is asked for bf16 (as torchao's blockwise linear asks; fp32 output unverified), so an
+fp32 caller gets bf16-rounded values.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,38 +61,59 @@ def scaled_mm_api() -> str | None:
 
 def kernel_support(device: torch.device) -> tuple[bool, str]:
     """(True, what) where the blockwise kernel can run on `device`, else (False, why):
-    the API, CUDA, compute capability 9.x, then a probe that runs it once (the cuBLASLt
+    CUDA, the API, compute capability 9.x, then a probe that runs it once (the cuBLASLt
     version is not visible from Python; a build without 12.9 fails the probe)."""
-    api = scaled_mm_api()
-    if api is None:
-        return False, f"torch {torch.__version__} has neither F.scaled_mm nor _scaled_mm_v2"
     if device.type != "cuda":
         return False, f"device {device.type}: cuBLASLt's blockwise FP8 GEMM is CUDA-only"
+    if scaled_mm_api() is None:
+        return False, f"torch {torch.__version__} has neither F.scaled_mm nor _scaled_mm_v2"
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
         return False, (f"{torch.cuda.get_device_name(device)} has compute capability "
                        f"{major}.{minor}; cuBLASLt's blockwise FP8 GEMM needs 9.x")
-    return _probe(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _probe(torch.device("cuda", index))
+
+
+@dataclass
+class _Operand:
+    """The fields `kernel_operands` reads of an FP8Tensor (the probe builds its own)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    granularity: str
+    block: int = BLOCK
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.data.shape)
 
 
 @functools.cache
-def _probe(index: int) -> tuple[bool, str]:
-    """Run a 256 x 256 x 384 product (K/128 = 3: the L4 padding matters) against the
-    emulation on the device; any error or a wrong result says the kernel is unusable."""
-    from fivefold.numerics.fp8 import blockwise_mm, quantize  # the emulation, as the oracle
-
-    device = torch.device("cuda", index)
+def _probe(device: torch.device) -> tuple[bool, str]:
+    """Run a 256 x 384 x 256 product (K/128 = 3: the L4 padding matters) of random FP8
+    values and scales on the device against `reference_scaled_mm`; any error or a wrong
+    result says the kernel is unusable here."""
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(256, 384, device=device, generator=gen)
-    w = torch.randn(256, 384, device=device, generator=gen)
-    a, b = quantize(x, granularity="tiles"), quantize(w, granularity="blocks")
+    m, k, n = 256, 384, 256
+
+    def rand(*shape):
+        return torch.rand(*shape, device=device, generator=gen) + 0.5
+
+    a = _Operand(torch.randn(m, k, device=device, generator=gen).to(torch.float8_e4m3fn),
+                 rand(m, k // BLOCK), "tiles")
+    b = _Operand(torch.randn(n, k, device=device, generator=gen).to(torch.float8_e4m3fn),
+                 rand(n // BLOCK, k // BLOCK), "blocks")
     try:
-        out = blockwise_scaled_mm(a, b).float()
-    except (RuntimeError, ValueError, NotImplementedError) as e:
-        return False, f"the blockwise scaled_mm probe failed: {str(e).splitlines()[0]}"
-    ref = blockwise_mm(a, b)
+        ops = kernel_operands(a, b)
+        out = call_scaled_mm(ops).double().cpu()[:m]
+    except Exception as e:  # noqa: BLE001  any failure (a changed signature too) says "no"
+        text = str(e).strip().splitlines()
+        return False, (f"the blockwise scaled_mm probe failed: {type(e).__name__}: "
+                       f"{text[0] if text else ''}")
+    ref = reference_scaled_mm(ops)[:m]
     rel = ((out - ref).norm() / ref.norm()).item()
-    if not rel < 2.5e-3:  # bf16 output rounding (2^-9 per element) plus fp32 sums
+    if not rel < 2.0**-8 + 1e-4:  # bf16 output rounding plus the kernel's fp32 sums
         return False, f"the blockwise scaled_mm probe is off by {rel:.1e} (relative)"
     return True, f"cuBLASLt blockwise FP8 GEMM via {scaled_mm_api()}"
 
@@ -160,7 +183,7 @@ def blockwise_scaled_mm(a: FP8Tensor, b: FP8Tensor,
                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """a · bᵀ on cuBLASLt (bf16 out, cast to `out_dtype`): the kernel path of fp8_mm."""
     ops = kernel_operands(a, b)
-    out = call_scaled_mm(ops, torch.bfloat16)  # the blockwise mode writes bf16 only
+    out = call_scaled_mm(ops, torch.bfloat16)  # bf16 out, as torchao asks for it
     return out[: ops["rows"]].to(out_dtype)
 
 
@@ -169,7 +192,7 @@ def reference_scaled_mm(ops: dict) -> torch.Tensor:
     scale from its storage the way cuBLASLt does (by its leading dimension, not by the
     tensor's shape): a scale tensor of the wrong layout or without the L4 padding gives a
     wrong result here as on the GPU. For the tests; slow."""
-    a, b = ops["mat_a"].double(), ops["mat_b"].double()  # (M, K), (K, N)
+    a, b = (ops[key].detach().cpu().double() for key in ("mat_a", "mat_b"))  # (M, K), (K, N)
     (m, k), n = a.shape, b.shape[1]
     kb = k // BLOCK
     sa = _read(ops["scale_a"], (m, kb), (1, m))
@@ -187,9 +210,12 @@ def reference_scaled_mm(ops: dict) -> torch.Tensor:
 
 def _read(scale: torch.Tensor, size: tuple[int, int], stride: tuple[int, int]) -> torch.Tensor:
     """The (size) matrix the kernel sees at the scale's first element with `stride`."""
-    base = scale.detach().cpu()
-    need = scale.storage_offset() + (size[0] - 1) * stride[0] + (size[1] - 1) * stride[1] + 1
+    base = scale.detach().cpu()  # a dense view keeps its strides (and storage) on the copy
+    if base.stride() != scale.stride():
+        raise ValueError(f"scale of strides {scale.stride()} is not dense")
+    offset = base.storage_offset()
+    need = offset + (size[0] - 1) * stride[0] + (size[1] - 1) * stride[1] + 1
     if need > base.untyped_storage().nbytes() // base.element_size():
         raise ValueError(f"scale storage too small for {size} at strides {stride}: the kernel "
                          f"would read past it")
-    return base.as_strided(size, stride, scale.storage_offset()).double()
+    return base.as_strided(size, stride, offset).double()
