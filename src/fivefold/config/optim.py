@@ -31,6 +31,7 @@ class OptimSection:
     muon_nesterov: bool = True  # Nesterov momentum
     muon_ns_steps: int = 5  # Newton-Schulz iterations per matrix and step
     muon_ns_coefficients: str = "3.4445,-4.7750,2.0315"  # (a, b, c) of the quintic iteration
+    muon_ns_dtype: str = "bf16"  # bf16 (as Jordan and torch) | fp32 (exact layout parity)
     muon_adjust_lr: str = "match_rms_adamw"  # match_rms_adamw (0.2 sqrt(max(A,B))) | original
     muon_adamw_lr: float = 0.0  # peak lr of the AdamW part (0: train.lr)
     muon_exclude: str = "embed_tokens,lm_head,norm,router"  # name parts kept on AdamW
@@ -83,6 +84,7 @@ def check_optim(cfg) -> None:
             raise ConfigError(f"optim.muon_ns_steps = {oc.muon_ns_steps} must lie in "
                               f"[1, 100); 5 is the usual")
         ns_coefficients(oc.muon_ns_coefficients)
+        choice("optim.muon_ns_dtype", oc.muon_ns_dtype, ("bf16", "fp32"))
         choice("optim.muon_adjust_lr", oc.muon_adjust_lr, ("match_rms_adamw", "original"))
         positive("optim.muon_adamw_lr", oc.muon_adamw_lr, allow_zero=True)
     if tr.optimizer != "adamw" and str(cfg.parallel.offload) == "nvme":

@@ -29,6 +29,8 @@ from fivefold.parallel.optim_base import Derived, PieceOptimizer
 
 
 class Adafactor(PieceOptimizer):
+    SHAPED_KEYS = ()  # what shaped_states may return
+
     def __init__(self, masters, infos, tr, oc, assembler=None):
         super().__init__(masters, infos, tr, assembler)
         self.oc = oc

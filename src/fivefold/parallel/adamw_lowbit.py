@@ -24,6 +24,8 @@ from fivefold.parallel.optim_base import PieceOptimizer, derived, piece_view
 
 
 class AdamWLowBit(PieceOptimizer):
+    SHAPED_KEYS = ("exp_avg", "exp_avg_sq")  # what shaped_states may return
+
     def __init__(self, masters, infos, tr, bits: int, assembler=None):
         super().__init__(masters, infos, tr, assembler)
         self.bits = bits

@@ -64,8 +64,12 @@ class FlatLayout:
     """Where every parameter lives in the flat buffer, and who owns which part."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]],
-                 groups: list[list[int]], shards: int):
-        self.shards = shards
+                 groups: list[list[int]], shards: int, align: int = 1):
+        """`align` > 1 starts every parameter at a multiple of `align` values and makes
+        every rank's share of a segment one too, so a shard boundary never cuts a block of
+        `align` values of a parameter (quantised optimizer states: parallel/optimizers.py).
+        It costs under `align` values of padding per parameter and per segment and rank."""
+        self.shards, self.align = shards, align
         self.params: list[Slot] = []
         self.segments: list[Segment] = []
         offset = 0
@@ -73,11 +77,12 @@ class FlatLayout:
             seg_start, members = offset, []
             for i in group:
                 name, p = named_params[i]
+                offset = seg_start + -(-(offset - seg_start) // align) * align
                 members.append(len(self.params))
                 self.params.append(Slot(name, p, offset, p.numel(), p.shape, seg_index))
                 offset += p.numel()
             # Pad so that every rank owns an equal share: the collectives need equal chunks.
-            size = -(-(offset - seg_start) // shards) * shards
+            size = -(-(offset - seg_start) // (shards * align)) * shards * align
             offset = seg_start + size
             self.segments.append(Segment(seg_index, seg_start, size, members))
         self.total = offset

@@ -6,7 +6,7 @@ kellerjordan.github.io/posts/muon), as torch.optim.Muon (torch/optim/_muon.py) c
 
     B ← lerp(B, G, 1 − μ)                         (an EMA, as torch's)
     U ← lerp(G, B, μ)  (Nesterov)  or  B
-    O ← NS_k(U): X ← U/‖U‖_F in bf16 (transposed when tall), k times
+    O ← NS_k(U): X ← U/‖U‖_F in bf16 (or fp32), transposed when tall, k times
          A = X Xᵀ,  X ← aX + (bA + cA²)X           (a, b, c) = (3.4445, −4.7750, 2.0315)
     W ← W·(1 − lr·λ) − lr_adj · O
 
@@ -45,11 +45,16 @@ def takes(name: str, param: torch.Tensor, exclude: str) -> bool:
     return param.ndim in (2, 3) and not any(p in name for p in parts)
 
 
-def newton_schulz(update: torch.Tensor, coefficients, steps: int, eps: float = 1e-7
-                  ) -> torch.Tensor:
-    """torch.optim._muon._zeropower_via_newtonschulz's iteration, for one 2-D matrix."""
+def newton_schulz(update: torch.Tensor, coefficients, steps: int, eps: float = 1e-7,
+                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """torch.optim._muon._zeropower_via_newtonschulz's iteration, for one 2-D matrix.
+
+    Each iteration multiplies a small singular value by up to a = 3.4445, so k of them turn
+    a relative input change ε into up to a^k·ε (485ε for k = 5): in bf16 a last-bit change
+    of the input (a gradient summed in another order) can move the result by 485·2^-8,
+    in fp32 (`optim.muon_ns_dtype = fp32`) by 485·2^-24 (tests/test_optimizer_parallel.py)."""
     a, b, c = coefficients
-    x = update.bfloat16()
+    x = update.to(dtype)
     tall = update.size(0) > update.size(1)
     if tall:
         x = x.T
@@ -69,6 +74,8 @@ def adjusted_lr(lr: float, how: str, shape) -> float:
 
 
 class Muon(PieceOptimizer):
+    SHAPED_KEYS = ("momentum", "exp_avg", "exp_avg_sq")  # what shaped_states may return
+
     def __init__(self, masters, infos, tr, oc, assembler=None):
         from fivefold.config.optim import ns_coefficients
 
@@ -78,6 +85,7 @@ class Muon(PieceOptimizer):
         self.all_infos = infos  # the assembler indexes every piece of the owner
         self.oc = oc
         self.coefficients = ns_coefficients(oc.muon_ns_coefficients)
+        self.ns_dtype = torch.float32 if oc.muon_ns_dtype == "fp32" else torch.bfloat16
         rest = [(m, i) for m, i, c in zip(masters, infos, chosen) if not c]
         ratio = oc.muon_adamw_lr / tr.lr if oc.muon_adamw_lr > 0 else 1.0
         self.adamw = None
@@ -117,7 +125,8 @@ class Muon(PieceOptimizer):
                 info = self.info_of[id(m)]
                 whole = full[info.index]
                 mats = whole.reshape(-1, *info.matrix_shape)
-                ortho = torch.stack([newton_schulz(x, self.coefficients, oc.muon_ns_steps)
+                ortho = torch.stack([newton_schulz(x, self.coefficients, oc.muon_ns_steps,
+                                                   dtype=self.ns_dtype)
                                      for x in mats]).view(whole.shape)
                 lr, wd = lrs[info.index]
                 own = self.assembler.own(info, ortho).to(m.device)

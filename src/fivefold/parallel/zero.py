@@ -53,7 +53,10 @@ class DataParallelOptimizer:
                  stage: int = 0, offload: bool = False, bucket_mb: float = 25.0,
                  chunks: list[nn.Module] | None = None, timeout_s: float = 300.0,
                  watchdog: Watchdog | None = None, buckets_in_flight: int = BUCKETS_IN_FLIGHT,
-                 group: str = "dp_cp", grad_sync: str = "step", nvme_dir: str | None = None):
+                 group: str = "dp_cp", grad_sync: str = "step", nvme_dir: str | None = None,
+                 optim=None):
+        self.optim = optim  # [optim]: the keys of a rule other than AdamW (zero_rules.py)
+        self.own_rule = getattr(tr, "optimizer", "adamw") != "adamw"
         self.dims, self.tr, self.scaler, self.stage, self.offload = dims, tr, scaler, stage, offload
         self.nvme_dir = nvme_dir  # offload = "nvme": the states stream from files (nvme.py)
         self.group = dims[group]  # the ranks holding these weights: dp_cp, or edp for experts
@@ -72,7 +75,10 @@ class DataParallelOptimizer:
             groups, units = zero3_units(chunks, named_params)
         else:
             groups = bucket_groups(named_params, bucket_mb * 1e6, params[0].element_size())
-        self.layout = FlatLayout(named_params, groups, shards)
+        from fivefold.parallel.optimizers import layout_alignment
+
+        self.layout = FlatLayout(named_params, groups, shards,
+                                 layout_alignment(getattr(tr, "optimizer", "adamw")))
         self.pieces = self.layout.pieces(self.rank)
         self.gatherer = None
         if stage == 3:
@@ -122,12 +128,18 @@ class DataParallelOptimizer:
             self.master_flat = None
             source = self.gatherer.shard if self.gatherer is not None else self.param_flat
             by_flat = self.gatherer is None
-        self.exp_avg = torch.zeros(shard_numel, dtype=torch.float32, device=self.state_device)
-        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.master_pieces = []
         for pc in self.pieces:
             at = pc.flat if by_flat else pc.shard
             self.master_pieces.append(source[at:at + pc.hi - pc.lo])
+        if self.own_rule:  # its states per piece (zero_rules.py)
+            from fivefold.parallel.zero_rules import build_rule
+
+            self.exp_avg = self.exp_avg_sq = None
+            self.optimizer = build_rule(self, self.optim)
+            return self._build_shares()
+        self.exp_avg = torch.zeros(shard_numel, dtype=torch.float32, device=self.state_device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         decay, no_decay = [], []
         for pc, m in zip(self.pieces, self.master_pieces):
             slot = self.layout.params[pc.slot]
@@ -281,12 +293,17 @@ class DataParallelOptimizer:
                 self.watchdog.wait(h, "ZeRO parameter all-gather")
 
     # --- checkpoints and accounting -----------------------------------------------------
-    def shard_states(self, load: bool = False) -> list[tuple]:
+    def shard_states(self, load: bool = False, convert_from: str | None = None) -> list[tuple]:
         """(name, parameter, lo, hi, {key: flat view}) for each piece this rank owns: the
         elements [lo, hi) of the flattened local parameter, its fp32 master and Adam moments,
         as views of the flat shards (nothing gathered, nothing copied). A load fills them in
         place and then calls `loaded(step)`. In fp32 the master *is* the parameter: a load
-        reads it once, from the master."""
+        reads it once, from the master. A rule of fivefold's own names its states itself
+        (zero_rules.shard_views)."""
+        if self.own_rule:
+            from fivefold.parallel.zero_rules import shard_views
+
+            return shard_views(self, load, convert_from)
         params = self.gatherer.shard if self.gatherer is not None else self.param_flat
         master, avg, avg_sq = self._state_flats(load)
         out = []
@@ -308,6 +325,8 @@ class DataParallelOptimizer:
         """The owned pieces are filled: gather the parameters' other ranges (ZeRO-1/2 keep
         whole parameters; ZeRO-3 gathers at the next forward) and restore the moments."""
         self._publish_params(from_master=False)
+        if self.own_rule:
+            return self.optimizer.loaded(step)
         self._reset_moments(step)
 
     def _full_flat(self, shard: torch.Tensor) -> torch.Tensor:
@@ -326,19 +345,26 @@ class DataParallelOptimizer:
         comparisons only (checkpoints use `shard_states`, which gathers nothing)."""
         param_full = self.param_flat if self.gatherer is None else self._full_flat(
             self.gatherer.shard)
-        master, avg, avg_sq = self._state_flats(load=False)
+        if self.own_rule:
+            from fivefold.parallel.zero_rules import gathered_states
+
+            master = self.master_flat if self.separate_master else None
+            states = gathered_states(self)
+        else:
+            master, avg, avg_sq = self._state_flats(load=False)
+            states = {"exp_avg": self._full_flat(avg), "exp_avg_sq": self._full_flat(avg_sq)}
         master_full = self._full_flat(master) if self.separate_master else param_full
-        avg, avg_sq = self._full_flat(avg), self._full_flat(avg_sq)
         out = {}
         for i, slot in enumerate(self.layout.params):
             out[slot.name] = {
                 "param": self.layout.view(param_full, i).detach().clone(),
                 "master": self.layout.view(master_full, i).float().clone(),
-                "exp_avg": self.layout.view(avg, i).clone(),
-                "exp_avg_sq": self.layout.view(avg_sq, i).clone()}
+                **{k: self.layout.view(v, i).clone() for k, v in states.items()}}
         return out
 
     def step_count(self) -> int:
+        if self.own_rule:
+            return self.optimizer.steps
         if self.nvme_dir is not None:
             return self.optimizer.step_count
         for state in self.optimizer.state.values():
@@ -360,6 +386,8 @@ class DataParallelOptimizer:
         """Adam's moments as held in memory: the flat buffers, or nvme's staging slots."""
         if self.nvme_dir is not None:
             return self.optimizer.store.staging()
+        if self.own_rule:
+            return self.optimizer.state_tensors()
         return [self.exp_avg, self.exp_avg_sq]
 
     def peak_sources(self) -> dict[str, peak.Source]:
@@ -410,4 +438,5 @@ def optimizer_options(model, cfg, watchdog: Watchdog | None) -> dict:
                 buckets_in_flight=par.buckets_in_flight,
                 # "auto" is resolved by the trainer (plan/inputs.py); unresolved, it is "step"
                 grad_sync="microbatch" if par.grad_sync == "microbatch" else "step",
-                nvme_dir=par.offload_dir if tier == "nvme" else None)
+                nvme_dir=par.offload_dir if tier == "nvme" else None,
+                optim=getattr(cfg, "optim", None))
