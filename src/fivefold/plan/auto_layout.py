@@ -144,9 +144,12 @@ def choose(cfg, world: int, hw: Hardware, assume: Assumptions, precision: str,
     # the search fits grad_sync = auto at its smaller need; each plan has it resolved
     fitting = sorted((p for r in results for p in r.top if p.fits), key=lambda p: p.time.total)
     considered = sum(r.considered for r in results)
-    if fitting:
-        return AutoPick(fitting[0], fitting[1] if len(fitting) > 1 else None, world,
-                        budget, budget_source, hardware_words, considered)
+    if fitting:  # the runner-up: the next that differs in prediction (auto ≡ none is a twin)
+        best = fitting[0]
+        other = next((p for p in fitting[1:]
+                      if abs(p.time.total - best.time.total) > 1e-9 * best.time.total), None)
+        return AutoPick(best, other, world, budget, budget_source, hardware_words,
+                        considered)
     smallest = min((r.smallest for r in results if r.smallest), default=None,
                    key=lambda s: s[0])
     if smallest is not None:
