@@ -2,7 +2,7 @@
 step times of every feasible layout, on this machine.
 
     python bench/auto_layout.py --profile PROFILE.json [--ranks 4] [--rounds 2] [--steps 2]
-                                [--cases 25m-gbs8,25m-gbs16,deep-gbs8,deep-gbs16]
+        [--warmup 1] [--cases 25m-gbs4,25m-gbs8,deep-gbs4,deep-gbs8] [--no-sp] [--more]
 
 PROFILE.json comes from `fivefold calibrate --out PROFILE.json --world 4 --max-hidden 1024
 --threads 1` (each rank of a CPU run computes on one thread). For each case (a model and a
@@ -12,7 +12,7 @@ adds time, and ZeRO-2/3 move the same bytes as ZeRO-1 on one node), schedule 1f1
 engine accepts, one per shape (dp, tp, pp, sp) at the planner's fastest ZeRO stage and
 micro-batch for it (every micro-batch of every shape would take hours on 2 cores), plus
 auto's own pick and runner-up from the whole space. Each layout trains
-`--steps` timed steps after one warm-up step on `--ranks` forked gloo ranks (one thread each,
+`--steps` timed steps after `--warmup` untimed ones on `--ranks` forked gloo ranks (one thread each,
 the same seed and batches); layouts take turns round by round, in a shuffled order, so the
 shared machine's noise falls on all of them alike; a layout's time is the median of its
 timed steps over all rounds (rank 0's wall clock per step). Reported per case: the pick's
@@ -67,7 +67,7 @@ def case_config(name: str, root: Path, layout_args: list[str]):
     return config.load(str(ROOT / "examples" / "bench-25m.toml"), args)
 
 
-def candidates(name: str, ranks: int, hw, assume, root: Path):
+def candidates(name: str, ranks: int, hw, assume, root: Path, sp: bool = True):
     """(auto's pick, its runner-up, the layouts to measure) of one case."""
     cfg = case_config(name, root, ["--parallel.layout", "auto"])
     for key in ("parallel.mbs",):  # the example's own micro-batch: searched here
@@ -82,6 +82,8 @@ def candidates(name: str, ranks: int, hw, assume, root: Path):
     # of it. Measuring every micro-batch and stage of every shape takes hours on 2 cores.
     shapes: dict = {}
     for lay in feasible:
+        if lay.sp and not sp:
+            continue
         key = (lay.dp, lay.tp, lay.pp, lay.sp)
         t = plan_layout(work, lay, hw, assume).time.total
         if key not in shapes or t < shapes[key][0]:
@@ -93,7 +95,7 @@ def candidates(name: str, ranks: int, hw, assume, root: Path):
     return cfg, work, pick, layouts, len(feasible)
 
 
-def _rank(rank, world, init_file, cfg, steps, out):
+def _rank(rank, world, init_file, cfg, steps, warmup, out):
     torch.set_num_threads(1)
     from fivefold.parallel.mesh import ParallelDims
     from fivefold.train.trainer import Trainer
@@ -103,20 +105,21 @@ def _rank(rank, world, init_file, cfg, steps, out):
     dims = ParallelDims.from_config(cfg.parallel)
     times = []
     with Trainer(cfg, dims, quiet=True) as trainer:
-        for _ in range(steps + 1):
+        for _ in range(steps + warmup):
             dist.barrier()
             start = time.perf_counter()
             trainer.train_step()
             times.append(time.perf_counter() - start)
     if rank == 0:
-        Path(out).write_text(json.dumps(times[1:]))
+        Path(out).write_text(json.dumps(times[warmup:]))
     dist.destroy_process_group()
 
 
-def measure(cfg, ranks: int, steps: int) -> list[float]:
+def measure(cfg, ranks: int, steps: int, warmup: int) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
-        mp.start_processes(_rank, args=(ranks, os.path.join(tmp, "init"), cfg, steps, out),
+        mp.start_processes(_rank, args=(ranks, os.path.join(tmp, "init"), cfg, steps, warmup,
+                                             out),
                            nprocs=ranks, join=True, start_method="fork")
         return json.loads(Path(out).read_text())
 
@@ -147,7 +150,12 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--cases", default="25m-gbs8,25m-gbs16,deep-gbs8,deep-gbs16")
+    ap.add_argument("--cases", default="25m-gbs4,25m-gbs8,deep-gbs4,deep-gbs8")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    ap.add_argument("--more", action="store_true",
+                    help="add --rounds rounds to the samples already in --out")
+    ap.add_argument("--no-sp", dest="sp", action="store_false",
+                    help="measure no sequence-parallel shapes (unless auto picks one)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "auto_layout.json"))
     args = ap.parse_args()
     profile = load_profile(args.profile)
@@ -156,14 +164,25 @@ def main() -> None:
     root = Path(tempfile.mkdtemp())
     cases = {}
     for name in args.cases.split(","):
-        cfg, work, pick, layouts, feasible = candidates(name, args.ranks, hw, assume, root)
+        cfg, work, pick, layouts, feasible = candidates(name, args.ranks, hw, assume, root,
+                                                         args.sp)
         plans = {lay: plan_layout(work, lay, hw, assume) for lay in layouts}
         cases[name] = {"cfg": cfg, "pick": pick, "plans": plans, "feasible": feasible,
                        "times": {lay: [] for lay in layouts}}
         print(f"{name}: {len(layouts)} layouts measured (one per shape of {feasible}); auto "
               f"picks {pick.best.layout.short()}", flush=True)
-    rng = random.Random(0)
-    for rnd in range(args.rounds):
+    earlier = 0
+    if args.more and Path(args.out).is_file():  # add rounds to the samples already there
+        before = json.loads(Path(args.out).read_text())
+        earlier = before["rounds"]
+        for name, result in before["cases"].items():
+            if name in cases:
+                shown = {lay.short(): lay for lay in cases[name]["times"]}
+                for row in result["rows"]:
+                    if row["layout"] in shown:
+                        cases[name]["times"][shown[row["layout"]]] += row["samples_s"]
+    rng = random.Random(earlier)
+    for rnd in range(earlier, earlier + args.rounds):
         for name, case in cases.items():
             order = list(case["plans"])
             rng.shuffle(order)
@@ -171,11 +190,11 @@ def main() -> None:
                 run_cfg = planner.apply(case["cfg"], case["plans"][lay], BUDGET_GIB)
                 run_cfg.parallel.layout = "manual"
                 config.validate_layout(run_cfg)
-                t = measure(run_cfg, args.ranks, args.steps)
+                t = measure(run_cfg, args.ranks, args.steps, args.warmup)
                 case["times"][lay] += t
                 print(f"round {rnd + 1} {name} {lay.short():<36} "
                       + " ".join(f"{x:.2f}" for x in t), flush=True)
-        write(args, cases, profile, started, rnd + 1)  # what is measured so far survives
+                write(args, cases, profile, started, rnd + 1)  # what is measured survives
 
 
 def write(args, cases: dict, profile: dict, started: float, rounds_done: int) -> None:
