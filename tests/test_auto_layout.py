@@ -135,3 +135,49 @@ def test_every_pick_is_one_the_engine_runs_on_its_own_check(tmp_path):
             trial = planner.apply(cfg, plan, budget)
             assert _independent_refusal(trial, lay) is None, (name, lay.short())
             assert lay.world_size == world and plan.fits
+
+
+def _pipeline_recompute(rank, world, root):
+    """pp = 2 with per-layer recompute = auto against pp = 2 without recomputation."""
+    from fivefold.parallel.mesh import ParallelDims
+    from fivefold.parallel.peak import PeakTracker
+    from fivefold.train.trainer import Trainer
+
+    out = {}
+    for mode, extra in (("none", []), ("auto", ["--train.memory_budget_gib", BUDGET_PP])):
+        cfg = small_config(Path(root) / mode, "--parallel.pp", "2", "--train.gbs", "4",
+                           "--model.num_layers", "4", "--train.recompute", mode, *extra)
+        with Trainer(cfg, ParallelDims.from_config(cfg.parallel), quiet=True) as trainer:
+            losses = [trainer.train_step()["loss"]]
+            with PeakTracker(trainer.peak_sources()) as tracker:
+                losses.append(trainer.train_step()["loss"])
+            policies = [c.label() for c in trainer.recompute_policies or []]
+        out[mode] = (losses, tracker.peak, policies)
+    return out
+
+
+# GiB: between full recomputation's planned peak (0.00054) and none's (0.00064)
+BUDGET_PP = "0.0006"
+
+
+def test_recompute_auto_runs_under_a_pipeline(tmp_path):
+    """The engine's recompute = auto under pp = 2 (what the auto search may now pick): each
+    stage applies the plan of its pipeline rank, which changes no arithmetic (losses
+    bit-identical to no recomputation), mixes choices under this budget, and keeps each
+    rank's tracked peak under the budget (at this size a rank's peak is set by its weights
+    and head more than by the layers' activations, so it is no lower than none's here)."""
+    from fivefold.plan.inputs import training_plan_inputs
+    from fivefold.plan.memory import minimum_budget
+
+    cfg = small_config(tmp_path / "plan", "--parallel.pp", "2", "--train.gbs", "4",
+                       "--model.num_layers", "4")
+    work, layout = training_plan_inputs(cfg)
+    work = dataclasses.replace(work, precision="fp32")
+    assert minimum_budget(work, layout) < float(BUDGET_PP)
+    ranks = run_ranks(_pipeline_recompute, 2, str(tmp_path))
+    for rank in ranks:
+        (none_losses, none_peak, _), (auto_losses, auto_peak, policies) = rank["none"], \
+            rank["auto"]
+        assert auto_losses == none_losses
+        assert auto_peak <= min(float(BUDGET_PP) * 2**30, none_peak), (auto_peak, none_peak)
+        assert len(policies) == 4 and len(set(policies)) > 1, policies

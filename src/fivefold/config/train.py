@@ -89,7 +89,9 @@ def check_train(cfg, mc) -> None:
 def check_memory_budget(cfg, mc) -> None:
     """recompute = auto needs a budget at or above full recomputation's peak (the planner's,
     for this layout; plan/recompute_plan.py), and a layout whose blocks it can checkpoint per
-    operator: no tensor, context or expert parallelism, no pipeline, no experts."""
+    operator: no tensor, context or expert parallelism, no experts. A pipeline is fine: the
+    policies are applied block by block in forward order before the stages are cut, each
+    stage's blocks from the plan of the pipeline rank that holds them."""
     par, tr = cfg.parallel, cfg.train
     positive("train.memory_budget_gib", tr.memory_budget_gib, allow_zero=True)
     if tr.recompute != "auto":
@@ -97,9 +99,9 @@ def check_memory_budget(cfg, mc) -> None:
     if tr.memory_budget_gib <= 0:
         raise ConfigError("train.recompute = 'auto' needs train.memory_budget_gib > 0 (the "
                           "peak GiB per rank to fit); set it, or pick none, selective or full")
-    others = [f"parallel.{k} = {getattr(par, k)}" for k in ("tp", "pp", "cp", "ep")
+    others = [f"parallel.{k} = {getattr(par, k)}" for k in ("tp", "cp", "ep")
               if getattr(par, k) > 1] + (["model.num_experts > 0"] if mc.num_experts else [])
     if others:
-        raise ConfigError(f"train.recompute = 'auto' runs without tensor, pipeline, context "
-                          f"or expert parallelism and on dense models; {others[0]}: use "
-                          f"selective or full")
+        raise ConfigError(f"train.recompute = 'auto' runs without tensor, context or expert "
+                          f"parallelism and on dense models; {others[0]}: use selective or "
+                          f"full")

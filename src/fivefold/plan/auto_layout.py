@@ -144,9 +144,12 @@ def choose(cfg, world: int, hw: Hardware, assume: Assumptions, precision: str,
     # the search fits grad_sync = auto at its smaller need; each plan has it resolved
     fitting = sorted((p for r in results for p in r.top if p.fits), key=lambda p: p.time.total)
     considered = sum(r.considered for r in results)
-    if fitting:
-        return AutoPick(fitting[0], fitting[1] if len(fitting) > 1 else None, world,
-                        budget, budget_source, hardware_words, considered)
+    if fitting:  # the runner-up: the next that differs in prediction (auto ≡ none is a twin)
+        best = fitting[0]
+        other = next((p for p in fitting[1:]
+                      if abs(p.time.total - best.time.total) > 1e-9 * best.time.total), None)
+        return AutoPick(best, other, world, budget, budget_source, hardware_words,
+                        considered)
     smallest = min((r.smallest for r in results if r.smallest), default=None,
                    key=lambda s: s[0])
     if smallest is not None:
@@ -161,16 +164,15 @@ def choose(cfg, world: int, hw: Hardware, assume: Assumptions, precision: str,
 
 def _spaces(space: SearchSpace, work: Workload) -> list[SearchSpace]:
     """The space as two searches: recompute = auto only where the engine runs it (one rank
-    of tp, pp, cp and ep, a dense model: parallel/recompute.py's per-operator policies), since
+    of tp, cp and ep, a dense model: parallel/recompute.py's per-operator policies), since
     planning auto costs a knapsack per layout; the other recomputation everywhere."""
     plain = dataclasses.replace(space, recompute=tuple(r for r in space.recompute
                                                        if r != "auto"))
     out = [plain] if plain.recompute else []
-    dims = {d: getattr(space, d) or (1,) for d in ("tp", "pp", "cp", "ep")}
+    dims = {d: getattr(space, d) or (1,) for d in ("tp", "cp", "ep")}
     if "auto" in space.recompute and not work.model.num_experts and all(
             1 in v for v in dims.values()):
-        out.append(dataclasses.replace(space, recompute=("auto",), tp=(1,), pp=(1,), cp=(1,),
-                                       ep=(1,)))
+        out.append(dataclasses.replace(space, recompute=("auto",), tp=(1,), cp=(1,), ep=(1,)))
     return out
 
 
