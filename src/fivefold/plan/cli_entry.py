@@ -338,7 +338,8 @@ def _search(args, work, num_gpus, hw, assume, allowed=None) -> int:
     if convention is not None:  # its layout settings, but the search still explores ZeRO
         space.fixed = {k: v for k, v in convention.layout.items() if k != "zero"}
         space.schedule = tuple(s for s in space.schedule if s in convention.schedules)
-    result = search(work, num_gpus, hw, assume, space, top=max(args.top, 1))
+    result = search(work, num_gpus, hw, assume, space, top=max(args.top, 1),
+                    progress=lambda line: print(line, file=sys.stderr, flush=True))
     if getattr(args, "gbs_note", None):
         result.notes.insert(0, f"note: {args.gbs_note}")
     cost = _run_cost(args, work, result.top[0], assume) if result.top else None
