@@ -255,8 +255,9 @@ def run(argv: list[str]) -> int:
             raise ConfigError(str(e)) from None
     else:
         model = resolve_model(args.model)
-    if args.seq_len < 1 or args.gpus < 1:
-        raise ConfigError("--seq-len and --gpus must be >= 1")
+    for flag, value in (("--gpus", args.gpus), ("--seq-len", args.seq_len)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be >= 1")
     if (args.gbs is not None and args.gbs < 1) or (args.gbs_tokens is not None
                                                     and args.gbs_tokens < args.seq_len):
         raise ConfigError("--gbs must be >= 1 sequence (--gbs-tokens >= one sequence of "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -164,11 +165,24 @@ def layout_notes(cfg: Config) -> list[str]:
     """Settings the layout accepts but does not use, said once at the start."""
     par = cfg.parallel
     notes = []
+    if par.zero > 0 and par.dp * par.cp == 1 and par.ep == 1:
+        notes.append(f"note: parallel.zero = {par.zero} shards over the data-parallel ranks, "
+                     f"and parallel.dp × cp = 1: nothing is sharded (it runs as zero = 0 "
+                     f"would); raise parallel.dp to shard")
     if par.pp == 1 and par.schedule != "1f1b":
         notes.append(f"note: parallel.schedule = {par.schedule} has no effect with "
                      f"parallel.pp = 1 (a schedule orders pipeline stages); set parallel.pp > 1"
                      f" to use it")
     return notes
+
+
+def recompute_line(cfg: Config, policies) -> str:
+    """recompute = auto's choice, layer by layer in forward order, runs of equal choices
+    merged: 'recompute auto under 0.05 GiB: 1× none; 1× keep q,k,v,core'."""
+    runs = [(label, len(list(group))) for label, group in
+            itertools.groupby(c.label() for c in policies)]
+    return (f"recompute auto under {cfg.train.memory_budget_gib:g} GiB, per layer: "
+            + "; ".join(f"{n}× {label}" for label, n in runs))
 
 
 def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
@@ -199,6 +213,8 @@ def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
                              f"token: MFU counts the active ones (6·N_active + attention)")
     if log and trainer.lora:  # adapters, and trainable / total parameters
         progress.message(trainer.lora_summary)
+    if log and trainer.recompute_policies:
+        progress.message(recompute_line(cfg, trainer.recompute_policies))
     warmup = cfg.train.warmup_steps
     if warmup > cfg.train.steps // 10:
         progress.message(f"note: train.warmup_steps = {warmup} is capped at a tenth of "

@@ -50,6 +50,7 @@ from fivefold.train.recovery import (
     save_failed,
     unwritable,
 )
+from fivefold.train.rundir import check_budget_fits
 
 
 class NonFiniteError(RunError):
@@ -83,6 +84,7 @@ class Trainer:
         resolve_mbs(cfg)  # a config built in code (not through validate) may still say auto
         tr = cfg.train
         self.device = pick_device(tr.device)
+        check_budget_fits(cfg, self.device)
         self.precision = resolve_precision(tr.precision, self.device)
         self.dtype = DTYPES[self.precision]
         self.model_cfg = cfg.model.resolve()
