@@ -19,16 +19,28 @@ from fivefold.train.rundir import memory_warning, start_notes
 from fivefold.train.trainer import Trainer
 
 
+def _size(n: float) -> str:
+    """Bytes in the plan line's units: MiB below a GiB, GiB from there."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
 def _fmt(rec: dict) -> str:
-    mem = rec["memory_bytes"] / 2**30
-    mfu = f"{100 * rec['mfu']:.1f}%" if rec.get("mfu") is not None else "n/a"
+    """The step line. Memory: the peak allocated bytes (what the plan's `peak ... allocated`
+    predicts), and on a CPU the process's resident size beside it, labelled `rss` (it holds
+    the Python interpreter, torch's libraries and the allocator's free pages too). MFU is
+    left out where it is unknown (a CPU has no catalogued peak)."""
+    mfu = f"  mfu {100 * rec['mfu']:.1f}%" if rec.get("mfu") is not None else ""
+    alloc = rec.get("peak_allocated_bytes")
+    mem = f"peak {_size(alloc)} allocated" if alloc is not None else ""
+    if "memory_reserved_bytes" not in rec:  # a CPU: memory_bytes is the resident size
+        mem = ", ".join(filter(None, [mem, f"rss {_size(rec['memory_bytes'])}"]))
     skip = ""
     if rec.get("skipped"):
         skip = " (skipped: non-finite loss or gradient)" if rec.get("bad") else \
             " (skipped, fp16 overflow)"
     return (f"step {rec['step']:>6}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
-            f"grad_norm {rec['grad_norm']:.3f}  tok/s {rec['tokens_per_s']:,.0f}  mfu {mfu}  "
-            f"mem {mem:.2f} GiB{skip}" + (f"  experts max/mean {rec['moe_imbalance']:.2f}"
+            f"grad_norm {rec['grad_norm']:.3f}  tok/s {rec['tokens_per_s']:,.0f}{mfu}  "
+            f"{mem}{skip}" + (f"  experts max/mean {rec['moe_imbalance']:.2f}"
                                           f"  aux {rec['moe_aux_loss']:.4f}"
                                           if "moe_imbalance" in rec else ""))
 
@@ -121,9 +133,14 @@ def planned_peak_bytes(trainer: Trainer) -> dict[str, float]:
     return items
 
 
-def compare_states(planned: dict, measured: dict) -> str:
+def compare_states(planned: dict, measured: dict, nvme: bool = False) -> str:
+    """Planned against measured model-state bytes. Under parallel.offload = nvme the
+    optimizer's states live in files: what memory holds of them is the staging slots (two
+    slots of a chunk of the three fp32 states, parallel/nvme.py), named as such."""
     mib = 2**20
-    parts = [f"{k} {planned[k] / mib:.2f}/{measured.get(k, 0) / mib:.2f}" for k in STATE_ITEMS]
+    names = {"optimizer": "optimizer (NVMe files; in memory: 2 staging slots)"} if nvme else {}
+    parts = [f"{names.get(k, k)} {planned[k] / mib:.2f}/{measured.get(k, 0) / mib:.2f}"
+             for k in STATE_ITEMS]
     return "model states per rank, planned/measured MiB: " + ", ".join(parts)
 
 
@@ -252,7 +269,8 @@ def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
                     from fivefold.parallel.buffers import storage_bytes
 
                     measured["params"] += storage_bytes(frozen_state(trainer.model.chunks))
-                progress.message(compare_states(planned, measured))
+                progress.message(compare_states(
+                    planned, measured, offload_value(cfg.parallel.offload) == "nvme"))
                 if trainer.device.type == "cuda":
                     want = sum(peak.values())
                     progress.message(f"peak allocated, planned/measured MiB: {want / 2**20:.1f}"

@@ -230,7 +230,28 @@ class Trainer:
                 comm.broadcast(total, self.pipeline.loss_pp_rank, self.dims["pp"])
         return float(total) / num_tokens
 
+    TRACKED_STEPS = 2  # the second step is the first with Adam's moments: the steady peak
+
     def train_step(self) -> dict:
+        """One optimizer step. Its record's `peak_allocated_bytes` is what the planner's
+        `peak ... allocated` predicts and train.memory_budget_gib bounds: on CUDA the
+        allocator's peak; on a CPU, for a run that logs, the peak of the storages this rank
+        holds (parallel/peak.py), counted over the first TRACKED_STEPS steps, whose shapes
+        every later step repeats. `memory_bytes` stays the CUDA peak or the process RSS."""
+        if self.device.type == "cuda":
+            rec = self._train_step()
+            rec["peak_allocated_bytes"] = rec["memory_bytes"]
+            return rec
+        if self.is_logger and self.step < self.TRACKED_STEPS and not peak.active():
+            with peak.PeakTracker(self.peak_sources()) as tracker:
+                rec = self._train_step()
+            self.tracked_peak = max(getattr(self, "tracked_peak", 0), tracker.peak)
+        else:
+            rec = self._train_step()
+        rec["peak_allocated_bytes"] = getattr(self, "tracked_peak", None)
+        return rec
+
+    def _train_step(self) -> dict:
         self.throughput.begin()
         self.model.train()
         self.dims.ledger.reset()
