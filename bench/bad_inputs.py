@@ -46,7 +46,8 @@ def note_cases(root: Path) -> list[tuple[str, list[str], str]]:
         ("zero 3 at dp 1", [*one, "--parallel.zero", "3", *dirs(root / "n1")],
          "nothing is sharded"),
         ("recompute auto's plan", [*one, "--train.recompute", "auto",
-                                   "--train.memory_budget_gib", "0.01", *dirs(root / "n2")],
+                                   "--train.memory_budget_gib", "0.01", "--log.progress",
+                                   "true", *dirs(root / "n2")],  # with the run's other lines
          "recompute auto under"),
         ("prepare non-UTF-8 text", ["prepare", str(root / "latin1.txt"), "-o",
                                     str(root / "latin1.bin")], "not valid UTF-8"),
