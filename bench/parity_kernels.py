@@ -89,21 +89,23 @@ def main() -> None:
     args = ap.parse_args()
     marker = "parity" if args.slow else "parity and not slow"
     rows = []
-    for capability in args.capabilities:
-        for threads in args.threads:
+    record = {
+        "benchmark": "parity_kernels", "machine": cpu_label(), "git": git_revision(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "native_capability": torch.backends.cpu.get_cpu_capability(),
+        "marker": marker, "rows": rows,
+    }
+    for threads in args.threads:  # every kernel at one thread first: the cheapest spread
+        for capability in args.capabilities:
             row = run_combination(capability, threads, marker, args.pytest_args)
+            row["load_average_1m"] = os.getloadavg()[0]
             rows.append(row)
             print(f"{capability:>8} ({row['capability_used']}) threads {threads}: "
                   f"{row['summary']}; worst error/bound {row['worst_ratio']} over "
                   f"{row['checks']} checks ({(row['worst_check'] or {}).get('label')}); "
                   f"{row['seconds']} s", flush=True)
-    record = {
-        "benchmark": "parity_kernels", "machine": cpu_label(), "git": git_revision(),
-        "python": platform.python_version(), "torch": torch.__version__,
-        "native_capability": torch.backends.cpu.get_cpu_capability(),
-        "marker": marker, "load_average_1m": os.getloadavg()[0], "rows": rows,
-    }
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+            # written after every combination, so a long sweep keeps what it finished
+            Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {Path(args.out).relative_to(ROOT)}")
     sys.exit(1 if any(r["exit_code"] != 0 for r in rows) else 0)
 

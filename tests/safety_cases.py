@@ -38,6 +38,7 @@ def make_world(root: Path, finished_run: Path) -> dict[str, Path]:
     w = {"run": finished_run, "root": root}
     (root / "text.txt").write_text("To be, or not to be, that is the question. " * 20)
     (root / "empty.txt").write_text("")
+    (root / "empty.bin").write_bytes(b"")  # a token file with nothing in it, no metadata
     prepare([str(root / "text.txt")], str(root / "tokens.bin"))
     (root / "bad.toml").write_text("[train\nsteps = 3\n")
     (root / "tasks.jsonl").write_text('{"prompt": "To be", "reference": "or not"}\n')
@@ -127,6 +128,18 @@ def cases(w: dict[str, Path]) -> list[tuple[str, list[str], int, str]]:
                                   str(r / "p.json")], 2, "--hw-profile"),
         ("launch auto without ranks", ["launch", *t, "--parallel.layout", "auto"], 2,
          "give fivefold launch --nproc-per-node N"),
+        # train: settings another setting would ignore
+        ("budget without auto", [*t, "--train.memory_budget_gib", "50"], 2,
+         "train.memory_budget_gib = 50 bounds train.recompute = 'auto' only"),
+        ("budget above the machine", [*t, "--train.recompute", "auto",
+                                      "--train.memory_budget_gib", "100000"], 2,
+         "more than this machine's"),
+        ("microbatch sync at zero 0", [*t, "--parallel.grad_sync", "microbatch"], 2,
+         "parallel.zero = 0 keeps no such shard"),
+        ("lora with fp8", [*t, "--lora.rank", "4", "--train.precision", "fp8"], 2,
+         "lora.rank > 0 with train.precision = 'fp8'"),
+        ("data a device", [*t, "--data.path", "/dev/null"], 2,
+         "data.path = '/dev/null' is not a regular file"),
         # train: files and directories
         ("config missing", [*t, "--config", str(r / "none.toml")], 2, "does not exist"),
         ("config is a dir", [*t, "--config", str(r / "adir")], 2, "is a directory"),
@@ -198,7 +211,21 @@ def cases(w: dict[str, Path]) -> list[tuple[str, list[str], int, str]]:
          2, "not writable"),
         ("prepare tiny vocab", ["prepare", str(r / "text.txt"), "-o", str(r / "v.bin"),
                                 "--train-tokenizer", "100"], 2, "too small"),
+        # launch
+        ("launch nproc 0", ["launch", "--nproc", "0", "train", *SMALL, *new], 2,
+         "--nproc-per-node 0 must be >= 1"),
+        # quantize: options the method would ignore
+        ("quantize symmetric nf4", ["quantize", "--checkpoint", ck, "--method", "nf4",
+                                    "--symmetric", "--out", str(r / "q1")], 2,
+         "--symmetric applies to --method int4 or awq only, not nf4"),
+        ("quantize group size int8", ["quantize", "--checkpoint", ck, "--method", "int8",
+                                      "--group-size", "64", "--out", str(r / "q2")], 2,
+         "--group-size applies to --method int4 or awq only, not int8"),
+        ("quantize calib int4", ["quantize", "--checkpoint", ck, "--method", "int4", "--calib",
+                                 str(w["tokens.bin"]), "--out", str(r / "q3")], 2,
+         "--calib applies to --method awq only, not int4"),
         # plan
+        ("plan gpus 0", ["plan", "--model", "tiny", "--gpus", "0"], 2, "error: --gpus 0 must"),
         ("hw memory nan", [*plan, "--hw", "memory_gib=nan"], 2, "memory_gib=nan"),
         ("hw memory negative", [*plan, "--hw", "memory_gib=-5"], 2, "memory_gib=-5"),
         ("hw efficiency 0", [*plan, "--hw", "matmul_efficiency=0"], 2, "matmul_efficiency"),
@@ -226,10 +253,13 @@ def cases(w: dict[str, Path]) -> list[tuple[str, list[str], int, str]]:
         ("eval predictions no field", ["eval", "--predictions", str(w["tasks.jsonl"])], 2,
          'line 1 has no "prediction"'),
         ("eval missing checkpoint", ["eval", "--checkpoint", str(r / "nope")], 2, "nope"),
+        ("eval empty token file", ["eval", "--checkpoint", ck, "--data", str(r / "empty.bin")],
+         2, "is empty (0 bytes)"),
         # schedule and the command itself
         ("schedule unknown", ["schedule", "--schedule", "nope", "--pp", "2", "--microbatches",
                               "4", "--out", str(r / "s.png")], 2, "nope"),
-        ("schedule pp 0", [*sched[:4], "0", *sched[5:], "--out", str(r / "s.png")], 2, "pp"),
+        ("schedule pp 0", [*sched[:4], "0", *sched[5:], "--out", str(r / "s.png")], 2,
+         "error: --pp 0 must be >= 1"),
         ("schedule unwritable", [*sched, "--out", UNWRITABLE + "/s.png"], 2, "not writable"),
         ("unknown command", ["trian"], 2, "unknown command"),
     ]

@@ -7,10 +7,14 @@ the tensor's norm (||a - b|| / ||b||, since single entries near zero have no mea
 relative error). AdamW's first steps move each entry by about lr·sign(grad) whatever the
 gradient's size, so an entry whose gradient is near zero turns rounding noise into a
 full-sized difference (at lr 1e-2 one such entry of up_proj put the tensor 1.8e-5 off): the
-model's Adam gain covers it. A key bias barely changes the attention (softmax over keys
-ignores a constant and only RoPE's rotation keeps it from vanishing), so its gradient is
-1e-4 of its neighbours', mostly cancellation; its parameters still move by Adam's lr-sized
-steps, so they stay within the same bound.
+model's Adam gain covers it. One exception, stated: a key bias barely changes the attention
+(softmax over keys ignores a constant and only RoPE's rotation keeps it from vanishing), so
+its gradient is 1e-4 of its neighbours', mostly cancellation: a cancellation factor of ~1e4
+on top of the model's. Its gradient is compared at GRAD_RTOL like every other tensor (where a
+sharding bug would show), but not its parameters after AdamW: Adam turns each of its
+rounding-sized gradient entries into an lr-sized step, so the result is set by the kernels'
+rounding (3.3e-5 apart under AVX-512, 1.1e-4 under AVX2 on the same AMD EPYC), and no bound
+both holds for every kernel and still means something.
 One start of the ranks serves every case of a tp size.
 """
 
@@ -196,11 +200,13 @@ def _check_parity(name, cfg, sp, res, ref):
     assert res["grads"].keys() == grads.keys()
     for n, g in grads.items():
         err = _rel(res["grads"][n], g)
-        assert within(err, GRAD_RTOL, f"{name} {n}"), (name, sp, n, err)
+        assert within(err, GRAD_RTOL, f"{name} grad {n}"), (name, sp, n, err)
     assert res["in_sync"], name
     for n, p in final.items():
+        if n.endswith("k_proj.bias"):  # the docstring's exception: its gradient is checked
+            continue
         err = _rel(res["final"][n], p)
-        assert within(err, GRAD_RTOL, f"{name} {n}"), (name, sp, n, err)
+        assert within(err, GRAD_RTOL, f"{name} final {n}"), (name, sp, n, err)
 
 
 def _expected_ledger(cfg, tp, sp):

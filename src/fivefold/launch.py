@@ -41,7 +41,7 @@ def build_parser() -> ArgumentParser:
                "  fivefold launch --max-restarts 3 train --config run.toml\n"
                "  fivefold launch --nnodes 2 --node-rank $NODE_RANK --rdzv-endpoint "
                "$HEAD:29500 --rdzv-id $JOB train --config run.toml")
-    p.add_argument("--nproc-per-node", type=int, default=0,
+    p.add_argument("--nproc-per-node", type=int, default=None,
                    help="ranks on this node (default: the layout's world size / nnodes)")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--node-rank", type=int, default=None,
@@ -92,9 +92,9 @@ def torchrun_argv(opts, nproc: int) -> list[str]:
 
 
 def check(opts) -> None:
-    for key, value, low in (("--nproc-per-node", opts.nproc_per_node, 0),
+    for key, value, low in (("--nproc-per-node", opts.nproc_per_node, 1),
                             ("--nnodes", opts.nnodes, 1), ("--max-restarts", opts.max_restarts, 0)):
-        if value < low:
+        if value is not None and value < low:
             raise ConfigError(f"{key} {value} must be >= {low}")
     if opts.nnodes > 1 and not opts.rdzv_endpoint:
         raise ConfigError(f"--nnodes {opts.nnodes} needs --rdzv-endpoint HOST:PORT (the same "
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         opts.args = opts.args[1:]
     check(opts)
     nproc = opts.nproc_per_node
-    if not nproc:
+    if nproc is None:
         world = layout_world_size(opts.command, opts.args)
         if world % opts.nnodes:
             raise ConfigError(f"the layout's {world} ranks do not split evenly over --nnodes "

@@ -34,6 +34,10 @@ def check_data(cfg) -> None:
     if d.path and Path(d.path).is_dir():
         raise ConfigError(f"data.path = '{d.path}' is a directory; give the token file "
                           f"`fivefold prepare -o FILE` wrote (e.g. {d.path}/tokens.bin)")
+    if d.path and Path(d.path).exists() and not Path(d.path).is_file():
+        raise ConfigError(f"data.path = '{d.path}' is not a regular file (a device or a pipe "
+                          f"has no token file's header); give the file `fivefold prepare -o "
+                          f"FILE` wrote")
     if d.path and not Path(d.path).exists():
         raise ConfigError(f"data.path = '{d.path}' does not exist; run `fivefold prepare` to make "
                           f"a token file, or leave data.path empty for the bundled corpus")

@@ -73,6 +73,11 @@ def check_lora(cfg, mc=None) -> None:
                           f"to train adapters")
     if lo.rank == 0:
         return
+    if cfg.train.precision == "fp8":  # the adapters' own small GEMMs would run in FP8 too
+        raise ConfigError("lora.rank > 0 with train.precision = 'fp8': FP8 training would "
+                          "quantise the adapters' own GEMMs as well, which no LoRA recipe "
+                          "does; use train.precision = 'bf16' (or lora.base = 'nf4' for a "
+                          "low-precision base)")
     positive("lora.alpha", lo.alpha)
     if not 0 <= lo.dropout < 1:
         raise ConfigError(f"lora.dropout = {lo.dropout} must lie in [0, 1)")

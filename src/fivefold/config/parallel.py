@@ -99,6 +99,10 @@ def check_grad_sync(par: ParallelSection) -> None:
     if par.grad_sync == "microbatch" and par.pp > 1:
         raise ConfigError(f"parallel.grad_sync = 'microbatch' needs parallel.pp = 1 (pipeline "
                           f"stages reduce once per step), not {par.pp}; use 'step' or 'auto'")
+    if par.grad_sync == "microbatch" and par.zero < 2:
+        raise ConfigError(f"parallel.grad_sync = 'microbatch' reduce-scatters each micro-batch "
+                          f"into ZeRO-2/3 gradient shards, and parallel.zero = {par.zero} keeps "
+                          f"no such shard; set parallel.zero = 2 or 3, or grad_sync = 'auto'")
 
 
 OFFLOAD_TIERS = ("none", "cpu", "nvme")

@@ -95,6 +95,11 @@ def check_memory_budget(cfg, mc) -> None:
     par, tr = cfg.parallel, cfg.train
     positive("train.memory_budget_gib", tr.memory_budget_gib, allow_zero=True)
     if tr.recompute != "auto":
+        if tr.memory_budget_gib > 0:  # a bound nothing would hold to
+            raise ConfigError(f"train.memory_budget_gib = {tr.memory_budget_gib:g} bounds "
+                              f"train.recompute = 'auto' only, and train.recompute is "
+                              f"'{tr.recompute}'; set train.recompute = 'auto' or drop the "
+                              f"budget")
         return
     if tr.memory_budget_gib <= 0:
         raise ConfigError("train.recompute = 'auto' needs train.memory_budget_gib > 0 (the "

@@ -98,6 +98,9 @@ class TokenDataset:
 
 def _read_meta(path: Path) -> dict:
     mp = meta_path(path)
+    if not mp.is_file() and path.is_file() and path.stat().st_size == 0:
+        raise ConfigError(f"token file {path} is empty (0 bytes): it holds no tokens; "
+                          f"{REPREPARE} from text")
     if not mp.is_file():
         raise ConfigError(f"token file {path} has no metadata file {mp}; {REPREPARE} to write "
                           f"both")

@@ -21,6 +21,7 @@ Files written, each atomically (a temporary name, then a rename):
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -80,10 +81,27 @@ def _is_output(path: Path) -> bool:
         path.suffix == ".json" and path.with_name(path.name[: -len(".json")]).is_file())
 
 
+# Bytes of each text input that were not UTF-8 and became U+FFFD, by path: `prepare` says
+# how many rather than changing a file's text without a word.
+REPLACED: dict[str, int] = {}
+
+
+def _count_replaced(error: UnicodeDecodeError) -> tuple[str, int]:
+    REPLACED[_decoding] = REPLACED.get(_decoding, 0) + error.end - error.start
+    return "\ufffd", error.end
+
+
+codecs.register_error("fivefold-count", _count_replaced)
+_decoding = ""
+
+
 def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
     """The documents of one file, in file order."""
+    global _decoding
     if SUFFIXES[path.suffix] == "text":
-        yield path.read_text(encoding="utf-8", errors="replace")
+        _decoding = str(path)
+        REPLACED.pop(_decoding, None)  # a second pass (tokenizer training) counts afresh
+        yield path.read_bytes().decode("utf-8", errors="fivefold-count")
         return
     from fivefold.extras import require
 
@@ -216,6 +234,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte",
         raise ConfigError(f"{existing[0]} already exists; pass --overwrite to replace it, or "
                           f"give another -o/--out")
     files = expand_inputs(inputs)
+    REPLACED.clear()
     if train_tokenizer is not None:
         if tokenizer != "byte":
             raise ConfigError("give either --tokenizer FILE or --train-tokenizer VOCAB, not both")
@@ -256,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fivefold prepare: error: {e}", file=sys.stderr)
         return 2
     tok = meta["tokenizer"]
+    for path, count in REPLACED.items():
+        print(f"note: {path}: {count:,} bytes are not valid UTF-8 and were replaced by "
+              f"U+FFFD (the replacement character) in the tokens")
     print(f"wrote {meta['num_tokens']:,} {meta['dtype']} tokens from {meta['num_documents']:,} "
           f"documents to {args.out} (tokenizer {tok['path'] or tok['kind']}, vocab "
           f"{meta['vocab_size']}, eos {meta['eos_id']}); metadata in {meta_path(args.out)}")

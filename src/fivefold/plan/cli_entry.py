@@ -255,8 +255,9 @@ def run(argv: list[str]) -> int:
             raise ConfigError(str(e)) from None
     else:
         model = resolve_model(args.model)
-    if args.seq_len < 1 or args.gpus < 1:
-        raise ConfigError("--seq-len and --gpus must be >= 1")
+    for flag, value in (("--gpus", args.gpus), ("--seq-len", args.seq_len)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be >= 1")
     if (args.gbs is not None and args.gbs < 1) or (args.gbs_tokens is not None
                                                     and args.gbs_tokens < args.seq_len):
         raise ConfigError("--gbs must be >= 1 sequence (--gbs-tokens >= one sequence of "
@@ -339,7 +340,8 @@ def _search(args, work, num_gpus, hw, assume, allowed=None) -> int:
     if convention is not None:  # its layout settings, but the search still explores ZeRO
         space.fixed = {k: v for k, v in convention.layout.items() if k != "zero"}
         space.schedule = tuple(s for s in space.schedule if s in convention.schedules)
-    result = search(work, num_gpus, hw, assume, space, top=max(args.top, 1))
+    result = search(work, num_gpus, hw, assume, space, top=max(args.top, 1),
+                    progress=lambda line: print(line, file=sys.stderr, flush=True))
     if getattr(args, "gbs_note", None):
         result.notes.insert(0, f"note: {args.gbs_note}")
     cost = _run_cost(args, work, result.top[0], assume) if result.top else None

@@ -183,22 +183,60 @@ def choose(choices: list[LayerChoice], weights: list[float],
            budget: float) -> tuple[LayerChoice, ...] | None:
     """The cheapest choice per layer with Σ weight·stored + max working ≤ budget (exact),
     or None when nothing fits. `weights`: per layer, the micro-batches in flight."""
-    best, previous = None, None
+    candidates, previous = [], None  # (cap, its Pareto front), caps ascending
     for cap in sorted({c.working for c in choices}):
         allowed = []  # under this cap only bytes and seconds matter: their Pareto front
         for c in sorted((c for c in choices if c.working <= cap),
                         key=lambda c: (c.seconds, c.stored)):
             if not allowed or c.stored < allowed[-1].stored:
                 allowed.append(c)
-        if allowed == previous:  # the same choices under a smaller budget: no better plan
-            continue
+        if allowed != previous:  # the same choices under a smaller budget: no better plan
+            candidates.append((cap, allowed))
         previous = allowed
+    # Solve the caps in the order of a lower bound on their cost, and skip a cap whose bound
+    # cannot beat the plan in hand: most are skipped. Among costs within 1e-15 the smallest
+    # cap wins, as when every cap is solved in ascending order.
+    bounds = [_cost_bound(allowed, weights, budget - cap) for cap, allowed in candidates]
+    best = None  # (cost, index, plan)
+    for bound, index in sorted((b, i) for i, b in enumerate(bounds)):
+        if best is not None and (bound > best[0] + 1e-15 or
+                                 (bound >= best[0] - 1e-15 and index > best[1])):
+            continue
+        cap, allowed = candidates[index]
         picked = _knapsack(tuple(allowed), tuple(weights), budget - cap)
-        if picked is not None:
-            cost = sum(c.seconds for c in picked)
-            if best is None or cost < best[0] - 1e-15:
-                best = (cost, picked)
-    return None if best is None else best[1]
+        if picked is None:
+            continue
+        cost = sum(c.seconds for c in picked)
+        if (best is None or cost < best[0] - 1e-15
+                or (cost <= best[0] + 1e-15 and index < best[1])):
+            best = (cost, index, picked)
+    return None if best is None else best[2]
+
+
+def _cost_bound(choices: list[LayerChoice], weights: list[float], budget: float) -> float:
+    """A lower bound on the knapsack's least seconds, by weak Lagrangian duality: for any
+    λ ≥ 0, Σ_layers min_choice (seconds + λ·weight·stored) − λ·budget ≤ the optimum (the
+    constraint's slack is ≥ 0 in every plan that fits). λ runs over the slopes at which a
+    layer's cheapest choice changes, where the bound can peak; the best of them is taken.
+    −inf when the budget is ≤ 0 (the knapsack then returns nothing)."""
+    import numpy as np
+
+    if budget <= 0:
+        return -np.inf
+    stored = np.array([c.stored for c in choices])
+    seconds = np.array([c.seconds for c in choices])
+    groups: dict[float, int] = {}
+    for w in weights:
+        groups[w] = groups.get(w, 0) + 1
+    ds = stored[:, None] - stored[None, :]  # a above b in bytes, below in seconds
+    dt = seconds[None, :] - seconds[:, None]
+    pairs = (ds > 0) & (dt > 0)
+    slopes = (dt[pairs] / ds[pairs]) if pairs.any() else np.zeros(0)
+    lambdas = np.concatenate([[0.0], *[slopes / w for w in groups]])
+    total = -lambdas * budget
+    for w, n in groups.items():
+        total += n * (seconds[None, :] + lambdas[:, None] * w * stored[None, :]).min(axis=1)
+    return float(total.max())
 
 
 UNITS = 4096  # the budget is cut into this many units; a choice's bytes round up to units

@@ -196,11 +196,25 @@ def enumerate_layouts(work: Workload, num_gpus: int, hw: Hardware,
     return out
 
 
+PROGRESS_EVERY_S = 2.0  # a search still going after this long reports, and again as often
+
+
 def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
-           space: SearchSpace | None = None, top: int = 10) -> SearchResult:
-    """The `top` fastest layouts that fit, with the faster ones that do not."""
+           space: SearchSpace | None = None, top: int = 10,
+           progress: Callable[[str], None] | None = None) -> SearchResult:
+    """The `top` fastest layouts that fit, with the faster ones that do not. `progress`, when
+    given, gets a line every PROGRESS_EVERY_S seconds once the search has run that long."""
     space = space or SearchSpace()
     start = time.perf_counter()
+    next_report = start + PROGRESS_EVERY_S
+
+    def report(what: str) -> None:
+        nonlocal next_report
+        now = time.perf_counter()
+        if progress is not None and now >= next_report:
+            next_report = now + PROGRESS_EVERY_S
+            progress(f"searching: {what} ({now - start:.0f} s)")
+
     removed: dict[str, list] = {}
     layouts = enumerate_layouts(work, num_gpus, hw, space, removed)
     smallest: tuple[float, Layout] | None = None
@@ -229,7 +243,11 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
             compute_cache[key] = per_mb
         return m * per_mb * (1 + bubble_ratio(lay, m))
 
-    order = sorted(((lower_bound(lay), i) for i, lay in enumerate(layouts)))
+    bounds = []
+    for i, lay in enumerate(layouts):
+        bounds.append((lower_bound(lay), i))
+        report(f"bounded {i + 1:,} of {len(layouts):,} layouts")
+    order = sorted(bounds)
     best: list[tuple[float, int, LayoutPlan]] = []  # max-heap by time (negated)
     too_big: list[tuple[float, Layout]] = []
     fitting_siblings: dict[tuple, int] = {}  # layout without recompute → lowest level fitting
@@ -241,6 +259,8 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
         if len(best) >= top and bound >= -best[0][0]:
             bounded = len(order) - pos
             break
+        report(f"{pos:,} of {len(order):,} layouts in bound order, {planned} planned, "
+               f"{dropped} do not fit")
         lay = layouts[i]
         if space.allowed is not None and not space.allowed(lay):  # asked late: it costs
             continue

@@ -42,7 +42,7 @@ def build_parser() -> ArgumentParser:
     source.add_argument("--hf", help="a Hugging Face model directory")
     p.add_argument("--tokenizer", help=HF_TOKENIZER_HELP)
     p.add_argument("--method", required=True, help=f"one of {', '.join(METHODS)}")
-    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
+    p.add_argument("--group-size", type=int, default=None,
                    help="int4/awq: input columns per scale (default 128)")
     p.add_argument("--symmetric", action="store_true",
                    help="int4/awq: symmetric codes (-8..7) instead of a zero point")
@@ -150,6 +150,18 @@ def check_inputs(args) -> QuantSpec:
     if args.method not in METHODS:
         raise ConfigError(f"--method '{args.method}' is unknown{suggest(args.method, METHODS)}; "
                           f"use one of {', '.join(METHODS)}")
+    # Options that only some methods read: given to another they would be ignored silently.
+    for flag, given, methods in (("--symmetric", args.symmetric, ("int4", "awq")),
+                                 ("--group-size", args.group_size is not None, ("int4", "awq")),
+                                 ("--calib", args.calib is not None, ("awq",))):
+        if given and args.method not in methods:
+            fixed = {"int8": "one scale per output row", "nf4": "NF4's fixed 64-weight blocks "
+                     "and table", "mxfp4": "MXFP4's fixed 32-weight blocks", "int4":
+                     "round-to-nearest without calibration"}.get(args.method, "")
+            raise ConfigError(f"{flag} applies to --method {' or '.join(methods)} only, not "
+                              f"{args.method} ({fixed}); drop it")
+    if args.group_size is None:
+        args.group_size = DEFAULT_GROUP_SIZE
     if args.group_size <= 0 or args.group_size % 2:
         raise ConfigError(f"--group-size {args.group_size} must be a positive even number "
                           f"(128 is the usual choice)")

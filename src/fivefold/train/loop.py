@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -18,16 +19,28 @@ from fivefold.train.rundir import memory_warning, start_notes
 from fivefold.train.trainer import Trainer
 
 
+def _size(n: float) -> str:
+    """Bytes in the plan line's units: MiB below a GiB, GiB from there."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
 def _fmt(rec: dict) -> str:
-    mem = rec["memory_bytes"] / 2**30
-    mfu = f"{100 * rec['mfu']:.1f}%" if rec.get("mfu") is not None else "n/a"
+    """The step line. Memory: the peak allocated bytes (what the plan's `peak ... allocated`
+    predicts), and on a CPU the process's resident size beside it, labelled `rss` (it holds
+    the Python interpreter, torch's libraries and the allocator's free pages too). MFU is
+    left out where it is unknown (a CPU has no catalogued peak)."""
+    mfu = f"  mfu {100 * rec['mfu']:.1f}%" if rec.get("mfu") is not None else ""
+    alloc = rec.get("peak_allocated_bytes")
+    mem = f"peak {_size(alloc)} allocated" if alloc is not None else ""
+    if "memory_reserved_bytes" not in rec:  # a CPU: memory_bytes is the resident size
+        mem = ", ".join(filter(None, [mem, f"rss {_size(rec['memory_bytes'])}"]))
     skip = ""
     if rec.get("skipped"):
         skip = " (skipped: non-finite loss or gradient)" if rec.get("bad") else \
             " (skipped, fp16 overflow)"
     return (f"step {rec['step']:>6}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
-            f"grad_norm {rec['grad_norm']:.3f}  tok/s {rec['tokens_per_s']:,.0f}  mfu {mfu}  "
-            f"mem {mem:.2f} GiB{skip}" + (f"  experts max/mean {rec['moe_imbalance']:.2f}"
+            f"grad_norm {rec['grad_norm']:.3f}  tok/s {rec['tokens_per_s']:,.0f}{mfu}  "
+            f"{mem}{skip}" + (f"  experts max/mean {rec['moe_imbalance']:.2f}"
                                           f"  aux {rec['moe_aux_loss']:.4f}"
                                           if "moe_imbalance" in rec else ""))
 
@@ -120,9 +133,14 @@ def planned_peak_bytes(trainer: Trainer) -> dict[str, float]:
     return items
 
 
-def compare_states(planned: dict, measured: dict) -> str:
+def compare_states(planned: dict, measured: dict, nvme: bool = False) -> str:
+    """Planned against measured model-state bytes. Under parallel.offload = nvme the
+    optimizer's states live in files: what memory holds of them is the staging slots (two
+    slots of a chunk of the three fp32 states, parallel/nvme.py), named as such."""
     mib = 2**20
-    parts = [f"{k} {planned[k] / mib:.2f}/{measured.get(k, 0) / mib:.2f}" for k in STATE_ITEMS]
+    names = {"optimizer": "optimizer (NVMe files; in memory: 2 staging slots)"} if nvme else {}
+    parts = [f"{names.get(k, k)} {planned[k] / mib:.2f}/{measured.get(k, 0) / mib:.2f}"
+             for k in STATE_ITEMS]
     return "model states per rank, planned/measured MiB: " + ", ".join(parts)
 
 
@@ -164,11 +182,24 @@ def layout_notes(cfg: Config) -> list[str]:
     """Settings the layout accepts but does not use, said once at the start."""
     par = cfg.parallel
     notes = []
+    if par.zero > 0 and par.dp * par.cp == 1 and par.ep == 1:
+        notes.append(f"note: parallel.zero = {par.zero} shards over the data-parallel ranks, "
+                     f"and parallel.dp × cp = 1: nothing is sharded (it runs as zero = 0 "
+                     f"would); raise parallel.dp to shard")
     if par.pp == 1 and par.schedule != "1f1b":
         notes.append(f"note: parallel.schedule = {par.schedule} has no effect with "
                      f"parallel.pp = 1 (a schedule orders pipeline stages); set parallel.pp > 1"
                      f" to use it")
     return notes
+
+
+def recompute_line(cfg: Config, policies) -> str:
+    """recompute = auto's choice, layer by layer in forward order, runs of equal choices
+    merged: 'recompute auto under 0.05 GiB: 1× none; 1× keep q,k,v,core'."""
+    runs = [(label, len(list(group))) for label, group in
+            itertools.groupby(c.label() for c in policies)]
+    return (f"recompute auto under {cfg.train.memory_budget_gib:g} GiB, per layer: "
+            + "; ".join(f"{n}× {label}" for label, n in runs))
 
 
 def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
@@ -199,6 +230,8 @@ def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
                              f"token: MFU counts the active ones (6·N_active + attention)")
     if log and trainer.lora:  # adapters, and trainable / total parameters
         progress.message(trainer.lora_summary)
+    if log and trainer.recompute_policies:
+        progress.message(recompute_line(cfg, trainer.recompute_policies))
     warmup = cfg.train.warmup_steps
     if warmup > cfg.train.steps // 10:
         progress.message(f"note: train.warmup_steps = {warmup} is capped at a tenth of "
@@ -236,7 +269,8 @@ def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
                     from fivefold.parallel.buffers import storage_bytes
 
                     measured["params"] += storage_bytes(frozen_state(trainer.model.chunks))
-                progress.message(compare_states(planned, measured))
+                progress.message(compare_states(
+                    planned, measured, offload_value(cfg.parallel.offload) == "nvme"))
                 if trainer.device.type == "cuda":
                     want = sum(peak.values())
                     progress.message(f"peak allocated, planned/measured MiB: {want / 2**20:.1f}"

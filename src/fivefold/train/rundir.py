@@ -136,16 +136,40 @@ def open_run(cfg: Config, first_rank: bool, overwrite: bool = False) -> RunDirs:
     return dirs
 
 
-def available_memory_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (Linux), or None where it cannot be read."""
+def check_budget_fits(cfg: Config, device) -> None:
+    """recompute = auto plans under train.memory_budget_gib: a budget past what this device
+    holds (a GPU's memory, or this machine's RAM on CPU) bounds nothing, so the plan it picks
+    can run out of memory. Refused before any model is built."""
+    budget = cfg.train.memory_budget_gib
+    if cfg.train.recompute != "auto" or budget <= 0:
+        return
+    if device.type == "cuda":
+        import torch
+
+        total, what = torch.cuda.get_device_properties(device).total_memory, "GPU memory"
+    else:
+        total, what = meminfo_bytes("MemTotal"), "RAM"
+    if total and budget * 2**30 > total:
+        raise ConfigError(f"train.memory_budget_gib = {budget:g} is more than this machine's "
+                          f"{total / 2**30:.1f} GiB of {what}: a plan under it may not fit; set "
+                          f"train.memory_budget_gib to at most {total / 2**30:.1f}")
+
+
+def meminfo_bytes(field: str) -> int | None:
+    """A field of /proc/meminfo (Linux) in bytes, or None where it cannot be read."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), or None where it cannot be read."""
+    return meminfo_bytes("MemAvailable")
 
 
 def start_notes(cfg: Config, resumed_meta: dict | None, resumed_step: int) -> list[str]:

@@ -50,6 +50,7 @@ from fivefold.train.recovery import (
     save_failed,
     unwritable,
 )
+from fivefold.train.rundir import check_budget_fits
 
 
 def resume_conversion(meta: dict, cfg: Config, path) -> str | None:
@@ -98,6 +99,7 @@ class Trainer:
         resolve_mbs(cfg)  # a config built in code (not through validate) may still say auto
         tr = cfg.train
         self.device = pick_device(tr.device)
+        check_budget_fits(cfg, self.device)
         self.precision = resolve_precision(tr.precision, self.device)
         self.dtype = DTYPES[self.precision]
         self.model_cfg = cfg.model.resolve()
@@ -261,7 +263,28 @@ class Trainer:
                 comm.broadcast(total, self.pipeline.loss_pp_rank, self.dims["pp"])
         return float(total) / num_tokens
 
+    TRACKED_STEPS = 2  # the second step is the first with Adam's moments: the steady peak
+
     def train_step(self) -> dict:
+        """One optimizer step. Its record's `peak_allocated_bytes` is what the planner's
+        `peak ... allocated` predicts and train.memory_budget_gib bounds: on CUDA the
+        allocator's peak; on a CPU, for a run that logs, the peak of the storages this rank
+        holds (parallel/peak.py), counted over the first TRACKED_STEPS steps, whose shapes
+        every later step repeats. `memory_bytes` stays the CUDA peak or the process RSS."""
+        if self.device.type == "cuda":
+            rec = self._train_step()
+            rec["peak_allocated_bytes"] = rec["memory_bytes"]
+            return rec
+        if self.is_logger and self.step < self.TRACKED_STEPS and not peak.active():
+            with peak.PeakTracker(self.peak_sources()) as tracker:
+                rec = self._train_step()
+            self.tracked_peak = max(getattr(self, "tracked_peak", 0), tracker.peak)
+        else:
+            rec = self._train_step()
+        rec["peak_allocated_bytes"] = getattr(self, "tracked_peak", None)
+        return rec
+
+    def _train_step(self) -> dict:
         self.throughput.begin()
         self.model.train()
         self.dims.ledger.reset()

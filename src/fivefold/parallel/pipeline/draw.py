@@ -159,6 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backward", type=float, default=1.0, help="cost of B (input part)")
     parser.add_argument("--weight", type=float, default=1.0, help="cost of W")
     args = parser.parse_args(argv)
+    for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches),
+                        ("--virtual", args.virtual)):
+        if value < 1:
+            print(f"error: {flag} {value} must be >= 1; give {flag} 1 or more",
+                  file=sys.stderr)
+            return 2
     writable_file("--out", args.out)
     _pyplot()  # a missing matplotlib is one line before any work
     virtual = args.virtual
