@@ -130,7 +130,7 @@ def cases(w: dict[str, Path]) -> list[tuple[str, list[str], int, str]]:
          "give fivefold launch --nproc-per-node N"),
         # train: settings another setting would ignore
         ("budget without auto", [*t, "--train.memory_budget_gib", "50"], 2,
-         "train.memory_budget_gib = 50 bounds train.recompute = 'auto' only"),
+         "train.memory_budget_gib = 50 bounds train.recompute = 'auto' or parallel.layout"),
         ("budget above the machine", [*t, "--train.recompute", "auto",
                                       "--train.memory_budget_gib", "100000"], 2,
          "more than this machine's"),

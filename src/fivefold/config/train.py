@@ -95,11 +95,13 @@ def check_memory_budget(cfg, mc) -> None:
     par, tr = cfg.parallel, cfg.train
     positive("train.memory_budget_gib", tr.memory_budget_gib, allow_zero=True)
     if tr.recompute != "auto":
-        if tr.memory_budget_gib > 0:  # a bound nothing would hold to
+        # A bound nothing would hold to, except under parallel.layout = auto, whose search
+        # takes the budget as each device's memory.
+        if tr.memory_budget_gib > 0 and par.layout != "auto":
             raise ConfigError(f"train.memory_budget_gib = {tr.memory_budget_gib:g} bounds "
-                              f"train.recompute = 'auto' only, and train.recompute is "
-                              f"'{tr.recompute}'; set train.recompute = 'auto' or drop the "
-                              f"budget")
+                              f"train.recompute = 'auto' or parallel.layout = 'auto' only, and "
+                              f"train.recompute is '{tr.recompute}'; set one of them to 'auto' "
+                              f"or drop the budget")
         return
     if tr.memory_budget_gib <= 0:
         raise ConfigError("train.recompute = 'auto' needs train.memory_budget_gib > 0 (the "
