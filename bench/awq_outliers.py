@@ -109,6 +109,19 @@ def run(path: str, scales: list[float], bits: list[int], group_size: int, sample
     return result
 
 
+def combine(paths: list[str], out: str) -> None:
+    """One record from runs of the same checkpoint at different scales."""
+    records = [json.loads(Path(p).read_text()) for p in paths]
+    first = records[0]
+    for record in records[1:]:
+        if record["result"]["checkpoint"] != first["result"]["checkpoint"]:
+            raise SystemExit(f"{paths} measure different checkpoints")
+        first["result"]["scales"].update(record["result"]["scales"])
+    first["command"] = [r["command"] for r in records]
+    Path(out).write_text(json.dumps(first, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="a fivefold checkpoint (the default "
@@ -120,7 +133,12 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "awq_outliers.json"))
+    ap.add_argument("--combine", nargs="+", metavar="JSON",
+                    help="merge the scales of earlier runs (one process per scale) into --out")
     args = ap.parse_args()
+    if args.combine:
+        combine(args.combine, args.out)
+        return
     torch.set_num_threads(1)
     result = run(args.checkpoint, args.scales, args.bits, args.group_size,
                  args.calib_samples, args.fraction, args.seed)
