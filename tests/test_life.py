@@ -32,8 +32,12 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 sacrebleu = pytest.importorskip("sacrebleu")
 
+# init_std 0.2: three steps from wide initial weights leave a model whose greedy text varies
+# token to token, with top-2 logit margins of 0.07 and more (rounding differences are
+# ~1e-5), so equal texts say the hand-offs agree, not that every model repeats one token.
 SHAPE = ["--model.hidden_size", "32", "--model.intermediate_size", "64",
-         "--model.num_layers", "2", "--model.num_heads", "4", "--model.num_kv_heads", "2"]
+         "--model.num_layers", "2", "--model.num_heads", "4", "--model.num_kv_heads", "2",
+         "--model.init_std", "0.2"]
 PROMPT, NEW = "ROMEO:", 12
 TASKS = [{"prompt": "ROMEO: But soft, what light", "reference": "through yonder window breaks"},
          {"prompt": "HAMLET: To be, or not", "reference": "to be, that is the question"}]
@@ -157,10 +161,13 @@ def test_the_whole_life(life, capsys, monkeypatch):
     q_text = fivefold_greedy(capsys, "--checkpoint", str(quantized))
     assert q_text.startswith(PROMPT)
 
-    # eval: perplexity over a token file, then BLEU/ROUGE of a task file's continuations
-    result = json.loads(run(capsys, "eval", "--checkpoint", str(quantized), "--data",
-                            str(calib), "--max-tokens", "2000", "--json").splitlines()[-1])
-    assert 1 < result["perplexity"] < 2048 and result["tokens"] == 1999
+    # eval: perplexity over a token file (the float export's, and the int4 model's within a
+    # few percent of it), then BLEU/ROUGE of a task file's continuations
+    ppl = [json.loads(run(capsys, "eval", *source, "--data", str(calib), "--max-tokens",
+                          "2000", "--json").splitlines()[-1])
+           for source in (("--hf", str(merged)), ("--checkpoint", str(quantized)))]
+    assert ppl[0]["tokens"] == ppl[1]["tokens"] == 1999
+    assert abs(ppl[1]["perplexity"] / ppl[0]["perplexity"] - 1) < 0.05, ppl
     tasks = life / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(t) + "\n" for t in TASKS))
     preds = life / "preds.jsonl"
