@@ -109,9 +109,34 @@ def run(path: str, scales: list[float], bits: list[int], group_size: int, sample
     return result
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), so results from two machines can be told apart."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def combine(paths: list[str], out: str) -> None:
+    """One record from runs of the same checkpoint at different scales."""
+    records = [json.loads(Path(p).read_text()) for p in paths]
+    first = records[0]
+    for record in records[1:]:
+        if record["result"]["checkpoint"] != first["result"]["checkpoint"]:
+            raise SystemExit(f"{paths} measure different checkpoints")
+        first["result"]["scales"].update(record["result"]["scales"])
+    first["command"] = [r["command"] for r in records]
+    first["machine"].setdefault("cpu_model", cpu_model())  # the runs' machine: this one
+    Path(out).write_text(json.dumps(first, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", required=True, help="a fivefold checkpoint (the default "
+    ap.add_argument("--checkpoint", help="a fivefold checkpoint (the default "
                     "model trained ~1000 steps)")
     ap.add_argument("--scales", type=float, nargs="+", default=[10, 30, 100])
     ap.add_argument("--bits", type=int, nargs="+", default=[4, 3])
@@ -120,12 +145,20 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "awq_outliers.json"))
+    ap.add_argument("--combine", nargs="+", metavar="JSON",
+                    help="merge the scales of earlier runs (one process per scale) into --out")
     args = ap.parse_args()
+    if args.combine:
+        combine(args.combine, args.out)
+        return
+    if not args.checkpoint:
+        ap.error("give --checkpoint DIR (or --combine JSON ...)")
     torch.set_num_threads(1)
     result = run(args.checkpoint, args.scales, args.bits, args.group_size,
                  args.calib_samples, args.fraction, args.seed)
     record = {"benchmark": "awq_outliers", "result": result,
-              "machine": machine(torch.device("cpu")), "git_revision": git_revision(),
+              "machine": {**machine(torch.device("cpu")), "cpu_model": cpu_model()},
+              "git_revision": git_revision(),
               "command": "python bench/awq_outliers.py " + " ".join(sys.argv[1:])}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -58,7 +58,9 @@ def test_exact_table_differs_from_torchao_only_between_the_two_tables_midpoints(
     mid_rounded = (rounded[1:] + rounded[:-1]) / 2
     low, high = torch.minimum(mid_exact, mid_rounded), torch.maximum(mid_exact, mid_rounded)
     between = ((scaled.unsqueeze(-1) >= low) & (scaled.unsqueeze(-1) <= high)).any(dim=-1)
-    assert 0 < int(differ.sum()) < 1e-3 * w.numel()   # a few in a million values
+    # about 155 in a million values (144-170 over seeds 0-3): the band between the tables'
+    # boundaries holds that share of N(0, 1)/absmax values
+    assert 0 < int(differ.sum()) < 3e-4 * w.numel()
     assert bool(between.all())
     # and those codes are neighbours
     assert int((mine[differ].int() - theirs[differ].int()).abs().max()) == 1
