@@ -25,6 +25,7 @@ Tolerances from that error model:
 
 from __future__ import annotations
 
+import pytest
 from harness import run_ranks
 from test_data_parallel import LR, assert_close_run, build, final_params, make_cfg, train
 
@@ -90,3 +91,42 @@ def test_shards_hold_whole_blocks():
         for pc in layout.pieces(rank):
             assert pc.lo % 256 == 0 and pc.flat % 256 == 0
     assert layout.padding < 256 * (len(named) + 3 * len(layout.segments))
+
+
+# --- tensor and pipeline parallelism, through the trainer --------------------------------
+def _trainer_cfg(tmp, optimizer, tp=1, pp=1):
+    from test_optimizer_checkpoint import _cfg as checkpoint_cfg
+
+    cfg = checkpoint_cfg(tmp, optimizer)
+    cfg.parallel.tp, cfg.parallel.pp = tp, pp
+    cfg.checkpoint.every = 0
+    if optimizer == "muon":
+        cfg.optim.muon_ns_dtype = "fp32"
+    return cfg
+
+
+def _trainer_losses(rank, world, tmp, cases):
+    from fivefold.train.trainer import Trainer
+
+    out = []
+    for optimizer, tp, pp in cases:
+        cfg = _trainer_cfg(f"{tmp}/{optimizer}{tp}{pp}", optimizer, tp, pp)
+        dims = ParallelDims.from_config(cfg.parallel) if world > 1 else ParallelDims.single()
+        with Trainer(cfg, dims, quiet=True) as trainer:
+            out.append([trainer.train_step()["loss"] for _ in range(3)])
+    return out
+
+
+@pytest.mark.slow
+def test_muon_under_tp2_and_pp2_and_adamw8bit_under_pp2_track_one_process(tmp_path):
+    """Muon gathers each tensor-parallel matrix whole before orthogonalising (parallel/
+    muon.py), so tp2 equals one device up to the gradient sums' order (fp32 NS: losses
+    within 1e-5 relative, as above); pp splits whole tensors, so each stage updates exactly
+    what one device would."""
+    cases = [("muon", 2, 1), ("muon", 1, 2), ("adamw8bit", 1, 2)]
+    got = run_ranks(_trainer_losses, 2, str(tmp_path), cases)[0]
+    ref = _trainer_losses(0, 1, str(tmp_path / "ref"), [("muon", 1, 1), ("adamw8bit", 1, 1)])
+    for (optimizer, tp, pp), losses in zip(cases, got):
+        want = ref[0] if optimizer == "muon" else ref[1]
+        for a, b in zip(losses, want):
+            assert abs(a - b) <= 1e-5 * b, (optimizer, tp, pp, losses, want)

@@ -31,7 +31,8 @@ from functools import cache
 
 import torch
 
-BLOCK_8BIT = 256  # torchao AdamW8bit's block (bitsandbytes uses 256 for 2-state optimizers)
+# plan/optimizer.py (no torch) repeats these three; tests/test_plan_optimizer.py pins both.
+BLOCK_8BIT = 256  # torchao AdamW8bit's block
 BLOCK_4BIT = 128  # Li et al. 2023, §3.1 ("B128"), torchao AdamW4bit
 MIN_QUANTISED = 4096  # smaller tensors keep fp32 states (bitsandbytes min_8bit_size)
 SCALE_FLOOR = 1e-12  # a block of zeros divides by this, not by 0 (torchao scale_tensor)

@@ -46,13 +46,14 @@ class ExpertParallelOptimizer:
     def __init__(self, named_params, dims, tr, scaler, stage: int = 0, offload: bool = False,
                  bucket_mb: float = 25.0, chunks=None, timeout_s: float = 300.0,
                  watchdog: Watchdog | None = None, buckets_in_flight: int = BUCKETS_IN_FLIGHT,
-                 grad_sync: str = "step", nvme_dir: str | None = None):
+                 grad_sync: str = "step", nvme_dir: str | None = None, optim=None,
+                 nvme_run: str | None = None):
         self.dims, self.tr, self.scaler, self.stage = dims, tr, scaler, stage
         self.owns_watchdog = watchdog is None
         self.watchdog = watchdog or Watchdog(timeout_s)
         common = dict(stage=stage, offload=offload, bucket_mb=bucket_mb, chunks=chunks,
                       watchdog=self.watchdog, buckets_in_flight=buckets_in_flight,
-                      grad_sync=grad_sync, nvme_dir=nvme_dir)
+                      grad_sync=grad_sync, nvme_dir=nvme_dir, optim=optim, nvme_run=nvme_run)
         dense = [(n, p) for n, p in named_params if not is_expert_param(p)]
         experts = [(n, p) for n, p in named_params if is_expert_param(p)]
         self.dense = DataParallelOptimizer(dense, dims, tr, scaler, group="dp_cp", **common)
@@ -113,8 +114,8 @@ class ExpertParallelOptimizer:
             out.update(part.param_states())
         return out
 
-    def shard_states(self, load: bool = False) -> list[tuple]:
-        return [piece for part in self.parts for piece in part.shard_states(load)]
+    def shard_states(self, load: bool = False, convert_from: str | None = None) -> list[tuple]:
+        return [piece for part in self.parts for piece in part.shard_states(load, convert_from)]
 
     def loaded(self, step: int) -> None:
         for part in self.parts:

@@ -22,11 +22,19 @@ A failed read or write (a full disk: ENOSPC) ends the run in one line (`OffloadI
 exit 1), agreed by every rank of the group so that none waits in a collective for a peer
 that has given up; the run's last checkpoint is untouched. The files are removed by
 `close()`, which the trainer calls on every exit path.
+
+A rank killed with SIGKILL runs no exit path: its directory (12 bytes per value of its
+shard) stays. So a directory is named by run and rank, `fivefold-offload-RUN-GROUP-rankR`
+(RUN: a digest of the run's checkpoint.dir, the same at every restart of the run), not by a
+random temporary name: the restarted rank finds its own leftover and removes it before it
+writes, and rank 0 removes the run's directories of ranks the restart no longer has. Other
+runs' directories under the same offload_dir have another RUN and are left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
@@ -72,13 +80,40 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
+def offload_dir_name(run: str, group: str, rank: int) -> str:
+    return f"fivefold-offload-{run}-{group}-rank{rank}"
+
+
+def run_tag(checkpoint_dir: str) -> str:
+    """The run's name in offload directories: the same at every restart of the run."""
+    return hashlib.sha1(str(Path(checkpoint_dir).resolve()).encode()).hexdigest()[:12]
+
+
+def sweep_stale(root: str, run: str, group: str, rank: int, world: int) -> None:
+    """Remove this rank's leftover directory of this run (a killed predecessor's); rank 0
+    also the run's directories of ranks >= world (a restart with fewer ranks)."""
+    shutil.rmtree(Path(root) / offload_dir_name(run, group, rank), ignore_errors=True)
+    if rank == 0:
+        prefix = f"fivefold-offload-{run}-{group}-rank"
+        for path in Path(root).glob(prefix + "*"):
+            tail = path.name.removeprefix(prefix)
+            if tail.isdigit() and int(tail) >= world:
+                shutil.rmtree(path, ignore_errors=True)
+
+
 class NvmeStore:
     """This rank's flat fp32 states in files, and the staging slots that stream them."""
 
-    def __init__(self, root: str, rank: int, numel: int, pin: bool, chunk_numel: int):
+    def __init__(self, root: str, rank: int, numel: int, pin: bool, chunk_numel: int,
+                 run: str | None = None, world: int = 1, group: str = "dp_cp"):
         self.root, self.made_root = root, not Path(root).exists()  # removed at close if so
         Path(root).mkdir(parents=True, exist_ok=True)
-        self.dir = tempfile.mkdtemp(prefix=f"fivefold-offload-rank{rank}-", dir=root)
+        if run is None:  # built outside a run (tests, benchmarks): a name of its own
+            self.dir = tempfile.mkdtemp(prefix=f"fivefold-offload-rank{rank}-", dir=root)
+        else:
+            self.dir = str(Path(root) / offload_dir_name(run, group, rank))
+            sweep_stale(root, run, group, rank, world)
+            os.mkdir(self.dir)
         self.numel, self.chunk_numel = numel, chunk_numel
         self.fds = {k: os.open(os.path.join(self.dir, f"{k}.bin"),
                                os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600) for k in KINDS}
@@ -162,7 +197,9 @@ class NvmeAdamW:
         numel = opt.layout.total // opt.layout.shards
         pin = opt.device.type == "cuda"
         try:
-            self.store = NvmeStore(root, opt.dims.rank, numel, pin, CHUNK_NUMEL)
+            self.store = NvmeStore(root, opt.dims.rank, numel, pin, CHUNK_NUMEL,
+                                   getattr(opt, "nvme_run", None), opt.dims.world_size,
+                                   getattr(opt, "group_name", "dp_cp"))
             self.store.write_flat("master", opt._param_shard_flat())
             zeros = torch.zeros(numel, dtype=torch.float32)
             self.store.write_flat("exp_avg", zeros)

@@ -36,6 +36,7 @@ from fivefold.config.parallel import offload_value
 from fivefold.parallel import comm, peak
 from fivefold.parallel.buffers import FlatLayout, bucket_groups, storage_bytes
 from fivefold.parallel.data import BUCKETS_IN_FLIGHT, GradReducer
+from fivefold.parallel.nvme import run_tag
 from fivefold.parallel.update import (
     StepStats,
     adamw,
@@ -54,7 +55,8 @@ class DataParallelOptimizer:
                  chunks: list[nn.Module] | None = None, timeout_s: float = 300.0,
                  watchdog: Watchdog | None = None, buckets_in_flight: int = BUCKETS_IN_FLIGHT,
                  group: str = "dp_cp", grad_sync: str = "step", nvme_dir: str | None = None,
-                 optim=None):
+                 optim=None, nvme_run: str | None = None):
+        self.nvme_run, self.group_name = nvme_run, group  # names the offload directories
         self.optim = optim  # [optim]: the keys of a rule other than AdamW (zero_rules.py)
         self.own_rule = getattr(tr, "optimizer", "adamw") != "adamw"
         self.dims, self.tr, self.scaler, self.stage, self.offload = dims, tr, scaler, stage, offload
@@ -439,4 +441,5 @@ def optimizer_options(model, cfg, watchdog: Watchdog | None) -> dict:
                 # "auto" is resolved by the trainer (plan/inputs.py); unresolved, it is "step"
                 grad_sync="microbatch" if par.grad_sync == "microbatch" else "step",
                 nvme_dir=par.offload_dir if tier == "nvme" else None,
+                nvme_run=run_tag(cfg.checkpoint.dir) if tier == "nvme" else None,
                 optim=getattr(cfg, "optim", None))

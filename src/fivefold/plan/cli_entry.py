@@ -92,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "4M tokens, rounded to GPUs × a power of two so every dp divides it)")
     batch.add_argument("--gbs-tokens", type=float, help="global batch in tokens (e.g. 4e6)")
     tr.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"))
-    tr.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd",
-                                                             "adamw8bit"))
+    tr.add_argument("--optimizer", default="adamw", choices=(
+        "adamw", "adam", "sgd", "adamw8bit", "adamw4bit", "adafactor", "muon"),
+        help="the optimizer whose states and update are planned (train.optimizer)")
     tr.add_argument("--grad-dtype-bytes", type=int, choices=(2, 4),
                     help="4: fp32 gradients (Megatron's 18 bytes/param)")
     tr.add_argument("--fp32-grad-accum", action="store_true",

@@ -27,8 +27,12 @@ SCHEDULES = ("afab", "1f1b", "interleaved", "zb", "dualpipev")
 RECOMPUTE = ("none", "selective", "full", "auto", "op")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 PP_RUNTIMES = ("engine", "torch", "torch-2412")  # Workload.pp_runtime
-# Optimizer state bytes per parameter (fp32 moments): Adam m+v 8, SGD momentum 4, 8-bit Adam 2.
-OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "adamw8bit": 2}
+# Optimizer state bytes per parameter, nominal (fp32 moments): Adam m+v 8, SGD momentum 4,
+# 8-bit Adam 2 + 8/256 of block scales, 4-bit 1 + 8/128; Adafactor (rows + columns) and Muon
+# (4 on hidden matrices, 8 elsewhere) depend on the shapes: plan/optimizer.py counts each
+# tensor (small ones keep fp32 states too), and `memory.work_bytes_per_param` uses that.
+OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "adamw8bit": 2 + 8 / 256,
+                   "adamw4bit": 1 + 8 / 128, "adafactor": 0.0, "muon": 4.0}
 
 
 @dataclass(frozen=True)

@@ -80,11 +80,12 @@ class BytesPerParam:
 
 def bytes_per_param(precision: str = "bf16", optimizer: str = "adamw",
                     grad_dtype_bytes: int | None = None,
-                    fp32_grad_accum: bool = False, fp32_params: bool = False) -> BytesPerParam:
+                    fp32_grad_accum: bool = False, fp32_params: bool = False,
+                    optimizer_bytes: float | None = None) -> BytesPerParam:
     """Mixed precision (bf16/fp16): 2 param + 2 grad + 4 fp32 master + 8 Adam = 16 (ZeRO paper,
     Ultra-Scale Playbook); grad_dtype_bytes=4 gives Megatron's 18; fp32_grad_accum adds a 4-byte
     buffer, nanotron's 20. fp32: 4 + 4 + 0 + 8 = 16."""
-    opt = OPTIMIZER_BYTES[optimizer]
+    opt = OPTIMIZER_BYTES[optimizer] if optimizer_bytes is None else optimizer_bytes
     if precision == "fp32" or fp32_params:  # fp32_params: torchtitan's 4 + 4 + 8 = 16
         return BytesPerParam(4, grad_dtype_bytes or 4, 0, opt, 4 if fp32_grad_accum else 0)
     return BytesPerParam(2, grad_dtype_bytes or 2, 4, opt, 4 if fp32_grad_accum else 0)
@@ -110,8 +111,13 @@ class ModelStates:
 
 def work_bytes_per_param(work: Workload) -> BytesPerParam:
     """The model-state layout of a workload (every field that shapes it)."""
+    from fivefold.plan.optimizer import state_bytes_per_param
+
+    per_shape = work.optimizer in ("adamw8bit", "adamw4bit", "adafactor", "muon")
     return bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes,
-                           work.fp32_grad_accum, work.fp32_params)
+                           work.fp32_grad_accum, work.fp32_params,
+                           state_bytes_per_param(work.model, work.optimizer) if per_shape
+                           else None)
 
 
 def shard_model_states(num_params: float, bpp: BytesPerParam, zero: int, shards: int,

@@ -297,6 +297,10 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
             heapq.heapreplace(best, entry)
     ranked = [p for _, _, p in sorted(best, key=lambda e: (-e[0], -e[1]))]
     notes = [note for note in [gbs_note(work.gbs, num_gpus, removed)] if note]
+    if not ranked:  # memory binds: would a lighter optimizer's states fit? (plan/optimizer.py)
+        from fivefold.plan.optimizer import lighter_optimizer_note
+
+        notes += lighter_optimizer_note(work, num_gpus, hw, assume, space, top)
     fastest = ranked[0].time.total if ranked else float("inf")
     too_big_plans = [plan_layout(work, lay, hw, assume) for _, lay in too_big]
     too_big_plans = [p for p in too_big_plans if p.time.total < fastest]

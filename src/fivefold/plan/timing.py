@@ -263,9 +263,15 @@ def optimizer_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumpt
     elems = counts["dense"] / shards + counts["expert"] / max(
         shards // layout.ep if layout.zero >= 1 else 1, 1)
     traffic = bpp.param + bpp.grad + 2 * (bpp.master + bpp.optimizer) + bpp.param
+    ns = 0.0
+    if work.optimizer == "muon":  # every rank orthogonalises its stage's whole matrices
+        from fivefold.plan.optimizer import newton_schulz_flops
+
+        ns = newton_schulz_flops(work.model) / layout.pp / (  # in bf16, as the engine
+            hw.peak_flops("bf16") * hw.matmul_efficiency)
     if not layout.offload:
-        return elems * traffic / (hw.hbm_tbps * 1e12 * assume.hbm_efficiency)
+        return elems * traffic / (hw.hbm_tbps * 1e12 * assume.hbm_efficiency) + ns
     pcie = elems * (bpp.grad + bpp.param) / (hw.host_link_gbps * 1e9)
     host = elems * 2 * (bpp.master + bpp.optimizer + 4) / (
         assume.cpu_adam_gbps * 1e9 / hw.gpus_per_node)
-    return pcie + host
+    return pcie + host + ns

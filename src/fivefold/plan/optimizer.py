@@ -1,0 +1,150 @@
+"""The optimizer's terms: state bytes per tensor and the update's own FLOPs (no torch).
+
+State bytes of one logical tensor of n values (the engine's rules, parallel/):
+
+    adamw, adam       8n                        two fp32 moments
+    adamw8bit         2n + 8·n/256              two moments of 1-byte codes + a fp32 scale
+                                                per 256-value block (Dettmers et al. 2021)
+    adamw4bit         n + 8·n/128               0.5-byte codes, blocks of 128 (Li et al. 2023)
+                      (8n for a tensor under 4096 values or not a whole number of blocks)
+    adafactor         4·(rows + cols) for a matrix (Shazeer & Stern 2018), 4n for a vector
+    muon              4n for a hidden matrix (one momentum); AdamW's 8n for the rest
+                      (embeddings, head, norms, biases, routers)
+    sgd               4n
+
+Muon's Newton-Schulz iteration (parallel/muon.py) costs per m x n matrix (m <= n) and step
+k·(4·m²·n + 2·m³) FLOPs: per iteration X·Xᵀ (2m²n), A·A (2m³) and (bA + cA²)·X (2m²n), with
+k = 5 (Jordan 2024) — three matmuls per iteration, on every rank that gathers the matrix.
+"""
+
+from __future__ import annotations
+
+import math
+
+from fivefold.models.presets import ModelConfig
+
+# numerics/optim_states.py's block sizes and threshold (it imports torch; the planner does
+# not): Dettmers et al. 2021 / torchao 256, Li et al. 2023 128, bitsandbytes' 4096.
+OPTIM_BLOCK = {8: 256, 4: 128}
+OPTIM_MIN_QUANTISED = 4096
+MUON_EXCLUDE = ("embed_tokens", "lm_head", "norm", "router")  # config/optim.py's default
+NS_STEPS = 5
+
+
+def param_shapes(model: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """Every logical parameter of a fivefold Llama (models/llama.py, models/moe.py) by name
+    and shape; stacked expert weights as one [E, out, in] tensor each."""
+    h, q, kv = model.hidden_size, model.q_size, model.kv_size
+    norm = [("norm.weight", (h,))] + ([("norm.bias", (h,))] if model.norm == "layernorm"
+                                       else [])
+    out = [("embed_tokens.weight", (model.vocab_size, h))]
+    for i in range(model.num_layers):
+        p = f"layers.{i}."
+        out += [(p + "input_layernorm." + n.split(".", 1)[1], s) for n, s in norm]
+        out += [(p + "post_attention_layernorm." + n.split(".", 1)[1], s) for n, s in norm]
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            out.append((f"{p}self_attn.{name}.weight", (rows, h)))
+            if model.qkv_bias:
+                out.append((f"{p}self_attn.{name}.bias", (rows,)))
+        out.append((f"{p}self_attn.o_proj.weight", (h, q)))
+        if model.mlp == "gelu":
+            out.append((f"{p}self_attn.o_proj.bias", (h,)))
+        if model.qk_norm:
+            size = (q, kv) if model.qk_norm_whole else (model.dim_per_head,) * 2
+            out += [(f"{p}self_attn.q_norm.weight", (size[0],)),
+                    (f"{p}self_attn.k_norm.weight", (size[1],))]
+        if model.is_moe_layer(i):
+            e, f = model.num_experts, model.moe_intermediate_size
+            out += [(f"{p}mlp.router.weight", (e, h)), (f"{p}mlp.experts.w_gate", (e, f, h)),
+                    (f"{p}mlp.experts.w_up", (e, f, h)), (f"{p}mlp.experts.w_down", (e, h, f))]
+            s = model.shared_expert_intermediate_size
+            if s:
+                out += [(f"{p}mlp.shared_expert.gate_proj.weight", (s, h)),
+                        (f"{p}mlp.shared_expert.up_proj.weight", (s, h)),
+                        (f"{p}mlp.shared_expert.down_proj.weight", (h, s))]
+                if model.shared_expert_gate:
+                    out.append((f"{p}mlp.shared_expert_gate.weight", (1, h)))
+        elif model.mlp == "gelu":
+            f = model.intermediate_size
+            out += [(f"{p}mlp.up_proj.weight", (f, h)), (f"{p}mlp.up_proj.bias", (f,)),
+                    (f"{p}mlp.down_proj.weight", (h, f)), (f"{p}mlp.down_proj.bias", (h,))]
+        else:
+            f = model.intermediate_size
+            out += [(f"{p}mlp.gate_proj.weight", (f, h)), (f"{p}mlp.up_proj.weight", (f, h)),
+                    (f"{p}mlp.down_proj.weight", (h, f))]
+    out += norm
+    if not model.tie_embeddings:
+        out.append(("lm_head.weight", (model.vocab_size, h)))
+    return out
+
+
+def muon_takes(name: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) in (2, 3) and not any(part in name for part in MUON_EXCLUDE)
+
+
+def tensor_state_bytes(name: str, shape: tuple[int, ...], optimizer: str) -> float:
+    n = math.prod(shape)
+    if optimizer in ("adamw8bit", "adamw4bit"):
+        bits = 8 if optimizer == "adamw8bit" else 4
+        block = OPTIM_BLOCK[bits]
+        if n < OPTIM_MIN_QUANTISED or n % block:
+            return 8.0 * n
+        return 2 * (n * bits / 8 + 4 * n / block)
+    if optimizer == "adafactor":
+        if len(shape) < 2:
+            return 4.0 * n
+        lead = math.prod(shape[:-2])
+        return 4.0 * lead * (shape[-2] + shape[-1])
+    if optimizer == "muon":
+        return 4.0 * n if muon_takes(name, shape) else 8.0 * n
+    if optimizer == "sgd":
+        return 4.0 * n
+    return 8.0 * n
+
+
+def optimizer_state_bytes(model: ModelConfig, optimizer: str) -> float:
+    """Bytes of the optimizer's states for the whole model (one replica, no sharding)."""
+    return sum(tensor_state_bytes(n, s, optimizer) for n, s in param_shapes(model))
+
+
+def state_bytes_per_param(model: ModelConfig, optimizer: str) -> float:
+    """The model's state bytes per parameter: what `bytes_per_param` multiplies."""
+    shapes = param_shapes(model)
+    total = sum(math.prod(s) for _, s in shapes)
+    return optimizer_state_bytes(model, optimizer) / max(total, 1)
+
+
+def newton_schulz_flops(model: ModelConfig, steps: int = NS_STEPS) -> float:
+    """FLOPs of one Muon step's orthogonalisations over the whole model (see the docstring)."""
+    total = 0.0
+    for name, shape in param_shapes(model):
+        if not muon_takes(name, shape):
+            continue
+        count = shape[0] if len(shape) == 3 else 1
+        m, n = sorted(shape[-2:])
+        total += count * steps * (4 * m * m * n + 2 * m ** 3)
+    return total
+
+
+LIGHTER = ("adamw8bit", "adamw4bit", "adafactor")  # in order of fidelity to AdamW
+
+
+def lighter_optimizer_note(work, num_gpus, hw, assume, space, top) -> list[str]:
+    """When no layout fits with AdamW's states, the first lighter optimizer with which one
+    does, as a note for the search's report (the search tries each in turn)."""
+    import dataclasses
+
+    from fivefold.plan.search import search
+
+    if work.optimizer not in ("adamw", "adam"):
+        return []
+    for name in LIGHTER:
+        result = search(dataclasses.replace(work, optimizer=name), num_gpus, hw, assume,
+                        space, top)
+        if result.top:
+            best = result.top[0]
+            return [f"nothing fits with {work.optimizer}'s 8 bytes of states per parameter; "
+                    f"with train.optimizer = {name} {len(result.top)} layouts fit, fastest "
+                    f"{best.layout.short()} ({best.memory_total / 2**30:.1f} GiB, "
+                    f"{best.time.total:.2f} s/step)"]
+    return []
