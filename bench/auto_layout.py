@@ -2,7 +2,8 @@
 step times of every feasible layout, on this machine.
 
     python bench/auto_layout.py --profile PROFILE.json [--ranks 4] [--rounds 2] [--steps 2]
-        [--warmup 1] [--cases 25m-gbs4,25m-gbs8,deep-gbs4,deep-gbs8] [--no-sp] [--more]
+        [--warmup 1] [--cases 25m-gbs4,25m-gbs8,deep-gbs4,deep-gbs8] [--no-sp]
+        [--more [--only-missing]]
 
 PROFILE.json comes from `fivefold calibrate --out PROFILE.json --world 4 --max-hidden 1024
 --threads 1` (each rank of a CPU run computes on one thread). For each case (a model and a
@@ -54,6 +55,7 @@ from fivefold.plan.search import enumerate_layouts  # noqa: E402
 MODELS = {"25m": [], "deep": ["--model.hidden_size", "256", "--model.intermediate_size", "688",
                               "--model.num_layers", "16", "--model.num_heads", "4",
                               "--model.num_kv_heads", "4"]}
+CORES = len(os.sched_getaffinity(0))  # the ranks share them: planner.shared_cores_time
 BUDGET_GIB = 4.0  # per rank: 4 ranks in this machine's 24 GiB, far above any layout's need
 
 
@@ -73,7 +75,7 @@ def candidates(name: str, ranks: int, hw, assume, root: Path, sp: bool = True):
     for key in ("parallel.mbs",):  # the example's own micro-batch: searched here
         config.given_keys(cfg).discard(key)
     pick = planner.choose(cfg, ranks, hw, assume, "fp32", "train.memory_budget_gib",
-                          "the profile", on_cpu=True)
+                          "the profile", on_cpu=True, cores=CORES)
     work, judged = planner.workload(cfg, "fp32", BUDGET_GIB)
     space = planner.search_space(cfg, planner.constraints(cfg), True, planner._accepts(judged))
     space.recompute, space.zero, space.schedule = ("none",), (0, 1), ("1f1b",)
@@ -85,7 +87,7 @@ def candidates(name: str, ranks: int, hw, assume, root: Path, sp: bool = True):
         if lay.sp and not sp:
             continue
         key = (lay.dp, lay.tp, lay.pp, lay.sp)
-        t = plan_layout(work, lay, hw, assume).time.total
+        t = pick.step_time(plan_layout(work, lay, hw, assume))
         if key not in shapes or t < shapes[key][0]:
             shapes[key] = (t, lay)
     layouts = [lay for _, lay in shapes.values()]
@@ -154,6 +156,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     ap.add_argument("--more", action="store_true",
                     help="add --rounds rounds to the samples already in --out")
+    ap.add_argument("--only-missing", action="store_true",
+                    help="with --more: measure only the layouts without samples (a new pick)")
     ap.add_argument("--no-sp", dest="sp", action="store_false",
                     help="measure no sequence-parallel shapes (unless auto picks one)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "auto_layout.json"))
@@ -187,6 +191,8 @@ def main() -> None:
             order = list(case["plans"])
             rng.shuffle(order)
             for lay in order:
+                if args.only_missing and case["times"][lay]:
+                    continue
                 run_cfg = planner.apply(case["cfg"], case["plans"][lay], BUDGET_GIB)
                 run_cfg.parallel.layout = "manual"
                 config.validate_layout(run_cfg)
@@ -204,7 +210,9 @@ def write(args, cases: dict, profile: dict, started: float, rounds_done: int) ->
         for lay, plan in case["plans"].items():
             if not case["times"][lay]:
                 continue
-            rows.append({"layout": lay.short(), "planned_s": plan.time.total,
+            rows.append({"layout": lay.short(),
+                         "planned_s": case["pick"].step_time(plan),
+                         "planned_own_cores_s": plan.time.total,
                          "measured_s": statistics.median(case["times"][lay]),
                          "samples_s": case["times"][lay]})
         if len(rows) < len(case["plans"]):
@@ -215,16 +223,19 @@ def write(args, cases: dict, profile: dict, started: float, rounds_done: int) ->
         rank = next(i for i, r in enumerate(rows) if r["layout"] == chosen) + 1
         pick_s = rows[rank - 1]["measured_s"]
         rho = spearman([r["planned_s"] for r in rows], [r["measured_s"] for r in rows])
+        rho_own = spearman([r["planned_own_cores_s"] for r in rows],
+                           [r["measured_s"] for r in rows])
         results[name] = {"pick": chosen, "pick_rank": rank, "layouts": len(rows),
                          "feasible_in_space": case["feasible"],
                          "runner_up": (case["pick"].runner_up.layout.short()
                                        if case["pick"].runner_up else None),
                          "pick_measured_s": pick_s, "best": rows[0]["layout"],
                          "best_measured_s": best, "regret": pick_s / best - 1,
-                         "spearman": rho, "rows": rows}
+                         "spearman": rho, "spearman_own_cores": rho_own,
+                         "cores": case["pick"].cores, "rows": rows}
         print(f"{name}: pick {chosen} ranks {rank} of {len(rows)}, {pick_s:.2f} s vs best "
               f"{rows[0]['layout']} {best:.2f} s: regret {100 * (pick_s / best - 1):.1f}%; "
-              f"Spearman {rho:.2f}", flush=True)
+              f"Spearman {rho:.2f} ({rho_own:.2f} as if each rank had its own core)", flush=True)
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                          text=True).stdout.strip()
     payload = {"machine": {"cpu_model": cpu_model(), "cores": os.cpu_count(),
