@@ -158,6 +158,8 @@ def main() -> None:
                     help="add --rounds rounds to the samples already in --out")
     ap.add_argument("--only-missing", action="store_true",
                     help="with --more: measure only the layouts without samples (a new pick)")
+    ap.add_argument("--merge", nargs="*", default=[], metavar="JSON",
+                    help="add the samples of these earlier results files (same layouts)")
     ap.add_argument("--no-sp", dest="sp", action="store_false",
                     help="measure no sequence-parallel shapes (unless auto picks one)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "auto_layout.json"))
@@ -176,10 +178,19 @@ def main() -> None:
         print(f"{name}: {len(layouts)} layouts measured (one per shape of {feasible}); auto "
               f"picks {pick.best.layout.short()}", flush=True)
     earlier = 0
+    args.kept_cases = {}
     if args.more and Path(args.out).is_file():  # add rounds to the samples already there
         before = json.loads(Path(args.out).read_text())
         earlier = before["rounds"]
+        args.kept_cases = {k: v for k, v in before["cases"].items() if k not in cases}
         for name, result in before["cases"].items():
+            if name in cases:
+                shown = {lay.short(): lay for lay in cases[name]["times"]}
+                for row in result["rows"]:
+                    if row["layout"] in shown:
+                        cases[name]["times"][shown[row["layout"]]] += row["samples_s"]
+    for other in args.merge:  # samples of earlier runs of the same layouts (another file)
+        for name, result in json.loads(Path(other).read_text())["cases"].items():
             if name in cases:
                 shown = {lay.short(): lay for lay in cases[name]["times"]}
                 for row in result["rows"]:
@@ -201,6 +212,8 @@ def main() -> None:
                 print(f"round {rnd + 1} {name} {lay.short():<36} "
                       + " ".join(f"{x:.2f}" for x in t), flush=True)
                 write(args, cases, profile, started, rnd + 1)  # what is measured survives
+    if args.merge or not args.rounds:
+        write(args, cases, profile, started, earlier + args.rounds)
 
 
 def write(args, cases: dict, profile: dict, started: float, rounds_done: int) -> None:
@@ -238,12 +251,12 @@ def write(args, cases: dict, profile: dict, started: float, rounds_done: int) ->
               f"Spearman {rho:.2f} ({rho_own:.2f} as if each rank had its own core)", flush=True)
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                          text=True).stdout.strip()
-    payload = {"machine": {"cpu_model": cpu_model(), "cores": os.cpu_count(),
+    payload = {"merged": args.merge, "machine": {"cpu_model": cpu_model(), "cores": os.cpu_count(),
                            "platform": platform.platform(), "torch": torch.__version__,
                            "git_rev": rev, "load_average_at_end": os.getloadavg()},
                "ranks": args.ranks, "rounds": rounds_done, "steps": args.steps,
                "budget_gib": BUDGET_GIB, "elapsed_s": time.time() - started,
-               "profile": profile, "cases": results}
+               "profile": profile, "cases": {**args.kept_cases, **results}}
     Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {args.out}")
 
