@@ -2,7 +2,8 @@
 step times of every feasible layout, on this machine.
 
     python bench/auto_layout.py --profile PROFILE.json [--ranks 4] [--rounds 2] [--steps 2]
-        [--warmup 1] [--cases 25m-gbs4,25m-gbs8,deep-gbs4,deep-gbs8] [--no-sp] [--more]
+        [--warmup 1] [--cases 25m-gbs4,25m-gbs8,deep-gbs4,deep-gbs8] [--no-sp]
+        [--more [--only-missing]]
 
 PROFILE.json comes from `fivefold calibrate --out PROFILE.json --world 4 --max-hidden 1024
 --threads 1` (each rank of a CPU run computes on one thread). For each case (a model and a
@@ -54,6 +55,7 @@ from fivefold.plan.search import enumerate_layouts  # noqa: E402
 MODELS = {"25m": [], "deep": ["--model.hidden_size", "256", "--model.intermediate_size", "688",
                               "--model.num_layers", "16", "--model.num_heads", "4",
                               "--model.num_kv_heads", "4"]}
+CORES = len(os.sched_getaffinity(0))  # the ranks share them: planner.shared_cores_time
 BUDGET_GIB = 4.0  # per rank: 4 ranks in this machine's 24 GiB, far above any layout's need
 
 
@@ -73,7 +75,7 @@ def candidates(name: str, ranks: int, hw, assume, root: Path, sp: bool = True):
     for key in ("parallel.mbs",):  # the example's own micro-batch: searched here
         config.given_keys(cfg).discard(key)
     pick = planner.choose(cfg, ranks, hw, assume, "fp32", "train.memory_budget_gib",
-                          "the profile", on_cpu=True)
+                          "the profile", on_cpu=True, cores=CORES)
     work, judged = planner.workload(cfg, "fp32", BUDGET_GIB)
     space = planner.search_space(cfg, planner.constraints(cfg), True, planner._accepts(judged))
     space.recompute, space.zero, space.schedule = ("none",), (0, 1), ("1f1b",)
@@ -85,7 +87,7 @@ def candidates(name: str, ranks: int, hw, assume, root: Path, sp: bool = True):
         if lay.sp and not sp:
             continue
         key = (lay.dp, lay.tp, lay.pp, lay.sp)
-        t = plan_layout(work, lay, hw, assume).time.total
+        t = pick.step_time(plan_layout(work, lay, hw, assume))
         if key not in shapes or t < shapes[key][0]:
             shapes[key] = (t, lay)
     layouts = [lay for _, lay in shapes.values()]
@@ -154,6 +156,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     ap.add_argument("--more", action="store_true",
                     help="add --rounds rounds to the samples already in --out")
+    ap.add_argument("--only-missing", action="store_true",
+                    help="with --more: measure only the layouts without samples (a new pick)")
+    ap.add_argument("--merge", nargs="*", default=[], metavar="JSON",
+                    help="add the samples of these earlier results files (same layouts)")
     ap.add_argument("--no-sp", dest="sp", action="store_false",
                     help="measure no sequence-parallel shapes (unless auto picks one)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "auto_layout.json"))
@@ -172,10 +178,19 @@ def main() -> None:
         print(f"{name}: {len(layouts)} layouts measured (one per shape of {feasible}); auto "
               f"picks {pick.best.layout.short()}", flush=True)
     earlier = 0
+    args.kept_cases = {}
     if args.more and Path(args.out).is_file():  # add rounds to the samples already there
         before = json.loads(Path(args.out).read_text())
         earlier = before["rounds"]
+        args.kept_cases = {k: v for k, v in before["cases"].items() if k not in cases}
         for name, result in before["cases"].items():
+            if name in cases:
+                shown = {lay.short(): lay for lay in cases[name]["times"]}
+                for row in result["rows"]:
+                    if row["layout"] in shown:
+                        cases[name]["times"][shown[row["layout"]]] += row["samples_s"]
+    for other in args.merge:  # samples of earlier runs of the same layouts (another file)
+        for name, result in json.loads(Path(other).read_text())["cases"].items():
             if name in cases:
                 shown = {lay.short(): lay for lay in cases[name]["times"]}
                 for row in result["rows"]:
@@ -187,6 +202,8 @@ def main() -> None:
             order = list(case["plans"])
             rng.shuffle(order)
             for lay in order:
+                if args.only_missing and case["times"][lay]:
+                    continue
                 run_cfg = planner.apply(case["cfg"], case["plans"][lay], BUDGET_GIB)
                 run_cfg.parallel.layout = "manual"
                 config.validate_layout(run_cfg)
@@ -195,6 +212,8 @@ def main() -> None:
                 print(f"round {rnd + 1} {name} {lay.short():<36} "
                       + " ".join(f"{x:.2f}" for x in t), flush=True)
                 write(args, cases, profile, started, rnd + 1)  # what is measured survives
+    if args.merge or not args.rounds:
+        write(args, cases, profile, started, earlier + args.rounds)
 
 
 def write(args, cases: dict, profile: dict, started: float, rounds_done: int) -> None:
@@ -204,7 +223,9 @@ def write(args, cases: dict, profile: dict, started: float, rounds_done: int) ->
         for lay, plan in case["plans"].items():
             if not case["times"][lay]:
                 continue
-            rows.append({"layout": lay.short(), "planned_s": plan.time.total,
+            rows.append({"layout": lay.short(),
+                         "planned_s": case["pick"].step_time(plan),
+                         "planned_own_cores_s": plan.time.total,
                          "measured_s": statistics.median(case["times"][lay]),
                          "samples_s": case["times"][lay]})
         if len(rows) < len(case["plans"]):
@@ -215,24 +236,27 @@ def write(args, cases: dict, profile: dict, started: float, rounds_done: int) ->
         rank = next(i for i, r in enumerate(rows) if r["layout"] == chosen) + 1
         pick_s = rows[rank - 1]["measured_s"]
         rho = spearman([r["planned_s"] for r in rows], [r["measured_s"] for r in rows])
+        rho_own = spearman([r["planned_own_cores_s"] for r in rows],
+                           [r["measured_s"] for r in rows])
         results[name] = {"pick": chosen, "pick_rank": rank, "layouts": len(rows),
                          "feasible_in_space": case["feasible"],
                          "runner_up": (case["pick"].runner_up.layout.short()
                                        if case["pick"].runner_up else None),
                          "pick_measured_s": pick_s, "best": rows[0]["layout"],
                          "best_measured_s": best, "regret": pick_s / best - 1,
-                         "spearman": rho, "rows": rows}
+                         "spearman": rho, "spearman_own_cores": rho_own,
+                         "cores": case["pick"].cores, "rows": rows}
         print(f"{name}: pick {chosen} ranks {rank} of {len(rows)}, {pick_s:.2f} s vs best "
               f"{rows[0]['layout']} {best:.2f} s: regret {100 * (pick_s / best - 1):.1f}%; "
-              f"Spearman {rho:.2f}", flush=True)
+              f"Spearman {rho:.2f} ({rho_own:.2f} as if each rank had its own core)", flush=True)
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                          text=True).stdout.strip()
-    payload = {"machine": {"cpu_model": cpu_model(), "cores": os.cpu_count(),
+    payload = {"merged": args.merge, "machine": {"cpu_model": cpu_model(), "cores": os.cpu_count(),
                            "platform": platform.platform(), "torch": torch.__version__,
                            "git_rev": rev, "load_average_at_end": os.getloadavg()},
                "ranks": args.ranks, "rounds": rounds_done, "steps": args.steps,
                "budget_gib": BUDGET_GIB, "elapsed_s": time.time() - started,
-               "profile": profile, "cases": results}
+               "profile": profile, "cases": {**args.kept_cases, **results}}
     Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {args.out}")
 

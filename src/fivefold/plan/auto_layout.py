@@ -49,6 +49,10 @@ class AutoPick:
     budget_source: str  # "train.memory_budget_gib" or "free memory"
     hardware: str  # what the speeds come from, in words
     considered: int  # layouts meeting the constraints
+    cores: int = 0  # CPU cores the ranks of a node share (0: each rank has its own device)
+
+    def step_time(self, plan: LayoutPlan) -> float:
+        return shared_cores_time(plan, self.cores)
 
 
 def auto_hardware(base: Hardware | None, ranks_per_node: int, budget_gib: float,
@@ -68,6 +72,26 @@ def auto_hardware(base: Hardware | None, ranks_per_node: int, budget_gib: float,
         if profile.get("memory_gbps"):  # timing applies hbm_efficiency to hbm_tbps
             changes["hbm_tbps"] = profile["memory_gbps"] / 1e3 / assume.hbm_efficiency
     return dataclasses.replace(hw, **changes), assume
+
+
+def shared_cores_time(plan: LayoutPlan, cores: int) -> float:
+    """Predicted seconds per step when the ranks of a node share `cores` CPU cores (a CPU
+    run with more ranks than cores; 0: each rank has its own device, the planner's step).
+    The planner times each rank as if it had a core of its own; time-shared, the step takes
+    at least the compute of all ranks (each pipeline stage's, times the ranks that run it,
+    plus every rank's optimizer step) over the cores, plus the exposed communication. So a
+    pipeline bubble costs nothing while other ranks have work for the idle core, and the
+    planner's own step, the critical path, stays a lower bound."""
+    lay, t = plan.layout, plan.time
+    nodes_ranks = plan.context[1].gpus_per_node if plan.context else lay.world_size
+    if not cores or cores >= nodes_ranks:
+        return t.total
+    ranks_per_stage = lay.world_size / lay.pp
+    work = (sum(s["compute_s_per_step"] for s in plan.stages) * ranks_per_stage
+            + lay.world_size * t.optimizer)
+    exposed = t.tp_comm + t.cp_comm + t.ep_comm + t.pp_comm + t.dp_comm
+    nodes = max(1, lay.world_size // nodes_ranks)
+    return max(t.total, work / (cores * nodes) + exposed)
 
 
 def _given(cfg) -> set[str]:
@@ -132,24 +156,30 @@ def _accepts(judged):
 
 
 def choose(cfg, world: int, hw: Hardware, assume: Assumptions, precision: str,
-           budget_source: str, hardware_words: str, on_cpu: bool) -> AutoPick:
+           budget_source: str, hardware_words: str, on_cpu: bool,
+           cores: int = 0) -> AutoPick:
     """The fastest layout of `world` ranks that fits hw.memory_gib per rank and that the
     engine runs, with the runner-up; a ConfigError naming the constraint no layout meets,
-    or the budget below every layout's need."""
+    or the budget below every layout's need. `cores`: on a CPU, the cores the ranks of a
+    node share (fewer than the ranks: times are `shared_cores_time`'s)."""
     budget = hw.memory_gib
     work, judged = workload(cfg, precision, budget)
     keep = constraints(cfg)
-    results = [search(work, world, hw, assume, space, top=4)
+    shared = on_cpu and 0 < cores < hw.gpus_per_node
+    # shared cores reorder the planner's times, so its bound cannot prune: plan them all
+    top = 10**6 if shared else 4
+    results = [search(work, world, hw, assume, space, top=top)
                for space in _spaces(search_space(cfg, keep, on_cpu, _accepts(judged)), work)]
+    pick = AutoPick(None, None, world, budget, budget_source, hardware_words,
+                    sum(r.considered for r in results), cores if shared else 0)
     # the search fits grad_sync = auto at its smaller need; each plan has it resolved
-    fitting = sorted((p for r in results for p in r.top if p.fits), key=lambda p: p.time.total)
-    considered = sum(r.considered for r in results)
+    fitting = sorted((p for r in results for p in r.top if p.fits), key=pick.step_time)
     if fitting:  # the runner-up: the next that differs in prediction (auto ≡ none is a twin)
-        best = fitting[0]
-        other = next((p for p in fitting[1:]
-                      if abs(p.time.total - best.time.total) > 1e-9 * best.time.total), None)
-        return AutoPick(best, other, world, budget, budget_source, hardware_words,
-                        considered)
+        best = pick.step_time(fitting[0])
+        pick.best = fitting[0]
+        pick.runner_up = next((p for p in fitting[1:]
+                               if abs(pick.step_time(p) - best) > 1e-9 * best), None)
+        return pick
     smallest = min((r.smallest for r in results if r.smallest), default=None,
                    key=lambda s: s[0])
     if smallest is not None:
@@ -225,9 +255,10 @@ def apply(cfg, plan: LayoutPlan, budget_gib: float):
     return out
 
 
-def plan_summary(plan: LayoutPlan) -> dict:
-    return {"layout": plan.layout.short(), "step_time_s": plan.time.total,
-            "peak_gib": plan.memory_total / GIB, "mfu": plan.mfu,
+def plan_summary(pick: AutoPick, plan: LayoutPlan) -> dict:
+    step = pick.step_time(plan)
+    return {"layout": plan.layout.short(), "step_time_s": step,
+            "peak_gib": plan.memory_total / GIB, "mfu": plan.mfu * plan.time.total / step,
             "grad_sync": plan.grad_sync}
 
 
@@ -237,20 +268,22 @@ def record(pick: AutoPick) -> dict:
     lay["pp_layers"] = list(lay["pp_layers"])
     return {"world": pick.world, "budget_gib": pick.budget_gib,
             "budget_source": pick.budget_source, "hardware": pick.hardware,
-            "fields": lay, "chosen": plan_summary(pick.best),
-            "runner_up": plan_summary(pick.runner_up) if pick.runner_up else None}
+            "cores": pick.cores, "fields": lay, "chosen": plan_summary(pick, pick.best),
+            "runner_up": plan_summary(pick, pick.runner_up) if pick.runner_up else None}
 
 
 def describe(pick: AutoPick) -> list[str]:
     """The lines printed before the first step."""
     def line(label: str, plan: LayoutPlan) -> str:
+        got = plan_summary(pick, plan)
         return (f"  {label:<10}{plan.layout.short()}"
                 + (f" grad_sync={plan.grad_sync}" if plan.layout.zero >= 2 else "")
-                + f": step {plan.time.total:.4g} s, peak {plan.memory_total / GIB:.3g} GiB, "
-                f"MFU {100 * plan.mfu:.1f}%")
+                + f": step {got['step_time_s']:.4g} s, peak {got['peak_gib']:.3g} GiB, "
+                f"MFU {100 * got['mfu']:.1f}%")
     budget = _budget_words(pick.budget_source, pick.budget_gib)
-    lines = [f"auto layout for {pick.world} rank(s), {budget}, speeds of {pick.hardware} "
-             f"({pick.considered} layouts met the constraints):",
+    cores = f", {pick.cores} shared cores" if pick.cores else ""
+    lines = [f"auto layout for {pick.world} rank(s){cores}, {budget}, speeds of "
+             f"{pick.hardware} ({pick.considered} layouts met the constraints):",
              line("chosen", pick.best)]
     lines.append(line("runner-up", pick.runner_up) if pick.runner_up
                  else "  runner-up none: no other layout fits")

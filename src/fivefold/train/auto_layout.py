@@ -86,18 +86,23 @@ def resolve(cfg: Config, hw_profile: str | None, first_rank: bool) -> Config:
         notes.append(f"note: no --hw-profile: layouts are ranked with the catalog's {hw.name} "
                      f"speeds, not this CPU's; `fivefold calibrate --out profile.json` "
                      f"measures them")
+    # on a CPU the ranks of this machine share its cores (planner.shared_cores_time)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    cores = cores if on_cpu else 0
     saved = _saved_record(cfg)
     if saved is not None:
         plan, why = planner.kept(cfg, saved, world, hw, assume, precision)
         if plan is not None:
-            pick = planner.AutoPick(plan, None, world, budget, source, words, 1)
+            pick = planner.AutoPick(plan, None, world, budget, source, words, 1,
+                                    cores if 0 < cores < local else 0)
             notes.append(f"auto layout: resuming with the layout the run started with, "
-                         f"{plan.layout.short()} (predicted step {plan.time.total:.4g} s, "
+                         f"{plan.layout.short()} (predicted step {pick.step_time(plan):.4g} s, "
                          f"peak {plan.memory_total / 2**30:.3g} GiB)")
             return _finish(cfg, pick, saved, notes, first_rank)
         notes.append(f"auto layout: the run started with {saved.get('chosen', {}).get('layout')}"
                      f" and chooses again: {why}")
-    pick = planner.choose(cfg, world, hw, assume, precision, source, words, on_cpu)
+    pick = planner.choose(cfg, world, hw, assume, precision, source, words, on_cpu, cores)
     return _finish(cfg, pick, planner.record(pick), notes + planner.describe(pick), first_rank)
 
 
