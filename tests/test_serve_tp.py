@@ -89,6 +89,17 @@ def test_tp2_equals_tp1(cfg, n, one_thread):
     assert out["blocks"] == num_blocks(BUDGET, cfg, 16, "fp32", tp=2)
 
 
+def test_plan_serve_takes_tp(capsys):
+    import json
+
+    from fivefold.plan.cli_entry import main as plan_main
+
+    assert plan_main(["--serve", "--model", "llama-3.1-70b", "--tp", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    # 80 layers, 8 kv heads of 128 over 4 ranks: 2 heads each, bf16
+    assert data["kv_bytes_per_token"] == 2 * 80 * 2 * 128 * 2 and data["tp"] == 4
+
+
 def test_steps_reach_workers_as_diffs():
     from fivefold.serve.request import Request
     from fivefold.serve.scheduler import SchedulerOutput
