@@ -60,7 +60,8 @@ def _tp_run(rank, world, cfg, prompts, params, probe):
     runner = engine.runner
     runner.close()
     return {"tokens": tokens, "logits": logits, "blocks": engine.num_blocks,
-            "preemptions": engine.scheduler.num_preemptions}
+            "preemptions": engine.scheduler.num_preemptions,
+            "steps": engine.num_steps + 1}  # the probe's step too
 
 
 @pytest.mark.parametrize("cfg, n", [(CFG, 24), (CFG_MQA, 6)])
@@ -74,8 +75,9 @@ def test_tp2_equals_tp1(cfg, n, one_thread):
     engine, expected = serve(model, prompts, params, kv_cache_bytes=BUDGET * share)
     with torch.inference_mode():
         full = model(torch.tensor([probe]))[0, -1].float()
-    out = run_ranks(_tp_run, 2, cfg, prompts, params, probe)[0]
+    out, worker_steps = run_ranks(_tp_run, 2, cfg, prompts, params, probe)
     assert out["tokens"] == expected
+    assert worker_steps == out["steps"]  # rank 1 ran every step rank 0 ran
     assert out["blocks"] == engine.num_blocks
     if cfg is CFG:
         assert out["preemptions"] > 0  # the small cache made requests give back blocks
