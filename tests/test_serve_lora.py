@@ -65,8 +65,8 @@ def test_mixed_adapters_equal_merged_models(tmp_path, prepack):
     mixed = {}
     seen = []
     begin = adapter_set.begin_step
-    adapter_set.begin_step = lambda s, d: (seen.append(len({r.params.adapter for r, _ in s})),
-                                           begin(s, d))[1]
+    adapter_set.begin_step = lambda out, d: (
+        seen.append(len({r.params.adapter for r, _ in out.scheduled})), begin(out, d))[1]
     # round robin: consecutive requests name different adapters, so rows interleave
     order = [(name, i) for i in range(len(prompts)) for name in expected]
     ids = [engine.add_request(prompts[i], SamplingParams(max_tokens=12, temperature=0,

@@ -144,6 +144,7 @@ def test_dp2_with_three_adapters(tmp_path, one_thread):
     assert listed == {"m": None, "alpha": "m", "beta": "m", "gamma": "m"}
     for (m, i), out in zip(jobs, outs, strict=True):
         assert out.choices[0].text == expected[m][i], (m, i)
+        assert out.model == m
     values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
               if line and not line.startswith("#")}
     routed = [values[f'fivefold_replica_requests_routed{{replica="{r}"}}'] for r in (0, 1)]

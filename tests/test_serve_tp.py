@@ -60,7 +60,8 @@ def _tp_run(rank, world, cfg, prompts, params, probe):
     runner = engine.runner
     runner.close()
     return {"tokens": tokens, "logits": logits, "blocks": engine.num_blocks,
-            "preemptions": engine.scheduler.num_preemptions}
+            "preemptions": engine.scheduler.num_preemptions,
+            "steps": engine.num_steps + 1}  # the probe's step too
 
 
 @pytest.mark.parametrize("cfg, n", [(CFG, 24), (CFG_MQA, 6)])
@@ -74,8 +75,9 @@ def test_tp2_equals_tp1(cfg, n, one_thread):
     engine, expected = serve(model, prompts, params, kv_cache_bytes=BUDGET * share)
     with torch.inference_mode():
         full = model(torch.tensor([probe]))[0, -1].float()
-    out = run_ranks(_tp_run, 2, cfg, prompts, params, probe)[0]
+    out, worker_steps = run_ranks(_tp_run, 2, cfg, prompts, params, probe)
     assert out["tokens"] == expected
+    assert worker_steps == out["steps"]  # rank 1 ran every step rank 0 ran
     assert out["blocks"] == engine.num_blocks
     if cfg is CFG:
         assert out["preemptions"] > 0  # the small cache made requests give back blocks
@@ -87,6 +89,17 @@ def test_tp2_equals_tp1(cfg, n, one_thread):
     torch.testing.assert_close(out["logits"], full, rtol=0, atol=1e-5)
     # the planner: tp ranks hold max(1, kv / tp) heads each; the same budget, the same blocks
     assert out["blocks"] == num_blocks(BUDGET, cfg, 16, "fp32", tp=2)
+
+
+def test_plan_serve_takes_tp(capsys):
+    import json
+
+    from fivefold.plan.cli_entry import main as plan_main
+
+    assert plan_main(["--serve", "--model", "llama-3.1-70b", "--tp", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    # 80 layers, 8 kv heads of 128 over 4 ranks: 2 heads each, bf16
+    assert data["kv_bytes_per_token"] == 2 * 80 * 2 * 128 * 2 and data["tp"] == 4
 
 
 def test_steps_reach_workers_as_diffs():

@@ -3,7 +3,7 @@
     fivefold launch [--nproc-per-node N] [--nnodes N] [--node-rank R]
                     [--rdzv-endpoint HOST:PORT] [--rdzv-id ID] [--max-restarts K] COMMAND ...
 
-runs `fivefold COMMAND ...` (train, bench) on N local ranks through
+runs `fivefold COMMAND ...` (train, bench, serve) on N local ranks through
 `torch.distributed.run` (torchrun's argument parser and `elastic_launch`, the launcher
 torchrun itself is), with what a fivefold run needs set for it:
 
@@ -14,8 +14,8 @@ torchrun itself is), with what a fivefold run needs set for it:
 - one node without a rendezvous endpoint is `--standalone` (a local c10d store on a free
   port), several nodes use a c10d rendezvous at `--rdzv-endpoint`;
 - `--nproc-per-node` defaults to the layout's world size (parallel.dp·tp·pp·cp of the
-  train config given after COMMAND) divided by the number of nodes, so a bad config is one
-  line before any rank starts.
+  train config given after COMMAND, or serve's --tp) divided by the number of nodes, so a
+  bad config is one line before any rank starts.
 
 The launcher's exit code is the first failed rank's (2 for a bad input, 3 for a lost rank,
 …), or 0; plain `torchrun -m fivefold.cli train ...` keeps working as before.
@@ -29,7 +29,7 @@ import sys
 
 from fivefold.config import ArgumentParser, ConfigError
 
-COMMANDS = ("train", "bench")
+COMMANDS = ("train", "bench", "serve")
 
 
 def build_parser() -> ArgumentParser:
@@ -60,8 +60,14 @@ def build_parser() -> ArgumentParser:
 
 
 def layout_world_size(command: str, args: list[str]) -> int:
-    """parallel.dp·tp·pp·cp of the config `fivefold train ARGS` would run (validated)."""
+    """parallel.dp·tp·pp·cp of the config `fivefold train ARGS` would run (validated);
+    for serve, its --tp (rank 0 serves HTTP, the others hold the other shards)."""
     from fivefold import config
+
+    if command == "serve":
+        serve = argparse.ArgumentParser(add_help=False)
+        serve.add_argument("--tp", type=int, default=1)
+        return serve.parse_known_args(args)[0].tp
 
     known = argparse.ArgumentParser(add_help=False)
     known.add_argument("--config")

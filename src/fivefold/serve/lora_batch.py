@@ -7,10 +7,11 @@ arXiv 2311.03285) keep the base weights once and add each token's own low-rank u
     y = x Wᵀ + scaling_a · (x A_aᵀ) B_aᵀ        for the tokens of sequences with adapter a
 
 The base GEMM runs once for the whole step; the update runs per adapter over the rows of
-that adapter's tokens: a slice when they are contiguous (Punica's SGMV, one segment), an
-index_select / index_add over their rows otherwise (a gather per token, as BGMV does, grouped
-by adapter so each adapter's A and B are read once per step). The rows of each adapter are
-found once per step (`AdapterSet.begin_step`) and shared by every layer.
+that adapter's tokens. Each step's sequences are put in adapter order first (a stable sort;
+attention is per sequence and the linears per row, so the order changes no result), so an
+adapter's tokens are one run of rows: a slice, with no gather (Punica's SGMV with one
+segment per adapter), and each adapter's A and B are read once per step and linear. The
+rows of each adapter are found once per step (`AdapterSet.begin_step`) for every layer.
 
 Requests name their adapter in `SamplingParams.adapter` (the OpenAI `model` field picks it);
 None is the base alone. The step's row groups are per thread, so data-parallel replicas
@@ -72,10 +73,10 @@ def load_adapter(name: str, directory: str) -> Adapter:
 
 
 class StepRows(threading.local):
-    """This thread's step: adapter index -> the rows (a slice or an index tensor) of its
-    tokens in the flattened batch."""
+    """This thread's step: (adapter index, the slice of rows of its tokens in the
+    flattened batch)."""
 
-    groups: list[tuple[int, slice | torch.Tensor]] = []
+    groups: list[tuple[int, slice]] = []
 
     def __deepcopy__(self, memo):  # a prepacked copy of the model shares the step's rows
         return self
@@ -88,17 +89,19 @@ class MultiLoraLinear(nn.Module):
         super().__init__()
         self.base_layer, self.rows = base_layer, rows
         self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
-        # adapter index -> scaling; its A and B are buffers `lora_A_<index>`, `lora_B_<index>`
-        # (so `.to()` moves them); absent: that adapter leaves this linear alone
-        self.scalings: dict[int, float] = {}
+        # the adapters that touch this linear, by index; absent ones leave it alone. Their
+        # factors are buffers (so `.to()` moves them) laid out for the two GEMMs: Aᵀ (in×r)
+        # as `lora_A_<index>`, scaling·Bᵀ (r×out) as `lora_B_<index>`
+        self.indices: set[int] = set()
         self.num_adapters = num_adapters
 
     def add(self, index: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
         weight = self.base_layer.weight
         dtype = weight.dtype if weight.is_floating_point() else torch.float32
-        self.register_buffer(f"lora_A_{index}", a.to(weight.device, dtype))
-        self.register_buffer(f"lora_B_{index}", b.to(weight.device, dtype))
-        self.scalings[index] = scaling
+        self.register_buffer(f"lora_A_{index}", a.t().contiguous().to(weight.device, dtype))
+        self.register_buffer(f"lora_B_{index}",
+                             (b.float() * scaling).t().contiguous().to(weight.device, dtype))
+        self.indices.add(index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
@@ -107,19 +110,21 @@ class MultiLoraLinear(nn.Module):
             return y
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         for index, rows in groups:
-            scaling = self.scalings.get(index)
-            if scaling is None:
+            if index not in self.indices:
                 continue
             a, b = getattr(self, f"lora_A_{index}"), getattr(self, f"lora_B_{index}")
-            if isinstance(rows, slice):  # one segment: shrink to r, expand, add in place
-                y2[rows] += ((x2[rows].to(a.dtype) @ a.t()) @ b.t() * scaling).to(y.dtype)
+            xs = x2[rows]
+            if xs.dtype != a.dtype:
+                xs = xs.to(a.dtype)
+            # one segment (SGMV): shrink to r, then expand and add in place
+            if y.dtype == a.dtype:
+                y2[rows].addmm_(xs @ a, b)
             else:
-                update = (x2.index_select(0, rows).to(a.dtype) @ a.t()) @ b.t() * scaling
-                y2.index_add_(0, rows, update.to(y.dtype))
+                y2[rows] += ((xs @ a) @ b).to(y.dtype)
         return y
 
     def extra_repr(self) -> str:
-        return f"adapters={sorted(self.scalings)} of {self.num_adapters}"
+        return f"adapters={sorted(self.indices)} of {self.num_adapters}"
 
 
 class AdapterSet:
@@ -130,27 +135,28 @@ class AdapterSet:
         self.index = {n: i for i, n in enumerate(names)}
         self.rows = rows
 
-    def begin_step(self, scheduled, device) -> None:
-        """Group the step's token rows by adapter (scheduled: (request, tokens) in row order)."""
-        per_adapter: dict[int, list[tuple[int, int]]] = {}
+    def key(self, item) -> int:
+        adapter = item[0].params.adapter
+        return -1 if adapter is None else self.index[adapter]
+
+    def begin_step(self, out, device):
+        """The step with its sequences ordered by adapter (a stable sort: Punica and S-LoRA
+        batch so), so each adapter's tokens are one run of rows (a slice, no gather); then
+        the rows of each adapter, for every layer of this step. Returns the reordered step
+        (its copies done already: none are left in it)."""
+        from fivefold.serve.scheduler import SchedulerOutput
+
+        scheduled = sorted(out.scheduled, key=self.key)
+        spans: dict[int, list[int]] = {}  # adapter index -> [first row, end row]
         begin = 0
-        for request, num_new in scheduled:
-            adapter = request.params.adapter
-            if adapter is not None:
-                spans = per_adapter.setdefault(self.index[adapter], [])
-                if spans and spans[-1][1] == begin:
-                    spans[-1] = (spans[-1][0], begin + num_new)
-                else:
-                    spans.append((begin, begin + num_new))
-            begin += num_new
-        groups = []
-        for index, spans in per_adapter.items():
-            if len(spans) == 1:
-                groups.append((index, slice(*spans[0])))
-            else:
-                rows = [r for lo, hi in spans for r in range(lo, hi)]
-                groups.append((index, torch.tensor(rows, dtype=torch.long, device=device)))
-        self.rows.groups = groups
+        for item in scheduled:
+            end = begin + item[1]
+            index = self.key(item)
+            if index >= 0:
+                spans.setdefault(index, [begin, end])[1] = end
+            begin = end
+        self.rows.groups = [(index, slice(lo, hi)) for index, (lo, hi) in spans.items()]
+        return SchedulerOutput(scheduled, out.preempted, [])
 
     def end_step(self) -> None:
         self.rows.groups = []

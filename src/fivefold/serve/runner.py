@@ -63,10 +63,10 @@ class ModelRunner:
         """Run the step; fp32 logits (V,) for each request that samples a token now."""
         if out.copies:
             self.cache.copy_blocks(out.copies)
+        if self.adapters is not None:  # rows grouped by adapter, each adapter's rows found
+            out = self.adapters.begin_step(out, self.device)
         tokens, positions, batch, samplers = self.prepare(out)
         self.cache.batch = batch
-        if self.adapters is not None:
-            self.adapters.begin_step(out.scheduled, self.device)
         try:
             rows = self._tensor([row for _, row in samplers])
             logits = self.model(self._tensor([tokens]), cache=self.cache,

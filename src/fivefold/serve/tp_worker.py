@@ -214,6 +214,22 @@ def tp_groups(tp: int) -> TPGroups:
     return TPGroups(dims["tp"], Group("tp_control", list(range(tp)), pg, dims.ledger), dims)
 
 
+def check_tp(cfg, tp: int) -> None:
+    """The splits parallel/tensor.py makes, checked before any rank starts (one line)."""
+    from fivefold.errors import ConfigError
+
+    for what, size in (("num_heads", cfg.num_heads), ("intermediate_size",
+                                                      cfg.intermediate_size)):
+        if size % tp:
+            raise ConfigError(f"--tp {tp} does not divide the model's {what} = {size}; pick a "
+                              f"--tp that divides it")
+    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        raise ConfigError(f"--tp {tp} and the model's {cfg.num_kv_heads} kv heads: one must "
+                          f"divide the other; pick another --tp")
+    if -(-cfg.vocab_size // tp) * (tp - 1) >= cfg.vocab_size:
+        raise ConfigError(f"--tp {tp} is too many for a vocabulary of {cfg.vocab_size}")
+
+
 def shard_model(model: nn.Module, groups: TPGroups) -> nn.Module:
     """This rank's shard of a loaded model, by the training engine's tensor parallelism."""
     from fivefold.parallel.tensor import apply_tensor_parallel

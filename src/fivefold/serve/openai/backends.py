@@ -73,15 +73,16 @@ def _backend_name(args) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
-def _tp_rank_model(args, rank: int):
-    """Load the model on one rank and keep this rank's shard."""
-    from fivefold.serve.tp_worker import shard_model, threads_per_rank, tp_groups
+def _tp_rank_model(args, rank: int, loaded=None):
+    """Load the model on one rank (unless `loaded` gives it) and keep this rank's shard."""
+    from fivefold.serve.tp_worker import check_tp, shard_model, threads_per_rank, tp_groups
     from fivefold.train.generate import load_for_generation
 
     torch.set_num_threads(threads_per_rank(args.tp))
     if _backend_name(args) == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    model, codec = load_for_generation(args)
+    model, codec = loaded or load_for_generation(args)
+    check_tp(model.cfg, args.tp)
     groups = tp_groups(args.tp)
     return shard_model(model, groups), codec, groups
 
@@ -95,7 +96,10 @@ def _tp_worker(rank: int, args) -> None:
     # leaves when rank 0, which drains its requests first, says stop (or its link closes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    model, _, groups = _tp_rank_model(args, rank)
+    try:
+        model, _, groups = _tp_rank_model(args, rank)
+    except ConfigError:
+        raise SystemExit(2) from None  # rank 0 checks the same and says it in one line
     run_worker(model, groups)
 
 
@@ -103,9 +107,10 @@ def _start_tp(args) -> Backend | None:
     import torch.distributed as dist
 
     from fivefold.serve.openai.serving import EngineLoop
-    from fivefold.serve.tp_worker import driver_engine, start_world
+    from fivefold.serve.tp_worker import check_tp, driver_engine, start_world
+    from fivefold.train.generate import load_for_generation
 
-    procs = []
+    procs, loaded = [], None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under fivefold launch / torchrun
         from fivefold.parallel.mesh import init_distributed
 
@@ -114,9 +119,11 @@ def _start_tp(args) -> Backend | None:
             _tp_worker(rank, args)
             dist.destroy_process_group()
             return None
-    else:
+    else:  # load and check here first: a bad input is one line before any rank starts
+        loaded = load_for_generation(args)
+        check_tp(loaded[0].cfg, args.tp)
         procs = start_world(args.tp, _backend_name(args), _tp_worker, (args,))
-    model, codec, groups = _tp_rank_model(args, 0)
+    model, codec, groups = _tp_rank_model(args, 0, loaded)
     engine = driver_engine(model, groups, **engine_kwargs(args, codec))
 
     def close():

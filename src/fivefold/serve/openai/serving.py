@@ -225,7 +225,8 @@ class OpenAIServing:
                 choices.append({"index": i, "text": text, "finish_reason": o.finish_reason,
                                 "logprobs": None})
         return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                "created": now(), "model": self.model_name, "choices": choices,
+                "created": now(), "model": prepared.params.adapter or self.model_name,
+                "choices": choices,
                 "usage": usage(len(prepared.prompt), completion)}
 
     async def stream(self, prepared: Prepared, chat: bool) -> AsyncIterator[str]:
@@ -250,7 +251,8 @@ class OpenAIServing:
             else:
                 choice = {"index": index, "text": text or "", "finish_reason": reason,
                           "logprobs": None}
-            body = {"id": rid, "object": kind, "created": now(), "model": self.model_name,
+            body = {"id": rid, "object": kind, "created": now(),
+                    "model": params.adapter or self.model_name,
                     "choices": [choice]}
             return f"data: {json.dumps(body)}\n\n"
 
