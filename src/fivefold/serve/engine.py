@@ -53,6 +53,7 @@ class RequestOutput:
     num_preemptions: int = 0
     parent_id: str | None = None  # a further choice of `parent_id`'s prompt (n > 1)
     index: int = 0  # which choice of its prompt
+    error: str | None = None  # finish_reason "error": what went wrong
 
 
 class Engine:
@@ -130,9 +131,14 @@ class Engine:
             raise ConfigError(f"the prompt ({len(prompt)} tokens) + max_tokens "
                               f"({params.max_tokens}) exceeds the model's context of "
                               f"{self.max_model_len} tokens; shorten one of them")
+        bad = [t for t, _ in params.logit_bias if t >= self.cfg.vocab_size]
+        if bad:
+            raise ConfigError(f"logit_bias token id {bad[0]} is outside the model's vocabulary "
+                              f"of {self.cfg.vocab_size}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        generator = self._generator(params, 0)  # before queueing: a request is whole or absent
         self.scheduler.add_request(Request(rid, prompt, params))
-        self._generators[rid] = self._generator(params, 0)
+        self._generators[rid] = generator
         if params.n > 1:
             self._choices[rid] = [rid] + [f"{rid}#{i}" for i in range(1, params.n)]
         return rid
@@ -146,30 +152,53 @@ class Engine:
         """The ids of every choice of a request (itself first)."""
         return self._choices.get(request_id, [request_id])
 
-    def abort_request(self, request_id: str) -> bool:
-        """Abort a request and all its choices; False if none was unfinished."""
-        aborted = False
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Abort a request and all its choices; the output of each choice that was still
+        unfinished (what it generated, finish_reason "abort"); empty if none was."""
+        outputs = []
+        for rid in self.choice_ids(request_id):
+            request = self.scheduler.requests.get(rid)
+            if request is not None and self.scheduler.abort(rid):
+                outputs.append(self._output(request, self._text(request)))
         for rid in self._choices.pop(request_id, [request_id]):
             self._generators.pop(rid, None)
             self._parents.pop(rid, None)
-            aborted = self.scheduler.abort(rid) or aborted
-        return aborted
+        return outputs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def _sample(self, request: Request, logits: torch.Tensor) -> int:
         p = request.params
+        if p.logit_bias:
+            ids, bias = zip(*p.logit_bias, strict=True)
+            logits = logits.index_add(0, torch.tensor(ids, device=logits.device),
+                                      torch.tensor(bias, dtype=logits.dtype,
+                                                   device=logits.device))
         return sample_token(logits, p.temperature, p.top_k, p.top_p, p.greedy,
                             self._generators[request.request_id])
+
+    def _fail(self, request: Request, error: BaseException) -> Request:
+        """End one request with FINISHED_ERROR (its blocks return to the pool)."""
+        request.error = f"{type(error).__name__}: {error}"
+        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        return request
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        logits = self.runner.execute(out)
+        try:
+            logits = self.runner.execute(out)
+        except Exception as e:  # nobody can tell whose tokens broke the forward: all fail
+            return self._finish_step([self._fail(r, e) for r, _ in out.scheduled])
         by_id = {r.request_id: r for r, _ in out.scheduled}
-        sampled = {rid: self._sample(by_id[rid], row) for rid, row in logits.items()}
+        sampled, failed = {}, []
+        for rid, row in logits.items():
+            try:  # one request's sampling failing ends that request alone
+                sampled[rid] = self._sample(by_id[rid], row)
+            except Exception as e:
+                failed.append(self._fail(by_id[rid], e))
         # A prompt with n > 1 is computed: the other choices share its blocks (before the
         # parent's update, which may finish it and release them).
         children = []
@@ -180,6 +209,15 @@ class Engine:
         changed = self.scheduler.update_from_output(out, sampled) + children
         self.num_steps += 1
         self.num_generated_tokens += len(sampled) + len(children)
+        return self._finish_step(changed + failed)
+
+    def fail_unfinished(self, error: BaseException) -> list[RequestOutput]:
+        """End every unfinished request with finish_reason "error" (a step raised outside
+        any one request); the engine can go on with new ones."""
+        requests = list(self.scheduler.requests.values())
+        return self._finish_step([self._fail(r, error) for r in requests])
+
+    def _finish_step(self, changed: list[Request]) -> list[RequestOutput]:
         outputs = []
         for request in changed:
             text = self._apply_stop_strings(request)
@@ -218,14 +256,19 @@ class Engine:
             children.append(child)
         return children
 
-    def _apply_stop_strings(self, request: Request) -> str | None:
+    def _text(self, request: Request) -> str | None:
         if self.detokenize is None:
             return None
         ids = request.output_token_ids
         if request.status == RequestStatus.FINISHED_STOPPED and ids and \
                 ids[-1] in self.scheduler.eos_token_ids | set(request.params.stop_token_ids):
             ids = ids[:-1]  # the end marker is not text
-        text = self.detokenize(ids)
+        return self.detokenize(ids)
+
+    def _apply_stop_strings(self, request: Request) -> str | None:
+        text = self._text(request)
+        if text is None:
+            return None
         for stop in request.params.stop:
             cut = text.find(stop)
             if cut >= 0:
@@ -241,7 +284,7 @@ class Engine:
             request.output_token_ids[-1:], request.status.finished,
             request.status.finish_reason, text, request.arrival_time,
             request.first_token_time, list(request.token_times), request.num_preemptions,
-            parent, index)
+            parent, index, request.error)
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None

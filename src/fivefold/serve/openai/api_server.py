@@ -79,26 +79,49 @@ def build_app(serving, loop):
     fastapi = require("fastapi", "serve", "fivefold serve")
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from fivefold.serve.openai.protocol import (
         ChatCompletionRequest,
         CompletionRequest,
         error_body,
     )
-    from fivefold.serve.openai.serving import Unavailable
+    from fivefold.serve.openai.serving import EngineError, ModelNotFound, Unavailable
 
     app = fastapi.FastAPI(title="fivefold", docs_url=None, redoc_url=None)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":  # its loc is a byte offset, not a field
+            error = first.get("ctx", {}).get("error", "")
+            return JSONResponse(error_body(f"the body is not valid JSON ({error})"),
+                                status_code=400)
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
         return JSONResponse(error_body(message, where or None), status_code=400)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, exc: StarletteHTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
+            exc.status_code, "invalid_request_error" if exc.status_code < 500
+            else "server_error")
+        return JSONResponse(error_body(str(exc.detail), kind=kind, code=exc.status_code),
+                            status_code=exc.status_code, headers=exc.headers)
+
     @app.exception_handler(ConfigError)
     async def bad_value(_request, exc: ConfigError):
-        return JSONResponse(error_body(str(exc)), status_code=400)
+        return JSONResponse(error_body(str(exc), getattr(exc, "param", None)), status_code=400)
+
+    @app.exception_handler(ModelNotFound)
+    async def no_model(_request, exc: ModelNotFound):
+        return JSONResponse(error_body(str(exc), "model", code="model_not_found"),
+                            status_code=404)
+
+    @app.exception_handler(EngineError)
+    async def engine_failed(_request, exc: EngineError):
+        return JSONResponse(error_body(str(exc), kind="server_error", code=500),
+                            status_code=500)
 
     @app.exception_handler(Unavailable)
     async def unavailable(_request, exc: Unavailable):
@@ -107,6 +130,8 @@ def build_app(serving, loop):
 
     @app.get("/health")
     async def health():
+        if not loop.alive:
+            return JSONResponse({"status": "error", "error": loop.error}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -121,7 +146,12 @@ def build_app(serving, loop):
         if stream:
             events = await serving.stream(prepared, chat)
             return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(await serving.run(prepared, chat, raw.is_disconnected))
+
+        async def client_left():  # the body is read: the next message is the disconnect
+            while (await raw.receive())["type"] != "http.disconnect":
+                pass
+
+        return JSONResponse(await serving.run(prepared, chat, client_left))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: fastapi.Request):
@@ -212,9 +242,10 @@ def main(argv: list[str] | None = None) -> int:
                     detokenize=codec.decode, prepack=not args.no_prepack)
     source = Path(args.hf or args.checkpoint)
     name = args.served_model_name or source.resolve().name
-    loop = EngineLoop(engine)
+    loop = EngineLoop(engine, on_fatal=lambda: setattr(server, "should_exit", True))
     serving = OpenAIServing(loop, name, codec.encode,
-                            chat_template(source if args.hf else None), engine.max_model_len)
+                            chat_template(source if args.hf else None), engine.max_model_len,
+                            codec.decode)
     app = build_app(serving, loop)
 
     class Server(uvicorn.Server):
@@ -227,15 +258,20 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn re-raises the signal it caught once it has shut down; a no-op handler for
     # SIGTERM makes that a clean exit 0 instead of death by the signal.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    server = Server(config)
     loop.start()
     print(f"fivefold serve: {name} on http://{args.host}:{args.port}/v1 "
           f"({engine.num_blocks} KV blocks of {args.block_size} tokens, context "
           f"{engine.max_model_len})", file=sys.stderr, flush=True)
     try:
-        Server(config).run()
+        server.run()
     finally:
         loop.stop()
         loop.thread.join(timeout=5)
         signal.signal(signal.SIGTERM, previous)
+    if not loop.alive:  # non-zero, so that a supervisor restarts the server
+        print(f"fivefold serve: exiting after an engine failure ({loop.error})",
+              file=sys.stderr, flush=True)
+        return 1
     print("fivefold serve: stopped", file=sys.stderr, flush=True)
     return 0
