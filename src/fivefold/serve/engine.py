@@ -36,6 +36,7 @@ from fivefold.serve.sampling_params import SamplingParams
 from fivefold.serve.scheduler import Scheduler
 
 CPU_DEFAULT_KV_BYTES = 2**30
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}  # auto: the model's dtype
 
 
 @dataclass
@@ -63,7 +64,8 @@ class Engine:
                  chunked_prefill: bool = False, enable_prefix_caching: bool = True,
                  eos_token_ids: Iterable[int] = (), max_model_len: int | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, seed: int = 0,
-                 prepack: bool = False):
+                 prepack: bool = False, kv_cache_dtype: str = "auto",
+                 kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
         cfg = model.cfg  # the ModelConfig every fivefold model carries
         param = next(model.parameters())
         self.model, self.cfg, self.device = model.eval(), cfg, param.device
@@ -72,18 +74,23 @@ class Engine:
             raise ConfigError(f"block_size = {block_size} must be >= 1 (16 is usual)")
         self.max_model_len = min(max_model_len or cfg.max_seq_len, cfg.max_seq_len)
         shape = (cfg.num_layers, cfg.num_kv_heads, cfg.dim_per_head)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype = {kv_cache_dtype!r}: choose one of "
+                              f"{', '.join(KV_CACHE_DTYPES)}")
+        store = KV_CACHE_DTYPES[kv_cache_dtype] or dtype  # fp8: e4m3, scaled (kv_cache.py)
         if num_blocks is None:
             if kv_cache_bytes is None:
                 kv_cache_bytes = self._default_budget(gpu_memory_utilization, max_num_seqs,
-                                                      block_size, shape, dtype)
+                                                      block_size, shape, store)
             num_blocks = PagedKVCache.blocks_for_budget(kv_cache_bytes, *shape, block_size,
-                                                        dtype)
+                                                        store)
         if num_blocks < cdiv(self.max_model_len, block_size):
             raise ConfigError(
                 f"the KV cache holds {num_blocks} blocks of {block_size} tokens, fewer than one "
                 f"sequence of {self.max_model_len} tokens needs; give it more memory "
                 f"(--kv-cache-gib) or lower --max-model-len")
-        self.cache = PagedKVCache(*shape, num_blocks, block_size, dtype, self.device)
+        self.cache = PagedKVCache(*shape, num_blocks, block_size, dtype, self.device, store,
+                                  kv_scales)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.max_model_len, max_num_seqs,
                                    max_num_batched_tokens, chunked_prefill, eos_token_ids)
@@ -108,7 +115,7 @@ class Engine:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * utilization)
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         per_block = block_size * kv_bytes_per_token(*shape, element)
         need = max_num_seqs * cdiv(self.max_model_len, block_size)
         return min(CPU_DEFAULT_KV_BYTES, need * per_block)

@@ -120,7 +120,8 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):  # content parts: text only (no images, audio)
             kinds = {p.get("type") for p in self.content} - {"text"}
             if kinds:
-                raise BadField("messages", f"messages: content parts of type {sorted(map(str, kinds))} "
+                raise BadField("messages", f"messages: content parts of type "
+                                           f"{sorted(map(str, kinds))} "
                                            f"are not supported by this server; send text")
             return "".join(str(p.get("text", "")) for p in self.content)
         return self.content or ""
