@@ -29,7 +29,7 @@ from fivefold.errors import ConfigError
 from fivefold.models.sampling import sample_token
 from fivefold.serve.kv_cache import PagedKVCache, kv_bytes_per_token
 from fivefold.serve.kv_cache_manager import KVCacheManager, cdiv
-from fivefold.serve.prepack import can_prepack, prepack_linears
+from fivefold.serve.prepack import can_prepack, prepack_linears, probe_linears
 from fivefold.serve.request import Request, RequestStatus
 from fivefold.serve.runner import ModelRunner
 from fivefold.serve.sampling_params import SamplingParams
@@ -64,7 +64,7 @@ class Engine:
                  chunked_prefill: bool = False, enable_prefix_caching: bool = True,
                  eos_token_ids: Iterable[int] = (), max_model_len: int | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, seed: int = 0,
-                 prepack: bool = False, kv_cache_dtype: str = "auto",
+                 prepack: bool | str = False, kv_cache_dtype: str = "auto",
                  kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
         cfg = model.cfg  # the ModelConfig every fivefold model carries
         param = next(model.parameters())
@@ -95,10 +95,16 @@ class Engine:
         self.scheduler = Scheduler(self.kv, self.max_model_len, max_num_seqs,
                                    max_num_batched_tokens, chunked_prefill, eos_token_ids)
         # prepack: run a copy whose linears use oneDNN with weights laid out once (fp32 on a
-        # CPU only; serve/prepack.py); the caller's model stays as it was
+        # CPU only; serve/prepack.py); the caller's model stays as it was. "auto": only if a
+        # probe of both paths on this model's shapes finds oneDNN faster on this machine.
         self.num_prepacked = 0
+        self.linear_probe = None
         if prepack and can_prepack(model):
-            model, self.num_prepacked = prepack_linears(model)
+            if prepack == "auto":
+                self.linear_probe = probe_linears(model)
+                prepack = self.linear_probe.prepack
+            if prepack:
+                model, self.num_prepacked = prepack_linears(model)
         self.runner = ModelRunner(model, self.cache, self.kv)
         self.detokenize = detokenize
         self._ids = itertools.count()

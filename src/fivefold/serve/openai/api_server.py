@@ -184,8 +184,9 @@ def build_parser() -> ArgumentParser:
                    help="split long prompts into chunks of --max-num-batched-tokens")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-prepack", action="store_true",
-                   help="fp32 on a CPU: keep torch's sgemm linears instead of oneDNN with "
-                        "weights reordered once (faster; holds a second copy of the weights)")
+                   help="fp32 on a CPU: keep torch's sgemm linears; by default a probe at "
+                        "start-up picks oneDNN with weights reordered once (holding a second "
+                        "copy of them) where it is faster for this model on this CPU")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                    help="what the KV cache stores: auto (the model's dtype) or fp8 (e4m3 with "
                         "a scale per layer and KV head: half of bf16's bytes, twice the blocks)")
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                     chunked_prefill=args.chunked_prefill,
                     enable_prefix_caching=not args.no_prefix_caching,
                     eos_token_ids=eos_ids, max_model_len=args.max_model_len,
-                    detokenize=codec.decode, prepack=not args.no_prepack,
+                    detokenize=codec.decode, prepack=False if args.no_prepack else "auto",
                     kv_cache_dtype=args.kv_cache_dtype)
     source = Path(args.hf or args.checkpoint)
     name = args.served_model_name or source.resolve().name
@@ -264,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     server = Server(config)
     loop.start()
+    if engine.linear_probe is not None:
+        print(f"fivefold serve: {engine.linear_probe.describe()}", file=sys.stderr, flush=True)
     print(f"fivefold serve: {name} on http://{args.host}:{args.port}/v1 "
           f"({engine.num_blocks} KV blocks of {args.block_size} tokens "
           f"({engine.cache.k.dtype}), context "
