@@ -181,7 +181,7 @@ def main() -> int:
                        "checkpoint": list(results)},
               "results": results}
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {Path(args.out).relative_to(ROOT)}")
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -434,3 +434,16 @@ def test_serve_exits_1_when_the_engine_loop_dies(tmp_path, tiny_model, monkeypat
     code = main(["--hf", str(tmp_path), "--port", str(free_port()), "--device", "cpu",
                  "--kv-cache-gib", "0.01"])
     assert code == 1
+
+
+def test_a_request_is_queued_only_once_whole(tiny_model, monkeypatch):
+    engine = Engine(tiny_model, num_blocks=160)
+
+    def no_generator(*_):
+        raise ValueError("Overflow when unpacking long long")
+
+    monkeypatch.setattr(engine, "_generator", no_generator)
+    with pytest.raises(ValueError):
+        engine.add_request([1, 2, 3], SamplingParams.greedy_params(4))
+    assert not engine.has_unfinished() and not engine.scheduler.requests
+    assert engine.step() == []  # before: KeyError for the queued request's generator
