@@ -4,7 +4,8 @@
         [--eval-tokens 8192] [--chunk 64] [--prompts 32] [--prompt-len 32] [--max-tokens 64]
 
 For each checkpoint (a fivefold training run; its validation split is the text the run held
-out), three KV caches: the model's dtype (fp32), FP8 with scales set on the fly by the first
+out), four KV caches: the model's dtype (fp32), bf16 (the rounding most servers accept
+without a thought: a yardstick for the rest), FP8 with scales set on the fly by the first
 write (what `fivefold serve --kv-cache-dtype fp8` does) and FP8 with scales calibrated on
 the run's training split (`calibrate_kv_scales`, 8 windows). Measured:
 
@@ -87,7 +88,7 @@ def paged_nll(model, tokens: torch.Tensor, seq_len: int, chunk: int, cache: Page
 
 def make_cache(model, seq_len: int, kind: str, scales) -> PagedKVCache:
     cfg = model.cfg
-    store = None if kind == "fp32" else FP8
+    store = {"fp32": None, "bf16": torch.bfloat16}.get(kind, FP8)
     return PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.dim_per_head,
                         (seq_len + 15) // 16, 16, torch.float32, "cpu", store,
                         scales if kind == "fp8-calibrated" else None)
@@ -124,12 +125,12 @@ def run_checkpoint(name: str, directory: str, args) -> dict:
     prompts = [val[s:s + args.prompt_len].tolist() for s in starts.tolist()]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     rows, outputs = {}, {}
-    for kind in ("fp32", "fp8-on-the-fly", "fp8-calibrated"):
+    for kind in ("fp32", "bf16", "fp8-on-the-fly", "fp8-calibrated"):
         t0 = time.perf_counter()
         cache = make_cache(model, seq_len, kind, scales)
         total, count = paged_nll(model, val, seq_len, args.chunk, cache)
         engine = Engine(model, kv_cache_bytes=BUDGET, max_num_seqs=args.prompts,
-                        kv_cache_dtype="auto" if kind == "fp32" else "fp8",
+                        kv_cache_dtype={"fp32": "auto", "bf16": "bf16"}.get(kind, "fp8"),
                         kv_scales=scales if kind == "fp8-calibrated" else None)
         outputs[kind] = [o.token_ids for o in engine.generate(prompts, params)]
         loss = total / count

@@ -36,7 +36,8 @@ from fivefold.serve.sampling_params import SamplingParams
 from fivefold.serve.scheduler import Scheduler
 
 CPU_DEFAULT_KV_BYTES = 2**30
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}  # auto: the model's dtype
+# what the KV cache stores; auto: the model's dtype
+KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass

@@ -191,9 +191,10 @@ def build_parser() -> ArgumentParser:
                    help="fp32 on a CPU: keep torch's sgemm linears; by default a probe at "
                         "start-up picks oneDNN with weights reordered once (holding a second "
                         "copy of them) where it is faster for this model on this CPU")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
-                   help="what the KV cache stores: auto (the model's dtype) or fp8 (e4m3 with "
-                        "a scale per layer and KV head: half of bf16's bytes, twice the blocks)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16", "fp8"),
+                   help="what the KV cache stores: auto (the model's dtype), bf16, or fp8 "
+                        "(e4m3 with a scale per layer and KV head: half of bf16's bytes, twice "
+                        "the blocks)")
     p.add_argument("--shutdown-grace", type=float, default=3.0,
                    help="seconds running requests get to finish after SIGTERM")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
