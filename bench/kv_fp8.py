@@ -169,16 +169,20 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "bench/results/kv_fp8.json"))
+    p.add_argument("--merge", action="store_true",
+                   help="keep the other checkpoints' results already in --out")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     results = {}
+    if args.merge and Path(args.out).is_file():
+        results = json.loads(Path(args.out).read_text())["results"]
     for item in args.checkpoint:
         name, _, directory = item.partition("=")
         results[name] = run_checkpoint(name, directory, args)
     info = machine(torch.device("cpu"))
     info["cpu_model"] = cpu_model()
     report = {"machine": info, "git_revision": git_revision(),
-              "args": {**{k: v for k, v in vars(args).items() if k != "out"},
+              "args": {**{k: v for k, v in vars(args).items() if k not in ("out", "merge")},
                        "checkpoint": list(results)},
               "results": results}
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
