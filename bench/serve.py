@@ -8,14 +8,16 @@ produces exactly its `max_tokens`). Both runs use the same weights (fivefold's m
 as a Hugging Face directory and loaded by transformers), fp32, on this CPU:
 
 - fivefold, same batch: `Engine` with continuous batching, at most `--batch` sequences per
-  step, a paged KV cache of 16-token blocks, its linears' weights prepacked for oneDNN as
-  `fivefold serve` runs them (serve/prepack.py);
+  step, a paged KV cache of 16-token blocks, its linears as `fivefold serve` runs them:
+  prepacked for oneDNN where a start-up probe on the model's shapes finds that faster on
+  this CPU, else sgemm (serve/prepack.py; the probe's times and choice are in the JSON);
 - fivefold, same KV memory: no cap on sequences, but a KV pool of only as many token slots
   as transformers' static batch reserves (`--batch` × (256 + 256): every row padded to the
   longest prompt plus the longest output). This is PagedAttention's claim: in the memory a
   static batch reserves, paging fits more sequences;
 - fivefold, same batch, sgemm linears: as the first, but its linears call torch's `F.linear`
   (BLAS sgemm) as transformers' do (`--no-prepack`): the gain of batching and paging alone;
+- fivefold, same batch, prepacked linears (forced, whatever the probe said);
 - transformers: `model.generate` over static batches of `--batch` requests in arrival order,
   prompts left-padded to the batch's longest, each batch generating up to its longest
   `max_tokens` (the tokens past a request's own `max_tokens` are not counted).
@@ -24,7 +26,9 @@ Printed and written to bench/results/serve.json: output tokens/s, requests/s, ti
 token and inter-token latency percentiles (p50, p90, p99; all requests arrive at t = 0, so
 a request of a later static batch waits for the earlier ones), the ratio of tokens/s, how
 many requests' tokens agree between the two, one decode step of each at the same batch
-and context timed alone, the machine, versions and git revision.
+and context timed alone, the machine (CPU model from /proc/cpuinfo), versions and git
+revision. On a shared machine compare the tokens per CPU-second ratios: with one thread
+they hardly depend on what else runs.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from fivefold.models.init import build_model  # noqa: E402
 from fivefold.models.presets import preset  # noqa: E402
 from fivefold.serve.engine import Engine  # noqa: E402
 from fivefold.serve.sampling_params import SamplingParams  # noqa: E402
-from fivefold.train.bench import git_revision, machine  # noqa: E402
+from fivefold.train.bench import cpu_model, git_revision, machine  # noqa: E402
 
 
 def workload(n: int, vocab: int, seed: int, prompt=(16, 256), output=(16, 256)):
@@ -83,7 +87,7 @@ def summarize(name, seconds, outputs, first_times, token_times, cpu_seconds) -> 
 
 
 def run_fivefold(model, prompts, outputs, name: str, max_num_seqs: int,
-                 num_blocks: int, prepack: bool = True) -> tuple[dict, list[list[int]]]:
+                 num_blocks: int, prepack: bool | str = "auto") -> tuple[dict, list[list[int]]]:
     engine = Engine(model, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
                     max_num_batched_tokens=4096, max_model_len=512, prepack=prepack)
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in outputs]
@@ -106,6 +110,8 @@ def run_fivefold(model, prompts, outputs, name: str, max_num_seqs: int,
     result["preemptions"] = engine.scheduler.num_preemptions
     result["max_num_seqs"], result["kv_blocks"] = max_num_seqs, num_blocks
     result["prepacked_linears"] = engine.num_prepacked
+    if engine.linear_probe is not None:
+        result["linear_probe"] = vars(engine.linear_probe)
     return result, [o.token_ids for o in outs]
 
 
@@ -211,6 +217,8 @@ def main(argv=None) -> int:
                                          args.requests, static_slots // 16)
     plain, plain_tokens = run_fivefold(model, prompts, outputs, "fivefold-sgemm", args.batch,
                                        args.batch * 32 + 64, prepack=False)
+    packed, packed_tokens = run_fivefold(model, prompts, outputs, "fivefold-prepacked",
+                                         args.batch, args.batch * 32 + 64, prepack=True)
     theirs, their_tokens = run_transformers(hf, prompts, outputs, args.batch, pad_id=0)
     same = sum(a == b for a, b in zip(our_tokens, their_tokens))
     same_plain = sum(a == b for a, b in zip(plain_tokens, their_tokens))
@@ -223,11 +231,19 @@ def main(argv=None) -> int:
     cpu_ratio_memory = memory["tokens_per_cpu_s"] / theirs["tokens_per_cpu_s"]
     step = decode_step_ms(model, hf, args.batch, 300)
     info = machine(torch.device("cpu"))
-    print(f"{info['device']}; torch {torch.__version__}, transformers "
+    info["cpu_model"] = cpu_model()
+    same_packed = sum(a == b for a, b in zip(packed_tokens, their_tokens))
+    cpu_ratio_packed = packed["tokens_per_cpu_s"] / theirs["tokens_per_cpu_s"]
+    print(f"{info['cpu_model']} ({info['device']}); torch {torch.__version__}, transformers "
           f"{transformers.__version__}; {args.threads} thread(s); {cfg.name} fp32")
     print(f"{args.requests} requests, prompts 16-256, outputs 16-256 tokens, batch "
           f"{args.batch}")
-    for r in (ours, memory, plain, theirs):
+    if "linear_probe" in ours:
+        probe = ours["linear_probe"]
+        chosen = "oneDNN prepacked" if probe["prepack"] else "sgemm"
+        print(f"start-up probe chose {chosen} linears: oneDNN {probe['packed_ms']:.2f} ms, "
+              f"sgemm {probe['sgemm_ms']:.2f} ms per pass of 16 rows (CPU time)")
+    for r in (ours, memory, plain, packed, theirs):
         print(f"{r['name']:>16}: {r['tokens_per_s']:8.1f} tokens/s  {r['requests_per_s']:6.3f} "
               f"req/s  {r['seconds']:7.1f} s  TTFT p50 {r['ttft_s']['p50']:.2f} s p99 "
               f"{r['ttft_s']['p99']:.2f} s  ITL p50 {r['itl_s']['p50'] * 1e3:.1f} ms p99 "
@@ -241,6 +257,8 @@ def main(argv=None) -> int:
     print(f"with torch's sgemm linears, as transformers runs them (--no-prepack): "
           f"{ratio_plain:.2f}x at the same batch ({cpu_ratio_plain:.2f}x per CPU-second); "
           f"identical greedy outputs: {same_plain}/{args.requests}")
+    print(f"with prepacked linears forced: {cpu_ratio_packed:.2f}x per CPU-second; identical "
+          f"greedy outputs: {same_packed}/{args.requests}")
     print(f"one decode step alone, batch {step['batch']}, {step['context']} tokens of context: "
           f"fivefold {step['fivefold_ms']:.1f} ms (sgemm linears {step['fivefold_sgemm_ms']:.1f} "
           f"ms), transformers {step['transformers_ms']:.1f} ms")
@@ -253,6 +271,9 @@ def main(argv=None) -> int:
               "tokens_per_s_ratio_sgemm_linears": ratio_plain,
               "tokens_per_cpu_s_ratio_sgemm_linears": cpu_ratio_plain,
               "identical_outputs_sgemm_linears": same_plain,
+              "fivefold_prepacked_linears": packed,
+              "tokens_per_cpu_s_ratio_prepacked_linears": cpu_ratio_packed,
+              "identical_outputs_prepacked_linears": same_packed,
               "tokens_per_s_ratio": ratio, "tokens_per_s_ratio_same_kv_memory": ratio_memory,
               "tokens_per_cpu_s_ratio": cpu_ratio,
               "tokens_per_cpu_s_ratio_same_kv_memory": cpu_ratio_memory,

@@ -33,7 +33,8 @@ def test_torch_free_modules_import_no_torch():
 def test_status_is_ordered_and_maps_to_finish_reasons():
     assert RequestStatus.WAITING < RequestStatus.RUNNING < RequestStatus.PREEMPTED
     assert not RequestStatus.PREEMPTED.finished and RequestStatus.FINISHED_STOPPED.finished
-    assert [s.finish_reason for s in RequestStatus if s.finished] == ["stop", "length", "abort"]
+    assert [s.finish_reason for s in RequestStatus if s.finished] == ["stop", "length", "abort",
+                                                                      "error"]
 
 
 def test_pool_reference_counts_and_free_list():

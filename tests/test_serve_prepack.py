@@ -91,3 +91,23 @@ def test_bf16_and_quantised_layers_stay_as_they_are():
     served, count = prepack_linears(model)
     assert count == 1  # only the head: every block linear is an Int8Linear
     assert sum(isinstance(m, QuantLinear) for m in served.modules()) == 7 * CFG.num_layers
+
+
+def test_auto_packs_only_where_the_probe_finds_onednn_faster(monkeypatch):
+    import fivefold.serve.engine as engine_module
+    from fivefold.serve.prepack import LinearProbe, probe_linears
+
+    model = build_model(CFG, seed=4).eval()
+    probe = probe_linears(model, budget_s=0.05)
+    # every distinct shape of the model: q/o 64x64, k/v 32x64, gate/up 128x64, down
+    # 64x128, head 256x64, timed by both paths
+    assert probe.rows == 16 and probe.packed_ms > 0 and probe.sgemm_ms > 0
+    assert probe.prepack == (probe.packed_ms < probe.sgemm_ms)
+    for faster in (True, False):
+        monkeypatch.setattr(engine_module, "probe_linears",
+                            lambda _model, f=faster: LinearProbe(f, 1.0, 2.0, 16))
+        engine = Engine(model, num_blocks=32, prepack="auto")
+        assert (engine.num_prepacked == 7 * CFG.num_layers + 1) == faster
+        assert engine.linear_probe.prepack == faster
+        assert "oneDNN" in engine.linear_probe.describe()
+    assert Engine(model, num_blocks=32, prepack=True).linear_probe is None  # forced: no probe

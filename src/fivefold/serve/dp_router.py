@@ -42,6 +42,25 @@ class DPRouter:
         for loop in self.loops:
             loop.start()
 
+    # One replica's loop dying stops the server as one engine's would (serving.EngineLoop):
+    # /health says 503 and the process exits non-zero, for a supervisor to restart it.
+    @property
+    def alive(self) -> bool:
+        return all(loop.alive for loop in self.loops)
+
+    @property
+    def error(self) -> str | None:
+        return next((loop.error for loop in self.loops if loop.error), None)
+
+    @property
+    def on_fatal(self):
+        return self.loops[0].on_fatal
+
+    @on_fatal.setter
+    def on_fatal(self, callback) -> None:
+        for loop in self.loops:
+            loop.on_fatal = callback
+
     def load(self, index: int) -> tuple[int, int, int]:
         scheduler = self.loops[index].engine.scheduler
         waiting = len(scheduler.waiting) + self._handed[index]

@@ -29,13 +29,15 @@ from fivefold.errors import ConfigError
 from fivefold.models.sampling import sample_token
 from fivefold.serve.kv_cache import PagedKVCache, kv_bytes_per_token
 from fivefold.serve.kv_cache_manager import KVCacheManager, cdiv
-from fivefold.serve.prepack import can_prepack, prepack_linears
+from fivefold.serve.prepack import can_prepack, prepack_linears, probe_linears
 from fivefold.serve.request import Request, RequestStatus
 from fivefold.serve.runner import ModelRunner
 from fivefold.serve.sampling_params import SamplingParams
 from fivefold.serve.scheduler import Scheduler
 
 CPU_DEFAULT_KV_BYTES = 2**30
+# what the KV cache stores; auto: the model's dtype
+KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -53,6 +55,7 @@ class RequestOutput:
     num_preemptions: int = 0
     parent_id: str | None = None  # a further choice of `parent_id`'s prompt (n > 1)
     index: int = 0  # which choice of its prompt
+    error: str | None = None  # finish_reason "error": what went wrong
 
 
 class Engine:
@@ -62,7 +65,9 @@ class Engine:
                  chunked_prefill: bool = False, enable_prefix_caching: bool = True,
                  eos_token_ids: Iterable[int] = (), max_model_len: int | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, seed: int = 0,
-                 prepack: bool = False, num_kv_heads: int | None = None):
+                 prepack: bool | str = False, kv_cache_dtype: str = "auto",
+                 kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 num_kv_heads: int | None = None):
         cfg = model.cfg  # the ModelConfig every fivefold model carries
         param = next(model.parameters())
         self.model, self.cfg, self.device = model.eval(), cfg, param.device
@@ -73,26 +78,37 @@ class Engine:
         # num_kv_heads: the kv heads this rank holds (its share under tensor parallelism,
         # serve/tp_worker.py); by default all of the model's
         shape = (cfg.num_layers, num_kv_heads or cfg.num_kv_heads, cfg.dim_per_head)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype = {kv_cache_dtype!r}: choose one of "
+                              f"{', '.join(KV_CACHE_DTYPES)}")
+        store = KV_CACHE_DTYPES[kv_cache_dtype] or dtype  # fp8: e4m3, scaled (kv_cache.py)
         if num_blocks is None:
             if kv_cache_bytes is None:
                 kv_cache_bytes = self._default_budget(gpu_memory_utilization, max_num_seqs,
-                                                      block_size, shape, dtype)
+                                                      block_size, shape, store)
             num_blocks = PagedKVCache.blocks_for_budget(kv_cache_bytes, *shape, block_size,
-                                                        dtype)
+                                                        store)
         if num_blocks < cdiv(self.max_model_len, block_size):
             raise ConfigError(
                 f"the KV cache holds {num_blocks} blocks of {block_size} tokens, fewer than one "
                 f"sequence of {self.max_model_len} tokens needs; give it more memory "
                 f"(--kv-cache-gib) or lower --max-model-len")
-        self.cache = PagedKVCache(*shape, num_blocks, block_size, dtype, self.device)
+        self.cache = PagedKVCache(*shape, num_blocks, block_size, dtype, self.device, store,
+                                  kv_scales)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.max_model_len, max_num_seqs,
                                    max_num_batched_tokens, chunked_prefill, eos_token_ids)
         # prepack: run a copy whose linears use oneDNN with weights laid out once (fp32 on a
-        # CPU only; serve/prepack.py); the caller's model stays as it was
+        # CPU only; serve/prepack.py); the caller's model stays as it was. "auto": only if a
+        # probe of both paths on this model's shapes finds oneDNN faster on this machine.
         self.num_prepacked = 0
+        self.linear_probe = None
         if prepack and can_prepack(model):
-            model, self.num_prepacked = prepack_linears(model)
+            if prepack == "auto":
+                self.linear_probe = probe_linears(model)
+                prepack = self.linear_probe.prepack
+            if prepack:
+                model, self.num_prepacked = prepack_linears(model)
         self.runner = ModelRunner(model, self.cache, self.kv)
         self.detokenize = detokenize
         self._ids = itertools.count()
@@ -110,7 +126,7 @@ class Engine:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * utilization)
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         per_block = block_size * kv_bytes_per_token(*shape, element)
         need = max_num_seqs * cdiv(self.max_model_len, block_size)
         return min(CPU_DEFAULT_KV_BYTES, need * per_block)
@@ -137,9 +153,14 @@ class Engine:
                                            or params.adapter not in self.adapters.index):
             raise ConfigError(f"adapter '{params.adapter}' is not served here; name one of "
                               f"the --lora adapters or none for the base model")
+        bad = [t for t, _ in params.logit_bias if t >= self.cfg.vocab_size]
+        if bad:
+            raise ConfigError(f"logit_bias token id {bad[0]} is outside the model's vocabulary "
+                              f"of {self.cfg.vocab_size}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        generator = self._generator(params, 0)  # before queueing: a request is whole or absent
         self.scheduler.add_request(Request(rid, prompt, params))
-        self._generators[rid] = self._generator(params, 0)
+        self._generators[rid] = generator
         if params.n > 1:
             self._choices[rid] = [rid] + [f"{rid}#{i}" for i in range(1, params.n)]
         return rid
@@ -153,30 +174,53 @@ class Engine:
         """The ids of every choice of a request (itself first)."""
         return self._choices.get(request_id, [request_id])
 
-    def abort_request(self, request_id: str) -> bool:
-        """Abort a request and all its choices; False if none was unfinished."""
-        aborted = False
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Abort a request and all its choices; the output of each choice that was still
+        unfinished (what it generated, finish_reason "abort"); empty if none was."""
+        outputs = []
+        for rid in self.choice_ids(request_id):
+            request = self.scheduler.requests.get(rid)
+            if request is not None and self.scheduler.abort(rid):
+                outputs.append(self._output(request, self._text(request)))
         for rid in self._choices.pop(request_id, [request_id]):
             self._generators.pop(rid, None)
             self._parents.pop(rid, None)
-            aborted = self.scheduler.abort(rid) or aborted
-        return aborted
+        return outputs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def _sample(self, request: Request, logits: torch.Tensor) -> int:
         p = request.params
+        if p.logit_bias:
+            ids, bias = zip(*p.logit_bias, strict=True)
+            logits = logits.index_add(0, torch.tensor(ids, device=logits.device),
+                                      torch.tensor(bias, dtype=logits.dtype,
+                                                   device=logits.device))
         return sample_token(logits, p.temperature, p.top_k, p.top_p, p.greedy,
                             self._generators[request.request_id])
+
+    def _fail(self, request: Request, error: BaseException) -> Request:
+        """End one request with FINISHED_ERROR (its blocks return to the pool)."""
+        request.error = f"{type(error).__name__}: {error}"
+        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        return request
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        logits = self.runner.execute(out)
+        try:
+            logits = self.runner.execute(out)
+        except Exception as e:  # nobody can tell whose tokens broke the forward: all fail
+            return self._finish_step([self._fail(r, e) for r, _ in out.scheduled])
         by_id = {r.request_id: r for r, _ in out.scheduled}
-        sampled = {rid: self._sample(by_id[rid], row) for rid, row in logits.items()}
+        sampled, failed = {}, []
+        for rid, row in logits.items():
+            try:  # one request's sampling failing ends that request alone
+                sampled[rid] = self._sample(by_id[rid], row)
+            except Exception as e:
+                failed.append(self._fail(by_id[rid], e))
         # A prompt with n > 1 is computed: the other choices share its blocks (before the
         # parent's update, which may finish it and release them).
         children = []
@@ -187,6 +231,15 @@ class Engine:
         changed = self.scheduler.update_from_output(out, sampled) + children
         self.num_steps += 1
         self.num_generated_tokens += len(sampled) + len(children)
+        return self._finish_step(changed + failed)
+
+    def fail_unfinished(self, error: BaseException) -> list[RequestOutput]:
+        """End every unfinished request with finish_reason "error" (a step raised outside
+        any one request); the engine can go on with new ones."""
+        requests = list(self.scheduler.requests.values())
+        return self._finish_step([self._fail(r, error) for r in requests])
+
+    def _finish_step(self, changed: list[Request]) -> list[RequestOutput]:
         outputs = []
         for request in changed:
             text = self._apply_stop_strings(request)
@@ -225,14 +278,19 @@ class Engine:
             children.append(child)
         return children
 
-    def _apply_stop_strings(self, request: Request) -> str | None:
+    def _text(self, request: Request) -> str | None:
         if self.detokenize is None:
             return None
         ids = request.output_token_ids
         if request.status == RequestStatus.FINISHED_STOPPED and ids and \
                 ids[-1] in self.scheduler.eos_token_ids | set(request.params.stop_token_ids):
             ids = ids[:-1]  # the end marker is not text
-        text = self.detokenize(ids)
+        return self.detokenize(ids)
+
+    def _apply_stop_strings(self, request: Request) -> str | None:
+        text = self._text(request)
+        if text is None:
+            return None
         for stop in request.params.stop:
             cut = text.find(stop)
             if cut >= 0:
@@ -248,7 +306,7 @@ class Engine:
             request.output_token_ids[-1:], request.status.finished,
             request.status.finish_reason, text, request.arrival_time,
             request.first_token_time, list(request.token_times), request.num_preemptions,
-            parent, index)
+            parent, index, request.error)
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None

@@ -25,6 +25,17 @@ shared prefix block another sequence fills in the same step), then:
 
 Both are `scaled_dot_product_attention` with grouped-query heads shared, so the same code
 runs on CPU and on CUDA (where SDPA picks its fused kernels); no custom kernel.
+
+FP8 (`kv_cache_dtype=torch.float8_e4m3fn`, `--kv-cache-dtype fp8`): the pools hold one byte
+an element, x / scale rounded to e4m3 (saturated at +-448), with one fp32 scale per layer and
+KV head for keys and one for values; reads multiply back (vLLM's quantized KV cache, per-head
+scales). Half the bytes of bf16, so twice the blocks in a budget. The scales are given
+(calibrated: `KVScaleObserver` records each layer's and head's largest |k| and |v| over
+sample text, scale = amax / 448), or set on the fly by the first step that writes a layer:
+amax / 200 for keys and amax / 100 for values, vLLM's constants (K_SCALE_CONSTANT and
+V_SCALE_CONSTANT in vllm/envs.py, `Attention.calc_kv_scales`), which leave 2.2x and 4.5x of
+headroom for later tokens. A fresh prompt attends to its own keys and values as stored (the
+rounded ones), so every attention reads what the cache holds, whatever the batching.
 """
 
 from __future__ import annotations
@@ -35,6 +46,10 @@ import torch
 import torch.nn.functional as F
 
 from fivefold.models.llama import SDPA_GQA
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3fn's largest finite value (OCP 8-bit floating point spec)
+K_SCALE_CONSTANT, V_SCALE_CONSTANT = 200.0, 100.0  # on-the-fly scale = amax / these (vLLM)
 
 
 @dataclass
@@ -76,14 +91,46 @@ def sdpa(q, k, v, mask=None, causal: bool = False):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **kwargs)
 
 
+class KVScaleObserver:
+    """A stand-in cache for one plain forward that records, per layer and KV head, the
+    largest |k| and |v| (after RoPE), and attends causally as the dense model does.
+    `scales()` gives the calibrated FP8 scales (amax / 448)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int):
+        self.k_amax = torch.zeros(num_layers, num_kv_heads)
+        self.v_amax = torch.zeros(num_layers, num_kv_heads)
+
+    def attend(self, layer: int, q, k, v):
+        for amax, x in ((self.k_amax, k), (self.v_amax, v)):  # x (b, kv_heads, T, d)
+            amax[layer] = torch.maximum(amax[layer], x.detach().abs().amax((0, 2, 3)).float().cpu())
+        return sdpa(q, k, v, causal=True)
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_amax / FP8_MAX, self.v_amax / FP8_MAX
+
+
 class PagedKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device):
+                 block_size: int, dtype: torch.dtype, device,
+                 kv_cache_dtype: torch.dtype | None = None,
+                 kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """`dtype`: the model's; `kv_cache_dtype`: what the pools hold (default `dtype`;
+        FP8 for the e4m3 cache); `kv_scales`: calibrated (k, v) scales (layers, kv_heads)."""
+        store = kv_cache_dtype or dtype
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=store, device=device)
+        self.v = torch.zeros(shape, dtype=store, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.batch: PagedBatch | None = None
+        self.fp8 = store == FP8
+        if self.fp8:  # 0: not set yet (on the fly, by the first write of the layer)
+            self.k_scale = torch.zeros(num_layers, num_kv_heads, device=device)
+            self.v_scale = torch.zeros(num_layers, num_kv_heads, device=device)
+            if kv_scales is not None:
+                self.k_scale.copy_(kv_scales[0].clamp_min(torch.finfo(torch.float32).tiny))
+                self.v_scale.copy_(kv_scales[1].clamp_min(torch.finfo(torch.float32).tiny))
+        elif kv_scales is not None:
+            raise ValueError("kv_scales are for an FP8 KV cache")
 
     @property
     def nbytes(self) -> int:
@@ -92,8 +139,9 @@ class PagedKVCache:
     @staticmethod
     def blocks_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int,
                           head_dim: int, block_size: int, dtype: torch.dtype) -> int:
-        """Whole blocks that fit in `budget_bytes` of K/V storage."""
-        element = torch.empty((), dtype=dtype).element_size()
+        """Whole blocks that fit in `budget_bytes` of K/V storage (the FP8 scales, 8 bytes a
+        layer and head, are not counted, as the planner does not count them)."""
+        element = dtype.itemsize
         per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, element)
         return int(budget_bytes // per_block)
 
@@ -101,51 +149,89 @@ class PagedKVCache:
         bs = self.block_size
         return [block_ids[p // bs] * bs + p % bs for p in range(num_tokens)]
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V at `slots` (..., L) -> (..., kv_heads, L, d)."""
-        return self.k[layer][slots].transpose(-3, -2), self.v[layer][slots].transpose(-3, -2)
+    def _raw(self, pool: torch.Tensor) -> torch.Tensor:
+        """The pool as stored; FP8 as bytes, since CPU kernels lack fp8 index_copy_."""
+        return pool.view(torch.uint8) if self.fp8 else pool
 
-    def gather_blocks(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """K, V of whole blocks: tables (B, nb) -> (B, kv_heads, nb · block_size, d). One
-        index_select of block-sized rows copies ~4x faster than indexing slot by slot."""
+    def _read(self, rows: torch.Tensor, scale: torch.Tensor | None, dtype) -> torch.Tensor:
+        """Stored rows (..., kv_heads, d) in `dtype`; FP8 bytes times their head's scale."""
+        if not self.fp8:
+            return rows.to(dtype)
+        return (rows.view(FP8).to(torch.float32) * scale[:, None]).to(dtype)
+
+    def _write(self, layer: int, pool: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor,
+               constant: float) -> torch.Tensor:
+        """Store x (T, kv_heads, d) at the step's slots; returns x as stored (rounded)."""
+        slots = self.batch.slot_mapping
+        if not self.fp8:
+            pool[layer].index_copy_(0, slots, x.to(pool.dtype))
+            return x
+        if not bool(scale[layer].any()):  # on the fly: the layer's first write sets it
+            scale[layer] = (x.detach().abs().amax((0, 2)).float() / constant).clamp_min(
+                torch.finfo(torch.float32).tiny)
+        s = scale[layer]
+        q8 = (x.float() / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        self._raw(pool)[layer].index_copy_(0, slots, q8.view(torch.uint8))
+        return self._read(q8.view(torch.uint8), s, x.dtype)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V at `slots` (..., L) -> (..., kv_heads, L, d), as read (FP8 times its scale)."""
+        dtype = torch.float32 if self.fp8 else self.k.dtype
+        return tuple(self._read(self._raw(pool)[layer][slots], self._scale(which, layer), dtype)
+                     .transpose(-3, -2) for pool, which in ((self.k, "k"), (self.v, "v")))
+
+    def gather_blocks(self, layer: int, tables: torch.Tensor, dtype) -> tuple[torch.Tensor, ...]:
+        """K, V of whole blocks: tables (B, nb) -> (B, kv_heads, nb · block_size, d) in
+        `dtype`. One index_select of block-sized rows copies ~4x faster than indexing slot by
+        slot."""
         out = []
-        for pool in (self.k[layer], self.v[layer]):
-            rows = pool.view(self.num_blocks, -1).index_select(0, tables.reshape(-1))
-            out.append(rows.view(tables.shape[0], -1, *pool.shape[1:]).transpose(1, 2))
+        for pool, scale in ((self.k, self._scale("k", layer)), (self.v, self._scale("v", layer))):
+            raw = self._raw(pool)[layer]
+            rows = raw.view(self.num_blocks, -1).index_select(0, tables.reshape(-1))
+            rows = self._read(rows.view(-1, *raw.shape[1:]), scale, dtype)
+            out.append(rows.view(tables.shape[0], -1, *raw.shape[1:]).transpose(1, 2))
         return tuple(out)
+
+    def _scale(self, which: str, layer: int) -> torch.Tensor | None:
+        return getattr(self, f"{which}_scale")[layer] if self.fp8 else None
 
     @torch.no_grad()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block `dst` becomes a copy of block `src` in every layer."""
         bs = self.block_size
+        k, v = self._raw(self.k), self._raw(self.v)
         for src, dst in copies:
-            self.k[:, dst * bs:(dst + 1) * bs] = self.k[:, src * bs:(src + 1) * bs]
-            self.v[:, dst * bs:(dst + 1) * bs] = self.v[:, src * bs:(src + 1) * bs]
+            k[:, dst * bs:(dst + 1) * bs] = k[:, src * bs:(src + 1) * bs]
+            v[:, dst * bs:(dst + 1) * bs] = v[:, src * bs:(src + 1) * bs]
 
     def _decode(self, layer: int, q: torch.Tensor, out: torch.Tensor,
                 batch: PagedBatch) -> None:
         """Each one-token sequence attends to its own context, unmasked and unpadded."""
         bs, (heads, d) = self.block_size, self.k.shape[-2:]
         rows = batch.decode_blocks
-        key_pool = self.k[layer].view(self.num_blocks, -1)
-        value_pool = self.v[layer].view(self.num_blocks, -1)
+        key_pool = self._raw(self.k)[layer].view(self.num_blocks, -1)
+        value_pool = self._raw(self.v)[layer].view(self.num_blocks, -1)
+        k_scale, v_scale = self._scale("k", layer), self._scale("v", layer)
         first = 0
         for row, length in zip(batch.decode_rows, batch.decode_lens):
             last = first + (length + bs - 1) // bs
             # one sequence's blocks at a time: SDPA reads them while they are still in cache
             table = rows[first:last]
-            kb = key_pool.index_select(0, table).view(-1, heads, d)[:length].transpose(0, 1)
-            vb = value_pool.index_select(0, table).view(-1, heads, d)[:length].transpose(0, 1)
-            out[:, :, row:row + 1] = sdpa(q[:, :, row:row + 1], kb[None].to(q.dtype),
-                                          vb[None].to(q.dtype))
+            kb = key_pool.index_select(0, table).view(-1, heads, d)[:length]
+            vb = value_pool.index_select(0, table).view(-1, heads, d)[:length]
+            kb = self._read(kb, k_scale, q.dtype).transpose(0, 1)
+            vb = self._read(vb, v_scale, q.dtype).transpose(0, 1)
+            out[:, :, row:row + 1] = sdpa(q[:, :, row:row + 1], kb[None], vb[None])
             first = last
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """q (1, heads, T, d); k, v (1, kv_heads, T, d) of the row's T new tokens."""
         batch = self.batch
-        self.k[layer].index_copy_(0, batch.slot_mapping, k[0].transpose(0, 1).to(self.k.dtype))
-        self.v[layer].index_copy_(0, batch.slot_mapping, v[0].transpose(0, 1).to(self.v.dtype))
+        k = self._write(layer, self.k, getattr(self, "k_scale", None), k[0].transpose(0, 1),
+                        K_SCALE_CONSTANT).transpose(0, 1)[None]
+        v = self._write(layer, self.v, getattr(self, "v_scale", None), v[0].transpose(0, 1),
+                        V_SCALE_CONSTANT).transpose(0, 1)[None]
         out = torch.empty_like(q)
         if batch.decode_rows:
             self._decode(layer, q, out, batch)
@@ -155,8 +241,20 @@ class PagedKVCache:
                 out[:, :, p.begin:p.end] = sdpa(qp, k[:, :, p.begin:p.end],
                                                 v[:, :, p.begin:p.end], causal=True)
                 continue
-            kp, vp = self.gather_blocks(layer, p.context_blocks[None])
+            kp, vp = self.gather_blocks(layer, p.context_blocks[None], q.dtype)
             qpos = torch.arange(p.start, p.start + p.end - p.begin, device=q.device)
             mask = torch.arange(kp.shape[2], device=q.device)[None, :] <= qpos[:, None]
-            out[:, :, p.begin:p.end] = sdpa(qp, kp.to(q.dtype), vp.to(q.dtype), mask)
+            out[:, :, p.begin:p.end] = sdpa(qp, kp, vp, mask)
         return out
+
+
+@torch.no_grad()
+def calibrate_kv_scales(model, token_rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Calibrated FP8 scales (k, v), each (layers, kv_heads): amax / 448 over plain forwards
+    of `token_rows` (sample text of the kind the server will see)."""
+    cfg = model.cfg
+    observer = KVScaleObserver(cfg.num_layers, cfg.num_kv_heads)
+    device = next(model.parameters()).device
+    for row in token_rows:
+        model(torch.tensor([row], device=device), cache=observer)
+    return observer.scales()

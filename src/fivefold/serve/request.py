@@ -26,6 +26,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = 4  # max_tokens, or the model's context is full
     FINISHED_ABORTED = 5  # the client left, or the server is shutting down
+    FINISHED_ERROR = 6  # its step or its sampling raised; the server answers 500
 
     @property
     def finished(self) -> bool:
@@ -34,7 +35,8 @@ class RequestStatus(enum.IntEnum):
     @property
     def finish_reason(self) -> str | None:
         return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+                RequestStatus.FINISHED_ABORTED: "abort",
+                RequestStatus.FINISHED_ERROR: "error"}.get(self)
 
 
 @dataclass(eq=False)
@@ -51,6 +53,7 @@ class Request:
     stop_text: str | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    error: str | None = None  # why it ended with FINISHED_ERROR
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -5,10 +5,14 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (`stream: true` as
 server-sent events), GET /health, GET /metrics (Prometheus text: requests running and
-waiting, KV blocks used and free, generated tokens per second). A bad request gets HTTP 400
-with OpenAI's error body and the server keeps serving. SIGTERM (or Ctrl-C) stops admitting
-(503), lets running requests finish for --shutdown-grace seconds, aborts the rest and exits
-0. The server binds to 127.0.0.1 unless --host says otherwise.
+waiting, KV blocks used and free, generated tokens per second). Every error body is
+OpenAI's: 400 for a bad request (the server keeps serving), 404 for an unknown model
+(`model_not_found`) or route, 405, 500 for a request the engine failed (the others go on),
+503 while shutting down or once the engine loop has died; then /health answers 503 too and
+the process exits 1, so a supervisor restarts it. SIGTERM (or Ctrl-C) closes the listener
+(new connections are refused), lets running requests finish for --shutdown-grace seconds,
+ends the rest with what they generated and finish_reason "abort", and exits 0. The server
+binds to 127.0.0.1 unless --host says otherwise.
 
 (No `from __future__ import annotations` here: FastAPI reads the route functions'
 annotations, which name classes imported inside `build_app`.)
@@ -79,26 +83,49 @@ def build_app(serving, loop):
     fastapi = require("fastapi", "serve", "fivefold serve")
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from fivefold.serve.openai.protocol import (
         ChatCompletionRequest,
         CompletionRequest,
         error_body,
     )
-    from fivefold.serve.openai.serving import Unavailable
+    from fivefold.serve.openai.serving import EngineError, ModelNotFound, Unavailable
 
     app = fastapi.FastAPI(title="fivefold", docs_url=None, redoc_url=None)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":  # its loc is a byte offset, not a field
+            error = first.get("ctx", {}).get("error", "")
+            return JSONResponse(error_body(f"the body is not valid JSON ({error})"),
+                                status_code=400)
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
         return JSONResponse(error_body(message, where or None), status_code=400)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, exc: StarletteHTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
+            exc.status_code, "invalid_request_error" if exc.status_code < 500
+            else "server_error")
+        return JSONResponse(error_body(str(exc.detail), kind=kind, code=exc.status_code),
+                            status_code=exc.status_code, headers=exc.headers)
+
     @app.exception_handler(ConfigError)
     async def bad_value(_request, exc: ConfigError):
-        return JSONResponse(error_body(str(exc)), status_code=400)
+        return JSONResponse(error_body(str(exc), getattr(exc, "param", None)), status_code=400)
+
+    @app.exception_handler(ModelNotFound)
+    async def no_model(_request, exc: ModelNotFound):
+        return JSONResponse(error_body(str(exc), "model", code="model_not_found"),
+                            status_code=404)
+
+    @app.exception_handler(EngineError)
+    async def engine_failed(_request, exc: EngineError):
+        return JSONResponse(error_body(str(exc), kind="server_error", code=500),
+                            status_code=500)
 
     @app.exception_handler(Unavailable)
     async def unavailable(_request, exc: Unavailable):
@@ -107,6 +134,8 @@ def build_app(serving, loop):
 
     @app.get("/health")
     async def health():
+        if not loop.alive:
+            return JSONResponse({"status": "error", "error": loop.error}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -127,7 +156,12 @@ def build_app(serving, loop):
         if stream:
             events = await serving.stream(prepared, chat)
             return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(await serving.run(prepared, chat, raw.is_disconnected))
+
+        async def client_left():  # the body is read: the next message is the disconnect
+            while (await raw.receive())["type"] != "http.disconnect":
+                pass
+
+        return JSONResponse(await serving.run(prepared, chat, client_left))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: fastapi.Request):
@@ -162,8 +196,13 @@ def build_parser() -> ArgumentParser:
                    help="split long prompts into chunks of --max-num-batched-tokens")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-prepack", action="store_true",
-                   help="fp32 on a CPU: keep torch's sgemm linears instead of oneDNN with "
-                        "weights reordered once (faster; holds a second copy of the weights)")
+                   help="fp32 on a CPU: keep torch's sgemm linears; by default a probe at "
+                        "start-up picks oneDNN with weights reordered once (holding a second "
+                        "copy of them) where it is faster for this model on this CPU")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16", "fp8"),
+                   help="what the KV cache stores: auto (the model's dtype), bf16, or fp8 "
+                        "(e4m3 with a scale per layer and KV head: half of bf16's bytes, twice "
+                        "the blocks)")
     p.add_argument("--shutdown-grace", type=float, default=3.0,
                    help="seconds running requests get to finish after SIGTERM")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: each holds 1/tp "
@@ -222,9 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or source.resolve().name
     if name in backend.adapters:
         raise ConfigError(f"--lora {name} has the base model's name; rename the adapter")
+    loop.on_fatal = lambda: setattr(server, "should_exit", True)
     serving = OpenAIServing(loop, name, codec.encode,
                             chat_template(source if args.hf else None), backend.max_model_len,
-                            backend.adapters)
+                            backend.adapters, codec.decode)
     app = build_app(serving, loop)
 
     class Server(uvicorn.Server):
@@ -237,19 +277,26 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn re-raises the signal it caught once it has shut down; a no-op handler for
     # SIGTERM makes that a clean exit 0 instead of death by the signal.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    server = Server(config)
     loop.start()
+    for line in backend.notes:
+        print(f"fivefold serve: {line}", file=sys.stderr, flush=True)
     layout = "".join(f", {k} {v}" for k, v in (("tp", args.tp), ("dp", args.dp)) if v > 1)
     print(f"fivefold serve: {name} on http://{args.host}:{args.port}/v1 "
-          f"({backend.num_blocks} KV blocks of {args.block_size} tokens, context "
-          f"{backend.max_model_len}{layout}"
+          f"({backend.num_blocks} KV blocks of {args.block_size} tokens "
+          f"({backend.kv_dtype}), context {backend.max_model_len}{layout}"
           f"{', adapters ' + ' '.join(backend.adapters) if backend.adapters else ''})",
           file=sys.stderr, flush=True)
     try:
-        Server(config).run()
+        server.run()
     finally:
         loop.stop()
         loop.thread.join(timeout=5)
         backend.close()
         signal.signal(signal.SIGTERM, previous)
+    if not loop.alive:  # non-zero, so that a supervisor restarts the server
+        print(f"fivefold serve: exiting after an engine failure ({loop.error})",
+              file=sys.stderr, flush=True)
+        return 1
     print("fivefold serve: stopped", file=sys.stderr, flush=True)
     return 0

@@ -31,6 +31,14 @@ class Backend:
     max_model_len: int
     adapters: list[str] = field(default_factory=list)
     close: Callable[[], None] = lambda: None
+    kv_dtype: str = ""  # what the KV cache stores, as torch names it
+    notes: list[str] = field(default_factory=list)  # one line each, printed at start-up
+
+
+def _notes(engine) -> list[str]:
+    """The start-up lines an engine has to say (which linears the probe picked)."""
+    probe = getattr(engine, "linear_probe", None)
+    return [] if probe is None else [probe.describe()]
 
 
 def check_parallel_args(args) -> None:
@@ -63,7 +71,8 @@ def engine_kwargs(args, codec) -> dict:
                 chunked_prefill=args.chunked_prefill,
                 enable_prefix_caching=not args.no_prefix_caching, eos_token_ids=eos_ids,
                 max_model_len=args.max_model_len, detokenize=codec.decode,
-                prepack=not args.no_prepack)
+                prepack=False if args.no_prepack else "auto",
+                kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _backend_name(args) -> str:
@@ -136,7 +145,7 @@ def _start_tp(args) -> Backend | None:
         dist.destroy_process_group()
 
     return Backend(EngineLoop(engine), codec, engine.num_blocks, engine.max_model_len,
-                   close=close)
+                   close=close, kv_dtype=str(engine.cache.k.dtype), notes=_notes(engine))
 
 
 def start(args) -> Backend | None:
@@ -176,7 +185,8 @@ def start(args) -> Backend | None:
 
         loop = DPRouter(loops)
     return Backend(loop, codec, engines[0].num_blocks, engines[0].max_model_len,
-                   adapters=list(adapter_set.names) if adapter_set else [])
+                   adapters=list(adapter_set.names) if adapter_set else [],
+                   kv_dtype=str(engines[0].cache.k.dtype), notes=_notes(engines[0]))
 
 
 def _copy_to(model, device: str):

@@ -2,30 +2,64 @@
 
 The fields are the ones the official client sends (openai-python 3.x, `completions.create`
 and `chat.completions.create`); `top_k` and `ignore_eos` are vLLM's extensions. Fields the
-engine does not implement are accepted at their neutral value and refused otherwise, so a
-request never silently gets something other than it asked for. Unknown field names are
-ignored (the client adds new ones over time); a known field of the wrong type is a 400.
+engine does not implement (`UNSUPPORTED`: best_of, suffix, response_format, tools, penalties,
+logprobs, ...) are accepted at their neutral value and refused with a 400 naming the field
+otherwise, so a request never silently gets something other than it asked for. Other unknown
+field names are ignored (the client adds new ones over time); a known field of the wrong
+type is a 400.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from fivefold.errors import ConfigError
-from fivefold.serve.sampling_params import SamplingParams
+from fivefold.serve.sampling_params import SEED_RANGE, SamplingParams
+
+
+class BadField(ConfigError):
+    """A request field with a value this server refuses (HTTP 400, `param` = the field)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",
-               code: int = 400) -> dict:
+               code: int | str = 400) -> dict:
     """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+# Fields of the OpenAI API (and vLLM's sampling extensions) that this server does not
+# implement, each with the values that ask for nothing (None always does).
+UNSUPPORTED: dict[str, tuple] = {
+    "best_of": (1,), "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,),
+    "logprobs": (False,), "top_logprobs": (0,), "response_format": ({"type": "text"},),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "prediction": (), "audio": (), "modalities": (["text"],), "prompt_logprobs": (),
+    "min_tokens": (0,), "repetition_penalty": (1,), "min_p": (0,),
+}
+
+
+def _neutral(value: Any, allowed: tuple) -> bool:
+    # 0 == False in Python, but `logprobs: 0` asks for the chosen tokens' log-probabilities
+    return value is None or any(isinstance(value, bool) == isinstance(a, bool) and value == a
+                                for a in allowed)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # extras are kept (and otherwise ignored) so that UNSUPPORTED can look at them
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -33,21 +67,30 @@ class _Sampling(BaseModel):
     top_p: float = 1.0
     top_k: int = 0
     n: int = Field(1, ge=1, le=16)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: int | bool | None = None
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
 
     def refuse_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ConfigError(f"{name} is not supported by this server; leave it at 0")
-        if self.logprobs:
-            raise ConfigError("logprobs are not supported by this server; leave them unset")
+        for name, allowed in UNSUPPORTED.items():
+            value = getattr(self, name, None)
+            if not _neutral(value, allowed):
+                raise BadField(name, f"{name} = {value!r} is not supported by this server; "
+                                     f"leave it out")
+        if self.stream_options is not None and not self.stream:
+            raise BadField("stream_options", "stream_options is only allowed with stream: "
+                                             "true")
+
+    def _logit_bias(self) -> dict[int, float]:
+        try:
+            return {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise BadField("logit_bias", "logit_bias keys must be token ids (integers as "
+                                         "strings)") from None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         self.refuse_unsupported()
@@ -56,7 +99,11 @@ class _Sampling(BaseModel):
                               top_k=self.top_k, top_p=self.top_p, seed=self.seed,
                               stop=tuple([self.stop] if isinstance(self.stop, str)
                                          else self.stop or ()), ignore_eos=self.ignore_eos,
-                              n=self.n)
+                              n=self.n, logit_bias=self._logit_bias())
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionRequest(_Sampling):
@@ -70,8 +117,13 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = ""
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: keep the text ones
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        if isinstance(self.content, list):  # content parts: text only (no images, audio)
+            kinds = {p.get("type") for p in self.content} - {"text"}
+            if kinds:
+                raise BadField("messages", f"messages: content parts of type "
+                                           f"{sorted(map(str, kinds))} "
+                                           f"are not supported by this server; send text")
+            return "".join(str(p.get("text", "")) for p in self.content)
         return self.content or ""
 
 

@@ -17,11 +17,12 @@ import asyncio
 import dataclasses
 import json
 import queue
+import sys
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from fivefold.serve.engine import Engine, RequestOutput
 from fivefold.serve.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    error_body,
     now,
     usage,
 )
@@ -37,12 +39,30 @@ from fivefold.serve.sampling_params import SamplingParams
 
 
 class Unavailable(Exception):
-    """The server is shutting down and admits no new request (HTTP 503)."""
+    """The server is shutting down, or its engine has stopped (HTTP 503)."""
+
+
+class ModelNotFound(Exception):
+    """The request names a model this server does not serve (HTTP 404)."""
+
+
+class EngineError(Exception):
+    """The engine failed this request (HTTP 500)."""
+
+
+def _ended(request_id: str, reason: str, error: str | None = None) -> RequestOutput:
+    """The output that ends every choice still open (index -1)."""
+    return RequestOutput(request_id, [], [], [], True, reason, index=-1, error=error)
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine):
+    """`on_fatal` is called (from the engine's thread) if the loop itself dies: the server
+    then stops with a non-zero exit code so that a supervisor restarts it."""
+
+    def __init__(self, engine: Engine, on_fatal: Callable[[], None] | None = None):
         self.engine = engine
+        self.on_fatal = on_fatal
+        self.error: str | None = None  # why the loop died; None while it runs
         self._commands: queue.Queue = queue.Queue()
         # request id -> [event loop, queue, choices not finished yet]
         self._streams: dict[str, list] = {}
@@ -55,8 +75,14 @@ class EngineLoop:
     def start(self) -> None:
         self.thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self.error is None
+
     # -- called from the event loop ------------------------------------------------------
     async def submit(self, prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
+        if not self.alive:
+            raise Unavailable(f"the engine has stopped ({self.error})")
         if not self._admitting:
             raise Unavailable("the server is shutting down")
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -100,7 +126,7 @@ class EngineLoop:
         if stream is None:
             return
         if output.finished:
-            stream[2] -= 1
+            stream[2] = 0 if output.index < 0 else stream[2] - 1
             if stream[2] <= 0:
                 self._streams.pop(key, None)
         loop, out, _ = stream
@@ -121,48 +147,69 @@ class EngineLoop:
             self._abort(command[1])
 
     def _abort(self, rid: str) -> None:
-        """Abort every choice of `rid`; its handler gets one output with index -1: every
-        choice still open ends with finish_reason "abort"."""
-        self.engine.abort_request(rid)
-        stream = self._streams.pop(rid, None)
-        if stream is not None:
-            stream[2] = 1
-            self._streams[rid] = stream
-            self._deliver(RequestOutput(rid, [], [], [], True, "abort", index=-1))
+        """Abort every choice of `rid`: each open one ends with what it generated so far
+        and finish_reason "abort"."""
+        for output in self.engine.abort_request(rid):
+            self._deliver(output)
+        self._deliver(_ended(rid, "abort"))  # anything still open (nothing, normally)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # the engine failed outside one request: all of them end
+            outputs = self.engine.fail_unfinished(e)
+        for output in outputs:
+            self._deliver(output)
+        self._rates.append((time.perf_counter(), self.engine.num_generated_tokens))
 
     def _run(self) -> None:
         engine = self.engine
-        while not self._stop.is_set():
-            try:
-                block = not engine.has_unfinished()
-                self._command(self._commands.get(timeout=0.05) if block
-                              else self._commands.get_nowait())
-                while True:
-                    self._command(self._commands.get_nowait())
-            except queue.Empty:
-                pass
-            if self._abort_all_at is not None and time.monotonic() >= self._abort_all_at:
-                for rid in list(self._streams):
-                    self._abort(rid)
-            if engine.has_unfinished():
-                for output in engine.step():
-                    self._deliver(output)
-                self._rates.append((time.perf_counter(), engine.num_generated_tokens))
+        try:
+            while not self._stop.is_set():
+                try:
+                    block = not engine.has_unfinished()
+                    self._command(self._commands.get(timeout=0.05) if block
+                                  else self._commands.get_nowait())
+                    while True:
+                        self._command(self._commands.get_nowait())
+                except queue.Empty:
+                    pass
+                if self._abort_all_at is not None and time.monotonic() >= self._abort_all_at:
+                    for rid in list(self._streams):
+                        self._abort(rid)
+                if engine.has_unfinished():
+                    self._step()
+        except BaseException as e:  # the loop itself broke: refuse work, let the server exit
+            self.error = f"{type(e).__name__}: {e}"
+            print(f"fivefold serve: the engine loop stopped: {self.error}", file=sys.stderr,
+                  flush=True)
+            for rid in list(self._streams):
+                self._deliver(_ended(rid, "error", self.error))
+            if self.on_fatal is not None:
+                self.on_fatal()
 
 
 @dataclass
 class Prepared:
     prompt: list[int]
     params: SamplingParams  # with n choices
+    echo: str = ""  # text put before each choice's output (`echo`: the prompt)
+    include_usage: bool = False  # streaming: a last chunk with the token counts
 
 
 class OpenAIServing:
+    """`model_names`: the ids a request's `model` may name (the first is the base model's);
+    a request naming another gets 404 model_not_found."""
+
     def __init__(self, loop: EngineLoop, model_name: str, encode: Callable[[str], list[int]],
                  chat_prompt: Callable[[list[dict]], str], max_model_len: int,
-                 adapters: tuple[str, ...] = ()):
+                 adapters: tuple[str, ...] = (),
+                 decode: Callable[[list[int]], str] | None = None):
         self.loop, self.model_name = loop, model_name
-        self.encode, self.chat_prompt, self.max_model_len = encode, chat_prompt, max_model_len
         self.adapters = tuple(adapters)  # LoRA adapters a request's `model` may name
+        self.model_names = [model_name, *self.adapters]
+        self.encode, self.decode = encode, decode
+        self.chat_prompt, self.max_model_len = chat_prompt, max_model_len
 
     def models(self) -> dict:
         base = {"id": self.model_name, "object": "model", "created": now(),
@@ -173,7 +220,13 @@ class OpenAIServing:
             {**base, "id": name, "root": name, "parent": self.model_name}
             for name in self.adapters]}
 
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise ModelNotFound(f"The model `{name}` does not exist; this server serves "
+                                f"{', '.join(self.model_names)}")
+
     def _prepare(self, body, prompt: list[int]) -> Prepared:
+        self.check_model(body.model)
         if not prompt:
             raise ConfigError("the prompt is empty; give at least one token of text")
         if len(prompt) >= self.max_model_len:
@@ -182,42 +235,53 @@ class OpenAIServing:
         params = body.sampling_params(self.max_model_len - len(prompt))
         if body.model in self.adapters:  # the model names a LoRA adapter: it serves this one
             params = dataclasses.replace(params, adapter=body.model)
-        return Prepared(prompt, params)
+        return Prepared(prompt, params, include_usage=body.include_usage)
 
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
         prompt = body.prompt if isinstance(body.prompt, list) else (
             self.encode(body.prompt) if body.prompt else [])
-        return self._prepare(body, prompt)
+        prepared = self._prepare(body, prompt)
+        if body.echo:
+            prepared.echo = body.prompt if isinstance(body.prompt, str) else (
+                self.decode(prompt) if self.decode else "")
+        return prepared
 
     def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         return self._prepare(body, self.encode(self.chat_prompt(messages)))
 
     async def run(self, prepared: Prepared, chat: bool,
-                  disconnected: Callable[[], object]) -> dict:
-        """The whole response; aborts (and raises CancelledError) if the client leaves."""
+                  client_left: Callable[[], Awaitable[object]]) -> dict:
+        """The whole response. `client_left()` returns when the client disconnects: the
+        request is then aborted at once (the engine drops it before its next step) and
+        CancelledError raised. Raises EngineError if the engine failed the request."""
         rid, out = await self.loop.submit(prepared.prompt, prepared.params)
         n = prepared.params.n
         finals: list[RequestOutput | None] = [None] * n
+        watcher = asyncio.ensure_future(client_left())
         try:
             while any(f is None for f in finals):
-                try:
-                    o = await asyncio.wait_for(out.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await disconnected():
-                        raise asyncio.CancelledError from None
-                    continue
-                if o.index < 0:  # aborted: every open choice ends here
+                getter = asyncio.ensure_future(out.get())
+                await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    raise asyncio.CancelledError  # the client left
+                o = getter.result()
+                if o.index < 0:  # every open choice ends here
                     finals = [f or o for f in finals]
                 elif o.finished:
                     finals[o.index] = o
         finally:
+            watcher.cancel()
             if any(f is None for f in finals):
                 self.loop.abort(rid)
+        failed = next((o for o in finals if o.finish_reason == "error"), None)
+        if failed is not None:
+            raise EngineError(f"the engine failed this request: {failed.error}")
         completion = sum(len(o.token_ids) for o in finals)
         choices = []
         for i, o in enumerate(finals):
-            text = o.text or ""
+            text = prepared.echo + (o.text or "")
             if chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text},
                                 "finish_reason": o.finish_reason, "logprobs": None})
@@ -232,14 +296,23 @@ class OpenAIServing:
     async def stream(self, prepared: Prepared, chat: bool) -> AsyncIterator[str]:
         """Server-sent events; the request is admitted (or refused) before the first event."""
         rid, out = await self.loop.submit(prepared.prompt, prepared.params)
-        return self._events(rid, out, prepared.params, chat)
+        return self._events(rid, out, prepared, chat)
 
-    async def _events(self, rid: str, out: asyncio.Queue, params: SamplingParams,
+    async def _events(self, rid: str, out: asyncio.Queue, prepared: Prepared,
                       chat: bool) -> AsyncIterator[str]:
+        params = prepared.params
         kind = "chat.completion.chunk" if chat else "text_completion"
         holdback = max((len(s) for s in params.stop), default=1) - 1
         sent = [0] * params.n
+        tokens = [0] * params.n
         open_choices = set(range(params.n))
+
+        def chunk(choices: list[dict], **extra) -> str:
+            body = {"id": rid, "object": kind, "created": now(),
+                    "model": params.adapter or self.model_name, "choices": choices, **extra}
+            if prepared.include_usage:
+                body.setdefault("usage", None)
+            return f"data: {json.dumps(body)}\n\n"
 
         def event(index: int, text: str | None, reason: str | None) -> str:
             if chat:
@@ -251,23 +324,28 @@ class OpenAIServing:
             else:
                 choice = {"index": index, "text": text or "", "finish_reason": reason,
                           "logprobs": None}
-            body = {"id": rid, "object": kind, "created": now(),
-                    "model": params.adapter or self.model_name,
-                    "choices": [choice]}
-            return f"data: {json.dumps(body)}\n\n"
+            return chunk([choice])
 
         try:
-            if chat:
-                for i in range(params.n):
+            for i in range(params.n):
+                if chat:
                     yield event(i, "", None)
+                if prepared.echo:
+                    yield event(i, prepared.echo, None)
             while open_choices:
                 o = await out.get()
-                if o.index < 0:  # aborted
+                if o.finish_reason == "error":
+                    # the response has begun (200): the error goes in the stream, as vLLM's
+                    yield f"data: {json.dumps(engine_error_body(o.error))}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                if o.index < 0:  # every open choice ends here
                     for i in sorted(open_choices):
                         yield event(i, None, o.finish_reason)
                     open_choices.clear()
                     break
                 i, text = o.index, o.text or ""
+                tokens[i] = len(o.token_ids)
                 # Hold back what may be the start of a stop string or half a character.
                 upto = len(text) if o.finished else max(len(text) - holdback, sent[i])
                 while upto > sent[i] and text[upto - 1] == "\ufffd" and not o.finished:
@@ -278,7 +356,14 @@ class OpenAIServing:
                 if o.finished:
                     open_choices.discard(i)
                     yield event(i, None, o.finish_reason)
+            if prepared.include_usage:
+                yield chunk([], usage=usage(len(prepared.prompt), sum(tokens)))
             yield "data: [DONE]\n\n"
         finally:
             if open_choices:
                 self.loop.abort(rid)
+
+
+def engine_error_body(error: str | None) -> dict:
+    return error_body(f"the engine failed this request: {error}", kind="server_error",
+                      code=500)
