@@ -137,19 +137,6 @@ def machine(device: torch.device) -> dict:
     return info
 
 
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux; else what platform reports): speed-ups
-    of CPU kernels differ between CPU families, so results say which one they ran on."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def peak_rss_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:
