@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from fivefold import config  # noqa: E402
-from fivefold.calibrate import cpu_model  # noqa: E402
+from fivefold.host import cpu_model  # noqa: E402
 from fivefold.plan import auto_layout as planner  # noqa: E402
 from fivefold.plan.evaluate import plan_layout  # noqa: E402
 from fivefold.plan.hardware import load_profile  # noqa: E402

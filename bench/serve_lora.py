@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from fivefold.finetune.inject import target_modules  # noqa: E402
+from fivefold.host import cpu_model  # noqa: E402
 from fivefold.models.init import build_model  # noqa: E402
 from fivefold.models.presets import preset  # noqa: E402
 from fivefold.serve.engine import Engine  # noqa: E402
@@ -42,16 +43,6 @@ from fivefold.train.bench import git_revision, machine  # noqa: E402
 
 TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 NAMES = ("alpha", "beta", "gamma")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def random_adapters(model, rank: int, seed: int) -> list[Adapter]:

@@ -28,6 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from fivefold.config import ArgumentParser, ConfigError
+from fivefold.host import cpu_label, cpu_model
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -163,18 +164,6 @@ def measure_collectives(world: int, backend: str, quick: bool) -> dict:
         return json.loads(Path(out).read_text())
 
 
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux; the platform's word elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
-
-
 def calibrate(out: str | Path, world: int | None = None, device: str = "auto",
               quick: bool = False, max_hidden: int = 8192) -> dict:
     import torch
@@ -189,7 +178,7 @@ def calibrate(out: str | Path, world: int | None = None, device: str = "auto",
         raise ConfigError(f"--world {world} is more than the {torch.cuda.device_count()} "
                           f"visible GPUs")
     profile = {
-        "machine": platform.node(), "platform": platform.platform(),
+        "machine": cpu_label(), "platform": platform.platform(),
         "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
         "cpu_model": cpu_model(),
         "torch": torch.__version__, "quick": quick, "world": world,
