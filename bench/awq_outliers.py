@@ -40,6 +40,7 @@ from awq_bits import round_linears  # noqa: E402
 from quant_quality import calibration, step_dir  # noqa: E402
 
 from fivefold.evaluate.perplexity import checkpoint_validation, perplexity  # noqa: E402
+from fivefold.host import cpu_model  # noqa: E402
 from fivefold.quant.awq import apply_awq  # noqa: E402
 from fivefold.quant.outliers import inject_outliers  # noqa: E402
 from fivefold.train.bench import git_revision, machine  # noqa: E402
@@ -107,17 +108,6 @@ def run(path: str, scales: list[float], bits: list[int], group_size: int, sample
                   f"{numbers['residual_factor']:.2f}", flush=True)
         result["scales"][f"{s:g}"] = row
     return result
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), so results from two machines can be told apart."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def combine(paths: list[str], out: str) -> None:
