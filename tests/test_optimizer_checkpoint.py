@@ -46,7 +46,6 @@ def _train(rank, world, ckpt_dir, optimizer, zero, resume, save_at):
     return losses
 
 
-@pytest.mark.slow
 def test_8bit_states_saved_at_dp2_zero3_resume_in_one_process():
     """The dp2/ZeRO-3 run saves its codes and scales at step 2 and goes on; one process
     resumes from the save: its steps 3-4 equal the dp2 run's to 1e-6 relative (the states
