@@ -25,7 +25,6 @@ Tolerances from that error model:
 
 from __future__ import annotations
 
-import pytest
 from harness import run_ranks
 from test_data_parallel import LR, assert_close_run, build, final_params, make_cfg, train
 
@@ -117,7 +116,6 @@ def _trainer_losses(rank, world, tmp, cases):
     return out
 
 
-@pytest.mark.slow
 def test_muon_under_tp2_and_pp2_and_adamw8bit_under_pp2_track_one_process(tmp_path):
     """Muon gathers each tensor-parallel matrix whole before orthogonalising (parallel/
     muon.py), so tp2 equals one device up to the gradient sums' order (fp32 NS: losses

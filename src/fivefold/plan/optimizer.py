@@ -127,24 +127,3 @@ def newton_schulz_flops(model: ModelConfig, steps: int = NS_STEPS) -> float:
 
 
 LIGHTER = ("adamw8bit", "adamw4bit", "adafactor")  # in order of fidelity to AdamW
-
-
-def lighter_optimizer_note(work, num_gpus, hw, assume, space, top) -> list[str]:
-    """When no layout fits with AdamW's states, the first lighter optimizer with which one
-    does, as a note for the search's report (the search tries each in turn)."""
-    import dataclasses
-
-    from fivefold.plan.search import search
-
-    if work.optimizer not in ("adamw", "adam"):
-        return []
-    for name in LIGHTER:
-        result = search(dataclasses.replace(work, optimizer=name), num_gpus, hw, assume,
-                        space, top)
-        if result.top:
-            best = result.top[0]
-            return [f"nothing fits with {work.optimizer}'s 8 bytes of states per parameter; "
-                    f"with train.optimizer = {name} {len(result.top)} layouts fit, fastest "
-                    f"{best.layout.short()} ({best.memory_total / 2**30:.1f} GiB, "
-                    f"{best.time.total:.2f} s/step)"]
-    return []

@@ -298,8 +298,6 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
     ranked = [p for _, _, p in sorted(best, key=lambda e: (-e[0], -e[1]))]
     notes = [note for note in [gbs_note(work.gbs, num_gpus, removed)] if note]
     if not ranked:  # memory binds: would a lighter optimizer's states fit? (plan/optimizer.py)
-        from fivefold.plan.optimizer import lighter_optimizer_note
-
         notes += lighter_optimizer_note(work, num_gpus, hw, assume, space, top)
     fastest = ranked[0].time.total if ranked else float("inf")
     too_big_plans = [plan_layout(work, lay, hw, assume) for _, lay in too_big]
@@ -373,3 +371,23 @@ def suggest_fix(work: Workload, layout: Layout, num_gpus: int, hw: Hardware,
                      for k in keys)
     return f"{text} ({best.why}, {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU)"
 
+
+def lighter_optimizer_note(work, num_gpus, hw, assume, space, top) -> list[str]:
+    """When no layout fits with AdamW's states, the first lighter optimizer with which one
+    does, as a note for the search's report (the search tries each in turn)."""
+    import dataclasses
+
+    from fivefold.plan.optimizer import LIGHTER
+
+    if work.optimizer not in ("adamw", "adam"):
+        return []
+    for name in LIGHTER:
+        result = search(dataclasses.replace(work, optimizer=name), num_gpus, hw, assume,
+                        space, top)
+        if result.top:
+            best = result.top[0]
+            return [f"nothing fits with {work.optimizer}'s 8 bytes of states per parameter; "
+                    f"with train.optimizer = {name} {len(result.top)} layouts fit, fastest "
+                    f"{best.layout.short()} ({best.memory_total / 2**30:.1f} GiB, "
+                    f"{best.time.total:.2f} s/step)"]
+    return []
