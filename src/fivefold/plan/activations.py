@@ -34,7 +34,7 @@ class ActivationBytes:
     outside_terms: dict[str, float] = field(default_factory=dict)  # embedding, head, loss
     loss_backward: float = 0.0  # transient during the loss backward (not saved), last stage
     # A materialised loss's transient is the peak itself (every activation is still alive
-    # when it is made), not a cached block beside a later peak (memory.allocator_waste).
+    # when it is made), not a cached block beside a later peak (allocator.allocator_waste).
     loss_transient_is_peak: bool = False
 
     @property

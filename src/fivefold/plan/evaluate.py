@@ -95,7 +95,7 @@ class LayoutPlan:
     @property
     def peak_reserved(self) -> float:
         """torch.cuda.max_memory_reserved: allocated + the caching allocator's waste
-        (memory.allocator_waste). An OOM depends on this plus the context, not on allocated."""
+        (allocator.allocator_waste). An OOM depends on this plus the context, not on allocated."""
         return self.memory_total - self.context_bytes
 
     @property

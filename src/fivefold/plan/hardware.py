@@ -73,7 +73,7 @@ class Assumptions:
     cpu_adam_gbps: float = 100.0  # host memory bandwidth per node for an offloaded step
     tp_overlap: float = 0.0  # share of TP/SP communication hidden behind GEMMs (async TP)
     context_gib: float = 1.5  # CUDA context, cuBLAS workspace, NCCL buffers
-    # Reserved beyond the allocator model (memory.allocator_waste), as a share of allocated.
+    # Reserved beyond the allocator model (allocator.allocator_waste), as a share of allocated.
     fragmentation: float = 0.0
     # Reserved beyond the allocator model per byte of saved activations, and per byte of the
     # loss's logits buffers (fitted per engine: plan/conventions.py; 0 for the engine itself).

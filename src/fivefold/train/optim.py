@@ -16,6 +16,7 @@ import math
 import torch
 from torch import nn
 
+from fivefold.errors import ConfigError
 from fivefold.parallel import comm
 from fivefold.parallel.buffers import storage_bytes
 from fivefold.parallel.update import (  # noqa: F401  (re-exported)
@@ -256,3 +257,18 @@ class TensorParallelAssembler:
         from fivefold.parallel.shards import local_piece
 
         return local_piece(info.param, full).reshape(-1)[info.lo:info.hi]
+
+
+def resume_conversion(meta: dict, cfg, path) -> str | None:
+    """The optimizer whose states the checkpoint holds, when this run's differs and the
+    difference has a conversion (adamw -> adamw8bit/adamw4bit: its moments are quantised);
+    another optimizer is a one-line ConfigError. None: the same optimizer."""
+    saved = meta.get("config", {}).get("train", {}).get("optimizer", "adamw")
+    wanted = cfg.train.optimizer
+    if saved == wanted:
+        return None
+    if saved == "adamw" and wanted in ("adamw8bit", "adamw4bit"):
+        return saved
+    raise ConfigError(f"checkpoint {path} holds train.optimizer = {saved} states, but this "
+                      f"run asks for {wanted}; resume with {saved} (only adamw -> adamw8bit "
+                      f"or adamw4bit converts) or start a new checkpoint.dir")

@@ -41,7 +41,7 @@ from fivefold.train.metrics import (
     memory_bytes,
     memory_reserved_bytes,
 )
-from fivefold.train.optim import MasterWeightOptimizer, lr_at
+from fivefold.train.optim import MasterWeightOptimizer, lr_at, resume_conversion
 from fivefold.train.precision import DTYPES, LossScaler, resolve_precision
 from fivefold.train.recovery import (
     agree,
@@ -51,21 +51,6 @@ from fivefold.train.recovery import (
     unwritable,
 )
 from fivefold.train.rundir import check_budget_fits
-
-
-def resume_conversion(meta: dict, cfg: Config, path) -> str | None:
-    """The optimizer whose states the checkpoint holds, when this run's differs and the
-    difference has a conversion (adamw -> adamw8bit/adamw4bit: its moments are quantised);
-    another optimizer is a one-line ConfigError. None: the same optimizer."""
-    saved = meta.get("config", {}).get("train", {}).get("optimizer", "adamw")
-    wanted = cfg.train.optimizer
-    if saved == wanted:
-        return None
-    if saved == "adamw" and wanted in ("adamw8bit", "adamw4bit"):
-        return saved
-    raise ConfigError(f"checkpoint {path} holds train.optimizer = {saved} states, but this "
-                      f"run asks for {wanted}; resume with {saved} (only adamw -> adamw8bit "
-                      f"or adamw4bit converts) or start a new checkpoint.dir")
 
 
 class NonFiniteError(RunError):
