@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import tempfile
@@ -43,13 +42,6 @@ VARIANTS = {"adafactor": ("adafactor", ["--optim.adafactor_relative_step", "fals
 def git_revision() -> str:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def _trainer(name: str, overrides: list[str], config: str | None = None):
@@ -140,6 +132,8 @@ def main() -> None:
                        step_vs_adamw=m["step_s"] / mem["adamw"]["step_s"])
         summary[name] = row
         print(name, json.dumps(row))
+    from fivefold.host import cpu_model
+
     result = {"machine": f"{cpu_model()}, {os.cpu_count()} CPU cores (shared with other "
                          f"work), 1 thread", "device": "cpu", "torch": torch.__version__,
               "git": git_revision(), "convergence": {"model": "tiny-bpe", "steps": args.steps,
