@@ -55,7 +55,8 @@ def server(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "fivefold.cli", "serve", "--hf", str(directory),
-         "--tokenizer", "byte", "--port", str(port), "--device", "cpu", "--served-model-name", MODEL, "--kv-cache-gib", "0.02",
+         "--tokenizer", "byte", "--port", str(port), "--device", "cpu", "--served-model-name",
+         MODEL, "--kv-cache-gib", "0.02",
          "--shutdown-grace", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
     base = f"http://127.0.0.1:{port}"
@@ -431,8 +432,8 @@ def test_serve_exits_1_when_the_engine_loop_dies(tmp_path, tiny_model, monkeypat
         raise RuntimeError("the device is gone")
 
     monkeypatch.setattr(Engine, "has_unfinished", broken)
-    code = main(["--hf", str(tmp_path), "--tokenizer", "byte", "--port", str(free_port()), "--device", "cpu",
-                 "--kv-cache-gib", "0.01"])
+    code = main(["--hf", str(tmp_path), "--tokenizer", "byte", "--port", str(free_port()),
+                 "--device", "cpu", "--kv-cache-gib", "0.01"])
     assert code == 1
 
 

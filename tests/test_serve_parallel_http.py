@@ -59,7 +59,8 @@ def test_tp2_server_answers_as_one_device(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "fivefold.cli", "serve", "--hf", str(tmp_path / "m"),
-         "--tokenizer", "byte", "--port", str(port), "--device", "cpu", "--served-model-name", "m", "--kv-cache-gib", "0.01",
+         "--tokenizer", "byte", "--port", str(port), "--device", "cpu", "--served-model-name",
+         "m", "--kv-cache-gib", "0.01",
          "--tp", "2", "--shutdown-grace", "1"], env=env, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
@@ -96,7 +97,8 @@ def test_tp2_server_answers_as_one_device(tmp_path):
 def _args(directory, adapters) -> Namespace:
     from fivefold.serve.openai.api_server import build_parser
 
-    argv = ["--hf", str(directory), "--tokenizer", "byte", "--device", "cpu", "--kv-cache-gib", "0.01", "--dp", "2"]
+    argv = ["--hf", str(directory), "--tokenizer", "byte", "--device", "cpu", "--kv-cache-gib",
+            "0.01", "--dp", "2"]
     for name, path in adapters:
         argv += ["--lora", f"{name}={path}"]
     return build_parser().parse_args(argv)
