@@ -44,7 +44,10 @@ def _auto_and_hand(rank, world, root):
     cfg = auto_layout.resolve(cfg, None, first_rank=False)
     auto_layout.check_agreement(cfg)
     out["auto"] = [r["loss"] for r in run(cfg, ParallelDims.from_config(cfg.parallel))]
-    hand = small_config(Path(root) / f"hand{world}", *BUDGET,
+    # The budget bounds a hand layout's recompute = auto only (a bound nothing would hold
+    # to is refused otherwise).
+    budget = BUDGET if cfg.train.recompute == "auto" else BUDGET[2:]
+    hand = small_config(Path(root) / f"hand{world}", *budget,
                         *_hand_overrides(cfg.auto_layout, cfg.parallel.grad_sync))
     out["hand"] = [r["loss"] for r in run(hand, ParallelDims.from_config(hand.parallel))]
     out["record"] = cfg.auto_layout

@@ -86,6 +86,18 @@ def check_train(cfg, mc) -> None:
     check_fp8(cfg, mc)
 
 
+def check_budget_is_used(cfg) -> None:
+    """A budget the user gives bounds recompute = auto's plan or parallel.layout = auto's
+    search; with neither it is a bound nothing would hold to. A check of the user's config
+    alone: the planner's trial configs carry a budget with any recompute."""
+    tr = cfg.train
+    if tr.memory_budget_gib > 0 and tr.recompute != "auto" and cfg.parallel.layout != "auto":
+        raise ConfigError(f"train.memory_budget_gib = {tr.memory_budget_gib:g} bounds "
+                          f"train.recompute = 'auto' or parallel.layout = 'auto' only, and "
+                          f"train.recompute is '{tr.recompute}'; set one of them to 'auto' "
+                          f"or drop the budget")
+
+
 def check_memory_budget(cfg, mc) -> None:
     """recompute = auto needs a budget at or above full recomputation's peak (the planner's,
     for this layout; plan/recompute_plan.py), and a layout whose blocks it can checkpoint per
@@ -95,13 +107,6 @@ def check_memory_budget(cfg, mc) -> None:
     par, tr = cfg.parallel, cfg.train
     positive("train.memory_budget_gib", tr.memory_budget_gib, allow_zero=True)
     if tr.recompute != "auto":
-        # A bound nothing would hold to, except under parallel.layout = auto, whose search
-        # takes the budget as each device's memory.
-        if tr.memory_budget_gib > 0 and par.layout != "auto":
-            raise ConfigError(f"train.memory_budget_gib = {tr.memory_budget_gib:g} bounds "
-                              f"train.recompute = 'auto' or parallel.layout = 'auto' only, and "
-                              f"train.recompute is '{tr.recompute}'; set one of them to 'auto' "
-                              f"or drop the budget")
         return
     if tr.memory_budget_gib <= 0:
         raise ConfigError("train.recompute = 'auto' needs train.memory_budget_gib > 0 (the "

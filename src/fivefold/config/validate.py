@@ -14,7 +14,7 @@ from fivefold.config.output import check_output
 from fivefold.config.parallel import ParallelSection, check_offload_dir, check_parallel
 from fivefold.config.rules import choice, positive
 from fivefold.config.schema import Config, given_keys
-from fivefold.config.train import check_train
+from fivefold.config.train import check_budget_is_used, check_train
 from fivefold.errors import ConfigError
 
 
@@ -24,6 +24,7 @@ def validate(cfg: Config) -> None:
     here the rest of the config is checked on one rank, and each parallel key that is set
     on its own."""
     choice("parallel.layout", cfg.parallel.layout, ("manual", "auto"))
+    check_budget_is_used(cfg)
     if cfg.parallel.layout == "auto":
         validate_layout(auto_baseline(cfg))
     else:
