@@ -20,6 +20,7 @@ What is not run, and why, each said where it is decided:
 from __future__ import annotations
 
 import re
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,8 +152,8 @@ def script(block: Block) -> str:
         else:
             lines.append(c.text)
         # Where the time goes, on stderr: the docs test is the suite's longest case.
-        first = c.text.splitlines()[0][:90].replace('"', "'")
-        lines.append(f'echo "[docs test] $SECONDS s: {first}" >&2')
+        first = shlex.quote(c.text.splitlines()[0][:90].rstrip("\\ "))
+        lines.append(f'echo "[docs test] $SECONDS s:" {first} >&2')
     return "\n".join(lines) + "\n"
 
 

@@ -47,7 +47,7 @@ def train_main(argv: list[str]) -> int:
     parser.add_argument("--overwrite", action="store_true",
                         help="start afresh in a run directory that holds an earlier run, "
                              "removing its checkpoints and metrics")
-    parser.add_argument("--run", metavar="NAME",
+    parser.add_argument("--run-name", metavar="NAME",
                         help="write to runs/NAME (log.dir) and runs/NAME/checkpoints "
                              "(checkpoint.dir) instead of runs/default; --log.dir and "
                              "--checkpoint.dir still win")
@@ -57,12 +57,8 @@ def train_main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     from fivefold import config
 
-    if args.run is not None:
-        if not args.run or "/" in args.run or args.run in (".", ".."):
-            raise ConfigError(f"--run {args.run!r} is not a run name; give a plain name such "
-                              f"as fp8-test (it becomes runs/NAME)")
-        overrides = ["--log.dir", f"runs/{args.run}",
-                     "--checkpoint.dir", f"runs/{args.run}/checkpoints", *overrides]
+    if args.run_name is not None:
+        overrides = [*config.run_name_overrides(args.run_name), *overrides]
     if args.help:
         from fivefold.config_keys import describe_keys
 

@@ -72,10 +72,13 @@ def layout_world_size(command: str, args: list[str]) -> int:
     known = argparse.ArgumentParser(add_help=False)
     known.add_argument("--config")
     known.add_argument("--hw-profile")
+    known.add_argument("--run-name")
     if command == "bench":
         known.add_argument("--preset")
     opts, overrides = known.parse_known_args(args)
     overrides = [a for a in overrides if a not in ("--overwrite", "--debug")]
+    if opts.run_name is not None:
+        overrides = [*config.run_name_overrides(opts.run_name), *overrides]
     cfg = config.load(opts.config, overrides)
     if cfg.parallel.layout == "auto":  # the planner picks the layout for the ranks started
         raise ConfigError("parallel.layout = 'auto' picks the layout for the ranks launched: "

@@ -15,6 +15,7 @@ from fivefold.config.load import (
     from_dict,
     load,
     read,
+    run_name_overrides,
     set_value,
 )
 from fivefold.config.model import ModelSection
@@ -31,6 +32,6 @@ __all__ = [
     "ArgumentParser", "CheckpointSection", "Config", "ConfigError", "DataSection", "LogSection",
     "ModelSection", "ParallelSection", "RunError", "TrainSection", "apply_overrides", "choice",
     "coerce", "corpus_tokenizer", "engine_refusal", "from_dict", "given_keys", "load",
-    "positive", "read", "resolve_mbs", "section_class", "set_value", "suggest", "validate",
-    "validate_layout", "writable_dir", "writable_file",
+    "positive", "read", "resolve_mbs", "run_name_overrides", "section_class", "set_value",
+    "suggest", "validate", "validate_layout", "writable_dir", "writable_file",
 ]

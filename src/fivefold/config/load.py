@@ -151,6 +151,15 @@ def load(path: str | os.PathLike | None = None, overrides: list[str] | None = No
     return cfg
 
 
+def run_name_overrides(name: str) -> list[str]:
+    """`fivefold train --run-name NAME`: the run's directories under runs/NAME, as overrides
+    that the user's own --log.dir and --checkpoint.dir (given after them) still replace."""
+    if not name or "/" in name or name in (".", ".."):
+        raise ConfigError(f"--run-name {name!r} is not a run name; give a plain name such as "
+                          f"fp8-test (it becomes runs/NAME)")
+    return ["--log.dir", f"runs/{name}", "--checkpoint.dir", f"runs/{name}/checkpoints"]
+
+
 STEPS_CAP_ENV = "FIVEFOLD_MAX_STEPS"
 
 

@@ -273,14 +273,16 @@ def _first_failure(exc: BaseException) -> BaseException:
 
 
 def load(path: Path, tensors: dict[str, Chunked], trainer_state: dict,
-         fix: str = "checkpoint.resume") -> None:
-    """Fill the parts of `tensors` (the boxes this rank owns) and `trainer_state` in place."""
+         fix: str = "checkpoint.resume", no_dist: bool = False) -> None:
+    """Fill the parts of `tensors` (the boxes this rank owns) and `trainer_state` in place.
+    no_dist: this process reads alone, with no collective, even inside a process group
+    (an inference load, which each serving rank makes on its own)."""
     state = {"trainer": trainer_state}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         try:
             dcp.load(state, checkpoint_id=str(path),
-                     planner=ChunkedLoadPlanner(tensors, Path(path)))
+                     planner=ChunkedLoadPlanner(tensors, Path(path)), no_dist=no_dist)
         except ConfigError:
             raise
         except (Exception, CheckpointException) as e:  # DCP's wrapper reaches every rank
@@ -333,7 +335,8 @@ def load_model_for_inference(path: str):
     p, meta, model_cfg = inference_step(path)
     model = build_meta(model_cfg)
     model.to_empty(device="cpu")
-    load(p, inference_parts(model), {}, fix="--checkpoint")
+    # Alone: a tensor-parallel serving rank loads the whole model itself, inside its group.
+    load(p, inference_parts(model), {}, fix="--checkpoint", no_dist=True)
     from fivefold.models.llama import Rotary, rope_inv_freq
 
     for module in model.modules():
