@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -60,8 +61,23 @@ def test_page_commands_run_as_written(page, scratch):
     for block in shell_blocks(page):
         if block.skip_reason is not None:
             continue
-        proc = subprocess.run(["bash", "-c", script(block)], cwd=scratch, env=env,
-                              capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+        # A session of its own: whatever the block leaves running (a server it started before
+        # a command failed, a command past the time limit) is ended with it.
+        proc = subprocess.Popen(["bash", "-c", script(block)], cwd=scratch, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=BLOCK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            stderr += f"\n[docs test] killed after {BLOCK_TIMEOUT_S} s"
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
         assert proc.returncode == 0, (
             f"{block.where} failed (exit {proc.returncode}):\n{script(block)}\n"
             f"--- stdout (end)\n{proc.stdout[-2500:]}\n--- stderr (end)\n{proc.stderr[-2500:]}")
