@@ -7,7 +7,7 @@ exits non-zero (or, where the page shows a refusal, anything but 2).
 
 The runs take minutes (each command starts Python and torch; the multi-rank ones start up to
 eight), so they carry the `docs` marker: the README's `python3 -m pytest` leaves them out and
-`.ci/run` runs them after it with `python3 -m pytest -m docs`.
+`python3 -m pytest -m docs` runs them (about 17 minutes on two cores).
 """
 
 from __future__ import annotations
