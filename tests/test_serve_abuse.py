@@ -13,12 +13,9 @@ serve` exits 1.
 """
 
 import json
-import os
 import random
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +28,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from test_serve_server import free_port, metrics  # noqa: E402
+from test_serve_server import free_port, metrics, start_server  # noqa: E402
 
 from fivefold.models.hf import save_hf  # noqa: E402
 from fivefold.models.init import build_model  # noqa: E402
@@ -52,25 +49,9 @@ def server(tmp_path_factory):
     model = build_model(CFG, seed=5).eval()
     save_hf(model, CFG, directory)
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fivefold.cli", "serve", "--hf", str(directory),
-         "--tokenizer", "byte", "--port", str(port), "--device", "cpu", "--served-model-name",
-         MODEL, "--kv-cache-gib", "0.02",
-         "--shutdown-grace", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"server did not start: {proc.communicate()[1][-2000:]}")
-        time.sleep(0.2)
+    proc, base = start_server(["--hf", str(directory), "--tokenizer", "byte", "--port",
+                               str(port), "--served-model-name", MODEL, "--kv-cache-gib",
+                               "0.02"])
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
     yield {"proc": proc, "base": base, "port": port, "client": client, "model": model}
     if proc.poll() is None:

@@ -38,6 +38,28 @@ CFG = ModelConfig(name="served", vocab_size=256, hidden_size=64, intermediate_si
 MODEL = "tiny-served"
 
 
+def start_server(args: list[str], start_s: float = 90) -> tuple[subprocess.Popen, str]:
+    """`fivefold serve ARGS` on the CPU, one thread, 127.0.0.1, stopped 1 s after SIGTERM:
+    (the process, its base URL) once /health answers, or one error with its stderr."""
+    port = args[args.index("--port") + 1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fivefold.cli", "serve", *args, "--device", "cpu",
+         "--shutdown-grace", "1"], env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + start_s
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"server did not start: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.2)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -56,24 +78,9 @@ def server(tmp_path_factory):
     model = build_model(CFG, seed=9).eval()
     save_hf(model, CFG, directory)
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fivefold.cli", "serve", "--hf", str(directory), "--tokenizer",
-         "byte", "--port", str(port), "--device", "cpu", "--served-model-name", MODEL,
-         "--kv-cache-gib", "0.01", "--shutdown-grace", "1"], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"server did not start: {proc.communicate()[1][-2000:]}")
-        time.sleep(0.2)
+    proc, base = start_server(["--hf", str(directory), "--tokenizer", "byte", "--port",
+                               str(port), "--served-model-name", MODEL, "--kv-cache-gib",
+                               "0.01"])
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
     yield {"proc": proc, "base": base, "client": client, "model": model}
     if proc.poll() is None:
