@@ -9,11 +9,7 @@ with three `--lora` adapters through the HTTP app, both driven by the openai cli
 """
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
-import time
 from argparse import Namespace
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,7 +22,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from test_serve_lora import make_adapter  # noqa: E402
-from test_serve_server import free_port  # noqa: E402
+from test_serve_server import free_port, start_server  # noqa: E402
 
 from fivefold.models.hf import save_hf  # noqa: E402
 from fivefold.models.init import build_model  # noqa: E402
@@ -56,25 +52,10 @@ def test_tp2_server_answers_as_one_device(tmp_path):
     model = build_model(CFG, seed=9).eval()
     save_hf(model, CFG, tmp_path / "m")
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fivefold.cli", "serve", "--hf", str(tmp_path / "m"),
-         "--tokenizer", "byte", "--port", str(port), "--device", "cpu", "--served-model-name",
-         "m", "--kv-cache-gib", "0.01",
-         "--tp", "2", "--shutdown-grace", "1"], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = start_server(["--hf", str(tmp_path / "m"), "--tokenizer", "byte", "--port",
+                               str(port), "--served-model-name", "m", "--kv-cache-gib",
+                               "0.01", "--tp", "2"], start_s=120)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start: {proc.communicate()[1][-2000:]}")
-            time.sleep(0.2)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
                                timeout=60)
 
