@@ -58,6 +58,10 @@ def test_page_commands_run_as_written(page, scratch):
     env = {**os.environ, "FIVEFOLD_MAX_STEPS": MAX_STEPS, "PYTHONUNBUFFERED": "1"}
     # `python3` and `fivefold` on PATH are this interpreter's, as after the README's set-up.
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    # ...and import the scratch copy's package, as `pip install -e .` in that clone would:
+    # not the tree the test runs from, which may change while the pages run.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(scratch / "src"),
+                                                      env.get("PYTHONPATH", "")]))
     for block in shell_blocks(page):
         if block.skip_reason is not None:
             continue
