@@ -123,7 +123,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x_sorted [T, H]: tokens grouped by local expert, `counts[e]` rows for expert e."""
         if self.use_grouped_mm(x_sorted):
-            offs = torch.cumsum(counts, 0).to(torch.int32)
+            offs = torch.cumsum(counts.to(x_sorted.device), 0).to(torch.int32)  # counts may be host
             h = F.silu(_gmm(x_sorted, self.w_gate, offs)) * _gmm(x_sorted, self.w_up, offs)
             return _gmm(h, self.w_down, offs)
         outs = []
