@@ -106,3 +106,28 @@ def test_max_restarts_restarts_a_killed_rank_and_the_run_finishes(tmp_path):
     logged = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").open())
               if r["kind"] == "train"]
     assert logged == list(range(1, steps + 1))
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_at_a_checkpoint(tmp_path):
+    """SIGTERM to `fivefold launch` (a scheduler's stop): torchrun's agent passes it to both
+    ranks, which stop together at a step boundary after a checkpoint; the launcher ends 143
+    with one line, as `fivefold train` itself does (train/lifecycle.py), not 4."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fivefold.cli", "launch", "--monitor-interval", "0.2",
+           "train", *SMALL, "--parallel.dp", "2", "--train.steps", "100000",
+           "--checkpoint.every", "1", "--checkpoint.dir", str(out / "ck"), "--log.dir", str(out)]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and job.poll() is None and _latest_step(out / "ck") < 2:
+            time.sleep(0.05)
+        assert job.poll() is None, "the run ended before it could be stopped"
+        job.send_signal(signal.SIGTERM)
+        stdout, stderr = job.communicate(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        job.kill()
+    assert job.returncode == 143, stderr[-3000:]
+    assert "fivefold launch: stopped by SIGTERM" in stderr, stderr[-3000:]
+    assert re.search(r"stopped by SIGTERM after step (\d+); checkpoint", stderr), stderr[-3000:]
+    assert _latest_step(out / "ck") >= 2

@@ -18,13 +18,16 @@ torchrun itself is), with what a fivefold run needs set for it:
   bad config is one line before any rank starts.
 
 The launcher's exit code is the first failed rank's (2 for a bad input, 3 for a lost rank,
-…), or 0; plain `torchrun -m fivefold.cli train ...` keeps working as before.
+…), or 0. Stopped by SIGTERM or Ctrl-C, it passes the signal on to every rank, waits for them
+and ends as the command would: 0 for `serve`, 143 / 130 for a run stopped early. Plain
+`torchrun -m fivefold.cli train ...` keeps working as before.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from fivefold.config import ArgumentParser, ConfigError
@@ -129,11 +132,23 @@ def main(argv: list[str] | None = None) -> int:
                               f"{opts.nnodes}; give --nproc-per-node or change the layout")
         nproc = world // opts.nnodes
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     try:
         run(parse_args(torchrun_argv(opts, nproc)))
+    except SignalException as e:
+        # The launcher has passed the signal on to every rank and waited for them (the elastic
+        # agent's shutdown). The exit code is then what the command itself gives for it: a
+        # server's stop is its normal end (`fivefold serve` exits 0 on SIGTERM and Ctrl-C), a
+        # training run stopped early says so (130 / 143, train/lifecycle.py).
+        sig = signal.Signals(e.sigval)
+        if opts.command == "serve":
+            return 0
+        print(f"fivefold launch: stopped by {sig.name}; every rank was sent it and has ended",
+              file=sys.stderr, flush=True)
+        return 128 + int(sig)
     except ChildFailedError as e:
         rank, failure = min(e.failures.items())
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
