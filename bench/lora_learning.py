@@ -36,6 +36,16 @@ SHAPE = ["--model.preset", "tiny", "--data.tokenizer", "byte", "--model.hidden_s
          "--log.progress", "false", "--log.tensorboard", "false"]
 
 
+def repo_relative(path: str) -> str:
+    """A path inside the repository as the repository names it (results hold no machine's
+    paths)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        return str(Path(path).resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
 def train(args: list[str], tmp: Path, name: str, steps: int) -> tuple[list[float], float, Trainer]:
     cfg = config.load(None, [*SHAPE, "--train.steps", str(steps), "--checkpoint.dir",
                              str(tmp / name / "ckpt"), "--log.dir", str(tmp / name), *args])
@@ -83,7 +93,7 @@ def main(argv=None) -> None:
         gap = out[mode]["val_loss"] - out["full"]["val_loss"]
         print(f"{mode}: val loss {gap:+.4f} from full fine-tuning after {args.steps} steps")
     record = {"machine": machine(torch.device("cpu")), "git_revision": git_revision(),
-              "args": vars(args), "results": out}
+              "args": vars(args) | {"out": repo_relative(args.out)}, "results": out}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -40,6 +40,16 @@ MODES = {"full": [], "lora": ["--lora.rank", "{rank}"],
 STATES = ("params", "grads", "master", "optimizer")
 
 
+def repo_relative(path: str) -> str:
+    """A path inside the repository as the repository names it (results hold no machine's
+    paths)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        return str(Path(path).resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
 def shape_args(args) -> list[str]:
     return ["--model.hidden_size", str(args.hidden), "--model.num_layers", str(args.layers),
             "--model.intermediate_size", str(args.intermediate), "--model.num_heads",
@@ -123,7 +133,8 @@ def main(argv=None) -> None:
                                 if "quantised_base_bytes_per_param" in r else ""))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     record = {"machine": machine(device), "git_revision": git_revision(),
-              "shape": vars(args) | {"num_params": num_params}, "modes": results}
+              "shape": vars(args) | {"num_params": num_params, "out": repo_relative(args.out)},
+              "modes": results}
     Path(args.out).write_text(json.dumps(record, indent=1, default=float) + "\n")
     print(f"wrote {args.out}")
 

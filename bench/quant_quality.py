@@ -48,6 +48,16 @@ ANCHORS = {"LLaMA-7B": {"fp16": 5.68, "int4_rtn": 5.96, "awq": 5.78},
            "Llama-2-7B": {"fp16": 5.47, "int4_rtn": 5.73, "awq": 5.60}}
 
 
+def repo_relative(path: str) -> str:
+    """A path inside the repository as the repository names it (results hold no machine's
+    paths)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        return str(Path(path).resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
 def step_dir(path: str) -> Path:
     p = Path(path)
     return p / (p / "latest").read_text().strip() if (p / "latest").is_file() else p
@@ -291,7 +301,8 @@ def main() -> None:
     if args.merge and out.is_file():
         results = {**json.loads(out.read_text()).get("results", {}), **results}
     record = {"machine": machine(torch.device("cpu")), "git_revision": git_revision(),
-              "args": vars(args), "anchors_awq_paper_table4_wikitext2_int4_g128": ANCHORS,
+              "args": vars(args) | {"out": repo_relative(args.out)},
+              "anchors_awq_paper_table4_wikitext2_int4_g128": ANCHORS,
               "results": results}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
