@@ -1,6 +1,8 @@
 """The single-device fast path: gradient-norm precision, fused AdamW, the SDPA kernel check
 and per-block compilation (parity with eager)."""
 
+import os
+
 import pytest
 import torch
 from common import small_config
@@ -65,3 +67,27 @@ def test_compiled_blocks_match_eager(tmp_path):
     for name, w in w_eager.items():
         err = float((w_compiled[name] - w).norm() / w.norm())
         assert within(err, trained_tol, f"compile {name}"), (name, err)
+
+
+def test_compiled_cpu_kernels_are_cached_per_cpu_capability(monkeypatch, tmp_path):
+    """Inductor's kernel cache is not keyed on ATEN_CPU_CAPABILITY, and kernels built under
+    one capability misbehave under another (parallel/apply.py): a CPU compile uses a cache
+    of its own per capability, and a cache directory the user named stays theirs."""
+    from fivefold.parallel.apply import separate_cpu_kernel_cache
+
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        from torch._inductor.runtime.runtime_utils import default_cache_dir
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    for before in (None, default_cache_dir()):  # unset, or inductor's own default written
+        if before is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
+        separate_cpu_kernel_cache()
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(
+            os.path.abspath(default_cache_dir()), f"cpu-{capability}")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    separate_cpu_kernel_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)

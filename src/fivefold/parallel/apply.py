@@ -95,7 +95,31 @@ def compile_blocks(chunks: list[nn.Module]) -> None:
     names and every hook stay. Per block rather than the whole model: the blocks share one
     compiled graph (their code is the same; weights are inputs), the first compile is
     short, and what sits between blocks (pipeline sends, the chunked loss) stays eager."""
+    if any(p.device.type == "cpu" for c in chunks for p in c.parameters()):
+        separate_cpu_kernel_cache()
     for chunk in chunks:
         layers = chunk.layers
         for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
             block.compile()
+
+
+def separate_cpu_kernel_cache() -> None:
+    """Inductor's on-disk cache of C++ kernels does not key them on the CPU kernels ATen was
+    told to use (ATEN_CPU_CAPABILITY): a block compiled under one capability and loaded under
+    another gave a forward off by 1e25 (avx2 after AVX-512 kernels), a glibc heap abort
+    (AVX-512 after avx2) and a compile error (default), each gone with a fresh cache (torch
+    2.13, seen with tests/test_speed_paths.py). So each capability gets a cache of its own
+    inside inductor's default one, unless TORCHINDUCTOR_CACHE_DIR names another (inductor
+    writes its default there itself once it has looked, so that value counts as unset)."""
+    import os
+
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # torch < 2.6
+        from torch._inductor.runtime.runtime_utils import default_cache_dir
+    default = os.path.abspath(default_cache_dir())
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is not None and os.path.abspath(current) != default:
+        return
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default, f"cpu-{capability}")
