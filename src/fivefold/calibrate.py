@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -78,6 +79,7 @@ def measure_compute(device: str, quick: bool, max_hidden: int = 8192) -> dict:
         h for h in (128, 256, 512, 1024, 2048, 4096, 8192) if h <= max_hidden)
     matmul = []
     for h in hiddens:
+        progress(f"matmul ({tokens} x {h}) @ ({h} x {4 * h})")
         a = torch.randn(tokens, h, device=device, dtype=dtype)
         b = torch.randn(h, 4 * h, device=device, dtype=dtype)
         t = _timed(lambda a=a, b=b: a @ b, sync, min_s)
@@ -87,13 +89,20 @@ def measure_compute(device: str, quick: bool, max_hidden: int = 8192) -> dict:
     heads, dim = (2, 16) if quick else (16, 128)
     for s in ((64, 128) if quick else tuple(n for n in (256, 512, 1024, 2048, 4096, 8192)
                                            if n <= max(1024, max_hidden))):
+        progress(f"attention, {s} tokens")
         q, k, v = (torch.randn(1, heads, s, dim, device=device, dtype=dtype) for _ in range(3))
         t = _timed(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                    sync, min_s)
         attention.append({"seq_len": s, "heads": heads, "head_dim": dim,
                           "flops_per_s": 4 * heads * s * s * dim * 0.5 / t})
+    progress("memory bandwidth")
     return {"dtype": str(dtype).replace("torch.", ""), "matmul": matmul, "attention": attention,
             "memory_gbps": measure_memory(device, quick, sync)}
+
+
+def progress(what: str) -> None:
+    """One line on stderr as each measurement starts: a full calibration takes minutes."""
+    print(f"calibrate: {what}", file=sys.stderr, flush=True)
 
 
 def _collective_rank(rank: int, world: int, init_file: str, out: str, backend: str,
@@ -156,11 +165,14 @@ def _measure_group(group, nbytes: int, device: str, sync, quick: bool) -> dict[s
 def measure_collectives(world: int, backend: str, quick: bool) -> dict:
     import torch.multiprocessing as mp
 
+    progress(f"collectives over {world} ranks ({backend})")
     with tempfile.TemporaryDirectory() as tmp:
         init, out = os.path.join(tmp, "init"), os.path.join(tmp, "bus.json")
-        method = "spawn" if backend == "nccl" else "fork"
+        # Fresh interpreters, on a CPU too: a rank forked after the matmul timings inherits
+        # their OpenMP pool in a state it cannot resume, and its first parallel fill
+        # (torch.ones of 16M floats) waited forever, idle.
         mp.start_processes(_collective_rank, args=(world, init, out, backend, quick),
-                           nprocs=world, join=True, start_method=method)
+                           nprocs=world, join=True, start_method="spawn")
         return json.loads(Path(out).read_text())
 
 
