@@ -103,3 +103,18 @@ def test_dots1_config_round_trips(dense_first):
     assert hf["architectures"] == ["Dots1ForCausalLM"] and hf["n_shared_experts"] == 2
     back = cfg.replace(**dots1_fields(hf))
     assert back == cfg
+
+
+def test_init_from_keeps_the_expert_bias(tmp_path):
+    """model.init_from of an MoE run starts from its routers' expert biases as well as its
+    weights: without them the new run routes tokens otherwise than the model it started from."""
+    ck = trained(tmp_path / "a", *SIGMOID_MOE, steps=3)
+    model, _, _ = load_model_for_inference(str(ck))
+    saved = {n: b for n, b in model.named_buffers() if n.endswith("expert_bias")}
+    assert saved and all(b.abs().max() > 0 for b in saved.values())
+    cfg = small_config(tmp_path / "b", *SIGMOID_MOE, "--model.init_from", str(ck))
+    with Trainer(cfg, quiet=True) as t:
+        started = t.moe.expert_biases()
+        assert started.keys() == saved.keys()
+        for name, bias in started.items():
+            assert torch.equal(bias, saved[name]), name

@@ -199,6 +199,10 @@ class Trainer:
         with torch.no_grad():
             for name, p in base_tensors(named) if self.lora else named:
                 p.copy_(local_piece(p, full[name].detach()).to(p.dtype))
+            for chunk in self.model.chunks:  # the routers' aux-loss-free biases route too
+                for name, bias in chunk.named_buffers():
+                    if name.endswith("router.expert_bias"):
+                        bias.copy_(source.get_buffer(name))
 
     # --- one step ---------------------------------------------------------------------
     def shard_sequences(self, micro_batches):
