@@ -30,6 +30,8 @@ computes what one device computes for them.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fivefold.parallel.optim_base import Derived, PieceOptimizer
@@ -106,7 +108,7 @@ class Adafactor(PieceOptimizer):
                 scale = [-a / max(1.0, norm / ((n ** 0.5) * oc.adafactor_clip))
                          for a, (norm, n) in zip(alpha, _norms(update, stacked))]
                 own = self.assembler.own(info, update).to(p.device)
-                per = info.param[0].numel() if stacked else info.param.numel()  # local values
+                per = math.prod(info.param.shape[int(stacked):])  # local values per matrix
                 for j in range(info.lo // per, -(-info.hi // per)):  # matrices in the piece
                     a, b = max(info.lo, j * per) - info.lo, min(info.hi, (j + 1) * per) - info.lo
                     p[a:b].add_(own[a:b], alpha=scale[j])

@@ -84,7 +84,7 @@ def derived(info: PieceInfo, ratio: int, what: str) -> Derived:
     tp = None
     if spec is not None:
         dim, start, stop = spec
-        inner = math.prod(full[dim + 1:keep + 1]) if dim <= keep else 0
+        inner = math.prod(full[dim + 1:]) if dim <= keep else 0  # values per index of dim
         if dim < keep:
             tp = spec
         elif dim == keep and (start * inner) % ratio == 0 and (stop * inner) % ratio == 0:
