@@ -38,7 +38,7 @@ import torch
 from common import small_config
 from harness import run_ranks
 from optimizer_bounds import Run, muon_mover, parity_bounds, quantised_mover
-from tolerances import within
+from tolerances import loss_rtol, within
 
 from fivefold.config.optim import ns_coefficients
 from fivefold.numerics.optim_states import quantisable
@@ -250,3 +250,39 @@ def test_new_optimizers_under_expert_parallelism_track_one_process(tmp_path):
             seen.update(weights)
         assert seen == set(ref_weights), label  # every expert is held by some rank
         assert "model/layers.1.mlp.experts.w_down[3]" in seen
+
+
+def _adafactor_trainer(tmp, world, layout, resume=""):
+    cfg = small_config(pathlib.Path(tmp), *MOE, "--train.optimizer", "adafactor", *layout,
+                       *(["--checkpoint.resume", resume] if resume else []))
+    dims = ParallelDims.from_config(cfg.parallel) if world > 1 else ParallelDims.single()
+    return Trainer(cfg, dims, quiet=True)
+
+
+def _save_at_2_and_go_on(rank, world, tmp):
+    with _adafactor_trainer(tmp, world, DP2_EP2) as trainer:
+        for _ in range(2):
+            trainer.train_step()
+        trainer.save_checkpoint()
+        return [trainer.train_step()["loss"] for _ in range(2)]
+
+
+@pytest.mark.parity
+def test_adafactor_states_saved_at_ep2_resume_in_one_process(tmp_path):
+    """Each ep rank saves R and C of its own experts, one logical tensor per expert; one
+    process resumes all four: its steps 3-4 equal the ep2 run's within `loss_rtol` (the
+    states are read back exactly; the runs differ by the order of their float32 sums)."""
+    import torch.distributed.checkpoint as dcp
+
+    went_on = run_ranks(_save_at_2_and_go_on, 2, str(tmp_path))[0]
+    with _adafactor_trainer(str(tmp_path), 1, [], "latest") as trainer:
+        assert trainer.step == 2
+        resumed = [trainer.train_step()["loss"] for _ in range(2)]
+    bound = loss_rtol(EP_RUN.tokens, EP_RUN.depth, EP_RUN.width)
+    for a, b in zip(resumed, went_on, strict=True):
+        assert within(abs(a - b) / b, bound, "adafactor ep2 resume"), (resumed, went_on)
+    keys = dcp.FileSystemReader(str(tmp_path / "ckpt" / "step_00000002")).read_metadata()
+    names = keys.state_dict_metadata
+    for j in range(EXPERTS):
+        assert names[f"optim/layers.0.mlp.experts.w_gate[{j}]/row_var"].size == (32, 1)
+        assert names[f"optim/layers.0.mlp.experts.w_gate[{j}]/col_var"].size == (1, 32)
