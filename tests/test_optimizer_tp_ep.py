@@ -286,3 +286,26 @@ def test_adafactor_states_saved_at_ep2_resume_in_one_process(tmp_path):
     for j in range(EXPERTS):
         assert names[f"optim/layers.0.mlp.experts.w_gate[{j}]/row_var"].size == (32, 1)
         assert names[f"optim/layers.0.mlp.experts.w_gate[{j}]/col_var"].size == (1, 32)
+
+
+def test_tensor_parallel_cuts_of_quantisation_blocks():
+    """`derived`: a cut between rows is taken where it falls on a block boundary, counted in
+    values (an embedding of 128-value rows, 8-bit blocks of 256: after an even row), else
+    refused in one line, as is a row-parallel cut through a block."""
+    from fivefold.config import ConfigError
+    from fivefold.parallel.optim_base import PieceInfo, derived
+
+    def info(local, full, spec):
+        p = torch.nn.Parameter(torch.zeros(local))
+        p._full_shape, p._tp_slice = full, spec
+        return PieceInfo(0, "w", p, 0, p.numel(), True)
+
+    d = derived(info((128, 128), (256, 128), (0, 128, 256)), 256, "quantisation blocks")
+    assert (d.shape, d._full_shape, d._tp_slice) == ((64,), (128,), (0, 64, 128))
+    for local, full, spec in (((2, 128), (8, 128), (0, 1, 3)),  # from an odd row
+                              ((512, 128), (512, 256), (1, 128, 256))):  # row-parallel
+        with pytest.raises(ConfigError) as e:
+            derived(info(local, full, spec), 256, "quantisation blocks")
+        assert str(e.value).startswith(f"w {full} ") or f"cuts w {full}" in str(e.value)
+        assert "quantisation blocks of 256" in str(e.value)
+        assert "\n" not in str(e.value)
