@@ -87,8 +87,8 @@ def _same_gradients(trainer):
 
 
 def tp_runs(rank, world, tmp):
-    """{optimizer: (steps' loss/grad norm/lr, weights, states after each step, weights and
-    states after the same-gradient steps)}; only rank 0's."""
+    """{optimizer: (each step's loss and gradient norm, weights, the stored moments after
+    each step (the reference's only), everything after the same-gradient steps)}; rank 0's."""
     out = {}
     for optimizer in OPTIMIZERS:
         with _trainer(f"{tmp}/{optimizer}", optimizer, world) as trainer:
