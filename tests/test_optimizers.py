@@ -118,6 +118,22 @@ def test_adafactor_is_torchs_bit_for_bit():
         assert torch.equal(a, b)
 
 
+def test_stacked_experts_adafactor_is_torchs_on_each_expert_bit_for_bit():
+    """A stacked expert weight [E, A, B] is E matrices: R, C, α and the clipping per expert,
+    as torch's Adafactor on each expert kept as its own weight (the experts' gradients of
+    different scales, so one RMS over the stack would clip them differently)."""
+    g = torch.Generator().manual_seed(3)
+    weights = torch.randn(4, 16, 24, generator=g)
+    scales = torch.tensor([1.0, 10.0, 0.1, 3.0]).view(-1, 1, 1)
+    grads = [{"experts.w": torch.randn(4, 16, 24, generator=g) * scales} for _ in range(STEPS)]
+    (ours,), _ = _ours("adafactor", {"experts.w": weights}, grads)
+    theirs = {f"e{j}": weights[j].clone() for j in range(4)}
+    oracle = torch.optim.Adafactor(list(theirs.values()), lr=1e-2, weight_decay=0.1)
+    per_expert = [{f"e{j}": step["experts.w"][j] for j in range(4)} for step in grads]
+    for j, b in enumerate(_theirs(oracle, theirs, per_expert)):
+        assert torch.equal(ours[j], b), j
+
+
 def test_muon_is_torchs_muon_plus_adamw_bit_for_bit():
     weights, grads = _setup(2)
     oc = OptimSection(muon_exclude="norm", muon_adjust_lr="original")

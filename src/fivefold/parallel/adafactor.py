@@ -19,9 +19,18 @@ gradient and the weight of every piece are gathered into their logical tensors
 for the whole logical tensors it holds a piece of, identical on every such rank, and
 updates its own piece: bit-identical to one device. The states are small for matrices; an
 unfactored V is a whole copy per holding rank (ZeRO does not shard it).
+
+Stacked expert weights ([E, A, B]) are one matrix per expert, as for Muon: R and C per expert
+(torch's factoring over the last two dims already is), and α and the clipping from each
+expert's own RMS, which is what torch's Adafactor computes for an expert kept as its own
+A × B weight (torch would take one RMS over the whole stack). Under expert parallelism a rank
+holds whole experts, so it keeps R, C (and V) of its own experts only (`held_shape`) and
+computes what one device computes for them.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -43,7 +52,7 @@ class Adafactor(PieceOptimizer):
 
     def reset_state(self, master) -> None:
         info = self.info_of[id(master)]
-        shape, device = info.logical_shape, master.device
+        shape, device = info.held_shape, master.device
         if self.factored(info):
             self.state[master] = {"row_var": torch.zeros(*shape[:-1], 1, device=device),
                                   "col_var": torch.zeros(*shape[:-2], 1, shape[-1],
@@ -70,12 +79,13 @@ class Adafactor(PieceOptimizer):
                 info = self.info_of[id(m)]
                 grad, weight = grads[info.index].float(), weights[info.index].float()
                 st = self.state[m]
+                stacked = len(info.matrix_shape) < len(info.logical_shape)
                 if oc.adafactor_relative_step:
                     rho = min(lr, 1 / t ** 0.5)
-                    alpha = max(oc.adafactor_eps2,
-                                weight.norm(2).item() / (weight.numel() ** 0.5)) * rho
+                    alpha = [max(oc.adafactor_eps2, norm / (n ** 0.5)) * rho
+                             for norm, n in _norms(weight, stacked)]
                 else:
-                    alpha = lr
+                    alpha = [lr] * (weight.size(0) if stacked else 1)
                 if self.factored(info):
                     row_mean = torch.norm(grad, dim=-1, keepdim=True).square_().div_(
                         grad.size(-1))
@@ -91,24 +101,41 @@ class Adafactor(PieceOptimizer):
                     estimate = st["variance"].clone()
                 update = estimate.clamp_(min=self.eps1 * self.eps1).rsqrt_()
                 update.mul_(grad)
-                denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5)
-                                                          * oc.adafactor_clip))
                 p = m.view(-1)
                 if wd != 0:
                     p.mul_(1 - lr * wd)
-                p.add_(self.assembler.own(info, update).to(p.device), alpha=-alpha / denom)
+                # torch's operations in its order, per matrix of a stack (bit-equal)
+                scale = [-a / max(1.0, norm / ((n ** 0.5) * oc.adafactor_clip))
+                         for a, (norm, n) in zip(alpha, _norms(update, stacked))]
+                own = self.assembler.own(info, update).to(p.device)
+                per = math.prod(info.param.shape[int(stacked):])  # local values per matrix
+                for j in range(info.lo // per, -(-info.hi // per)):  # matrices in the piece
+                    a, b = max(info.lo, j * per) - info.lo, min(info.hi, (j + 1) * per) - info.lo
+                    p[a:b].add_(own[a:b], alpha=scale[j])
 
     def assembler_infos(self):
         return getattr(self, "all_infos", None) or self.infos
 
     # --- checkpoints: the whole logical state, replicated on every holding rank ------------
     def checkpoint_views(self, master, load, convert_from=None) -> dict:
-        out = {}
+        info, out = self.info_of[id(master)], {}
+        ep_slice = getattr(info.param, "_ep_slice", None)
         for key, value in self.state[master].items():
-            d = Derived(value.shape, value.shape, None, 1)
+            full = value.shape if ep_slice is None else (info.logical_shape[0],
+                                                         *value.shape[1:])
+            d = Derived(value.shape, full, None, 1)
+            if ep_slice is not None:  # this rank's experts of the logical state
+                d._ep_slice = ep_slice
             out[key] = (d, 0, value.numel(), value.view(-1))
         return out
 
     def shaped_states(self, master) -> dict[str, torch.Tensor]:
         """None: R, C and V are logical tensors already, not shaped like a local piece."""
         return {}
+
+
+def _norms(x: torch.Tensor, stacked: bool) -> list[tuple[float, int]]:
+    """(2-norm, values) of the whole tensor, or of each matrix of a stack (one at a time, as
+    torch's Adafactor would take the norm of an expert kept as its own weight)."""
+    mats = list(x) if stacked else [x]
+    return [(m.norm(2).item(), m.numel()) for m in mats]

@@ -49,10 +49,14 @@ def newton_schulz(update: torch.Tensor, coefficients, steps: int, eps: float = 1
                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """torch.optim._muon._zeropower_via_newtonschulz's iteration, for one 2-D matrix.
 
-    Each iteration multiplies a small singular value by up to a = 3.4445, so k of them turn
-    a relative input change ε into up to a^k·ε (485ε for k = 5): in bf16 a last-bit change
-    of the input (a gradient summed in another order) can move the result by 485·2^-8,
-    in fp32 (`optim.muon_ns_dtype = fp32`) by 485·2^-24 (tests/test_optimizer_parallel.py)."""
+    Each iteration applies p(s) = as + bs³ + cs⁵ to the singular values, and a change of X
+    by at most max |p'| over their range (Noferini 2017, SIAM J. Matrix Anal. Appl. 38(2):
+    the Fréchet derivative of a generalised matrix function is bounded by p's divided
+    differences). Small singular values grow by a = 3.4445 per iteration (a^5 = 485), but
+    p' reaches 3.96 at the largest iterate (s = 1.2), so k = 5 iterations can turn a
+    relative input change ε into up to 851ε (tests/optimizer_bounds.py `ns_gain`): in bf16
+    a last-bit change of the input (a gradient summed in another order) can move the result
+    by 851·2^-8, in fp32 (`optim.muon_ns_dtype = fp32`) by 851·2^-24."""
     a, b, c = coefficients
     x = update.to(dtype)
     tall = update.size(0) > update.size(1)

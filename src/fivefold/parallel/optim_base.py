@@ -41,6 +41,15 @@ class PieceInfo:
         return tuple(getattr(self.param, "_full_shape", self.param.shape))
 
     @property
+    def held_shape(self) -> tuple[int, ...]:
+        """What this rank's pieces assemble to (`Assembler.full`): the logical tensor, of the
+        rank's own experts only under expert parallelism."""
+        shape = self.logical_shape
+        if getattr(self.param, "_ep_slice", None) is not None:
+            shape = (self.param.shape[0], *shape[1:])
+        return shape
+
+    @property
     def matrix_shape(self) -> tuple[int, ...]:
         """The shape of one matrix: stacked expert weights are one matrix per expert."""
         shape = self.logical_shape
@@ -75,7 +84,7 @@ def derived(info: PieceInfo, ratio: int, what: str) -> Derived:
     tp = None
     if spec is not None:
         dim, start, stop = spec
-        inner = math.prod(full[dim + 1:keep + 1]) if dim <= keep else 0
+        inner = math.prod(full[dim + 1:]) if dim <= keep else 0  # values per index of dim
         if dim < keep:
             tp = spec
         elif dim == keep and (start * inner) % ratio == 0 and (stop * inner) % ratio == 0:
