@@ -1,0 +1,147 @@
+"""The FP8 linear's quantiser: numerics.fp8.quantize's bytes in fewer passes over the tensor.
+
+`numerics.fp8.quantize` is the reference, written step by step; on a 8192x4096 bf16 operand
+each of its steps is one pass over 64 MB (abs, float, amax, isnan, any; float, expand,
+mul, clamp, cast, contiguous), and on an H100 those passes cost ~7x the FP8 GEMMs they
+feed. This module computes the same FP8Tensor, bit for bit (tests/test_fp8_quantize.py
+compares every byte and scale with the reference), in three passes:
+
+  1. amax: one reduction, `torch.linalg.vector_norm(x, inf)` over views of the scaling
+     groups (no stored |x|, no fp32 copy, no padded copy when the shape is whole groups).
+     It propagates NaN on CPU and CUDA (SharedReduceOps.h AbsMaxOps: CUDA's `MAX` is
+     `max_propagate_nan`, CPU's `max_impl` keeps a NaN): a group holding a NaN has a NaN
+     amax, one holding an inf an inf amax, so the reference's separate isnan/any pass is
+     not needed; `amax_to_scale` turns both into a NaN multiplier. The maximum of |x| is
+     one of the |x|, so it is exact in x's own dtype.
+  2. scale: one `torch.mul(x, m, out=buffer)` into a row-major float32 buffer. m is a
+     float32 tensor with dimensions (a 0-d tensor would leave a bf16 result: type
+     promotion), so each element is float32(x) · m, as in the reference; a transposed x is
+     read strided here and the buffer is written row-major, so no `.contiguous()` copy of
+     the result is needed.
+  3. cast: `buffer.to(fp8)`.
+
+No clamp: the reference saturates x · m to ±fmt.max before the cast, and that clamp never
+changes a value. With F = fmt.max, a = max(amax, EPS) >= |x| and u = 2^-24 (float32's unit
+roundoff), m = fl32(fl64(F / a)) <= (F / a)(1 + 2^-53)(1 + u), so fl32(|x| · m) <=
+F (1 + 2^-53)(1 + u)^2 < F (1 + 2^-22); a power-of-two m is rounded down, smaller still.
+The next FP8 value above F would be 480 (E4M3) or 61440 (E5M2), so everything up to
+F (1 + 2^-22) rounds to F in the cast as it does after the clamp. A NaN stays NaN either
+way. tests/test_fp8_quantize.py checks the bound for every positive finite bf16 amax.
+
+Reuse across the linear's GEMMs (lowp/linear.py): `quantize(..., multiplier=m)` skips the
+amax when the groups' amax is known, e.g. the weight's transpose in backward (its tensor
+or 128x128 block amax is the forward's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fivefold.numerics.formats import FP8_BLOCK, FloatFormat
+from fivefold.numerics.fp8 import FP8Tensor
+from fivefold.numerics.scaling import amax_to_scale
+
+INF = float("inf")
+
+
+def _spans(size: int, group: int) -> list[tuple[int, int, int]]:
+    """(start, stop, group size) along one dim: whole groups, then a shorter last one."""
+    whole = size - size % group
+    spans = [(0, whole, group)] if whole else []
+    if whole < size:
+        spans.append((whole, size, size - whole))
+    return spans
+
+
+def _group_sizes(shape: tuple[int, int], granularity: str, block: int) -> tuple[int, int]:
+    """(rows, cols) of one scaling group (numerics/scaling.py's granularities)."""
+    m, k = shape
+    sizes = {"tensorwise": (max(m, 1), max(k, 1)), "rowwise": (1, max(k, 1)),
+             "tiles": (1, block), "blocks": (block, block)}
+    if granularity not in sizes:
+        raise ValueError(f"unknown FP8 scaling granularity '{granularity}'")
+    return sizes[granularity]
+
+
+def _regions(shape: tuple[int, int], granularity: str, block: int):
+    """Yield (row slice, col slice, rows per group, cols per group, group-row slice,
+    group-col slice): rectangles of x made of equal groups (at most four: whole groups,
+    the short last column of groups, the short last row, the corner)."""
+    gr, gc = _group_sizes(shape, granularity, block)
+    for r0, r1, rg in _spans(shape[0], gr):
+        for c0, c1, cg in _spans(shape[1], gc):
+            yield (slice(r0, r1), slice(c0, c1), rg, cg,
+                   slice(-(-r0 // gr), -(-r1 // gr)), slice(-(-c0 // gc), -(-c1 // gc)))
+
+
+def _grouped(t: torch.Tensor, rg: int, cg: int) -> torch.Tensor:
+    """A (r, c) tensor viewed as (r/rg, rg, c/cg, cg): splitting a dim is always a view."""
+    r, c = t.shape
+    return t.view(r // rg, rg, c // cg, cg)
+
+
+def _scale_shape(shape: tuple[int, int], granularity: str, block: int) -> tuple[int, ...]:
+    gr, gc = _group_sizes(shape, granularity, block)
+    if granularity == "tensorwise":
+        return ()
+    return (-(-shape[0] // gr), -(-shape[1] // gc))
+
+
+def group_amax(x: torch.Tensor, granularity: str, block: int = FP8_BLOCK) -> torch.Tensor:
+    """The amax of each scaling group of a 2-D x, in x's dtype (exact), NaN where a group
+    holds a NaN; shaped as numerics.scaling's (), (M, 1), (M, K/128) or (M/128, K/128)."""
+    x = x.detach()
+    shape = tuple(x.shape)
+    regions = list(_regions(shape, granularity, block))
+    if len(regions) == 1:  # whole groups: one reduction, no copy
+        rows, cols, rg, cg, _, _ = regions[0]
+        amax = torch.linalg.vector_norm(_grouped(x[rows, cols], rg, cg), INF, dim=(1, 3))
+        return amax.reshape(_scale_shape(shape, granularity, block))
+    amax = x.new_empty(_scale_shape(shape, granularity, block))
+    for rows, cols, rg, cg, grows, gcols in regions:
+        amax[grows, gcols] = torch.linalg.vector_norm(_grouped(x[rows, cols], rg, cg), INF,
+                                                      dim=(1, 3))
+    return amax
+
+
+def _multiplier_view(m: torch.Tensor, grows: slice, gcols: slice) -> torch.Tensor:
+    """A group region's multipliers shaped to broadcast over (r/rg, rg, c/cg, cg), with
+    dimensions even for one tensor-wide scale (so that bf16 x · m promotes to float32)."""
+    m2 = m.reshape(1, 1) if m.dim() == 0 else m
+    sub = m2[grows, gcols]
+    return sub.reshape(sub.shape[0], 1, sub.shape[1], 1)
+
+
+def scale_and_cast(x: torch.Tensor, multiplier: torch.Tensor, fmt: FloatFormat,
+                   granularity: str, block: int = FP8_BLOCK) -> torch.Tensor:
+    """fp8(float32(x) · m) per group, row-major whatever x's strides (see the module
+    docstring for why no clamp is needed)."""
+    x = x.detach()
+    scaled = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    for rows, cols, rg, cg, grows, gcols in _regions(tuple(x.shape), granularity, block):
+        torch.mul(_grouped(x[rows, cols], rg, cg), _multiplier_view(multiplier, grows, gcols),
+                  out=_grouped(scaled[rows, cols], rg, cg))
+    return scaled.to(fmt.dtype)
+
+
+def quantize(x: torch.Tensor, fmt: FloatFormat, granularity: str = "tensorwise",
+             pow2: bool = False, block: int = FP8_BLOCK,
+             multiplier: torch.Tensor | None = None) -> tuple[FP8Tensor, torch.Tensor]:
+    """numerics.fp8.quantize(x, fmt, granularity, pow2, block), bit for bit, and its
+    multiplier m (the reciprocal of the scale). `multiplier`: x's groups' m if known
+    (computed by `amax_to_scale` from these groups' amax), which skips the amax pass."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize takes a 2-D tensor, got shape {tuple(x.shape)}")
+    if multiplier is None:
+        multiplier = amax_to_scale(group_amax(x, granularity, block), fmt, pow2)
+    data = scale_and_cast(x, multiplier, fmt, granularity, block)
+    return FP8Tensor(data, multiplier.reciprocal(), granularity, fmt, block), multiplier
+
+
+def dequantize(q: FP8Tensor) -> torch.Tensor:
+    """numerics.fp8.dequantize(q) in float32, bit for bit, without a full-size scale: the
+    FP8 values widened once, multiplied in place by their groups' scales."""
+    out = q.data.to(torch.float32)
+    for rows, cols, rg, cg, grows, gcols in _regions(q.shape, q.granularity, q.block):
+        _grouped(out[rows, cols], rg, cg).mul_(_multiplier_view(q.scale, grows, gcols))
+    return out
