@@ -2,9 +2,13 @@
 
 `numerics.fp8.quantize` is the reference, written step by step; on a 8192x4096 bf16 operand
 each of its steps is one pass over 64 MB (abs, float, amax, isnan, any; float, expand,
-mul, clamp, cast, contiguous), and on an H100 those passes cost ~7x the FP8 GEMMs they
-feed. This module computes the same FP8Tensor, bit for bit (tests/test_fp8_quantize.py
-compares every byte and scale with the reference), in three passes:
+mul, clamp, cast, contiguous), and on an H100 those passes took 6.6x the time of the FP8
+GEMMs they feed. This module computes the same FP8Tensor, bit for bit (tests/test_fp8_quantize.py
+compares every byte and scale with the reference), in three passes. One exception: the
+sign bit of a NaN. A group holding a NaN or an inf has a NaN multiplier, each of its
+elements is x · NaN, and which NaN a CPU returns when x is a NaN too (x's, perhaps
+negative, or m's) depends on the kernel's operand order and vector width; CUDA returns
+its one canonical NaN whatever the operands. Either byte is FP8's NaN.
 
   1. amax: one reduction, `torch.linalg.vector_norm(x, inf)` over views of the scaling
      groups (no stored |x|, no fp32 copy, no padded copy when the shape is whole groups).
@@ -24,13 +28,10 @@ No clamp: the reference saturates x · m to ±fmt.max before the cast, and that 
 changes a value. With F = fmt.max, a = max(amax, EPS) >= |x| and u = 2^-24 (float32's unit
 roundoff), m = fl32(fl64(F / a)) <= (F / a)(1 + 2^-53)(1 + u), so fl32(|x| · m) <=
 F (1 + 2^-53)(1 + u)^2 < F (1 + 2^-22); a power-of-two m is rounded down, smaller still.
-The next FP8 value above F would be 480 (E4M3) or 61440 (E5M2), so everything up to
-F (1 + 2^-22) rounds to F in the cast as it does after the clamp. A NaN stays NaN either
-way. tests/test_fp8_quantize.py checks the bound for every positive finite bf16 amax.
-
-Reuse across the linear's GEMMs (lowp/linear.py): `quantize(..., multiplier=m)` skips the
-amax when the groups' amax is known, e.g. the weight's transpose in backward (its tensor
-or 128x128 block amax is the forward's).
+That is far below the midpoint between F and the next step above it (464 for E4M3's 448,
+61440 for E5M2's 57344), so the cast rounds it to F, as it rounds the clamped F. A NaN
+stays NaN either way. tests/test_fp8_quantize.py casts amax · m for every positive finite
+bf16 amax and gets F.
 """
 
 from __future__ import annotations
@@ -125,17 +126,14 @@ def scale_and_cast(x: torch.Tensor, multiplier: torch.Tensor, fmt: FloatFormat,
 
 
 def quantize(x: torch.Tensor, fmt: FloatFormat, granularity: str = "tensorwise",
-             pow2: bool = False, block: int = FP8_BLOCK,
-             multiplier: torch.Tensor | None = None) -> tuple[FP8Tensor, torch.Tensor]:
-    """numerics.fp8.quantize(x, fmt, granularity, pow2, block), bit for bit, and its
-    multiplier m (the reciprocal of the scale). `multiplier`: x's groups' m if known
-    (computed by `amax_to_scale` from these groups' amax), which skips the amax pass."""
+             pow2: bool = False, block: int = FP8_BLOCK) -> FP8Tensor:
+    """numerics.fp8.quantize(x, fmt, granularity, pow2, block), bit for bit (a NaN's sign
+    bit aside: see the module docstring), in three passes over x."""
     if x.dim() != 2:
         raise ValueError(f"quantize takes a 2-D tensor, got shape {tuple(x.shape)}")
-    if multiplier is None:
-        multiplier = amax_to_scale(group_amax(x, granularity, block), fmt, pow2)
+    multiplier = amax_to_scale(group_amax(x, granularity, block), fmt, pow2)
     data = scale_and_cast(x, multiplier, fmt, granularity, block)
-    return FP8Tensor(data, multiplier.reciprocal(), granularity, fmt, block), multiplier
+    return FP8Tensor(data, multiplier.reciprocal(), granularity, fmt, block)
 
 
 def dequantize(q: FP8Tensor) -> torch.Tensor:

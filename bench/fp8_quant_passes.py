@@ -1,0 +1,267 @@
+"""Passes over the operands and time of one FP8 linear's forward + backward, this tree against
+a baseline revision, in one run (lowp/quantize.py's issue: the quantisation's elementwise
+passes, not the FP8 GEMMs, made an FP8 linear slower than bf16 on an H100).
+
+    python3 bench/fp8_quant_passes.py                              # CPU, 2048 x 1024 -> 1024
+    python3 bench/fp8_quant_passes.py --tokens 8192 --k 4096 --n 4096 --device cuda
+
+The baseline is `git archive`d from `--baseline` (default: the revision before
+lowp/quantize.py) into a temporary folder, or read from `--baseline-src` (a copy of its
+src/). Each tree runs in its own subprocess; they take turns for `--rounds` rounds, and the
+medians are compared. Per recipe it reports:
+
+  - the aten ops of one forward + backward outside the three `fp8_mm` calls (a
+    TorchDispatchMode counts every op the dispatcher runs, the backward's included; what
+    runs inside fp8_mm, _scaled_mm or the blockwise emulation's K slices, is the GEMM) and
+    the "passes": those ops, views and empty allocations aside, that read or write an
+    operand-sized tensor (at least a quarter of the smallest of x, W and ∂y), with the
+    bytes they move (each operand-sized input read once, each such output written once);
+  - the wall time of a forward + backward (median); on CPU also the time outside fp8_mm
+    (the quantisation: CPU's FP8 GEMM is slow and would hide it), on CUDA the time of a
+    bf16 F.linear forward + backward on the same operands.
+
+It writes bench/results/fp8_quant_passes-<device>.json (machine, versions, git revisions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE = "efcc609"  # the last revision whose FP8 linear quantised with numerics.fp8.quantize
+RECIPES = ("tensorwise", "rowwise", "blockwise")
+ALLOCS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+          "_unsafe_view"}  # _unsafe_view: reshape's view that is not flagged as one
+
+
+# ---- the worker: runs in a subprocess with PYTHONPATH at one tree's src/ -------------------
+
+class GemmClock:
+    """Wraps lowp.linear's fp8_mm: pauses the op count and adds up the time inside it."""
+
+    def __init__(self, linear_module, sync):
+        self.inner, self.sync, self.paused, self.seconds = linear_module.fp8_mm, sync, False, 0.0
+        linear_module.fp8_mm = self
+
+    def __call__(self, *args, **kwargs):
+        self.sync()
+        start, self.paused = time.perf_counter(), True
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.sync()
+            self.paused, self.seconds = False, self.seconds + time.perf_counter() - start
+
+
+def count_ops(step, big: int, clock: GemmClock) -> dict:
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    ops, passes, moved = Counter(), Counter(), [0]
+
+    def nbytes(ts):
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if clock.paused:
+                return out
+            name = func.overloadpacket.__name__
+            ops[name] += 1
+            if func.is_view or name in ALLOCS:
+                return out
+            written = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                       and t.numel() >= big]
+            read_args = [a for i, a in enumerate(tree_leaves(list(args)))
+                         if not (name == "copy_" and i == 0)]
+            read = {id(t): t for t in read_args + tree_leaves(
+                {k: v for k, v in kwargs.items() if k != "out"})
+                if isinstance(t, torch.Tensor) and t.numel() >= big}
+            if written or read:
+                passes[name] += 1
+                moved[0] += nbytes(written) + nbytes(read.values())
+            return out
+
+    with Count():
+        step()
+    return {"ops": dict(ops), "n_ops": sum(ops.values()), "passes": dict(passes),
+            "n_passes": sum(passes.values()), "pass_bytes": moved[0]}
+
+
+def timed(step, reps: int, sync, clock: GemmClock | None = None) -> tuple[float, float]:
+    """Medians over `reps` steps, in ms: the whole step, and the part outside fp8_mm."""
+    times, outside = [], []
+    for _ in range(reps):
+        sync()
+        if clock:
+            clock.seconds = 0.0
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+        outside.append(times[-1] - (clock.seconds if clock else 0.0))
+    return statistics.median(times) * 1e3, statistics.median(outside) * 1e3
+
+
+def worker(args) -> dict:
+    from fivefold.lowp import linear
+    from fivefold.lowp.linear import FP8Recipe, fp8_linear
+
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    clock = GemmClock(linear, sync)
+    torch.manual_seed(0)
+    x = torch.randn(args.tokens, args.k, device=device, dtype=torch.bfloat16)
+    w = (torch.randn(args.n, args.k, device=device, dtype=torch.bfloat16)
+         / args.k ** 0.5).requires_grad_()
+    g = torch.randn(args.tokens, args.n, device=device, dtype=torch.bfloat16)
+    big = min(x.numel(), w.numel(), g.numel()) // 4
+    out = {}
+    for name in args.recipes:
+        recipe = FP8Recipe.from_name(name)
+        if name == "blockwise" and device.type == "cuda":
+            from fivefold.lowp.convert import choose_kernel
+            kernel, _ = choose_kernel("auto", recipe, [torch.nn.Linear(args.k, args.n,
+                                                                      device="meta")], device)
+            recipe = FP8Recipe(recipe.name, recipe.grad_format, recipe.pow2, recipe.block,
+                               kernel)
+
+        def step(r=recipe):
+            w.grad = None
+            fp8_linear(x.detach().requires_grad_(), w, None, r).backward(g)
+
+        step()
+        res = count_ops(step, big, clock)
+        if device.type == "cpu":  # timing the GEMMs apart needs a sync around each
+            res["ms"], res["non_gemm_ms"] = timed(step, args.reps, sync, clock)
+        else:
+            clock.sync = lambda: None
+            res["ms"] = timed(step, args.reps, sync)[0]
+            clock.sync = sync
+        out[name] = res
+    if device.type == "cuda":
+        def bf16_step():
+            w.grad = None
+            torch.nn.functional.linear(x.detach().requires_grad_(), w).backward(g)
+
+        bf16_step()
+        out["bf16"] = {"ms": timed(bf16_step, args.reps, sync)[0]}
+    return out
+
+
+# ---- the driver ------------------------------------------------------------------------
+
+def baseline_src(args, tmp: Path) -> Path:
+    if args.baseline_src:
+        return Path(args.baseline_src).resolve()
+    archive = tmp / "base.tar"
+    subprocess.run(["git", "archive", "-o", str(archive), args.baseline, "src"], cwd=ROOT,
+                   check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp / "base", filter="data")
+    return tmp / "base" / "src"
+
+
+def run_worker(src: Path, argv: list[str]) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(src))
+    proc = subprocess.run([sys.executable, __file__, "--worker", *argv], env=env,
+                          capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode:
+        raise SystemExit(f"worker on {src} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def git_rev(rev: str = "HEAD") -> str:
+    return subprocess.run(["git", "rev-parse", "--short", rev], capture_output=True,
+                          text=True, cwd=ROOT).stdout.strip() or "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--k", type=int, default=1024)
+    ap.add_argument("--n", type=int, default=1024)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=RECIPES)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--baseline", default=BASELINE)
+    ap.add_argument("--baseline-src", default="")
+    ap.add_argument("--worker", action="store_true")
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device here", file=sys.stderr)
+        return 2
+    argv = ["--tokens", str(args.tokens), "--k", str(args.k), "--n", str(args.n),
+            "--device", args.device, "--reps", str(args.reps), "--recipes", *args.recipes]
+    runs: dict[str, list[dict]] = {"baseline": [], "current": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"baseline": baseline_src(args, Path(tmp)), "current": ROOT / "src"}
+        for _ in range(args.rounds):  # the trees take turns, so drift hits both alike
+            for label, src in trees.items():
+                runs[label].append(run_worker(src, argv))
+    result = {"shape": [args.tokens, args.k, args.n], "device": args.device,
+              "torch": torch.__version__, "git": git_rev(),
+              "baseline": args.baseline_src or git_rev(args.baseline), "recipes": {}}
+    if args.device == "cuda":
+        result["machine"] = torch.cuda.get_device_name()
+    else:
+        from fivefold.host import cpu_label
+        result["machine"] = cpu_label()
+    print(f"FP8 linear {args.tokens}x{args.k}->{args.n}, forward + backward, {args.device}, "
+          f"medians of {args.rounds} rounds x {args.reps} steps")
+    for name in [*args.recipes, *(["bf16"] if args.device == "cuda" else [])]:
+        row = {}
+        for label, rounds in runs.items():
+            first = rounds[0][name]
+            row[label] = {k: v for k, v in first.items() if k not in ("ms", "non_gemm_ms")}
+            for key in ("ms", "non_gemm_ms"):
+                if key in first:
+                    row[label][key] = statistics.median(r[name][key] for r in rounds)
+        result["recipes"][name] = row
+        b, c = row["baseline"], row["current"]
+        if name == "bf16":
+            print(f"  bf16 F.linear: {c['ms']:.2f} ms")
+            continue
+        line = (f"  {name:>10}: aten ops {b['n_ops']} -> {c['n_ops']}, passes "
+                f"{b['n_passes']} -> {c['n_passes']}, pass bytes {b['pass_bytes'] / 2**20:.0f}"
+                f" -> {c['pass_bytes'] / 2**20:.0f} MiB, time {b['ms']:.1f} -> {c['ms']:.1f} ms "
+                f"({b['ms'] / c['ms']:.2f}x)")
+        if "non_gemm_ms" in c:
+            line += (f", non-GEMM {b['non_gemm_ms']:.1f} -> {c['non_gemm_ms']:.1f} ms "
+                     f"({b['non_gemm_ms'] / c['non_gemm_ms']:.2f}x)")
+        print(line)
+        print(f"{'':14}passes before: {dict(sorted(b['passes'].items()))}")
+        print(f"{'':14}passes after:  {dict(sorted(c['passes'].items()))}")
+    if args.device == "cuda":
+        bf16 = result["recipes"]["bf16"]["current"]["ms"]
+        for name in args.recipes:
+            row = result["recipes"][name]
+            print(f"  {name:>10}: {bf16 / row['baseline']['ms']:.2f}x -> "
+                  f"{bf16 / row['current']['ms']:.2f}x bf16's speed")
+    out = ROOT / f"bench/results/fp8_quant_passes-{args.device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
