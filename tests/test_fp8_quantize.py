@@ -18,6 +18,8 @@ from fivefold.numerics import fp8 as reference
 from fivefold.numerics.formats import E4M3, E5M2
 from fivefold.numerics.scaling import amax_to_scale
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # many small ops: conftest.py says why
+
 GRANULARITIES = ("tensorwise", "rowwise", "tiles", "blocks")
 
 
