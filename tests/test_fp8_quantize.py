@@ -119,11 +119,11 @@ class _Passes(TorchDispatchMode):
 
 
 # Per forward + backward of one linear, each a pass over x, W or ∂y (or its FP8 copy):
-# amaxes (linalg_vector_norm), scale (mul), cast (_to_copy), FP8 transposes (clone),
+# amaxes (aminmax, linalg_vector_norm), scale (mul), cast (_to_copy), FP8 transposes (clone),
 # the blockwise dequantisation (_to_copy and an in-place mul_).
 PASSES = {
     # x, W, ∂y and Wᵀ cast; ∂yᵀ and xᵀ are their FP8 copies transposed
-    "tensorwise": {"linalg_vector_norm": 4, "mul": 4, "_to_copy": 4, "clone": 2},
+    "tensorwise": {"aminmax": 4, "mul": 4, "_to_copy": 4, "clone": 2},
     # x along K and along the tokens, W, ∂y along N and along the tokens, Wᵀ
     "rowwise": {"linalg_vector_norm": 6, "mul": 6, "_to_copy": 6},
     # x, W, ∂y, Wᵀ, ∂yᵀ, and xᵀ from the dequantised saved x

@@ -11,12 +11,15 @@ negative, or m's) depends on the kernel's operand order and vector width; CUDA r
 its one canonical NaN whatever the operands. Either byte is FP8's NaN.
 
   1. amax: one reduction, `torch.linalg.vector_norm(x, inf)` over views of the scaling
-     groups (no stored |x|, no fp32 copy, no padded copy when the shape is whole groups).
-     It propagates NaN on CPU and CUDA (SharedReduceOps.h AbsMaxOps: CUDA's `MAX` is
-     `max_propagate_nan`, CPU's `max_impl` keeps a NaN): a group holding a NaN has a NaN
-     amax, one holding an inf an inf amax, so the reference's separate isnan/any pass is
-     not needed; `amax_to_scale` turns both into a NaN multiplier. The maximum of |x| is
-     one of the |x|, so it is exact in x's own dtype.
+     groups (no stored |x|, no fp32 copy, no padded copy when the shape is whole groups);
+     for one tensor-wide group max(-min, max) of `torch.aminmax(x)`, also one pass, and
+     vectorised on CPU where vector_norm is not. Both propagate NaN on CPU and CUDA
+     (ATen/native/SharedReduceOps.h: AbsMaxOps uses `MAX`, which is `max_propagate_nan` on
+     CUDA and `max_impl`, NaN if either is, on CPU; MinMaxOps keeps a NaN on either side;
+     tests/test_fp8_quantize.py checks CPU at every vector position): a group holding a
+     NaN has a NaN amax, one holding an inf an inf amax, so the reference's separate
+     isnan/any pass is not needed; `amax_to_scale` turns both into a NaN multiplier. The
+     maximum of |x| is one of the |x|, so it is exact in x's own dtype.
   2. scale: one `torch.mul(x, m, out=buffer)` into a row-major float32 buffer. m is a
      float32 tensor with dimensions (a 0-d tensor would leave a bf16 result: type
      promotion), so each element is float32(x) · m, as in the reference; a transposed x is
@@ -93,6 +96,9 @@ def group_amax(x: torch.Tensor, granularity: str, block: int = FP8_BLOCK) -> tor
     holds a NaN; shaped as numerics.scaling's (), (M, 1), (M, K/128) or (M/128, K/128)."""
     x = x.detach()
     shape = tuple(x.shape)
+    if granularity == "tensorwise":  # aminmax: one pass too, and vectorised on CPU
+        low, high = torch.aminmax(x)
+        return torch.maximum(low.neg(), high)
     regions = list(_regions(shape, granularity, block))
     if len(regions) == 1:  # whole groups: one reduction, no copy
         rows, cols, rg, cg, _, _ = regions[0]
@@ -119,6 +125,9 @@ def scale_and_cast(x: torch.Tensor, multiplier: torch.Tensor, fmt: FloatFormat,
     docstring for why no clamp is needed)."""
     x = x.detach()
     scaled = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    if granularity in ("tensorwise", "rowwise"):  # whole rows: m broadcasts as (1 or M, 1)
+        torch.mul(x, multiplier.reshape(-1, 1), out=scaled)
+        return scaled.to(fmt.dtype)
     for rows, cols, rg, cg, grows, gcols in _regions(tuple(x.shape), granularity, block):
         torch.mul(_grouped(x[rows, cols], rg, cg), _multiplier_view(multiplier, grows, gcols),
                   out=_grouped(scaled[rows, cols], rg, cg))
