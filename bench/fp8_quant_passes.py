@@ -157,6 +157,15 @@ def worker(args) -> dict:
 
         step()
         res = count_ops(step, big, clock)
+        try:  # this tree's CUDA path (one-pass group amaxes), counted here too
+            from fivefold.lowp import quantize as fast
+            own = fast.one_pass_amax
+            if not own(device):
+                fast.one_pass_amax = lambda _device: True
+                res["cuda_path"] = count_ops(step, big, clock)
+                fast.one_pass_amax = own
+        except ImportError:  # the baseline: no lowp/quantize.py
+            pass
         if device.type == "cpu":  # timing the GEMMs apart needs a sync around each
             res["ms"], res["non_gemm_ms"] = timed(step, args.reps, sync, clock)
         else:
@@ -342,6 +351,10 @@ def main() -> int:
         print(line)
         print(f"{'':14}passes before: {dict(sorted(b['passes'].items()))}")
         print(f"{'':14}passes after:  {dict(sorted(c['passes'].items()))}")
+        if "cuda_path" in c:
+            cu = c["cuda_path"]
+            print(f"{'':14}after, CUDA's path: {cu['n_passes']} passes, "
+                  f"{cu['pass_bytes'] / 2**20:.0f} MiB: {dict(sorted(cu['passes'].items()))}")
     if args.device == "cuda":
         bf16 = result["recipes"]["bf16"]["current"]["ms"]
         for name in args.recipes:

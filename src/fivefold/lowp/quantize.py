@@ -12,14 +12,16 @@ its one canonical NaN whatever the operands. Either byte is FP8's NaN.
 
   1. amax: one reduction, `torch.linalg.vector_norm(x, inf)` over views of the scaling
      groups (no stored |x|, no fp32 copy, no padded copy when the shape is whole groups);
-     for one tensor-wide group max(-min, max) of `torch.aminmax(x)`, also one pass, and
-     vectorised on CPU where vector_norm is not. Both propagate NaN on CPU and CUDA
-     (ATen/native/SharedReduceOps.h: AbsMaxOps uses `MAX`, which is `max_propagate_nan` on
-     CUDA and `max_impl`, NaN if either is, on CPU; MinMaxOps keeps a NaN on either side;
-     tests/test_fp8_quantize.py checks CPU at every vector position): a group holding a
-     NaN has a NaN amax, one holding an inf an inf amax, so the reference's separate
-     isnan/any pass is not needed; `amax_to_scale` turns both into a NaN multiplier. The
-     maximum of |x| is one of the |x|, so it is exact in x's own dtype.
+     for one tensor-wide group max(-min, max) of `torch.aminmax(x)`, also one pass. On CPU
+     the groups take max(-amin, amax) instead, two reads: CPU's vector_norm(inf) is not
+     vectorised and was ~6x slower on bf16 than both (a 2-core machine). Each propagates
+     NaN on CPU and CUDA (ATen/native/SharedReduceOps.h: AbsMaxOps uses `MAX`, which is
+     `max_propagate_nan` on CUDA and `max_impl`, NaN if either is, on CPU; MinMaxOps keeps
+     a NaN on either side; amax/amin propagate NaN as documented; tests/test_fp8_quantize.py
+     checks both group paths on CPU at every vector position): a group holding a NaN has a
+     NaN amax, one holding an inf an inf amax, so the reference's separate isnan/any pass
+     is not needed; `amax_to_scale` turns both into a NaN multiplier. The maximum of |x| is
+     one of the |x|, so it is exact in x's own dtype.
   2. scale: one `torch.mul(x, m, out=buffer)` into a row-major float32 buffer. m is a
      float32 tensor with dimensions (a 0-d tensor would leave a bf16 result: type
      promotion), so each element is float32(x) · m, as in the reference; a transposed x is
@@ -91,23 +93,36 @@ def _scale_shape(shape: tuple[int, int], granularity: str, block: int) -> tuple[
     return (-(-shape[0] // gr), -(-shape[1] // gc))
 
 
+def one_pass_amax(device: torch.device) -> bool:
+    """Whether the per-group amax is one vector_norm pass (CUDA) or an amin and an amax
+    pass (CPU, whose vector_norm(inf) is not vectorised: ~6x slower on bf16 than both)."""
+    return device.type != "cpu"
+
+
+def _absmax(groups: torch.Tensor, one_pass: bool) -> torch.Tensor:
+    """max |x| over dims 1 and 3 of a (r/rg, rg, c/cg, cg) view."""
+    if one_pass:
+        return torch.linalg.vector_norm(groups, INF, dim=(1, 3))
+    return torch.maximum(groups.amin(dim=(1, 3)).neg(), groups.amax(dim=(1, 3)))
+
+
 def group_amax(x: torch.Tensor, granularity: str, block: int = FP8_BLOCK) -> torch.Tensor:
     """The amax of each scaling group of a 2-D x, in x's dtype (exact), NaN where a group
     holds a NaN; shaped as numerics.scaling's (), (M, 1), (M, K/128) or (M/128, K/128)."""
     x = x.detach()
     shape = tuple(x.shape)
-    if granularity == "tensorwise":  # aminmax: one pass too, and vectorised on CPU
+    if granularity == "tensorwise":  # aminmax: one pass, and vectorised on CPU
         low, high = torch.aminmax(x)
         return torch.maximum(low.neg(), high)
+    one_pass = one_pass_amax(x.device)
     regions = list(_regions(shape, granularity, block))
     if len(regions) == 1:  # whole groups: one reduction, no copy
         rows, cols, rg, cg, _, _ = regions[0]
-        amax = torch.linalg.vector_norm(_grouped(x[rows, cols], rg, cg), INF, dim=(1, 3))
+        amax = _absmax(_grouped(x[rows, cols], rg, cg), one_pass)
         return amax.reshape(_scale_shape(shape, granularity, block))
     amax = x.new_empty(_scale_shape(shape, granularity, block))
     for rows, cols, rg, cg, grows, gcols in regions:
-        amax[grows, gcols] = torch.linalg.vector_norm(_grouped(x[rows, cols], rg, cg), INF,
-                                                      dim=(1, 3))
+        amax[grows, gcols] = _absmax(_grouped(x[rows, cols], rg, cg), one_pass)
     return amax
 
 
