@@ -16,7 +16,7 @@ from fivefold.lowp import quantize as fast
 from fivefold.lowp.linear import FP8Recipe, fp8_linear
 from fivefold.numerics import fp8 as reference
 from fivefold.numerics.formats import E4M3, E5M2
-from fivefold.numerics.scaling import amax_to_scale
+from fivefold.numerics.scaling import amax_to_scale, expand_scale
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # many small ops: conftest.py says why
 
@@ -82,6 +82,29 @@ def test_the_amax_reduction_keeps_nan_and_inf_at_every_position(one_pass, monkey
                     got = fast.group_amax(x, gran)
                     assert got.float().isnan().any() or got.float().isinf().any()
                     assert _same(want, got), (dtype, cols, value, gran)
+
+
+def test_power_of_two_scaling_in_bf16_equals_float32_down_to_the_subnormals():
+    """bf16 x · 2^e is computed in bf16 (half the buffer): bytes equal the float32 path's,
+    also where the products fall below 2^-126 and bf16 rounds them differently."""
+    # each row: an amax near 1e38 (m near 2^-118), so that values of 2^-31 .. 2^-8 scale
+    # into [2^-149, 2^-126), and bf16 subnormals, zeros, a normal middle
+    vals = torch.tensor([1e38, 1.0078125 * 2.0**-20, -1.5 * 2.0**-25, 1.25 * 2.0**-28,
+                         2.0**-130, -2.0**-133, 1.5 * 2.0**-126, 1e20, -0.0, 1.9 * 2.0**-12])
+    gen = torch.Generator().manual_seed(2)
+    x = vals.repeat(64, 24) * torch.randint(-3, 1, (64, 240), generator=gen).exp2()
+    x = x.to(torch.bfloat16)
+    differ = 0
+    for t in (x, x.t()):
+        for fmt in (E4M3, E5M2):
+            for gran in ("rowwise", "tiles"):
+                want = reference.quantize(t, fmt, gran, pow2=True)
+                got = fast.quantize(t, fmt, gran, pow2=True)
+                assert torch.equal(want.data.view(torch.uint8), got.data.view(torch.uint8))
+                assert torch.equal(want.scale, got.scale)
+                m = expand_scale(want.scale.reciprocal(), tuple(t.shape), gran)
+                differ += int(((t.float() * m) != (t * m.to(t.dtype)).float()).sum())
+    assert differ > 0  # the subnormal products did round differently in bf16
 
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2])

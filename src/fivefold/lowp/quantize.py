@@ -29,6 +29,14 @@ its one canonical NaN whatever the operands. Either byte is FP8's NaN.
      the result is needed.
   3. cast: `buffer.to(fp8)`.
 
+With power-of-two multipliers (the rowwise recipe) and a bf16 x the buffer is bf16, half
+the bytes: m = 2^e is exact in bf16 (bf16 has float32's exponent range, and here
+2^-126 < F / bf16's max <= m <= F / EPS < 2^56), and x · 2^e is exact in bf16 as in
+float32 (the same 8-bit significand, |x · m| <= F (1 + 2^-22), no overflow) except below
+2^-126, where bf16 keeps fewer subnormal bits than float32; but every value below 2^-126
+casts to a zero of its sign in both FP8 formats (their smallest subnormals are 2^-9 and
+2^-16), and rounding keeps a value below 2^-126 at most 2^-126.
+
 No clamp: the reference saturates x · m to ±fmt.max before the cast, and that clamp never
 changes a value. With F = fmt.max, a = max(amax, EPS) >= |x| and u = 2^-24 (float32's unit
 roundoff), m = fl32(fl64(F / a)) <= (F / a)(1 + 2^-53)(1 + u), so fl32(|x| · m) <=
@@ -135,11 +143,14 @@ def _multiplier_view(m: torch.Tensor, grows: slice, gcols: slice) -> torch.Tenso
 
 
 def scale_and_cast(x: torch.Tensor, multiplier: torch.Tensor, fmt: FloatFormat,
-                   granularity: str, block: int = FP8_BLOCK) -> torch.Tensor:
+                   granularity: str, block: int = FP8_BLOCK,
+                   pow2: bool = False) -> torch.Tensor:
     """fp8(float32(x) · m) per group, row-major whatever x's strides (see the module
-    docstring for why no clamp is needed)."""
+    docstring for why no clamp is needed, and when a bf16 product is the same)."""
     x = x.detach()
-    scaled = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    dtype = torch.bfloat16 if pow2 and x.dtype == torch.bfloat16 else torch.float32
+    multiplier = multiplier.to(dtype)  # a power of two is exact in bf16
+    scaled = torch.empty(x.shape, dtype=dtype, device=x.device)
     if granularity in ("tensorwise", "rowwise"):  # whole rows: m broadcasts as (1 or M, 1)
         torch.mul(x, multiplier.reshape(-1, 1), out=scaled)
         return scaled.to(fmt.dtype)
@@ -156,7 +167,7 @@ def quantize(x: torch.Tensor, fmt: FloatFormat, granularity: str = "tensorwise",
     if x.dim() != 2:
         raise ValueError(f"quantize takes a 2-D tensor, got shape {tuple(x.shape)}")
     multiplier = amax_to_scale(group_amax(x, granularity, block), fmt, pow2)
-    data = scale_and_cast(x, multiplier, fmt, granularity, block)
+    data = scale_and_cast(x, multiplier, fmt, granularity, block, pow2)
     return FP8Tensor(data, multiplier.reciprocal(), granularity, fmt, block)
 
 
