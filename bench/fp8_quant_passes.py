@@ -16,9 +16,11 @@ medians are compared. Per recipe it reports:
     the "passes": those ops, views and empty allocations aside, that read or write an
     operand-sized tensor (at least a quarter of the smallest of x, W and ∂y), with the
     bytes they move (each operand-sized input read once, each such output written once);
-  - the wall time of a forward + backward (median); on CPU also the time outside fp8_mm
-    (the quantisation: CPU's FP8 GEMM is slow and would hide it), on CUDA the time of a
-    bf16 F.linear forward + backward on the same operands.
+  - the time of a forward + backward (median): on CUDA wall time, and the time of a bf16
+    F.linear forward + backward on the same operands; on CPU the process's CPU time (one
+    intra-op thread; on a shared machine wall time mostly measures the neighbours), and
+    the part of it outside fp8_mm (the quantisation: CPU's FP8 GEMM is slow and would
+    hide it).
 
 It writes bench/results/fp8_quant_passes-<device>.json (machine, versions, git revisions).
 
@@ -60,21 +62,22 @@ ALLOCS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_stride
 class GemmClock:
     """Wraps lowp.linear's fp8_mm: pauses the op count and adds up the time inside it."""
 
-    def __init__(self, linear_module, sync):
+    def __init__(self, linear_module, sync, clock):
         self.inner, self.sync, self.paused, self.seconds = linear_module.fp8_mm, sync, False, 0.0
+        self.clock = clock
         linear_module.fp8_mm = self
 
     def __call__(self, *args, **kwargs):
         self.sync()
-        start, self.paused = time.perf_counter(), True
+        start, self.paused = self.clock(), True
         try:
             return self.inner(*args, **kwargs)
         finally:
             self.sync()
-            self.paused, self.seconds = False, self.seconds + time.perf_counter() - start
+            self.paused, self.seconds = False, self.seconds + self.clock() - start
 
 
-def count_ops(step, big: int, clock: GemmClock) -> dict:
+def count_ops(step, big: int, gemm: GemmClock) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -87,7 +90,7 @@ def count_ops(step, big: int, clock: GemmClock) -> dict:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            if clock.paused:
+            if gemm.paused:
                 return out
             name = func.overloadpacket.__name__
             ops[name] += 1
@@ -111,18 +114,19 @@ def count_ops(step, big: int, clock: GemmClock) -> dict:
             "n_passes": sum(passes.values()), "pass_bytes": moved[0]}
 
 
-def timed(step, reps: int, sync, clock: GemmClock | None = None) -> tuple[float, float]:
+def timed(step, reps: int, sync, gemm: GemmClock | None = None,
+          clock=time.perf_counter) -> tuple[float, float]:
     """Medians over `reps` steps, in ms: the whole step, and the part outside fp8_mm."""
     times, outside = [], []
     for _ in range(reps):
         sync()
-        if clock:
-            clock.seconds = 0.0
-        start = time.perf_counter()
+        if gemm:
+            gemm.seconds = 0.0
+        start = clock()
         step()
         sync()
-        times.append(time.perf_counter() - start)
-        outside.append(times[-1] - (clock.seconds if clock else 0.0))
+        times.append(clock() - start)
+        outside.append(times[-1] - (gemm.seconds if gemm else 0.0))
     return statistics.median(times) * 1e3, statistics.median(outside) * 1e3
 
 
@@ -134,7 +138,9 @@ def worker(args) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cpu":  # two spinning OpenMP threads on a shared machine: noise
         torch.set_num_threads(1)
-    clock = GemmClock(linear, sync)
+    # CPU: the process's CPU time (wall time on a shared machine measures the neighbours)
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
+    gemm = GemmClock(linear, sync, clock)
     torch.manual_seed(0)
     x = torch.randn(args.tokens, args.k, device=device, dtype=torch.bfloat16)
     w = (torch.randn(args.n, args.k, device=device, dtype=torch.bfloat16)
@@ -156,22 +162,22 @@ def worker(args) -> dict:
             fp8_linear(x.detach().requires_grad_(), w, None, r).backward(g)
 
         step()
-        res = count_ops(step, big, clock)
+        res = count_ops(step, big, gemm)
         try:  # this tree's CUDA path (one-pass group amaxes), counted here too
             from fivefold.lowp import quantize as fast
             own = fast.one_pass_amax
             if not own(device):
                 fast.one_pass_amax = lambda _device: True
-                res["cuda_path"] = count_ops(step, big, clock)
+                res["cuda_path"] = count_ops(step, big, gemm)
                 fast.one_pass_amax = own
         except ImportError:  # the baseline: no lowp/quantize.py
             pass
         if device.type == "cpu":  # timing the GEMMs apart needs a sync around each
-            res["ms"], res["non_gemm_ms"] = timed(step, args.reps, sync, clock)
+            res["ms"], res["non_gemm_ms"] = timed(step, args.reps, sync, gemm, clock)
         else:
-            clock.sync = lambda: None
+            gemm.sync = lambda: None
             res["ms"] = timed(step, args.reps, sync)[0]
-            clock.sync = sync
+            gemm.sync = sync
         out[name] = res
     if device.type == "cuda":
         def bf16_step():
