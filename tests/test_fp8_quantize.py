@@ -107,6 +107,23 @@ def test_power_of_two_scaling_in_bf16_equals_float32_down_to_the_subnormals():
     assert differ > 0  # the subnormal products did round differently in bf16
 
 
+def test_multiplier_equals_amax_to_scale_bit_for_bit():
+    """Every non-negative bf16 amax, 10^5 float32 ones over 2^-150 .. 2^110, and the
+    special ones (zeros, below and at EPS, inf, NaNs of both signs), both formats, with and
+    without power-of-two rounding: the same float32 bits, NaNs included."""
+    special = torch.tensor([0.0, -0.0, 1e-45, 1e-13, 1e-12, 1.1e-12, 448.0, 3e38,
+                            float("inf"), float("nan"), -float("nan")])
+    every_bf16 = torch.arange(0, 0x7F81, dtype=torch.int32).to(torch.int16).view(
+        torch.bfloat16)
+    spread = torch.rand(10**5, generator=torch.Generator().manual_seed(3)).mul(260).sub(150)
+    for amax in (special, special.reshape(1, -1, 1), every_bf16, spread.exp2()):
+        for fmt in (E4M3, E5M2):
+            for pow2 in (False, True):
+                want, got = amax_to_scale(amax, fmt, pow2), fast.multiplier(amax, fmt, pow2)
+                assert want.shape == got.shape and got.dtype == torch.float32
+                assert torch.equal(want.view(torch.int32), got.view(torch.int32))
+
+
 @pytest.mark.parametrize("fmt", [E4M3, E5M2])
 def test_no_clamp_needed_for_any_bf16_amax(fmt):
     """For every positive finite bf16 value a as amax (and 10^5 float32 ones), a · m rounds

@@ -20,8 +20,8 @@ its one canonical NaN whatever the operands. Either byte is FP8's NaN.
      a NaN on either side; amax/amin propagate NaN as documented; tests/test_fp8_quantize.py
      checks both group paths on CPU at every vector position): a group holding a NaN has a
      NaN amax, one holding an inf an inf amax, so the reference's separate isnan/any pass
-     is not needed; `amax_to_scale` turns both into a NaN multiplier. The maximum of |x| is
-     one of the |x|, so it is exact in x's own dtype.
+     is not needed; `multiplier` (amax_to_scale's numbers) turns both into a NaN
+     multiplier. The maximum of |x| is one of the |x|, so it is exact in x's own dtype.
   2. scale: one `torch.mul(x, m, out=buffer)` into a row-major float32 buffer. m is a
      float32 tensor with dimensions (a 0-d tensor would leave a bf16 result: type
      promotion), so each element is float32(x) · m, as in the reference; a transposed x is
@@ -51,9 +51,8 @@ from __future__ import annotations
 
 import torch
 
-from fivefold.numerics.formats import FP8_BLOCK, FloatFormat
+from fivefold.numerics.formats import FP8_BLOCK, SCALE_EPS, FloatFormat
 from fivefold.numerics.fp8 import FP8Tensor
-from fivefold.numerics.scaling import amax_to_scale
 
 INF = float("inf")
 
@@ -134,6 +133,18 @@ def group_amax(x: torch.Tensor, granularity: str, block: int = FP8_BLOCK) -> tor
     return amax
 
 
+def multiplier(amax: torch.Tensor, fmt: FloatFormat, pow2: bool = False) -> torch.Tensor:
+    """numerics.scaling.amax_to_scale(amax, fmt, pow2), bit for bit, in half the small
+    kernels: an amax is >= 0 or NaN, so "not finite" is `not amax < inf`, one comparison
+    (amax_to_scale's isfinite and full_like take five), and the NaN put there is the same
+    canonical NaN (a NaN amax may carry a sign, and F / NaN would keep it)."""
+    amax64 = amax.detach().to(torch.float64)
+    m = (fmt.max / amax64.clamp(min=SCALE_EPS)).to(torch.float32)
+    if pow2:
+        m = torch.exp2(torch.floor(torch.log2(m)))
+    return torch.where(amax64 < INF, m, float("nan"))
+
+
 def _multiplier_view(m: torch.Tensor, grows: slice, gcols: slice) -> torch.Tensor:
     """A group region's multipliers shaped to broadcast over (r/rg, rg, c/cg, cg), with
     dimensions even for one tensor-wide scale (so that bf16 x · m promotes to float32)."""
@@ -166,9 +177,9 @@ def quantize(x: torch.Tensor, fmt: FloatFormat, granularity: str = "tensorwise",
     bit aside: see the module docstring), in three passes over x."""
     if x.dim() != 2:
         raise ValueError(f"quantize takes a 2-D tensor, got shape {tuple(x.shape)}")
-    multiplier = amax_to_scale(group_amax(x, granularity, block), fmt, pow2)
-    data = scale_and_cast(x, multiplier, fmt, granularity, block, pow2)
-    return FP8Tensor(data, multiplier.reciprocal(), granularity, fmt, block)
+    m = multiplier(group_amax(x, granularity, block), fmt, pow2)
+    data = scale_and_cast(x, m, fmt, granularity, block, pow2)
+    return FP8Tensor(data, m.reciprocal(), granularity, fmt, block)
 
 
 def dequantize(q: FP8Tensor) -> torch.Tensor:
