@@ -3,12 +3,12 @@
 `numerics.fp8.quantize` is the reference, written step by step; on a 8192x4096 bf16 operand
 each of its steps is one pass over 64 MB (abs, float, amax, isnan, any; float, expand,
 mul, clamp, cast, contiguous), and on an H100 those passes took 6.6x the time of the FP8
-GEMMs they feed. This module computes the same FP8Tensor, bit for bit (tests/test_fp8_quantize.py
-compares every byte and scale with the reference), in three passes. One exception: the
-sign bit of a NaN. A group holding a NaN or an inf has a NaN multiplier, each of its
-elements is x · NaN, and which NaN a CPU returns when x is a NaN too (x's, perhaps
-negative, or m's) depends on the kernel's operand order and vector width; CUDA returns
-its one canonical NaN whatever the operands. Either byte is FP8's NaN.
+GEMMs they feed. This module computes the same FP8Tensor, bit for bit
+(tests/test_fp8_quantize.py compares every byte and scale with the reference), in three
+passes. One exception: the sign bit of a NaN. A group holding a NaN or an inf has a NaN
+multiplier, each of its elements is x · NaN, and which NaN a CPU returns when x is a NaN
+too (x's, perhaps negative, or m's) depends on the kernel's operand order and vector
+width; CUDA returns its one canonical NaN whatever the operands. Either byte is FP8's NaN.
 
   1. amax: one reduction, `torch.linalg.vector_norm(x, inf)` over views of the scaling
      groups (no stored |x|, no fp32 copy, no padded copy when the shape is whole groups);
@@ -31,7 +31,7 @@ its one canonical NaN whatever the operands. Either byte is FP8's NaN.
 
 With power-of-two multipliers (the rowwise recipe) and a bf16 x the buffer is bf16, half
 the bytes: m = 2^e is exact in bf16 (bf16 has float32's exponent range, and here
-2^-126 < F / bf16's max <= m <= F / EPS < 2^56), and x · 2^e is exact in bf16 as in
+2^-126 < F / (2 · bf16's max) <= m <= F / EPS < 2^56), and x · 2^e is exact in bf16 as in
 float32 (the same 8-bit significand, |x · m| <= F (1 + 2^-22), no overflow) except below
 2^-126, where bf16 keeps fewer subnormal bits than float32; but every value below 2^-126
 casts to a zero of its sign in both FP8 formats (their smallest subnormals are 2^-9 and
