@@ -30,7 +30,13 @@ tokens instead of along K:
   - blockwise dequantises the saved 1x128-tile copy and quantises its transpose again
     (DeepSeek-V3 §3.3.4 names this re-quantisation as the cost of today's hardware).
 The weight is a parameter, held anyway; it is quantised again in backward rather than
-saved a second time.
+saved a second time (nor are its multipliers: that would be new saved bytes per micro-batch,
+beside the planner's count in plan/fp8.py, to save one amax pass over the weight).
+
+Passes over the operands (lowp/quantize.py quantises in three: amax, scale, cast, each byte
+equal to numerics.fp8.quantize's): tensorwise casts ∂y once, and its wgrad operand ∂yᵀ is
+that FP8 tensor transposed (one scale for both, as for x); the blockwise re-quantisation
+dequantises without a full-size scale tensor.
 
 Kernels: tensorwise and rowwise call `torch._scaled_mm` (cuBLASLt on CUDA, torch's CPU
 kernel on CPU). Blockwise takes `FP8Recipe.kernel`: "scaled_mm" (cuBLASLt's blockwise mode,
@@ -46,8 +52,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fivefold.lowp.quantize import dequantize, quantize
 from fivefold.numerics.formats import E4M3, FP8_BLOCK, FP8_FORMATS, FloatFormat
-from fivefold.numerics.fp8 import FP8Tensor, dequantize, fp8_mm, quantize
+from fivefold.numerics.fp8 import FP8Tensor, fp8_mm
 
 RECIPES = ("blockwise", "rowwise", "tensorwise")
 _GRANULARITY = {  # recipe -> (activations and gradients, weights)
@@ -115,6 +122,7 @@ class FP8LinearFunction(torch.autograd.Function):
         recipe: FP8Recipe = ctx.recipe
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
+        gq = None
         if ctx.needs_input_grad[0]:
             gq = recipe.quantize_act(g2, recipe.grad_format)
             wt = (recipe.quantize_weight(weight.t()) if ctx.wq is None  # along N, dgrad's K
@@ -124,7 +132,10 @@ class FP8LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             saved = FP8Tensor(x_data, x_scale, recipe.act_granularity, E4M3, recipe.block)
             xt = _wgrad_input(saved, recipe)  # x along the tokens, the wgrad's K
-            gt = recipe.quantize_act(g2.t(), recipe.grad_format)
+            if recipe.act_granularity == "tensorwise":  # one scale: ∂yᵀ's cast is ∂y's, moved
+                gt = (gq if gq is not None else recipe.quantize_act(g2, recipe.grad_format)).t()
+            else:
+                gt = recipe.quantize_act(g2.t(), recipe.grad_format)
             grad_w = fp8_mm(gt, xt, out_dtype=weight.dtype, kernel=recipe.kernel)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(grad.dtype)
