@@ -11,14 +11,22 @@ token and, per sequence, the slots of its whole context.
 values into their slots (all sequences, before any attention, so a sequence may read a
 shared prefix block another sequence fills in the same step), then:
 
-- decoding sequences (one new token each), one sequence at a time: its blocks are gathered
-  with one `index_select` per pool (no padding) and it attends to exactly its own keys with
-  an unmasked SDPA call, the call the dense cache makes for one sequence. Gathering one
-  sequence's context (~1 MiB) right before its SDPA lets SDPA read it from the L2 cache:
-  on CPU the decode attention takes ~35% less time than gathering every sequence first
-  and then attending, with the same result bit for bit. One padded batched call with a key
-  mask is 3-6x slower: a mask sends SDPA down a slower path and the padding is computed and
-  thrown away (bench/serve.py);
+- decoding sequences (one new token each), all together: one `index_select` per pool
+  gathers every sequence's block table, padded to the longest with the sequence's own last
+  block, and one SDPA call attends each to its keys, the padding masked off by an additive
+  bias (0 or -inf, built once a step). The `rep` query heads that share a KV head are folded
+  into `rep` queries of that head, so the call needs no GQA support and no repeated K/V,
+  and on CUDA in fp32 it can run the memory-efficient kernel, which takes a bias. The host
+  work of a step is then a few kernels per layer, whatever the number of sequences (one
+  gather and one SDPA per sequence and layer was launch-bound on an H100: 197 ms a step for
+  16 sequences of a 30-layer model, bench/gpu_profile.py); on CPU the one call is also
+  faster than the loop (bench/serve.py --step-only). The result is not the dense cache's
+  bit for bit: SDPA reduces over the padded length and the folded queries in another order,
+  which moves the output by a few fp32 ulps (reordering a softmax-weighted sum of L values:
+  ~sqrt(L)·u relative); the tests compare greedy tokens, on models whose choices are not
+  near-ties. Slots past a sequence's length are read and masked: they hold finite values
+  (other tokens', or stale ones of a reused block), as the chunked-prefill path below has
+  always read them;
 - each prefill (or prefill chunk) alone: a fresh prompt attends to its own new keys with the
   causal mask (the very call the dense cache makes); a chunk after a cached or computed
   prefix gathers its context and masks keys after each query's position.
@@ -66,11 +74,15 @@ class Prefill:
 
 @dataclass
 class PagedBatch:
+    """One step's layout; the decode fields stay None when no sequence decodes."""
+
     slot_mapping: torch.Tensor | None  # (T,) where each new token's K/V goes
-    decode_rows: list[int] = field(default_factory=list)  # row positions of one-token seqs
-    decode_lens: list[int] = field(default_factory=list)  # their context lengths (new included)
-    decode_blocks: torch.Tensor | None = None  # their block tables, concatenated, unpadded
+    decode_rows: torch.Tensor | None = None  # (B,) row positions of the one-token sequences
+    decode_span: tuple[int, int] | None = None  # (first, end) when those rows are one run
+    decode_lens: torch.Tensor | None = None  # (B,) their context lengths (new token included)
+    decode_tables: torch.Tensor | None = None  # (B, nb) block tables, padded (own last block)
     prefills: list[Prefill] = field(default_factory=list)
+    decode_bias: torch.Tensor | None = None  # (B, 1, 1, nb · block_size), set by layer 0
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
@@ -124,6 +136,8 @@ class PagedKVCache:
         self.batch: PagedBatch | None = None
         self.fp8 = store == FP8
         if self.fp8:  # 0: not set yet (on the fly, by the first write of the layer)
+            # which layers' scales are set, kept on the host: no device sync per layer
+            self.scale_set = {w: [kv_scales is not None] * num_layers for w in "kv"}
             self.k_scale = torch.zeros(num_layers, num_kv_heads, device=device)
             self.v_scale = torch.zeros(num_layers, num_kv_heads, device=device)
             if kv_scales is not None:
@@ -159,14 +173,15 @@ class PagedKVCache:
             return rows.to(dtype)
         return (rows.view(FP8).to(torch.float32) * scale[:, None]).to(dtype)
 
-    def _write(self, layer: int, pool: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor,
-               constant: float) -> torch.Tensor:
+    def _write(self, layer: int, which: str, x: torch.Tensor, constant: float) -> torch.Tensor:
         """Store x (T, kv_heads, d) at the step's slots; returns x as stored (rounded)."""
-        slots = self.batch.slot_mapping
+        slots, pool = self.batch.slot_mapping, getattr(self, which)
         if not self.fp8:
             pool[layer].index_copy_(0, slots, x.to(pool.dtype))
             return x
-        if not bool(scale[layer].any()):  # on the fly: the layer's first write sets it
+        scale = getattr(self, f"{which}_scale")
+        if not self.scale_set[which][layer]:  # on the fly: the layer's first write sets it
+            self.scale_set[which][layer] = True
             scale[layer] = (x.detach().abs().amax((0, 2)).float() / constant).clamp_min(
                 torch.finfo(torch.float32).tiny)
         s = scale[layer]
@@ -206,34 +221,35 @@ class PagedKVCache:
 
     def _decode(self, layer: int, q: torch.Tensor, out: torch.Tensor,
                 batch: PagedBatch) -> None:
-        """Each one-token sequence attends to its own context, unmasked and unpadded."""
-        bs, (heads, d) = self.block_size, self.k.shape[-2:]
-        rows = batch.decode_blocks
-        key_pool = self._raw(self.k)[layer].view(self.num_blocks, -1)
-        value_pool = self._raw(self.v)[layer].view(self.num_blocks, -1)
-        k_scale, v_scale = self._scale("k", layer), self._scale("v", layer)
-        first = 0
-        for row, length in zip(batch.decode_rows, batch.decode_lens):
-            last = first + (length + bs - 1) // bs
-            # one sequence's blocks at a time: SDPA reads them while they are still in cache
-            table = rows[first:last]
-            kb = key_pool.index_select(0, table).view(-1, heads, d)[:length]
-            vb = value_pool.index_select(0, table).view(-1, heads, d)[:length]
-            kb = self._read(kb, k_scale, q.dtype).transpose(0, 1)
-            vb = self._read(vb, v_scale, q.dtype).transpose(0, 1)
-            out[:, :, row:row + 1] = sdpa(q[:, :, row:row + 1], kb[None], vb[None])
-            first = last
+        """Every one-token sequence attends to its own context: one padded gather and one
+        masked SDPA call for all of them."""
+        tables = batch.decode_tables
+        num_seqs, heads, d = tables.shape[0], q.shape[1], q.shape[3]
+        if batch.decode_bias is None or batch.decode_bias.dtype != q.dtype:
+            keys = torch.arange(tables.shape[1] * self.block_size, device=q.device)
+            past = keys[None, :] >= batch.decode_lens[:, None]  # padding: masked off
+            bias = torch.zeros(past.shape, dtype=q.dtype, device=q.device)
+            batch.decode_bias = bias.masked_fill_(past, float("-inf"))[:, None, None]
+        kb, vb = self.gather_blocks(layer, tables, q.dtype)  # (B, kv_heads, L, d)
+        span = batch.decode_span
+        rows = q[0, :, span[0]:span[1]] if span else q[0].index_select(1, batch.decode_rows)
+        # query head h reads KV head h // rep: a KV head's rep query heads become rep queries
+        qd = rows.transpose(0, 1).reshape(num_seqs, kb.shape[1], -1, d)
+        o = F.scaled_dot_product_attention(qd, kb, vb, attn_mask=batch.decode_bias)
+        o = o.reshape(num_seqs, heads, d).transpose(0, 1)  # (heads, B, d)
+        if span:
+            out[0, :, span[0]:span[1]] = o
+        else:
+            out[0].index_copy_(1, batch.decode_rows, o)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """q (1, heads, T, d); k, v (1, kv_heads, T, d) of the row's T new tokens."""
         batch = self.batch
-        k = self._write(layer, self.k, getattr(self, "k_scale", None), k[0].transpose(0, 1),
-                        K_SCALE_CONSTANT).transpose(0, 1)[None]
-        v = self._write(layer, self.v, getattr(self, "v_scale", None), v[0].transpose(0, 1),
-                        V_SCALE_CONSTANT).transpose(0, 1)[None]
+        k = self._write(layer, "k", k[0].transpose(0, 1), K_SCALE_CONSTANT).transpose(0, 1)[None]
+        v = self._write(layer, "v", v[0].transpose(0, 1), V_SCALE_CONSTANT).transpose(0, 1)[None]
         out = torch.empty_like(q)
-        if batch.decode_rows:
+        if batch.decode_tables is not None:
             self._decode(layer, q, out, batch)
         for p in batch.prefills:
             qp = q[:, :, p.begin:p.end]
