@@ -11,22 +11,27 @@ token and, per sequence, the slots of its whole context.
 values into their slots (all sequences, before any attention, so a sequence may read a
 shared prefix block another sequence fills in the same step), then:
 
-- decoding sequences (one new token each), all together: one `index_select` per pool
-  gathers every sequence's block table, padded to the longest with the sequence's own last
-  block, and one SDPA call attends each to its keys, the padding masked off by an additive
-  bias (0 or -inf, built once a step). The `rep` query heads that share a KV head are folded
-  into `rep` queries of that head, so the call needs no GQA support and no repeated K/V,
-  and on CUDA in fp32 it can run the memory-efficient kernel, which takes a bias. The host
-  work of a step is then a few kernels per layer, whatever the number of sequences (one
-  gather and one SDPA per sequence and layer was launch-bound on an H100: 197 ms a step for
-  16 sequences of a 30-layer model, bench/gpu_profile.py); on CPU the one call is also
-  faster than the loop (bench/serve.py --step-only). The result is not the dense cache's
-  bit for bit: SDPA reduces over the padded length and the folded queries in another order,
-  which moves the output by a few fp32 ulps (reordering a softmax-weighted sum of L values:
-  ~sqrt(L)·u relative); the tests compare greedy tokens, on models whose choices are not
-  near-ties. Slots past a sequence's length are read and masked: they hold finite values
-  (other tokens', or stale ones of a reused block), as the chunked-prefill path below has
-  always read them;
+- decoding sequences (one new token each), in groups, one SDPA call a group: one
+  `index_select` per pool gathers the group's block tables, padded to the longest with each
+  sequence's own last block, the keys are cut at the longest context, and one SDPA call
+  attends every sequence to its own keys, the shorter ones masked by an additive bias
+  (0 or -inf, built once a step; none when the lengths are equal). The `rep` query heads
+  that share a KV head are folded into `rep` queries of that head, so the call needs no
+  GQA support and no repeated K/V, and on CUDA in fp32 it can run the memory-efficient
+  kernel, which takes a bias. On CUDA a group is every decoding sequence: a step launches a
+  few kernels a layer, whatever the batch (one gather and one SDPA per sequence and layer
+  was launch-bound on an H100: 197 ms a step for 16 sequences of a 30-layer model,
+  bench/gpu_profile.py). On CPU a group holds as many sequences as keep its gathered K/V
+  within about an L2 cache (`DECODE_GROUP_BYTES_CPU`), so SDPA reads them while they are
+  still there: one padded call over every sequence gathers more than the caches hold and
+  took up to twice the time of one call per sequence for 8 KV heads (bench/serve.py
+  --step-only). A long context goes alone, unpadded and unmasked: the dense cache's call.
+  Grouped sequences are not the dense cache's bit for bit: SDPA reduces over the padded
+  length and the folded queries in another order, which moves the output by a few fp32
+  ulps (reordering a softmax-weighted sum of L values: ~sqrt(L)·u relative); the tests
+  compare greedy tokens, on models whose choices are not near-ties. Slots past a
+  sequence's length are read and masked: they hold finite values (other tokens', or stale
+  ones of a reused block), as the chunked-prefill path below has always read them;
 - each prefill (or prefill chunk) alone: a fresh prompt attends to its own new keys with the
   causal mask (the very call the dense cache makes); a chunk after a cached or computed
   prefix gathers its context and masks keys after each query's position.
@@ -58,6 +63,7 @@ from fivefold.models.llama import SDPA_GQA
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3fn's largest finite value (OCP 8-bit floating point spec)
 K_SCALE_CONSTANT, V_SCALE_CONSTANT = 200.0, 100.0  # on-the-fly scale = amax / these (vLLM)
+DECODE_GROUP_BYTES_CPU = 2**20  # gathered K/V per decode SDPA call on CPU (about an L2)
 
 
 @dataclass
@@ -73,16 +79,23 @@ class Prefill:
 
 
 @dataclass
-class PagedBatch:
-    """One step's layout; the decode fields stay None when no sequence decodes."""
+class DecodeGroup:
+    """Decoding sequences that attend in one SDPA call."""
 
+    rows: torch.Tensor  # (g,) their row positions
+    span: tuple[int, int] | None  # (first, end) when those rows are one run: a slice
+    lens: torch.Tensor  # (g,) their context lengths (the new token included)
+    tables: torch.Tensor  # (g, nb) their block tables, padded with each one's last block
+    length: int  # the longest context: no key past it is read
+    uniform: bool  # every length the same: no mask
+    bias: torch.Tensor | None = None  # (g, 1, 1, length): 0 or -inf, set by the first layer
+
+
+@dataclass
+class PagedBatch:
     slot_mapping: torch.Tensor | None  # (T,) where each new token's K/V goes
-    decode_rows: torch.Tensor | None = None  # (B,) row positions of the one-token sequences
-    decode_span: tuple[int, int] | None = None  # (first, end) when those rows are one run
-    decode_lens: torch.Tensor | None = None  # (B,) their context lengths (new token included)
-    decode_tables: torch.Tensor | None = None  # (B, nb) block tables, padded (own last block)
+    decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[Prefill] = field(default_factory=list)
-    decode_bias: torch.Tensor | None = None  # (B, 1, 1, nb · block_size), set by layer 0
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
@@ -133,6 +146,12 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=store, device=device)
         self.v = torch.zeros(shape, dtype=store, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
+        # decoding sequences per SDPA call: on CPU as many as leave their gathered K/V in
+        # the L2 cache, so SDPA reads it from there (contexts of 0.5 MiB and up go alone); on
+        # CUDA all of them, since there the launches, not the reads, cost a step its time
+        self.decode_group_bytes = DECODE_GROUP_BYTES_CPU if torch.device(device).type == \
+            "cpu" else None
+        self.bytes_per_token = 2 * num_kv_heads * head_dim * dtype.itemsize  # K and V, read
         self.batch: PagedBatch | None = None
         self.fp8 = store == FP8
         if self.fp8:  # 0: not set yet (on the fly, by the first write of the layer)
@@ -158,6 +177,22 @@ class PagedKVCache:
         element = dtype.itemsize
         per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, element)
         return int(budget_bytes // per_block)
+
+    def decode_groups(self, lengths: list[int]) -> list[int]:
+        """Split decoding sequences (in row order) into groups for one SDPA call each:
+        the sizes, each group's padded K/V within `decode_group_bytes` (or one group)."""
+        if self.decode_group_bytes is None:
+            return [len(lengths)] if lengths else []
+        sizes, longest = [], 0
+        for length in lengths:
+            longest = max(longest, length)
+            if sizes and (sizes[-1] + 1) * longest * self.bytes_per_token <= \
+                    self.decode_group_bytes:
+                sizes[-1] += 1
+            else:
+                sizes.append(1)
+                longest = length
+        return sizes
 
     def block_slots(self, block_ids: list[int], num_tokens: int) -> list[int]:
         bs = self.block_size
@@ -220,27 +255,25 @@ class PagedKVCache:
             v[:, dst * bs:(dst + 1) * bs] = v[:, src * bs:(src + 1) * bs]
 
     def _decode(self, layer: int, q: torch.Tensor, out: torch.Tensor,
-                batch: PagedBatch) -> None:
-        """Every one-token sequence attends to its own context: one padded gather and one
-        masked SDPA call for all of them."""
-        tables = batch.decode_tables
-        num_seqs, heads, d = tables.shape[0], q.shape[1], q.shape[3]
-        if batch.decode_bias is None or batch.decode_bias.dtype != q.dtype:
-            keys = torch.arange(tables.shape[1] * self.block_size, device=q.device)
-            past = keys[None, :] >= batch.decode_lens[:, None]  # padding: masked off
+                group: DecodeGroup) -> None:
+        """A group of one-token sequences attends, each to its own context, in one call."""
+        num_seqs, heads, d = group.tables.shape[0], q.shape[1], q.shape[3]
+        if not group.uniform and (group.bias is None or group.bias.dtype != q.dtype):
+            past = torch.arange(group.length, device=q.device)[None, :] >= group.lens[:, None]
             bias = torch.zeros(past.shape, dtype=q.dtype, device=q.device)
-            batch.decode_bias = bias.masked_fill_(past, float("-inf"))[:, None, None]
-        kb, vb = self.gather_blocks(layer, tables, q.dtype)  # (B, kv_heads, L, d)
-        span = batch.decode_span
-        rows = q[0, :, span[0]:span[1]] if span else q[0].index_select(1, batch.decode_rows)
+            group.bias = bias.masked_fill_(past, float("-inf"))[:, None, None]
+        kb, vb = self.gather_blocks(layer, group.tables, q.dtype)  # (g, kv_heads, L, d)
+        kb, vb = kb[:, :, :group.length], vb[:, :, :group.length]
+        span = group.span
+        rows = q[0, :, span[0]:span[1]] if span else q[0].index_select(1, group.rows)
         # query head h reads KV head h // rep: a KV head's rep query heads become rep queries
         qd = rows.transpose(0, 1).reshape(num_seqs, kb.shape[1], -1, d)
-        o = F.scaled_dot_product_attention(qd, kb, vb, attn_mask=batch.decode_bias)
-        o = o.reshape(num_seqs, heads, d).transpose(0, 1)  # (heads, B, d)
+        o = F.scaled_dot_product_attention(qd, kb, vb, attn_mask=group.bias)
+        o = o.reshape(num_seqs, heads, d).transpose(0, 1)  # (heads, g, d)
         if span:
             out[0, :, span[0]:span[1]] = o
         else:
-            out[0].index_copy_(1, batch.decode_rows, o)
+            out[0].index_copy_(1, group.rows, o)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
@@ -249,8 +282,8 @@ class PagedKVCache:
         k = self._write(layer, "k", k[0].transpose(0, 1), K_SCALE_CONSTANT).transpose(0, 1)[None]
         v = self._write(layer, "v", v[0].transpose(0, 1), V_SCALE_CONSTANT).transpose(0, 1)[None]
         out = torch.empty_like(q)
-        if batch.decode_tables is not None:
-            self._decode(layer, q, out, batch)
+        for group in batch.decodes:
+            self._decode(layer, q, out, group)
         for p in batch.prefills:
             qp = q[:, :, p.begin:p.end]
             if p.context_blocks is None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fivefold.serve.kv_cache import PagedBatch, PagedKVCache, Prefill
+from fivefold.serve.kv_cache import DecodeGroup, PagedBatch, PagedKVCache, Prefill
 from fivefold.serve.kv_cache_manager import KVCacheManager
 from fivefold.serve.scheduler import SchedulerOutput
 
@@ -89,17 +89,28 @@ class ModelRunner:
             if end == request.num_tokens:
                 sample_rows.append(len(tokens) - 1)
                 sample_ids.append(request.request_id)
-        width = max(map(len, tables), default=0)
-        padded = [b for t in tables for b in t + t[-1:] * (width - len(t))]  # own last block
-        tokens_t, positions_t, slots_t, sample_t, rows_t, lens_t, tables_t, *contexts = \
-            self._upload([tokens, positions, slots, sample_rows, rows, lens, padded,
-                          *(table for *_, table in prefills)])
+        sizes = self.cache.decode_groups(lens)
+        groups, first = [], 0
+        for size in sizes:  # each group's tables padded to its longest (own last block)
+            group_tables = tables[first:first + size]
+            width = max(map(len, group_tables))
+            groups.append((first, size, width,
+                           [b for t in group_tables for b in t + t[-1:] * (width - len(t))]))
+            first += size
+        tokens_t, positions_t, slots_t, sample_t, rows_t, lens_t, *rest = self._upload(
+            [tokens, positions, slots, sample_rows, rows, lens,
+             *(padded for *_, padded in groups), *(table for *_, table in prefills)])
         batch = PagedBatch(slot_mapping=slots_t)
-        if rows:
-            batch.decode_rows, batch.decode_lens = rows_t, lens_t
-            batch.decode_tables = tables_t.view(len(rows), width)
-            if rows[-1] - rows[0] == len(rows) - 1:  # one run of rows: a slice, no gather
-                batch.decode_span = (rows[0], rows[-1] + 1)
+        for (first, size, width, _), tables_t in zip(groups, rest):
+            last = first + size - 1
+            span = (rows[first], rows[last] + 1) if rows[last] - rows[first] == size - 1 \
+                else None  # one run of rows: a slice, no gather
+            group_lens = lens[first:first + size]
+            batch.decodes.append(DecodeGroup(
+                rows_t[first:first + size], span, lens_t[first:first + size],
+                tables_t.view(size, width), max(group_lens),
+                min(group_lens) == max(group_lens)))
+        contexts = rest[len(groups):]
         batch.prefills = [Prefill(begin, end, start, context if start else None)
                           for (begin, end, start, _), context in zip(prefills, contexts)]
         return StepInputs(tokens_t[None], positions_t, batch, sample_t, sample_ids)
