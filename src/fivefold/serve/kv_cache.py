@@ -13,25 +13,26 @@ shared prefix block another sequence fills in the same step), then:
 
 - decoding sequences (one new token each), in groups, one SDPA call a group: one
   `index_select` per pool gathers the group's block tables, padded to the longest with each
-  sequence's own last block, the keys are cut at the longest context, and one SDPA call
-  attends every sequence to its own keys, the shorter ones masked by an additive bias
-  (0 or -inf, built once a step; none when the lengths are equal). The `rep` query heads
-  that share a KV head are folded into `rep` queries of that head, so the call needs no
-  GQA support and no repeated K/V, and on CUDA in fp32 it can run the memory-efficient
+  sequence's own last block, and one SDPA call attends every sequence to its own keys,
+  those past its length masked by an additive bias (0 or -inf, built once a step; when
+  the lengths are equal the keys are cut there and nothing is masked). The `rep` query
+  heads that share a KV head are folded into `rep` queries of that head, so the call needs
+  no GQA support and no repeated K/V, and on CUDA in fp32 it can run the memory-efficient
   kernel, which takes a bias. On CUDA a group is every decoding sequence: a step launches a
   few kernels a layer, whatever the batch (one gather and one SDPA per sequence and layer
   was launch-bound on an H100: 197 ms a step for 16 sequences of a 30-layer model,
   bench/gpu_profile.py). On CPU a group holds as many sequences as keep its gathered K/V
   within about an L2 cache (`DECODE_GROUP_BYTES_CPU`), so SDPA reads them while they are
-  still there: one padded call over every sequence gathers more than the caches hold and
-  took up to twice the time of one call per sequence for 8 KV heads (bench/serve.py
-  --step-only). A long context goes alone, unpadded and unmasked: the dense cache's call.
-  Grouped sequences are not the dense cache's bit for bit: SDPA reduces over the padded
-  length and the folded queries in another order, which moves the output by a few fp32
-  ulps (reordering a softmax-weighted sum of L values: ~sqrt(L)·u relative); the tests
-  compare greedy tokens, on models whose choices are not near-ties. Slots past a
-  sequence's length are read and masked: they hold finite values (other tokens', or stale
-  ones of a reused block), as the chunked-prefill path below has always read them;
+  still there: one padded call over every sequence gathers more than the caches hold, and
+  made a decode step of llama-25m (8 KV heads) 1.2x slower than one call per sequence
+  (bench/serve.py --step-only). A long context goes alone, unpadded and unmasked (for a
+  model without GQA, the dense cache's very call). Otherwise the result is not the dense
+  cache's bit for bit: SDPA reduces over the padded length and the folded queries in
+  another order, which moves the output by a few fp32 ulps (reordering a softmax-weighted
+  sum of L values: ~sqrt(L)·u relative); the tests compare greedy tokens, on models whose
+  choices are not near-ties. Slots past a sequence's length are read and masked: they hold
+  finite values (other tokens', or stale ones of a reused block), as the chunked-prefill
+  path below has always read them;
 - each prefill (or prefill chunk) alone: a fresh prompt attends to its own new keys with the
   causal mask (the very call the dense cache makes); a chunk after a cached or computed
   prefix gathers its context and masks keys after each query's position.
@@ -86,9 +87,9 @@ class DecodeGroup:
     span: tuple[int, int] | None  # (first, end) when those rows are one run: a slice
     lens: torch.Tensor  # (g,) their context lengths (the new token included)
     tables: torch.Tensor  # (g, nb) their block tables, padded with each one's last block
-    length: int  # the longest context: no key past it is read
-    uniform: bool  # every length the same: no mask
-    bias: torch.Tensor | None = None  # (g, 1, 1, length): 0 or -inf, set by the first layer
+    length: int  # the longest context
+    uniform: bool  # every length the same: keys cut at it, no mask
+    bias: torch.Tensor | None = None  # (g, 1, 1, nb · block_size): 0 or -inf, set by layer 0
 
 
 @dataclass
@@ -258,12 +259,13 @@ class PagedKVCache:
                 group: DecodeGroup) -> None:
         """A group of one-token sequences attends, each to its own context, in one call."""
         num_seqs, heads, d = group.tables.shape[0], q.shape[1], q.shape[3]
-        if not group.uniform and (group.bias is None or group.bias.dtype != q.dtype):
-            past = torch.arange(group.length, device=q.device)[None, :] >= group.lens[:, None]
+        kb, vb = self.gather_blocks(layer, group.tables, q.dtype)  # (g, kv_heads, L, d)
+        if group.uniform:  # every context as long: cut there, nothing to mask
+            kb, vb = kb[:, :, :group.length], vb[:, :, :group.length]
+        elif group.bias is None or group.bias.dtype != q.dtype:
+            past = torch.arange(kb.shape[2], device=q.device)[None, :] >= group.lens[:, None]
             bias = torch.zeros(past.shape, dtype=q.dtype, device=q.device)
             group.bias = bias.masked_fill_(past, float("-inf"))[:, None, None]
-        kb, vb = self.gather_blocks(layer, group.tables, q.dtype)  # (g, kv_heads, L, d)
-        kb, vb = kb[:, :, :group.length], vb[:, :, :group.length]
         span = group.span
         rows = q[0, :, span[0]:span[1]] if span else q[0].index_select(1, group.rows)
         # query head h reads KV head h // rep: a KV head's rep query heads become rep queries
