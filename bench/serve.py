@@ -29,13 +29,25 @@ many requests' tokens agree between the two, one decode step of each at the same
 and context timed alone, the machine (CPU model from /proc/cpuinfo), versions and git
 revision. On a shared machine compare the tokens per CPU-second ratios: with one thread
 they hardly depend on what else runs.
+
+    python bench/serve.py --step-only --preset smollm2-135m --baseline efcc609
+
+`--step-only` measures the host work of one decode step instead: `--batch` greedy requests
+(prompts of 128, 135, ... tokens, as bench/gpu.py's serve item) past their prefill, the
+wall and CPU milliseconds of each of `--steps` decode steps (median) and the aten ops one
+step calls (torch.profiler), written to bench/results/serve_step.json. `--baseline REV`
+also runs the engine of git revision REV (its src/ exported to a temporary directory), in
+alternating child processes, `--rounds` each, and records both, their ratio and whether
+the greedy tokens agree.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +56,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
+# a child of --baseline runs another revision's engine: its src/ comes first
+sys.path.insert(0, os.environ.get("FIVEFOLD_BENCH_SRC") or str(ROOT / "src"))
 
 from fivefold.models.hf import save_hf  # noqa: E402
 from fivefold.models.init import build_model  # noqa: E402
@@ -190,6 +203,103 @@ def decode_step_ms(model, hf, batch: int, context: int, rounds: int = 7) -> dict
             **{name: statistics.median(ms) for name, ms in times.items()}}
 
 
+def decode_step_host(name: str, batch: int, steps: int) -> dict:
+    """Per decode step of `batch` greedy sequences: wall and CPU ms (median of `steps`),
+    the aten ops of one step, and every request's tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = preset(name).replace(max_seq_len=max(preset(name).max_seq_len, 512))
+    model = build_model(cfg, seed=0).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, cfg.vocab_size, (128 + 7 * i,), generator=g).tolist()
+               for i in range(batch)]
+    engine = Engine(model, max_num_seqs=batch, max_model_len=512, max_num_batched_tokens=8192,
+                    num_blocks=batch * 512 // 16 + 8)
+    params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    final = {}
+
+    def step():
+        final.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+
+    for _ in range(3):  # the prefill, then two decode steps to warm up
+        step()
+    wall, cpu = [], []
+    for _ in range(steps):
+        w, c = time.perf_counter(), time.process_time()
+        step()
+        wall.append((time.perf_counter() - w) * 1e3)
+        cpu.append((time.process_time() - c) * 1e3)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    ops = {e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")}
+    while engine.has_unfinished():
+        step()
+    return {"model": name, "layers": cfg.num_layers, "sequences": batch, "steps": steps,
+            "step_wall_ms": statistics.median(wall), "step_cpu_ms": statistics.median(cpu),
+            "aten_ops_per_step": sum(ops.values()),
+            "sdpa_calls_per_step": ops.get("aten::scaled_dot_product_attention", 0),
+            "index_select_calls_per_step": ops.get("aten::index_select", 0),
+            "tokens": [final[i] for i in ids]}
+
+
+def step_only(args, argv) -> int:
+    if args.child:
+        print(json.dumps(decode_step_host(args.preset, args.batch, args.steps)))
+        return 0
+    runs = {"after": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        sources = {"after": str(ROOT / "src")}
+        if args.baseline:
+            archive = subprocess.run(["git", "archive", args.baseline, "src"], cwd=ROOT,
+                                     capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+            sources, runs = {"before": str(Path(tmp) / "src"), **sources}, {"before": [],
+                                                                            **runs}
+        for _ in range(args.rounds):  # alternating: load drifts hit both alike
+            for label, src in sources.items():
+                cmd = [sys.executable, __file__, "--step-only", "--child", "--preset",
+                       args.preset, "--batch", str(args.batch), "--steps", str(args.steps),
+                       "--threads", str(args.threads)]
+                out = subprocess.run(cmd, env={**os.environ, "FIVEFOLD_BENCH_SRC": src},
+                                     capture_output=True, text=True, check=True).stdout
+                runs[label].append(json.loads(out.splitlines()[-1]))
+    result = {"benchmark": "serve_step", "threads": args.threads, "rounds": args.rounds,
+              "baseline": args.baseline or None}
+    for label, rounds in runs.items():
+        last = dict(rounds[-1])
+        last.pop("tokens")
+        last["step_wall_ms"] = statistics.median(r["step_wall_ms"] for r in rounds)
+        last["step_cpu_ms"] = statistics.median(r["step_cpu_ms"] for r in rounds)
+        last["step_cpu_ms_rounds"] = [r["step_cpu_ms"] for r in rounds]
+        result[label] = last
+        print(f"{label:>6}: {last['model']} ({last['layers']} layers), {last['sequences']} "
+              f"sequences: {last['step_cpu_ms']:.1f} CPU-ms ({last['step_wall_ms']:.1f} ms "
+              f"wall) a decode step, {last['aten_ops_per_step']} aten ops, "
+              f"{last['sdpa_calls_per_step']} SDPA calls, "
+              f"{last['index_select_calls_per_step']} index_select calls")
+    if args.baseline:
+        before, after = result["before"], result["after"]
+        same = sum(a == b for a, b in zip(runs["before"][0]["tokens"],
+                                           runs["after"][0]["tokens"]))
+        result["cpu_ms_ratio_before_over_after"] = before["step_cpu_ms"] / after["step_cpu_ms"]
+        result["aten_ops_ratio_before_over_after"] = (before["aten_ops_per_step"]
+                                                      / after["aten_ops_per_step"])
+        result["identical_greedy_outputs"] = f"{same}/{args.batch}"
+        print(f"before / after: {result['cpu_ms_ratio_before_over_after']:.2f}x CPU time a "
+              f"step, {result['aten_ops_ratio_before_over_after']:.2f}x aten ops; identical "
+              f"greedy outputs {same}/{args.batch}")
+    info = machine(torch.device("cpu"))
+    info["cpu_model"] = cpu_model()
+    result.update(machine=info, git=git_revision(),
+                  command="python bench/serve.py " + " ".join(argv or sys.argv[1:]))
+    out = Path(args.out or ROOT / "bench" / "results" / "serve_step.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-25m")
@@ -197,9 +307,19 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
+    ap.add_argument("--out", default="", help="default: bench/results/serve.json "
+                    "(serve_step.json with --step-only)")
+    ap.add_argument("--step-only", action="store_true",
+                    help="time the host work of one decode step (see above)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--baseline", default="", help="a git revision to measure too")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.step_only:
+        return step_only(args, argv)
+    args.out = args.out or str(ROOT / "bench" / "results" / "serve.json")
     import transformers
 
     base = preset(args.preset)

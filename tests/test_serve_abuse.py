@@ -337,9 +337,13 @@ def tiny_model():
 def test_a_request_whose_sampling_fails_ends_alone(tiny_model, monkeypatch):
     engine = Engine(tiny_model, num_blocks=160)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
-    alone = [engine.generate([p], SamplingParams.greedy_params(6))[0].token_ids
-             for p in prompts]
-    ids = [engine.add_request(p, SamplingParams.greedy_params(6)) for p in prompts]
+    # The greedy rows of a step share one argmax (engine.py `_sample_step`): a failure
+    # there cannot be one request's. Sampling draws each request alone, so the failing
+    # request samples (seeded: the same tokens alone and in the batch) among greedy ones.
+    params = [SamplingParams.greedy_params(6), SamplingParams(max_tokens=6, seed=11),
+              SamplingParams.greedy_params(6)]
+    alone = [engine.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     sample = engine._sample
 
     def flaky(request, logits):

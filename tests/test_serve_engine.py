@@ -14,6 +14,7 @@ from fivefold.models.init import build_model
 from fivefold.models.llama import KVCache
 from fivefold.models.presets import ModelConfig
 from fivefold.serve.engine import Engine
+from fivefold.serve.kv_cache import PagedKVCache
 from fivefold.serve.kv_cache_manager import cdiv
 from fivefold.serve.sampling_params import SamplingParams
 from fivefold.train.generate import generate
@@ -59,6 +60,24 @@ def test_32_mixed_requests_at_once_equal_each_alone_and_the_dense_path(model, mi
     alone = [Engine(model, num_blocks=64).generate([p], sp)[0].token_ids
              for p, sp in list(zip(prompts, params))[:8]]
     assert alone == dense[:8]
+
+
+def test_decode_in_one_call_as_on_cuda_gives_the_dense_tokens(model, mixed):
+    """CUDA attends every decoding sequence in one padded call (kv_cache.py); the same
+    path on CPU, where groups are otherwise cut to an L2's worth of K/V."""
+    prompts, params, dense = mixed
+    engine = Engine(model, num_blocks=512)
+    engine.cache.decode_group_bytes = None
+    assert [o.token_ids for o in engine.generate(prompts, params)] == dense
+
+
+def test_decode_groups_keep_each_calls_kv_within_the_budget():
+    cache = PagedKVCache(2, 2, 16, 8, 16, torch.float32, "cpu")  # K+V: 256 bytes a token
+    cache.decode_group_bytes = 256 * 100  # sequences x longest context <= 100 tokens
+    assert cache.decode_groups([30, 20, 50, 10, 120, 40, 60]) == [2, 2, 1, 1, 1]
+    assert cache.decode_groups([]) == []
+    cache.decode_group_bytes = None
+    assert cache.decode_groups([30, 20, 50, 10, 120, 40, 60]) == [7]
 
 
 def test_generate_command_gives_the_engines_tokens(model, tmp_path, capsys):

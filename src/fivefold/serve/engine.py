@@ -5,8 +5,9 @@
 
 or, for a server, `add_request` / `step` / `abort_request` from one thread. Each `step` asks
 the scheduler for a batch (scheduler.py), runs it on the paged cache (runner.py), samples
-one token for every request that reached its last position (models/sampling.py, the sampler
-`fivefold generate` uses, each request with its own seeded generator), applies stop
+one token for every request that reached its last position (the greedy ones with one argmax
+over all their rows, the others with models/sampling.py, the sampler `fivefold generate`
+uses, each request with its own seeded generator), applies stop
 strings, and returns a `RequestOutput` for every request that got a token or finished.
 
 The pool's size comes from a byte budget: `kv_cache_bytes` (the CLI's --kv-cache-gib), or on
@@ -31,7 +32,7 @@ from fivefold.serve.kv_cache import PagedKVCache, kv_bytes_per_token
 from fivefold.serve.kv_cache_manager import KVCacheManager, cdiv
 from fivefold.serve.prepack import can_prepack, prepack_linears, probe_linears
 from fivefold.serve.request import Request, RequestStatus
-from fivefold.serve.runner import ModelRunner
+from fivefold.serve.runner import ModelRunner, StepLogits
 from fivefold.serve.sampling_params import SamplingParams
 from fivefold.serve.scheduler import Scheduler
 
@@ -206,6 +207,33 @@ class Engine:
         self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
         return request
 
+    def _sample_step(self, requests: dict[str, Request], logits: StepLogits
+                     ) -> tuple[dict[str, int], list[Request]]:
+        """A token for every request with a row of `logits`: the greedy rows (no logit
+        bias) from one argmax and one device-to-host copy for all of them, each other row
+        by `_sample` on a host copy of the logits made once. One request's sampling failing
+        ends that request alone."""
+        plain = [i for i, rid in enumerate(logits.ids)
+                 if requests[rid].params.greedy and not requests[rid].params.logit_bias]
+        sampled, failed = {}, []
+        if plain:
+            try:
+                best = logits.rows.argmax(-1).tolist()  # ties: the first, as sample_token
+                sampled = {logits.ids[i]: best[i] for i in plain}
+            except Exception:  # noqa: BLE001  each row alone below finds whose it was
+                sampled = {}
+        host = None
+        for i, rid in enumerate(logits.ids):
+            if rid in sampled:
+                continue
+            try:
+                if host is None:
+                    host = logits.rows.cpu()
+                sampled[rid] = self._sample(requests[rid], host[i])
+            except Exception as e:
+                failed.append(self._fail(requests[rid], e))
+        return sampled, failed
+
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if not out.scheduled:
@@ -214,13 +242,8 @@ class Engine:
             logits = self.runner.execute(out)
         except Exception as e:  # nobody can tell whose tokens broke the forward: all fail
             return self._finish_step([self._fail(r, e) for r, _ in out.scheduled])
-        by_id = {r.request_id: r for r, _ in out.scheduled}
-        sampled, failed = {}, []
-        for rid, row in logits.items():
-            try:  # one request's sampling failing ends that request alone
-                sampled[rid] = self._sample(by_id[rid], row)
-            except Exception as e:
-                failed.append(self._fail(by_id[rid], e))
+        sampled, failed = self._sample_step({r.request_id: r for r, _ in out.scheduled},
+                                            logits)
         # A prompt with n > 1 is computed: the other choices share its blocks (before the
         # parent's update, which may finish it and release them).
         children = []

@@ -11,14 +11,28 @@ token and, per sequence, the slots of its whole context.
 values into their slots (all sequences, before any attention, so a sequence may read a
 shared prefix block another sequence fills in the same step), then:
 
-- decoding sequences (one new token each), one sequence at a time: its blocks are gathered
-  with one `index_select` per pool (no padding) and it attends to exactly its own keys with
-  an unmasked SDPA call, the call the dense cache makes for one sequence. Gathering one
-  sequence's context (~1 MiB) right before its SDPA lets SDPA read it from the L2 cache:
-  on CPU the decode attention takes ~35% less time than gathering every sequence first
-  and then attending, with the same result bit for bit. One padded batched call with a key
-  mask is 3-6x slower: a mask sends SDPA down a slower path and the padding is computed and
-  thrown away (bench/serve.py);
+- decoding sequences (one new token each), in groups, one SDPA call a group: one
+  `index_select` per pool gathers the group's block tables, padded to the longest with each
+  sequence's own last block, and one SDPA call attends every sequence to its own keys,
+  those past its length masked by an additive bias (0 or -inf, built once a step; when
+  the lengths are equal the keys are cut there and nothing is masked). The `rep` query
+  heads that share a KV head are folded into `rep` queries of that head, so the call needs
+  no GQA support and no repeated K/V, and on CUDA in fp32 it can run the memory-efficient
+  kernel, which takes a bias. On CUDA a group is every decoding sequence: a step launches a
+  few kernels a layer, whatever the batch (one gather and one SDPA per sequence and layer
+  was launch-bound on an H100: 197 ms a step for 16 sequences of a 30-layer model,
+  bench/gpu_profile.py). On CPU a group holds as many sequences as keep its gathered K/V
+  within about an L2 cache (`DECODE_GROUP_BYTES_CPU`), so SDPA reads them while they are
+  still there: one padded call over every sequence gathers more than the caches hold, and
+  made a decode step of llama-25m (8 KV heads) 1.2x slower than one call per sequence
+  (bench/serve.py --step-only). A long context goes alone, unpadded and unmasked (for a
+  model without GQA, the dense cache's very call). Otherwise the result is not the dense
+  cache's bit for bit: SDPA reduces over the padded length and the folded queries in
+  another order, which moves the output by a few fp32 ulps (reordering a softmax-weighted
+  sum of L values: ~sqrt(L)·u relative); the tests compare greedy tokens, on models whose
+  choices are not near-ties. Slots past a sequence's length are read and masked: they hold
+  finite values (other tokens', or stale ones of a reused block), as the chunked-prefill
+  path below has always read them;
 - each prefill (or prefill chunk) alone: a fresh prompt attends to its own new keys with the
   causal mask (the very call the dense cache makes); a chunk after a cached or computed
   prefix gathers its context and masks keys after each query's position.
@@ -50,6 +64,7 @@ from fivefold.models.llama import SDPA_GQA
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3fn's largest finite value (OCP 8-bit floating point spec)
 K_SCALE_CONSTANT, V_SCALE_CONSTANT = 200.0, 100.0  # on-the-fly scale = amax / these (vLLM)
+DECODE_GROUP_BYTES_CPU = 2**20  # gathered K/V per decode SDPA call on CPU (about an L2)
 
 
 @dataclass
@@ -65,11 +80,22 @@ class Prefill:
 
 
 @dataclass
+class DecodeGroup:
+    """Decoding sequences that attend in one SDPA call."""
+
+    rows: torch.Tensor  # (g,) their row positions
+    span: tuple[int, int] | None  # (first, end) when those rows are one run: a slice
+    lens: torch.Tensor  # (g,) their context lengths (the new token included)
+    tables: torch.Tensor  # (g, nb) their block tables, padded with each one's last block
+    length: int  # the longest context
+    uniform: bool  # every length the same: keys cut at it, no mask
+    bias: torch.Tensor | None = None  # (g, 1, 1, nb · block_size): 0 or -inf, set by layer 0
+
+
+@dataclass
 class PagedBatch:
     slot_mapping: torch.Tensor | None  # (T,) where each new token's K/V goes
-    decode_rows: list[int] = field(default_factory=list)  # row positions of one-token seqs
-    decode_lens: list[int] = field(default_factory=list)  # their context lengths (new included)
-    decode_blocks: torch.Tensor | None = None  # their block tables, concatenated, unpadded
+    decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[Prefill] = field(default_factory=list)
 
 
@@ -121,9 +147,17 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=store, device=device)
         self.v = torch.zeros(shape, dtype=store, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
+        # decoding sequences per SDPA call: on CPU as many as leave their gathered K/V in
+        # the L2 cache, so SDPA reads it from there (contexts of 0.5 MiB and up go alone); on
+        # CUDA all of them, since there the launches, not the reads, cost a step its time
+        self.decode_group_bytes = DECODE_GROUP_BYTES_CPU if torch.device(device).type == \
+            "cpu" else None
+        self.bytes_per_token = 2 * num_kv_heads * head_dim * dtype.itemsize  # K and V, read
         self.batch: PagedBatch | None = None
         self.fp8 = store == FP8
         if self.fp8:  # 0: not set yet (on the fly, by the first write of the layer)
+            # which layers' scales are set, kept on the host: no device sync per layer
+            self.scale_set = {w: [kv_scales is not None] * num_layers for w in "kv"}
             self.k_scale = torch.zeros(num_layers, num_kv_heads, device=device)
             self.v_scale = torch.zeros(num_layers, num_kv_heads, device=device)
             if kv_scales is not None:
@@ -145,6 +179,22 @@ class PagedKVCache:
         per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, element)
         return int(budget_bytes // per_block)
 
+    def decode_groups(self, lengths: list[int]) -> list[int]:
+        """Split decoding sequences (in row order) into groups for one SDPA call each:
+        the sizes, each group's padded K/V within `decode_group_bytes` (or one group)."""
+        if self.decode_group_bytes is None:
+            return [len(lengths)] if lengths else []
+        sizes, longest = [], 0
+        for length in lengths:
+            longest = max(longest, length)
+            if sizes and (sizes[-1] + 1) * longest * self.bytes_per_token <= \
+                    self.decode_group_bytes:
+                sizes[-1] += 1
+            else:
+                sizes.append(1)
+                longest = length
+        return sizes
+
     def block_slots(self, block_ids: list[int], num_tokens: int) -> list[int]:
         bs = self.block_size
         return [block_ids[p // bs] * bs + p % bs for p in range(num_tokens)]
@@ -159,14 +209,15 @@ class PagedKVCache:
             return rows.to(dtype)
         return (rows.view(FP8).to(torch.float32) * scale[:, None]).to(dtype)
 
-    def _write(self, layer: int, pool: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor,
-               constant: float) -> torch.Tensor:
+    def _write(self, layer: int, which: str, x: torch.Tensor, constant: float) -> torch.Tensor:
         """Store x (T, kv_heads, d) at the step's slots; returns x as stored (rounded)."""
-        slots = self.batch.slot_mapping
+        slots, pool = self.batch.slot_mapping, getattr(self, which)
         if not self.fp8:
             pool[layer].index_copy_(0, slots, x.to(pool.dtype))
             return x
-        if not bool(scale[layer].any()):  # on the fly: the layer's first write sets it
+        scale = getattr(self, f"{which}_scale")
+        if not self.scale_set[which][layer]:  # on the fly: the layer's first write sets it
+            self.scale_set[which][layer] = True
             scale[layer] = (x.detach().abs().amax((0, 2)).float() / constant).clamp_min(
                 torch.finfo(torch.float32).tiny)
         s = scale[layer]
@@ -205,36 +256,36 @@ class PagedKVCache:
             v[:, dst * bs:(dst + 1) * bs] = v[:, src * bs:(src + 1) * bs]
 
     def _decode(self, layer: int, q: torch.Tensor, out: torch.Tensor,
-                batch: PagedBatch) -> None:
-        """Each one-token sequence attends to its own context, unmasked and unpadded."""
-        bs, (heads, d) = self.block_size, self.k.shape[-2:]
-        rows = batch.decode_blocks
-        key_pool = self._raw(self.k)[layer].view(self.num_blocks, -1)
-        value_pool = self._raw(self.v)[layer].view(self.num_blocks, -1)
-        k_scale, v_scale = self._scale("k", layer), self._scale("v", layer)
-        first = 0
-        for row, length in zip(batch.decode_rows, batch.decode_lens):
-            last = first + (length + bs - 1) // bs
-            # one sequence's blocks at a time: SDPA reads them while they are still in cache
-            table = rows[first:last]
-            kb = key_pool.index_select(0, table).view(-1, heads, d)[:length]
-            vb = value_pool.index_select(0, table).view(-1, heads, d)[:length]
-            kb = self._read(kb, k_scale, q.dtype).transpose(0, 1)
-            vb = self._read(vb, v_scale, q.dtype).transpose(0, 1)
-            out[:, :, row:row + 1] = sdpa(q[:, :, row:row + 1], kb[None], vb[None])
-            first = last
+                group: DecodeGroup) -> None:
+        """A group of one-token sequences attends, each to its own context, in one call."""
+        num_seqs, heads, d = group.tables.shape[0], q.shape[1], q.shape[3]
+        kb, vb = self.gather_blocks(layer, group.tables, q.dtype)  # (g, kv_heads, L, d)
+        if group.uniform:  # every context as long: cut there, nothing to mask
+            kb, vb = kb[:, :, :group.length], vb[:, :, :group.length]
+        elif group.bias is None or group.bias.dtype != q.dtype:
+            past = torch.arange(kb.shape[2], device=q.device)[None, :] >= group.lens[:, None]
+            bias = torch.zeros(past.shape, dtype=q.dtype, device=q.device)
+            group.bias = bias.masked_fill_(past, float("-inf"))[:, None, None]
+        span = group.span
+        rows = q[0, :, span[0]:span[1]] if span else q[0].index_select(1, group.rows)
+        # query head h reads KV head h // rep: a KV head's rep query heads become rep queries
+        qd = rows.transpose(0, 1).reshape(num_seqs, kb.shape[1], -1, d)
+        o = F.scaled_dot_product_attention(qd, kb, vb, attn_mask=group.bias)
+        o = o.reshape(num_seqs, heads, d).transpose(0, 1)  # (heads, g, d)
+        if span:
+            out[0, :, span[0]:span[1]] = o
+        else:
+            out[0].index_copy_(1, group.rows, o)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """q (1, heads, T, d); k, v (1, kv_heads, T, d) of the row's T new tokens."""
         batch = self.batch
-        k = self._write(layer, self.k, getattr(self, "k_scale", None), k[0].transpose(0, 1),
-                        K_SCALE_CONSTANT).transpose(0, 1)[None]
-        v = self._write(layer, self.v, getattr(self, "v_scale", None), v[0].transpose(0, 1),
-                        V_SCALE_CONSTANT).transpose(0, 1)[None]
+        k = self._write(layer, "k", k[0].transpose(0, 1), K_SCALE_CONSTANT).transpose(0, 1)[None]
+        v = self._write(layer, "v", v[0].transpose(0, 1), V_SCALE_CONSTANT).transpose(0, 1)[None]
         out = torch.empty_like(q)
-        if batch.decode_rows:
-            self._decode(layer, q, out, batch)
+        for group in batch.decodes:
+            self._decode(layer, q, out, group)
         for p in batch.prefills:
             qp = q[:, :, p.begin:p.end]
             if p.context_blocks is None:

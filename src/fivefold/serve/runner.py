@@ -6,17 +6,53 @@ cache=, positions=, logits_index=) whose attention hands a cache with an `attend
 step's queries, keys and values: the dense and MoE Llamas, and models whose linear layers
 were swapped (LoRA, quantised) since those keep the forward. Every scheduled sequence goes
 into one row of the batch (b = 1): the linear layers and experts see all tokens of the step
-at once, and only attention is per sequence (kv_cache.py).
+at once, and so does the decode attention (one padded call, kv_cache.py); only prefills
+attend one sequence at a time.
+
+The host work of a step is built once, here: every index the layers read (tokens,
+positions, slots, the decode rows, lengths and padded block tables, the prefills' tables,
+the sampling rows) goes into one host tensor and reaches the device in one copy, so a
+layer launches its few kernels without building anything.
 """
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from fivefold.serve.kv_cache import PagedBatch, PagedKVCache, Prefill
+from fivefold.serve.kv_cache import DecodeGroup, PagedBatch, PagedKVCache, Prefill
 from fivefold.serve.kv_cache_manager import KVCacheManager
 from fivefold.serve.scheduler import SchedulerOutput
+
+
+class StepLogits:
+    """The fp32 logits (n, V) of a step's sampling positions, row i for request `ids[i]`;
+    `step_logits[request_id]` is one request's row."""
+
+    def __init__(self, ids: list[str], rows: torch.Tensor):
+        self.ids, self.rows = ids, rows
+        self.index = {rid: i for i, rid in enumerate(ids)}
+
+    def __getitem__(self, request_id: str) -> torch.Tensor:
+        return self.rows[self.index[request_id]]
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.index
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
+class StepInputs:
+    tokens: torch.Tensor  # (1, T)
+    positions: torch.Tensor  # (T,)
+    batch: PagedBatch
+    sample_rows: torch.Tensor  # (n,) the row of each sampling position
+    sample_ids: list[str]  # whose position each is
 
 
 class ModelRunner:
@@ -25,58 +61,77 @@ class ModelRunner:
         self.device = cache.k.device
         self.adapters = None  # many LoRA adapters in one batch (serve/lora_batch.py)
 
-    def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+    def _upload(self, parts: list[list[int]]) -> list[torch.Tensor]:
+        """Integer lists as tensors on the device: one host tensor, one copy."""
+        flat = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long)
+        return list(flat.to(self.device).split([len(p) for p in parts]))
 
-    def prepare(self, out: SchedulerOutput) -> tuple[list[int], list[int], PagedBatch,
-                                                      list[tuple[str, int]]]:
-        """(tokens, positions, batch, [(request id, row of its sampling position)])."""
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
         bs = self.cache.block_size
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        decode_blocks: list[int] = []
-        prefills, samplers = [], []
-        batch = PagedBatch(slot_mapping=None)
+        rows, lens, tables, prefills = [], [], [], []
+        sample_rows, sample_ids = [], []
         for request, num_new in out.scheduled:
             begin, start = len(tokens), request.num_computed_tokens
+            end = start + num_new
             table = self.kv.block_ids(request.request_id)
-            tokens.extend(request.all_token_ids[start:start + num_new])
-            positions.extend(range(start, start + num_new))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + num_new))
+            tokens.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if num_new == 1:
-                batch.decode_rows.append(begin)
-                batch.decode_lens.append(start + 1)
-                decode_blocks.extend(table[:start // bs + 1])
-            else:
-                context = None if start == 0 else self._tensor(table)
-                prefills.append(Prefill(begin, begin + num_new, start, context))
-            if start + num_new == request.num_tokens:
-                samplers.append((request.request_id, len(tokens) - 1))
-        batch.slot_mapping, batch.prefills = self._tensor(slots), prefills
-        if decode_blocks:
-            batch.decode_blocks = self._tensor(decode_blocks)
-        return tokens, positions, batch, samplers
+                rows.append(begin)
+                lens.append(end)
+                tables.append(table[:start // bs + 1])
+            else:  # a fresh prompt needs no table: it attends to its own new keys
+                prefills.append((begin, begin + num_new, start, list(table) if start else []))
+            if end == request.num_tokens:
+                sample_rows.append(len(tokens) - 1)
+                sample_ids.append(request.request_id)
+        sizes = self.cache.decode_groups(lens)
+        groups, first = [], 0
+        for size in sizes:  # each group's tables padded to its longest (own last block)
+            group_tables = tables[first:first + size]
+            width = max(map(len, group_tables))
+            groups.append((first, size, width,
+                           [b for t in group_tables for b in t + t[-1:] * (width - len(t))]))
+            first += size
+        tokens_t, positions_t, slots_t, sample_t, rows_t, lens_t, *rest = self._upload(
+            [tokens, positions, slots, sample_rows, rows, lens,
+             *(padded for *_, padded in groups), *(table for *_, table in prefills)])
+        batch = PagedBatch(slot_mapping=slots_t)
+        for (first, size, width, _), tables_t in zip(groups, rest):
+            last = first + size - 1
+            span = (rows[first], rows[last] + 1) if rows[last] - rows[first] == size - 1 \
+                else None  # one run of rows: a slice, no gather
+            group_lens = lens[first:first + size]
+            batch.decodes.append(DecodeGroup(
+                rows_t[first:first + size], span, lens_t[first:first + size],
+                tables_t.view(size, width), max(group_lens),
+                min(group_lens) == max(group_lens)))
+        contexts = rest[len(groups):]
+        batch.prefills = [Prefill(begin, end, start, context if start else None)
+                          for (begin, end, start, _), context in zip(prefills, contexts)]
+        return StepInputs(tokens_t[None], positions_t, batch, sample_t, sample_ids)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
-        """Run the step; fp32 logits (V,) for each request that samples a token now."""
+    def execute(self, out: SchedulerOutput) -> StepLogits:
+        """Run the step; the fp32 logits of each request that samples a token now."""
         if out.copies:
             self.cache.copy_blocks(out.copies)
         if self.adapters is not None:  # rows grouped by adapter, each adapter's rows found
             out = self.adapters.begin_step(out, self.device)
-        tokens, positions, batch, samplers = self.prepare(out)
-        self.cache.batch = batch
+        step = self.prepare(out)
+        self.cache.batch = step.batch
         try:
-            rows = self._tensor([row for _, row in samplers])
-            logits = self.model(self._tensor([tokens]), cache=self.cache,
-                                positions=self._tensor(positions), logits_index=rows)
+            logits = self.model(step.tokens, cache=self.cache, positions=step.positions,
+                                logits_index=step.sample_rows)
         finally:
             self.cache.batch = None
             if self.adapters is not None:
                 self.adapters.end_step()
-        logits = self.finish_logits(logits[0]).float()
-        return {rid: logits[i] for i, (rid, _) in enumerate(samplers)}
+        return StepLogits(step.sample_ids, self.finish_logits(logits[0]).float())
 
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """(n, V) logits of the sampled positions from the model's output rows; a tensor-

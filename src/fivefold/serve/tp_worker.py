@@ -38,7 +38,7 @@ from torch import nn
 from fivefold.parallel import comm
 from fivefold.parallel.comm import Group
 from fivefold.serve.kv_cache import PagedKVCache
-from fivefold.serve.runner import ModelRunner
+from fivefold.serve.runner import ModelRunner, StepLogits
 from fivefold.serve.scheduler import SchedulerOutput
 
 # An idle server sends nothing for as long as no request comes: the control group's waits
@@ -140,7 +140,7 @@ class TPDriverRunner(TPModelRunner):
             self._sent[rid] = [len(tokens), table]
         return msg
 
-    def execute(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
+    def execute(self, out: SchedulerOutput) -> StepLogits:
         send_object(self.encode(out), self.control)
         return super().execute(out)
 
