@@ -9,7 +9,8 @@ s: the float model is unchanged (its perplexity is reported, with the relative c
 its linear inputs get the few large channels of a pretrained LLM, a synthetic stand-in for
 one. For each s, both arms are fake-quantised per group of 128 input columns, asymmetric,
 b bits (`numerics.intx.fake_quantize_int4` with levels = 2^b - 1), AWQ's scale and clip
-search (`quant.awq.apply_awq`, its defaults, searching with the same b-bit grid) applied
+search (`quant.awq.apply_awq`, its defaults, searching with the same b-bit grid;
+`--clip-mode range` to shrink both ends of the asymmetric grid's range) applied
 first: they differ only in AWQ. Calibration: 128 sequences of the run's training split at
 its train.seq_len, as `fivefold quantize --method awq --checkpoint` takes them; evaluation:
 the run's validation split. "closes" is (RTN - AWQ) / (RTN - fp32) perplexity.
@@ -41,7 +42,7 @@ from quant_quality import calibration, step_dir  # noqa: E402
 
 from fivefold.evaluate.perplexity import checkpoint_validation, perplexity  # noqa: E402
 from fivefold.host import cpu_model  # noqa: E402
-from fivefold.quant.awq import apply_awq  # noqa: E402
+from fivefold.quant.awq import CLIP_MODES, apply_awq  # noqa: E402
 from fivefold.quant.outliers import inject_outliers  # noqa: E402
 from fivefold.train.bench import git_revision, machine  # noqa: E402
 from fivefold.train.checkpoint import read_meta  # noqa: E402
@@ -62,14 +63,14 @@ def residual_factor(original, awq_model, channels: dict[str, list[int]]) -> floa
 
 
 def close_gap(model, calib, tokens, seq_len: int, base: float, bits: int,
-              group_size: int) -> dict:
+              group_size: int, clip_mode: str | None = None) -> dict:
     """RTN and AWQ perplexity of `model` at `bits`, and the share of RTN's gap AWQ closes."""
     levels = 2 ** bits - 1
     rtn = copy.deepcopy(model)
     round_linears(rtn, levels, group_size)
     p_rtn = perplexity(rtn, tokens, seq_len).perplexity
     scaled = copy.deepcopy(model)
-    apply_awq(scaled, calib, group_size, levels=levels)
+    apply_awq(scaled, calib, group_size, levels=levels, clip_mode=clip_mode)
     searched = copy.deepcopy(scaled)  # AWQ's float weights, before rounding
     round_linears(scaled, levels, group_size)
     p_awq = perplexity(scaled, tokens, seq_len).perplexity
@@ -78,7 +79,7 @@ def close_gap(model, calib, tokens, seq_len: int, base: float, bits: int,
 
 
 def run(path: str, scales: list[float], bits: list[int], group_size: int, samples: int,
-        fraction: float, seed: int) -> dict:
+        fraction: float, seed: int, clip_mode: str | None = None) -> dict:
     step = step_dir(path)
     meta = read_meta(step)
     trained_len = int(meta["config"]["train"]["seq_len"])
@@ -87,7 +88,9 @@ def run(path: str, scales: list[float], bits: list[int], group_size: int, sample
     plain = perplexity(model, tokens, seq_len).perplexity
     result = {"checkpoint": str(step), "fp32": plain, "validation_tokens": int(len(tokens)),
               "calibration": list(calib.shape), "group_size": group_size,
-              "fraction": fraction, "seed": seed, "scales": {}}
+              "fraction": fraction, "seed": seed,
+              "clip_mode": clip_mode or "absmax",
+              "scales": {}}
     print(f"fp32 {plain:.4f} (no injection)", flush=True)
     for s in scales:
         injected = copy.deepcopy(model)
@@ -97,7 +100,7 @@ def run(path: str, scales: list[float], bits: list[int], group_size: int, sample
                "channels_per_norm": len(next(iter(channels.values()))), "bits": {}}
         for b in bits:
             numbers, searched = close_gap(injected, calib, tokens, seq_len, base, b,
-                                          group_size)
+                                          group_size, clip_mode)
             numbers["residual_factor"] = residual_factor(model, searched, channels)
             row["bits"][str(b)] = numbers
             print(f"s={s:g} int{b} g{group_size}: fp32 {base:.4f} "
@@ -134,6 +137,9 @@ def main() -> None:
     ap.add_argument("--calib-samples", type=int, default=128)
     ap.add_argument("--fraction", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clip-mode", choices=CLIP_MODES, default=None,
+                    help="what AWQ's clip search shrinks (default absmax, llm-awq's "
+                    "[-max|w|, max|w|]; range: the asymmetric grid's [min w, max w])")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "awq_outliers.json"))
     ap.add_argument("--combine", nargs="+", metavar="JSON",
                     help="merge the scales of earlier runs (one process per scale) into --out")
@@ -145,7 +151,7 @@ def main() -> None:
         ap.error("give --checkpoint DIR (or --combine JSON ...)")
     torch.set_num_threads(1)
     result = run(args.checkpoint, args.scales, args.bits, args.group_size,
-                 args.calib_samples, args.fraction, args.seed)
+                 args.calib_samples, args.fraction, args.seed, args.clip_mode)
     record = {"benchmark": "awq_outliers", "result": result,
               "machine": {**machine(torch.device("cpu")), "cpu_model": cpu_model()},
               "git_revision": git_revision(),

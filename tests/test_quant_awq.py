@@ -109,3 +109,28 @@ def test_alpha_grid_is_llm_awqs():
     grid = alpha_grid(20)
     assert len(grid) == 20 and grid[0] == 0.0 and grid[-1] == 0.95
     assert all(abs(b - a - 0.05) < 1e-12 for a, b in zip(grid, grid[1:]))
+
+
+@pytest.mark.parametrize("options", [{}, {"duo": True}])
+def test_grouped_query_attention_folds_v_into_o_exactly(options):
+    # Under GQA (4 query heads, 2 kv heads) o_proj's input repeats each v channel for the two
+    # query heads that read it: AWQ scales it with one scale per v channel and folds it into
+    # v_proj's rows. Without clipping the float function is unchanged up to the rounding of
+    # w·s and w/s (~6e-8 relative each, a few per path; measured ~2e-7 of the largest
+    # logit), bound 1e-5. Duo scaling ties its weight means the same way.
+    cfg = ModelConfig(name="g", vocab_size=256, hidden_size=128, intermediate_size=256,
+                      num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128,
+                      init_std=0.05)
+    model = build_model(cfg, seed=1).eval()
+    calib = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(4))
+    scaled = copy.deepcopy(model)
+    report = apply_awq(scaled, calib, group_size=128, clip=False, **options)
+    o_groups = [g for g in report.groups if g.linears == ["self_attn.o_proj"]]
+    assert len(o_groups) == 2 and all(g.alpha > 0 for g in o_groups)  # a scale was folded
+    with torch.no_grad():
+        o_in = scaled.layers[0].self_attn.o_proj.weight / model.layers[0].self_attn.o_proj.weight
+        heads = o_in[0].reshape(2, 2, 32)              # (kv head, query head in it, dim)
+        assert torch.allclose(heads[:, 0], heads[:, 1])  # one scale per v channel
+        assert not torch.allclose(heads[0, 0], torch.ones(32))
+        reference, out = model(calib), scaled(calib)
+    assert float((out - reference).abs().max() / reference.abs().max()) < 1e-5

@@ -95,10 +95,14 @@ def test_fold_leaves_the_float_function_unchanged():
     assert (logits(model, tokens) - reference).abs().max() <= 1e-5 * reference.abs().max()
 
 
-def test_grouped_query_attention_skips_the_v_to_o_fold():
+def test_grouped_query_attention_ties_the_v_to_o_scale():
+    # v_proj's output is narrower than o_proj's input: the group stays, with one scale per
+    # v channel repeated over the query heads that read it (test_quant_awq.py checks the fold)
     model = build_model(CFG.replace(num_kv_heads=2), seed=1)
-    prevs = [g.prev for g in layer_groups(model.layers[0])]
-    assert prevs == ["input_layernorm", "post_attention_layernorm", "mlp.up_proj"]
+    groups = layer_groups(model.layers[0])
+    assert [g.prev for g in groups] == ["input_layernorm", "self_attn.v_proj",
+                                        "post_attention_layernorm", "mlp.up_proj"]
+    assert groups[1].repeat == CFG.num_heads // 2
 
 
 def test_awq_beats_round_to_nearest_on_salient_channels():
