@@ -7,7 +7,8 @@ exits non-zero (or, where the page shows a refusal, anything but 2).
 
 The runs take minutes (each command starts Python and torch; the multi-rank ones start up to
 eight), so they carry the `docs` marker: the README's `python3 -m pytest` leaves them out and
-`python3 -m pytest -m docs` runs them (about 17 minutes on two cores).
+`python3 -m pytest -m docs` runs them (about 10 minutes on two cores; `.ci/run` runs it after
+the suite).
 """
 
 from __future__ import annotations
