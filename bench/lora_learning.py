@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from fivefold import config  # noqa: E402
 from fivefold.models.hf import save_hf  # noqa: E402
-from fivefold.train.bench import git_revision, machine  # noqa: E402
+from fivefold.train.bench import git_revision, machine, repo_relative  # noqa: E402
 from fivefold.train.trainer import Trainer  # noqa: E402
 
 SHAPE = ["--model.preset", "tiny", "--data.tokenizer", "byte", "--model.hidden_size", "128",
@@ -34,16 +34,6 @@ SHAPE = ["--model.preset", "tiny", "--data.tokenizer", "byte", "--model.hidden_s
          "--parallel.mbs", "8", "--train.precision", "fp32", "--train.device", "cpu",
          "--train.eval_every", "0", "--train.eval_batches", "4", "--checkpoint.every", "0",
          "--log.progress", "false", "--log.tensorboard", "false"]
-
-
-def repo_relative(path: str) -> str:
-    """A path inside the repository as the repository names it (results hold no machine's
-    paths)."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        return str(Path(path).resolve().relative_to(root))
-    except ValueError:
-        return str(path)
 
 
 def train(args: list[str], tmp: Path, name: str, steps: int) -> tuple[list[float], float, Trainer]:

@@ -31,23 +31,13 @@ from fivefold import config  # noqa: E402
 from fivefold.models.hf import save_hf  # noqa: E402
 from fivefold.models.init import build_model  # noqa: E402
 from fivefold.parallel.peak import PeakTracker  # noqa: E402
-from fivefold.train.bench import git_revision, machine  # noqa: E402
+from fivefold.train.bench import git_revision, machine, repo_relative  # noqa: E402
 from fivefold.train.loop import planned_peak_bytes  # noqa: E402
 from fivefold.train.trainer import Trainer  # noqa: E402
 
 MODES = {"full": [], "lora": ["--lora.rank", "{rank}"],
          "qlora": ["--lora.rank", "{rank}", "--lora.base", "nf4"]}
 STATES = ("params", "grads", "master", "optimizer")
-
-
-def repo_relative(path: str) -> str:
-    """A path inside the repository as the repository names it (results hold no machine's
-    paths)."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        return str(Path(path).resolve().relative_to(root))
-    except ValueError:
-        return str(path)
 
 
 def shape_args(args) -> list[str]:

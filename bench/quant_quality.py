@@ -40,22 +40,12 @@ from fivefold.evaluate.perplexity import checkpoint_validation, perplexity  # no
 from fivefold.quant.cli import main as quantize_main  # noqa: E402
 from fivefold.quant.io import load_quantized, tensor_bytes  # noqa: E402
 from fivefold.quant.linear import QuantLinear  # noqa: E402
-from fivefold.train.bench import git_revision, machine  # noqa: E402
+from fivefold.train.bench import git_revision, machine, repo_relative  # noqa: E402
 from fivefold.train.checkpoint import load_model_for_inference, read_meta  # noqa: E402
 
 METHODS = ("int8", "int4", "awq", "nf4", "mxfp4")
 ANCHORS = {"LLaMA-7B": {"fp16": 5.68, "int4_rtn": 5.96, "awq": 5.78},
            "Llama-2-7B": {"fp16": 5.47, "int4_rtn": 5.73, "awq": 5.60}}
-
-
-def repo_relative(path: str) -> str:
-    """A path inside the repository as the repository names it (results hold no machine's
-    paths)."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        return str(Path(path).resolve().relative_to(root))
-    except ValueError:
-        return str(path)
 
 
 def step_dir(path: str) -> Path:

@@ -64,3 +64,20 @@ def test_without_cuda_the_full_run_is_refused_in_one_line(capsys):
     assert _load_script().main([]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--dry-run" in err[0]
+
+
+def test_profile_dry_run_profiles_each_part(capsys):
+    """bench/gpu_profile.py --dry-run: each part (the training step, FP8 and bf16 linears, the
+    Engine) runs under the profiler on CPU and prints its table; none fails."""
+    spec = importlib.util.spec_from_file_location("bench_gpu_profile",
+                                                  ROOT / "bench" / "gpu_profile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--dry-run", "--rows", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "failed:" not in out, out[-2000:]
+    headers = [line for line in out.splitlines() if line.startswith("=== ")]
+    assert [h.split(":")[0] for h in headers] == [
+        "=== training step (8B-shaped blocks)", "=== 3 x FP8 tensorwise linear 128x128->128 (fp8",
+        "=== 3 x FP8 blockwise linear 128x128->128 (fp8", "=== 3 x bf16 linear 128x128->128",
+        "=== Engine, 2 requests x 8 tokens (tiny)"], headers

@@ -105,6 +105,16 @@ class FivefoldRunner:
         return StepRecord(record["loss"], seconds, parts, time.process_time() - cpu_start)
 
 
+def repo_relative(path: str | Path) -> str:
+    """A path inside this repository as the repository names it, so that results written
+    under bench/results/ hold no machine's paths; any other path as given."""
+    root = Path(__file__).resolve().parents[3]  # src/fivefold/train/bench.py
+    try:
+        return str(Path(path).resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
 def git_revision() -> str:
     try:
         here = Path(__file__).resolve().parent
