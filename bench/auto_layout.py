@@ -3,7 +3,7 @@ step times of every feasible layout, on this machine.
 
     python bench/auto_layout.py --profile PROFILE.json [--ranks 4] [--rounds 2] [--steps 2]
         [--warmup 1] [--cases 25m-gbs4,25m-gbs8,deep-gbs4,deep-gbs8] [--no-sp]
-        [--more [--only-missing]]
+        [--more [--only-missing]] [--all]
 
 PROFILE.json comes from `fivefold calibrate --out PROFILE.json --world 4 --max-hidden 1024
 --threads 1` (each rank of a CPU run computes on one thread). For each case (a model and a
@@ -56,6 +56,7 @@ MODELS = {"25m": [], "deep": ["--model.hidden_size", "256", "--model.intermediat
                               "--model.num_layers", "16", "--model.num_heads", "4",
                               "--model.num_kv_heads", "4"]}
 CORES = len(os.sched_getaffinity(0))  # the ranks share them: planner.shared_cores_time
+STATS = {"median": statistics.median, "min": min}
 BUDGET_GIB = 4.0  # per rank: 4 ranks in this machine's 24 GiB, far above any layout's need
 
 
@@ -69,8 +70,10 @@ def case_config(name: str, root: Path, layout_args: list[str]):
     return config.load(str(ROOT / "examples" / "bench-25m.toml"), args)
 
 
-def candidates(name: str, ranks: int, hw, assume, root: Path, sp: bool = True):
-    """(auto's pick, its runner-up, the layouts to measure) of one case."""
+def candidates(name: str, ranks: int, hw, assume, root: Path, sp: bool = True,
+               every: bool = False):
+    """(auto's pick, its runner-up, the layouts to measure) of one case: one per shape, or
+    with `every` each feasible layout of the space (every micro-batch and ZeRO stage)."""
     cfg = case_config(name, root, ["--parallel.layout", "auto"])
     for key in ("parallel.mbs",):  # the example's own micro-batch: searched here
         config.given_keys(cfg).discard(key)
@@ -91,6 +94,8 @@ def candidates(name: str, ranks: int, hw, assume, root: Path, sp: bool = True):
         if key not in shapes or t < shapes[key][0]:
             shapes[key] = (t, lay)
     layouts = [lay for _, lay in shapes.values()]
+    if every:
+        layouts = [lay for lay in feasible if sp or not lay.sp]
     for plan in (pick.best, pick.runner_up):
         if plan is not None and plan.layout not in layouts:
             layouts.append(plan.layout)
@@ -160,6 +165,14 @@ def main() -> None:
                     help="with --more: measure only the layouts without samples (a new pick)")
     ap.add_argument("--merge", nargs="*", default=[], metavar="JSON",
                     help="add the samples of these earlier results files (same layouts)")
+    ap.add_argument("--all", action="store_true",
+                    help="measure every feasible layout of the space, not one per shape")
+    ap.add_argument("--rescore", action="store_true",
+                    help="measure nothing: plan the layouts already measured in --out again "
+                         "(this revision's planner and --profile) and rewrite the scores")
+    ap.add_argument("--stat", choices=sorted(STATS), default="median",
+                    help="a layout's time from its samples: their median (default), or their "
+                         "minimum where other jobs share the machine (they only add time)")
     ap.add_argument("--no-sp", dest="sp", action="store_false",
                     help="measure no sequence-parallel shapes (unless auto picks one)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "auto_layout.json"))
@@ -171,14 +184,40 @@ def main() -> None:
     cases = {}
     for name in args.cases.split(","):
         cfg, work, pick, layouts, feasible = candidates(name, args.ranks, hw, assume, root,
-                                                         args.sp)
+                                                         args.sp, args.all)
         plans = {lay: plan_layout(work, lay, hw, assume) for lay in layouts}
         cases[name] = {"cfg": cfg, "pick": pick, "plans": plans, "feasible": feasible,
                        "times": {lay: [] for lay in layouts}}
-        print(f"{name}: {len(layouts)} layouts measured (one per shape of {feasible}); auto "
+        print(f"{name}: {len(layouts)} layouts measured (of {feasible} feasible); auto "
               f"picks {pick.best.layout.short()}", flush=True)
     earlier = 0
     args.kept_cases = {}
+    if args.rescore:  # the samples of --out, planned again
+        before = json.loads(Path(args.out).read_text())
+        args.kept_cases = {k: v for k, v in before["cases"].items() if k not in cases}
+        for name, result in before["cases"].items():
+            if name not in cases:
+                continue
+            _, work, _, _, _ = candidates(name, args.ranks, hw, assume, root, True, True)
+            case = cases[name]
+            shown = {lay.short(): lay for lay in case["times"]}
+            for row in result["rows"]:
+                lay = shown.get(row["layout"]) or next(
+                    (p.layout for p in (case["pick"].best, case["pick"].runner_up)
+                     if p is not None and p.layout.short() == row["layout"]), None)
+                if lay is None:  # measured before, out of the space now: not scored
+                    print(f"{name}: {row['layout']} is no longer a candidate", flush=True)
+                    continue
+                case["plans"].setdefault(lay, plan_layout(work, lay, hw, assume))
+                case["times"].setdefault(lay, [])
+                case["times"][lay] += row["samples_s"]
+            case["plans"] = {lay: plan for lay, plan in case["plans"].items()
+                             if case["times"][lay]}
+            if case["pick"].best.layout not in case["plans"]:
+                print(f"{name}: auto now picks {case['pick'].best.layout.short()}, not "
+                      f"measured (measure it with --more --only-missing)", flush=True)
+        write(args, cases, profile, started, before["rounds"])
+        return
     if args.more and Path(args.out).is_file():  # add rounds to the samples already there
         before = json.loads(Path(args.out).read_text())
         earlier = before["rounds"]
@@ -226,15 +265,16 @@ def write(args, cases: dict, profile: dict, started: float, rounds_done: int) ->
             rows.append({"layout": lay.short(),
                          "planned_s": case["pick"].step_time(plan),
                          "planned_own_cores_s": plan.time.total,
-                         "measured_s": statistics.median(case["times"][lay]),
+                         "measured_s": STATS[args.stat](case["times"][lay]),
                          "samples_s": case["times"][lay]})
         if len(rows) < len(case["plans"]):
             continue
         rows.sort(key=lambda r: r["measured_s"])
         best = rows[0]["measured_s"]
         chosen = case["pick"].best.layout.short()
-        rank = next(i for i, r in enumerate(rows) if r["layout"] == chosen) + 1
-        pick_s = rows[rank - 1]["measured_s"]
+        rank = next((i for i, r in enumerate(rows) if r["layout"] == chosen), -1) + 1
+        # 0: a rescore's new pick, not measured yet (--more --only-missing measures it)
+        pick_s = rows[rank - 1]["measured_s"] if rank else float("nan")
         rho = spearman([r["planned_s"] for r in rows], [r["measured_s"] for r in rows])
         rho_own = spearman([r["planned_own_cores_s"] for r in rows],
                            [r["measured_s"] for r in rows])
@@ -246,7 +286,7 @@ def write(args, cases: dict, profile: dict, started: float, rounds_done: int) ->
                          "best_measured_s": best, "regret": pick_s / best - 1,
                          "spearman": rho, "spearman_own_cores": rho_own,
                          "cores": case["pick"].cores, "rows": rows}
-        print(f"{name}: pick {chosen} ranks {rank} of {len(rows)}, {pick_s:.2f} s vs best "
+        print(f"{name}: pick {chosen} ranks {rank or 'unmeasured'} of {len(rows)}, {pick_s:.2f} s vs best "
               f"{rows[0]['layout']} {best:.2f} s: regret {100 * (pick_s / best - 1):.1f}%; "
               f"Spearman {rho:.2f} ({rho_own:.2f} as if each rank had its own core)", flush=True)
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
@@ -255,6 +295,7 @@ def write(args, cases: dict, profile: dict, started: float, rounds_done: int) ->
                            "platform": platform.platform(), "torch": torch.__version__,
                            "git_rev": rev, "load_average_at_end": os.getloadavg()},
                "ranks": args.ranks, "rounds": rounds_done, "steps": args.steps,
+               "statistic": args.stat,
                "budget_gib": BUDGET_GIB, "elapsed_s": time.time() - started,
                "profile": profile, "cases": {**args.kept_cases, **results}}
     Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")

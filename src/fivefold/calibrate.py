@@ -13,7 +13,11 @@ Measured (median of timed repeats after a warm-up):
 - bus bandwidth of all_reduce, all_gather, reduce_scatter, all_to_all and point-to-point
   per group size, through the engine's own communication door (`parallel/comm.py`), in
   NCCL-tests' convention: algorithm bandwidth × 2(n−1)/n for all-reduce, × (n−1)/n for
-  all-gather, reduce-scatter and all-to-all, × 1 for send/recv.
+  all-gather, reduce-scatter and all-to-all, × 1 for send/recv;
+- the latency of one collective call per group size (`latency_us`): an all-reduce of one
+  element, whose time is all start-up and synchronisation. On a CPU whose ranks outnumber
+  its cores it includes waiting for a descheduled peer, which small bandwidth-bound messages
+  do not show and which a tensor-parallel step pays at every one of its collectives.
 """
 
 from __future__ import annotations
@@ -122,11 +126,13 @@ def _collective_rank(rank: int, world: int, init_file: str, out: str, backend: s
     groups = {n: dist.new_group(list(range(n))) for n in sizes}  # collective: every rank
     nbytes = (1 << 16) if quick else (1 << 26)
     results: dict = {op: {} for op in OPS}
+    results["latency_us"] = {}
     for n in sizes:
         if rank < n:
             group = Group(f"calib{n}", list(range(n)), groups[n], Ledger())
             for op, gbps in _measure_group(group, nbytes, device, sync, quick).items():
                 results[op][str(n)] = gbps
+            results["latency_us"][str(n)] = _latency_us(group, device, sync, quick)
         dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
@@ -162,6 +168,18 @@ def _measure_group(group, nbytes: int, device: str, sync, quick: bool) -> dict[s
     return out
 
 
+def _latency_us(group, device: str, sync, quick: bool) -> float:
+    """Microseconds of one all-reduce of a single element over `group`."""
+    import torch
+
+    from fivefold.parallel import comm
+
+    x = torch.zeros(1, device=device)
+    comm.barrier(group)
+    return _timed(lambda: comm.all_reduce(x, group), sync, 0.0, repeats=5,
+                  inner=10 if quick else 100) * 1e6
+
+
 def measure_collectives(world: int, backend: str, quick: bool) -> dict:
     import torch.multiprocessing as mp
 
@@ -174,6 +192,14 @@ def measure_collectives(world: int, backend: str, quick: bool) -> dict:
         mp.start_processes(_collective_rank, args=(world, init, out, backend, quick),
                            nprocs=world, join=True, start_method="spawn")
         return json.loads(Path(out).read_text())
+
+
+def _collectives(world: int, device: str, quick: bool) -> dict:
+    """`bus_gbps` and `latency_us` of the profile (empty on one rank)."""
+    if world < 2:
+        return {"bus_gbps": {}}
+    bus = measure_collectives(world, "nccl" if device == "cuda" else "gloo", quick)
+    return {"latency_us": bus.pop("latency_us"), "bus_gbps": bus}
 
 
 def calibrate(out: str | Path, world: int | None = None, device: str = "auto",
@@ -196,8 +222,7 @@ def calibrate(out: str | Path, world: int | None = None, device: str = "auto",
         "torch": torch.__version__, "quick": quick, "world": world,
         "threads": torch.get_num_threads(),
         **measure_compute(device, quick, max_hidden),
-        "bus_gbps": measure_collectives(world, "nccl" if device == "cuda" else "gloo", quick)
-        if world > 1 else {},
+        **_collectives(world, device, quick),
     }
     Path(out).write_text(json.dumps(profile, indent=2) + "\n")
     return profile

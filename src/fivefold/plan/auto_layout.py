@@ -26,11 +26,13 @@ from dataclasses import dataclass
 from fivefold import config as fconfig
 from fivefold.config.parallel import offload_value
 from fivefold.errors import ConfigError
+from fivefold.plan.comm import collectives
 from fivefold.plan.evaluate import LayoutPlan, plan_layout
 from fivefold.plan.hardware import CATALOG, GIB, Assumptions, Hardware
 from fivefold.plan.inputs import DEFAULT_GPU, layout_config, training_plan_inputs
-from fivefold.plan.layout import Layout, Workload
+from fivefold.plan.layout import Layout, Workload, critical_ranks
 from fivefold.plan.search import SearchSpace, enumerate_layouts, search
+from fivefold.plan.timing import collective_time
 
 # The recomputation the search tries when train.recompute is not set.
 RECOMPUTE_CHOICES = ("none", "selective", "full", "auto")
@@ -79,8 +81,8 @@ def shared_cores_time(plan: LayoutPlan, cores: int) -> float:
     run with more ranks than cores; 0: each rank has its own device, the planner's step).
     The planner times each rank as if it had a core of its own; time-shared, the step takes
     at least the compute of all ranks (each pipeline stage's, times the ranks that run it,
-    plus every rank's optimizer step) over the cores, plus the exposed communication. So a
-    pipeline bubble costs nothing while other ranks have work for the idle core, and the
+    plus every rank's optimizer step) over the cores, plus all of the communication,
+    none of it hidden (`unhidden_comm`). So a pipeline bubble costs nothing while other ranks have work for the idle core, and the
     planner's own step, the critical path, stays a lower bound."""
     lay, t = plan.layout, plan.time
     nodes_ranks = plan.context[1].gpus_per_node if plan.context else lay.world_size
@@ -89,9 +91,31 @@ def shared_cores_time(plan: LayoutPlan, cores: int) -> float:
     ranks_per_stage = lay.world_size / lay.pp
     work = (sum(s["compute_s_per_step"] for s in plan.stages) * ranks_per_stage
             + lay.world_size * t.optimizer)
-    exposed = t.tp_comm + t.cp_comm + t.ep_comm + t.pp_comm + t.dp_comm
     nodes = max(1, lay.world_size // nodes_ranks)
-    return max(t.total, work / (cores * nodes) + exposed)
+    return max(t.total, work / (cores * nodes) + unhidden_comm(plan))
+
+
+def unhidden_comm(plan: LayoutPlan) -> float:
+    """Seconds of every collective of a step on its busiest pipeline rank, none of it
+    overlapped. Overlap needs an idle resource: on a CPU whose cores the ranks' compute keeps
+    busy, the transport's copies and reductions (gloo's, on the same cores) run instead of
+    compute, not beside it. Times are calibrate's, measured with the cores free for them."""
+    work, hw, assume = plan.context
+    lay = plan.layout
+    bucket = work.bucket_mb * 1e6
+    worst = 0.0
+    for rank in critical_ranks(work.model, lay):
+        total = 0.0
+        for c in collectives(work, lay, rank):
+            if c.group == "pp":  # duplex, each message with its overhead (plan/timing.py)
+                total += (collective_time(c, hw, assume, lay)
+                          + c.calls * assume.pp_message_ms * 1e-3) / 2
+            else:
+                total += collective_time(c, hw, assume, lay, bucket
+                                         if c.group in ("dp", "dp_cp", "edp", "pp_embed")
+                                         else 0.0)
+        worst = max(worst, total)
+    return worst
 
 
 def _given(cfg) -> set[str]:

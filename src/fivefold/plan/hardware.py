@@ -271,6 +271,15 @@ def profile_attention_rate(hw: Hardware, seq_len: float) -> float | None:
                         seq_len)
 
 
+def profile_latency_s(hw: Hardware, group_size: int) -> float | None:
+    """Measured seconds of one collective call (a one-element all-reduce) at the nearest
+    measured group size; None without a profile or one written before calibrate took it."""
+    sizes = {int(n): v for n, v in ((hw.profile or {}).get("latency_us") or {}).items()}
+    if not sizes:
+        return None
+    return sizes[min(sizes, key=lambda n: (abs(math.log(n / group_size)), n))] * 1e-6
+
+
 def profile_bus_gbps(hw: Hardware, op: str, group_size: int) -> float | None:
     """Measured bus bandwidth (GB/s) of `op` at the nearest measured group size."""
     if not hw.profile:

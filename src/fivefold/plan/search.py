@@ -2,9 +2,10 @@
 breaks a constraint or does not fit, rank the rest by predicted throughput.
 
 Speed comes from a bound, not from approximation: every layout first gets a lower bound on
-its step time (its pipeline's compute, m·(t_f + t_b)·(1 + bubble), which every other part
-only adds to). Layouts are then planned exactly in order of that bound, and the search stops
-when the bound passes the step time of the last layout it must show. A layout whose recompute
+its step time (its pipeline's compute, m·(t_f + t_b), and a bubble of its quickest stage's
+micro-batches, which every other part only adds to). Layouts are then planned exactly in
+order of that bound, and the search stops when the bound passes the step time of the last
+layout it must show. A layout whose recompute
 sibling with less recomputation already fits is skipped too: it holds more FLOPs for nothing.
 """
 
@@ -229,19 +230,23 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
             lay = dataclasses.replace(lay, recompute="none")
         key = (lay.tp, lay.cp, lay.pp, lay.mbs, lay.schedule, lay.virtual_stages,
                lay.recompute, lay.sp)
-        per_mb = compute_cache.get(key)
-        if per_mb is None:
-            per_mb = 0.0
-            for rank in critical_ranks(work.model, lay):
+        cached = compute_cache.get(key)
+        if cached is None:
+            def rank_mb(rank):
                 rkey = (lay.tp, lay.cp, lay.mbs, lay.recompute, lay.sp,
                         stage(work.model, lay, rank))
                 rc = compute_cache.get(rkey)
                 if rc is None:
                     one = rank_compute(work, lay, hw, assume, rank)
                     rc = compute_cache[rkey] = one.forward + one.backward
-                per_mb = max(per_mb, rc)
-            compute_cache[key] = per_mb
-        return m * per_mb * (1 + bubble_ratio(lay, m))
+                return rc
+            # the slowest stage's micro-batches; the bubble is the other stages' fill and
+            # drain (plan/timing.py), at least the quickest stage's time each
+            cached = compute_cache[key] = (
+                max(rank_mb(r) for r in critical_ranks(work.model, lay)),
+                min(rank_mb(r) for r in range(lay.pp)) if lay.pp > 1 else 0.0)
+        per_mb, quickest = cached
+        return m * per_mb + bubble_ratio(lay, m) * m * quickest
 
     bounds = []
     for i, lay in enumerate(layouts):

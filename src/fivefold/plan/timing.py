@@ -23,6 +23,7 @@ from fivefold.plan.hardware import (
     group_bandwidth,
     profile_attention_rate,
     profile_bus_gbps,
+    profile_latency_s,
     profile_matmul_rate,
 )
 from fivefold.plan.layout import (
@@ -97,7 +98,8 @@ def group_link(hw: Hardware, layout: Layout, group: str) -> tuple[float, bool]:
 def collective_time(c: Collective, hw: Hardware, assume: Assumptions, layout: Layout,
                     bucket_bytes: float = 0.0) -> float:
     """Seconds for all of a collective's calls in a step: wire bytes at the group's bus
-    bandwidth, plus a latency per call (2·log2 n steps; per bucket when bucketed)."""
+    bandwidth, plus a latency per call (2·log2 n steps; per bucket when bucketed), or the
+    call's latency as calibrate measured it inside a node."""
     bw, inter = group_link(hw, layout, c.group)
     alpha = (assume.inter_latency_us if inter else assume.intra_latency_us) * 1e-6
     measured = None if inter else profile_bus_gbps(hw, c.op, c.group_size)
@@ -107,7 +109,10 @@ def collective_time(c: Collective, hw: Hardware, assume: Assumptions, layout: La
     if bucket_bytes:
         calls = max(c.calls, c.bytes / bucket_bytes)
     steps = 1 if c.op in ("send", "recv") else 2 * log2_ceil(c.group_size)
-    return c.wire_bytes / (bw * assume.bandwidth_efficiency) + calls * steps * alpha
+    per_call = steps * alpha
+    if not inter and c.op not in ("send", "recv"):  # measured (calibrate), where it was
+        per_call = profile_latency_s(hw, c.group_size) or per_call
+    return c.wire_bytes / (bw * assume.bandwidth_efficiency) + calls * per_call
 
 
 def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
@@ -236,15 +241,47 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
                           + max(0.0, dp["step"] - rc.forward))
         if any(dp.values()):
             exposed_dp = max(exposed_dp, _one_bucket(work, lay, hw, assume, bucket))
-        entry = (mb + (tp + cp + per["ep"]) / m, rc, tp, cp, per["ep"], per["pp"], exposed_dp)
+        entry = (mb + (tp + cp + per["ep"]) / m, rc, tp, cp, per["ep"], per["pp"], exposed_dp,
+                 rank)
         if worst is None or entry[0] > worst[0]:
             worst = entry
-    mb_time, rc, tp, cp, ep, pp, exposed_dp = worst
+    mb_time, rc, tp, cp, ep, pp, exposed_dp, slowest = worst
     compute = m * (rc.forward + rc.backward)
-    bubble = bubble_ratio(lay, m) * m * mb_time
+    bubble = bubble_ratio(lay, m) * m * _others_microbatch(work, lay, hw, assume, slowest,
+                                                           mb_time)
     return StepTime(compute=compute, tp_comm=tp, cp_comm=cp, ep_comm=ep, pp_comm=pp,
                     bubble=bubble, dp_comm=exposed_dp,
                     optimizer=optimizer_time(work, lay, hw, assume), recompute=m * rc.recompute)
+
+
+def _others_microbatch(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
+                       slowest: int, mb_time: float) -> float:
+    """The mean micro-batch time of the pipeline ranks other than the slowest one. A
+    pipeline's fill and drain run the other stages' forwards and backwards while the slowest
+    waits: 1F1B takes (m − 1)·max_s t_s + Σ_s t_s (Narayanan 2021 §2.2.1 with stages of
+    unequal time), so its bubble is Σ over the other stages, (p − 1)/m · m · their mean;
+    equal stages give back (p − 1)·t. The other schedules' ratios scale the same mean.
+    Their communication per micro-batch is the slowest rank's, in proportion to layers."""
+    if layout.pp == 1:
+        return mb_time
+    comm = mb_time - sum(_compute(work, layout, hw, assume, slowest))
+    layers = max(1, stage(work.model, layout, slowest)[0])
+    seen: dict = {}
+    times = []
+    for rank in range(layout.pp):
+        if rank == slowest:
+            continue
+        key = (stage(work.model, layout, rank), moe_layers_on_rank(work.model, layout, rank))
+        if key not in seen:
+            seen[key] = (sum(_compute(work, layout, hw, assume, rank))
+                         + comm * key[0][0] / layers)
+        times.append(seen[key])
+    return sum(times) / len(times)
+
+
+def _compute(work, layout, hw, assume, rank) -> tuple[float, float]:
+    rc = rank_compute(work, layout, hw, assume, rank)
+    return rc.forward, rc.backward
 
 
 def _one_bucket(work, layout, hw, assume, bucket: float) -> float:
