@@ -47,6 +47,16 @@ def test_calibrate_writes_a_profile_the_planner_reads(tmp_path, capsys):
     assert quick["step_time_parts_s"]["compute"] < measured["step_time_parts_s"]["compute"]
     assert quick["step_time_parts_s"]["tp_comm"] < measured["step_time_parts_s"]["tp_comm"]
 
+    # The measured latency of a call is what each collective call costs beyond its bytes:
+    # 1 ms more per call adds 1 ms per tensor-parallel call of the step.
+    assert 0 < profile["latency_us"]["2"] < 1e6
+    slow = copy.deepcopy(profile)
+    slow["latency_us"] = {n: v + 1000 for n, v in profile["latency_us"].items()}
+    path.write_text(json.dumps(slow))
+    late = _plan(capsys, "--hw-profile", str(path))
+    calls = late["step_time_parts_s"]["tp_comm"] - measured["step_time_parts_s"]["tp_comm"]
+    assert calls > 1e-3 * 4  # at least the 4 calls of one layer's forward and backward
+
 
 def test_bad_profile_is_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.json"
