@@ -2,6 +2,7 @@
 
     fivefold calibrate --out profile.json            # GPUs if present, else CPU/gloo
     fivefold calibrate --out p.json --quick --world 2  # tiny shapes (what CI runs)
+    fivefold calibrate --out p.json --offload-dir /nvme/offload  # and the disk under it
     fivefold plan --model llama-3.1-8b --hw-profile profile.json ...
 
 Measured (median of timed repeats after a warm-up):
@@ -41,6 +42,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from fivefold.config import ArgumentParser, ConfigError
+from fivefold.config.rules import writable_dir, writable_file
 from fivefold.host import cpu_label, cpu_model
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -212,9 +214,9 @@ def file_system(path: Path) -> str:
 
 def measure_disk(directory: str | Path, size_mib: int) -> dict:
     """Sequential write (fsync'ed) and read rates, GB/s, of one `size_mib` file under
-    `directory` (created if missing, and removed again with the file)."""
+    `directory` (created if missing, and then removed again with the file)."""
     root = Path(directory).resolve()
-    made = [p for p in [root, *root.parents] if not p.exists()]
+    made = not root.exists()  # removed again at the end, as the engine does its offload_dir
     root.mkdir(parents=True, exist_ok=True)
     chunks = max(1, size_mib * (1 << 20) // DISK_CHUNK)
     data = memoryview(os.urandom(DISK_CHUNK))  # incompressible, as fp32 states are
@@ -254,9 +256,9 @@ def measure_disk(directory: str | Path, size_mib: int) -> dict:
                           f"{size_mib} MiB free") from None
     finally:
         path.unlink(missing_ok=True)
-        for p in made:
+        if made:
             with contextlib.suppress(OSError):
-                p.rmdir()
+                root.rmdir()
     nbytes = chunks * DISK_CHUNK
     write, read = nbytes / write_s / 1e9, nbytes / read_s / 1e9
     return {"dir": str(root), "filesystem": file_system(root),
@@ -296,25 +298,26 @@ def calibrate(out: str | Path, world: int | None = None, device: str = "auto",
         progress(f"disk: write (fsync) and read {disk_mib} MiB in {offload_dir}")
         profile["disk"] = measure_disk(offload_dir, disk_mib)
         profile["nvme_gbps"] = profile["disk"]["nvme_gbps"]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(profile, indent=2) + "\n")
     return profile
 
 
-def disk_words(profile: dict) -> str:
-    """What the closing line says of the disk."""
+def disk_words(profile: dict, given_dir: str | None) -> str:
+    """What the closing line says of the disk (measured under `given_dir`, as given)."""
     disk = profile.get("disk")
     if not disk:
         return ("no disk measured (--offload-dir DIR measures the one NVMe offload would "
                 "write, for parallel.layout = auto)")
     memory = " (tmpfs: memory, not a disk)" if disk["filesystem"] in ("tmpfs", "ramfs") else ""
     return (f"disk {disk['nvme_gbps']:.3g} GB/s for offload (write {disk['write_gbps']:.3g},"
-            f" read {disk['read_gbps']:.3g}) in {disk['dir']}, {disk['filesystem']}{memory}")
+            f" read {disk['read_gbps']:.3g}) in {given_dir}, {disk['filesystem']}{memory}")
 
 
 def main(argv: list[str]) -> int:
-    ap = ArgumentParser(prog="fivefold calibrate", description="Measure matmul, attention and "
-                        "collective bandwidth here; write a profile for fivefold plan "
-                        "--hw-profile.")
+    ap = ArgumentParser(prog="fivefold calibrate", description="Measure matmul, attention, "
+                        "collective bandwidth and (--offload-dir) the disk here; write a "
+                        "profile for fivefold plan and train --hw-profile.")
     ap.add_argument("--out", required=True, help="the profile JSON to write")
     ap.add_argument("--world", type=int, help="ranks for the collectives (default: the GPUs, "
                     "or 2 on CPU)")
@@ -334,6 +337,9 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--world {args.world} must lie in [1, 64]")
     if args.max_hidden < 128:
         raise ConfigError(f"--max-hidden {args.max_hidden} must be >= 128")
+    writable_file("--out", args.out)  # before minutes of measuring, not after
+    if args.offload_dir:
+        writable_dir("--offload-dir", args.offload_dir)
     disk_mib = args.disk_mib if args.disk_mib is not None else 8 if args.quick else 256
     if disk_mib < 4:
         raise ConfigError(f"--disk-mib {disk_mib} must be >= 4 (one chunk of 4 MiB)")
@@ -349,5 +355,5 @@ def main(argv: list[str]) -> int:
     print(f"wrote {args.out}: matmul up to {best:.3g} TFLOP/s ({profile['dtype']}), "
           f"{len(profile['attention'])} attention shapes, memory "
           f"{profile['memory_gbps']:.3g} GB/s, collectives over "
-          f"{profile['world']} ranks, {disk_words(profile)}")
+          f"{profile['world']} ranks, {disk_words(profile, args.offload_dir)}")
     return 0
