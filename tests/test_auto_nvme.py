@@ -162,6 +162,12 @@ def test_without_a_measured_disk_nvme_is_not_searched_and_the_choice_says_so(tmp
     bare = small_config(tmp_path / "bare", "--parallel.layout", "auto")
     hw, _ = planner.auto_hardware(None, 1, 1.0, PROFILE, on_cpu=True)
     assert "no parallel.offload_dir" in planner.nvme_note(bare, hw)
+    # a profile whose disk lies on another file system than the run's offload_dir: a note
+    from fivefold.train.auto_layout import disk_elsewhere
+
+    measured = {"disk": {"dir": str(tmp_path)}}
+    assert disk_elsewhere(measured, str(tmp_path / "not" / "made" / "yet")) == ""
+    assert "another file system" in disk_elsewhere(measured, "/proc/fivefold-offload")
     # a parallel.offload the user sets is kept, disk measured or not
     kept = _auto_config(tmp_path / "kept", 1.0, "--parallel.offload", "nvme",
                         "--parallel.zero", "1")
