@@ -286,7 +286,8 @@ def write(args, cases: dict, profile: dict, started: float, rounds_done: int) ->
                          "best_measured_s": best, "regret": pick_s / best - 1,
                          "spearman": rho, "spearman_own_cores": rho_own,
                          "cores": case["pick"].cores, "rows": rows}
-        print(f"{name}: pick {chosen} ranks {rank or 'unmeasured'} of {len(rows)}, {pick_s:.2f} s vs best "
+        print(f"{name}: pick {chosen} ranks {rank or 'unmeasured'} of {len(rows)}, "
+              f"{pick_s:.2f} s vs best "
               f"{rows[0]['layout']} {best:.2f} s: regret {100 * (pick_s / best - 1):.1f}%; "
               f"Spearman {rho:.2f} ({rho_own:.2f} as if each rank had its own core)", flush=True)
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,

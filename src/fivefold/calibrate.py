@@ -2,6 +2,7 @@
 
     fivefold calibrate --out profile.json            # GPUs if present, else CPU/gloo
     fivefold calibrate --out p.json --quick --world 2  # tiny shapes (what CI runs)
+    fivefold calibrate --out p.json --offload-dir /nvme/offload  # and the disk under it
     fivefold plan --model llama-3.1-8b --hw-profile profile.json ...
 
 Measured (median of timed repeats after a warm-up):
@@ -17,11 +18,23 @@ Measured (median of timed repeats after a warm-up):
 - the latency of one collective call per group size (`latency_us`): an all-reduce of one
   element, whose time is all start-up and synchronisation. On a CPU whose ranks outnumber
   its cores it includes waiting for a descheduled peer, which small bandwidth-bound messages
-  do not show and which a tensor-parallel step pays at every one of its collectives.
+  do not show and which a tensor-parallel step pays at every one of its collectives;
+- with `--offload-dir DIR` (the `parallel.offload_dir` NVMe offload would write), the disk:
+  one file of `--disk-mib` MiB (256 by default) written sequentially in the engine's chunks
+  (parallel/nvme.py: 4 MiB of fp32 values), then fsync'ed, the fsync inside the timing, so
+  the page cache cannot pass memory speed off as the disk's; then its cached pages dropped
+  (posix_fadvise DONTNEED, where the platform has it: the profile says whether it ran) and
+  the file read back in the same chunks. The offload step reads and writes every byte of
+  the states once, one after the other on one I/O thread, so the rate the planner uses is
+  what that costs, 2 bytes over (1/read + 1/write): `nvme_gbps`. A run whose states fit in
+  the page cache may see faster writes than this sustained rate (its writes are not
+  fsync'ed); the states NVMe offload exists for do not fit there. On tmpfs the "disk" is
+  memory, and the profile names the file system so that it shows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -33,6 +46,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from fivefold.config import ArgumentParser, ConfigError
+from fivefold.config.rules import writable_dir, writable_file
 from fivefold.host import cpu_label, cpu_model
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -202,8 +216,89 @@ def _collectives(world: int, device: str, quick: bool) -> dict:
     return {"latency_us": bus.pop("latency_us"), "bus_gbps": bus}
 
 
+DISK_CHUNK = 4 << 20  # bytes per write and read: parallel/nvme.py's chunk of fp32 values
+
+
+def file_system(path: Path) -> str:
+    """The type of the file system holding `path` (Linux /proc/self/mounts), or "unknown"."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return "unknown"
+    best, kind = "", "unknown"
+    target = str(path.resolve())
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
+def measure_disk(directory: str | Path, size_mib: int) -> dict:
+    """Sequential write (fsync'ed) and read rates, GB/s, of one `size_mib` file under
+    `directory` (created if missing, and then removed again with the file)."""
+    root = Path(directory).resolve()
+    made = not root.exists()  # removed again at the end, as the engine does its offload_dir
+    root.mkdir(parents=True, exist_ok=True)
+    chunks = max(1, size_mib * (1 << 20) // DISK_CHUNK)
+    data = memoryview(os.urandom(DISK_CHUNK))  # incompressible, as fp32 states are
+    path = Path(tempfile.mkstemp(prefix="fivefold-calibrate-", suffix=".bin", dir=root)[1])
+    dropped = hasattr(os, "posix_fadvise")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        try:
+            start = time.perf_counter()
+            for i in range(chunks):
+                done = 0
+                while done < DISK_CHUNK:
+                    done += os.pwrite(fd, data[done:], i * DISK_CHUNK + done)
+            os.fsync(fd)
+            write_s = time.perf_counter() - start
+            if dropped:  # clean after the fsync, so the kernel may drop them
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        buf = memoryview(bytearray(DISK_CHUNK))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            start = time.perf_counter()
+            for i in range(chunks):
+                done = 0
+                while done < DISK_CHUNK:
+                    got = os.preadv(fd, [buf[done:]], i * DISK_CHUNK + done)
+                    if got == 0:
+                        raise OSError(f"{path} ends early")
+                    done += got
+            read_s = time.perf_counter() - start
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise ConfigError(f"--offload-dir {directory}: the disk could not be measured "
+                          f"({e.strerror or e}); give a writable directory with "
+                          f"{size_mib} MiB free") from None
+    finally:
+        path.unlink(missing_ok=True)
+        if made:
+            with contextlib.suppress(OSError):
+                root.rmdir()
+    nbytes = chunks * DISK_CHUNK
+    write, read = nbytes / write_s / 1e9, nbytes / read_s / 1e9
+    return {"dir": str(root), "filesystem": file_system(root),
+            "file_mib": nbytes >> 20, "chunk_mib": DISK_CHUNK >> 20,
+            "write_gbps": write, "read_gbps": read,
+            "page_cache": "dropped before the read (posix_fadvise DONTNEED)" if dropped else
+            "not dropped (no posix_fadvise here): the read may come from memory",
+            # the offload step's I/O: every byte read once and written once, in turn
+            "nvme_gbps": 2 / (1 / read + 1 / write)}
+
+
 def calibrate(out: str | Path, world: int | None = None, device: str = "auto",
-              quick: bool = False, max_hidden: int = 8192) -> dict:
+              quick: bool = False, max_hidden: int = 8192, offload_dir: str | None = None,
+              disk_mib: int = 256) -> dict:
     import torch
 
     if device == "auto":
@@ -224,14 +319,30 @@ def calibrate(out: str | Path, world: int | None = None, device: str = "auto",
         **measure_compute(device, quick, max_hidden),
         **_collectives(world, device, quick),
     }
+    if offload_dir:
+        progress(f"disk: write (fsync) and read {disk_mib} MiB in {offload_dir}")
+        profile["disk"] = measure_disk(offload_dir, disk_mib)
+        profile["nvme_gbps"] = profile["disk"]["nvme_gbps"]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(profile, indent=2) + "\n")
     return profile
 
 
+def disk_words(profile: dict, given_dir: str | None) -> str:
+    """What the closing line says of the disk (measured under `given_dir`, as given)."""
+    disk = profile.get("disk")
+    if not disk:
+        return ("no disk measured (--offload-dir DIR measures the one NVMe offload would "
+                "write, for parallel.layout = auto)")
+    memory = " (tmpfs: memory, not a disk)" if disk["filesystem"] in ("tmpfs", "ramfs") else ""
+    return (f"disk {disk['nvme_gbps']:.3g} GB/s for offload (write {disk['write_gbps']:.3g},"
+            f" read {disk['read_gbps']:.3g}) in {given_dir}, {disk['filesystem']}{memory}")
+
+
 def main(argv: list[str]) -> int:
-    ap = ArgumentParser(prog="fivefold calibrate", description="Measure matmul, attention and "
-                        "collective bandwidth here; write a profile for fivefold plan "
-                        "--hw-profile.")
+    ap = ArgumentParser(prog="fivefold calibrate", description="Measure matmul, attention, "
+                        "collective bandwidth and (--offload-dir) the disk here; write a "
+                        "profile for fivefold plan and train --hw-profile.")
     ap.add_argument("--out", required=True, help="the profile JSON to write")
     ap.add_argument("--world", type=int, help="ranks for the collectives (default: the GPUs, "
                     "or 2 on CPU)")
@@ -240,6 +351,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-hidden", type=int, default=8192, help="the widest GEMM measured, "
                     "(4096 × h) @ (h × 4h) (default 8192; lower it on a CPU, where 8192 takes "
                     "minutes, to the widths of the models you plan)")
+    ap.add_argument("--offload-dir", help="also measure the disk under this directory: the "
+                    "parallel.offload_dir NVMe offload writes (default: no disk measured)")
+    ap.add_argument("--disk-mib", type=int, help="MiB written and read back for the disk "
+                    "(default 256; 8 with --quick)")
     ap.add_argument("--threads", type=int, help="CPU threads for the matmul and attention "
                     "timings (default torch's; 1 when each rank of a CPU run has one)")
     args = ap.parse_args(argv)
@@ -247,16 +362,23 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--world {args.world} must lie in [1, 64]")
     if args.max_hidden < 128:
         raise ConfigError(f"--max-hidden {args.max_hidden} must be >= 128")
+    writable_file("--out", args.out)  # before minutes of measuring, not after
+    if args.offload_dir:
+        writable_dir("--offload-dir", args.offload_dir)
+    disk_mib = args.disk_mib if args.disk_mib is not None else 8 if args.quick else 256
+    if disk_mib < 4:
+        raise ConfigError(f"--disk-mib {disk_mib} must be >= 4 (one chunk of 4 MiB)")
     if args.threads is not None:
         if args.threads < 1:
             raise ConfigError(f"--threads {args.threads} must be >= 1")
         import torch
 
         torch.set_num_threads(args.threads)
-    profile = calibrate(args.out, args.world, args.device, args.quick, args.max_hidden)
+    profile = calibrate(args.out, args.world, args.device, args.quick, args.max_hidden,
+                        args.offload_dir, disk_mib)
     best = max(m["flops_per_s"] for m in profile["matmul"]) / 1e12
     print(f"wrote {args.out}: matmul up to {best:.3g} TFLOP/s ({profile['dtype']}), "
           f"{len(profile['attention'])} attention shapes, memory "
           f"{profile['memory_gbps']:.3g} GB/s, collectives over "
-          f"{profile['world']} ranks")
+          f"{profile['world']} ranks, {disk_words(profile, args.offload_dir)}")
     return 0

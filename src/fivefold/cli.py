@@ -20,7 +20,7 @@ commands:
   launch     run train on several ranks (torchrun's launcher; restarts, several nodes)
              fivefold launch [--max-restarts K] train --parallel.dp 2 ...
   plan       predict memory, time and MFU of a layout, or search for the best one
-  calibrate  measure matmul, attention and collectives here: a profile for plan --hw-profile
+  calibrate  measure matmul, attention, collectives (and a disk) here: a --hw-profile
   prepare    turn text/jsonl/parquet files into a token file for training
   generate   sample text from a checkpoint or a Hugging Face directory
   convert    export a checkpoint to Hugging Face format

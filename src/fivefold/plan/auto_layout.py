@@ -8,10 +8,22 @@ that were launched, and the engine runs it.
 
 Searched: dp, tp, pp, cp, ep, ZeRO stage, micro-batch size, pipeline schedule, recomputation
 (none, selective, full and `auto`'s per-layer choice under the budget), grad_sync (per
-layout, plan/grad_sync.py) and CPU offload on a GPU. Not searched: NVMe offload (calibrate
-does not measure a disk; `parallel.offload = "nvme"` is kept when set), pp_split and the
-bucket sizes (kept as set). The memory each rank may hold is `train.memory_budget_gib`, or
-the device's free memory; a budget bounds peak allocated bytes (no CUDA context is added).
+layout, plan/grad_sync.py), CPU offload on a GPU, and NVMe offload where the run allows it:
+parallel.offload_dir names a writable directory (the engine writes nowhere else), the
+optimizer is AdamW (the only one the tier streams) and the disk was measured, a calibrate
+profile's `nvme_gbps` (`fivefold calibrate --offload-dir DIR`). Without a measured disk NVMe
+is not searched, on a GPU either, and the printed choice says so: the catalog's 3.8 GB/s is
+one data sheet's drive, while the directory a run names may be a network volume a hundred
+times slower, and the step time of an NVMe layout is mostly that rate. An NVMe layout holds
+what CPU offload holds on the device; off it, host memory keeps only the staging slots
+(plan/nvme.py). On a GPU the host's memory per rank is a budget too (the machine's
+available memory over its ranks): CPU offload fits only where its states fit there, so NVMe
+wins where they do not; on a CPU, whose memory is the host's, CPU offload saves nothing
+(not searched) and NVMe frees what it moves to disk. Between equal times the search keeps
+the states closest: resident, then CPU, then NVMe. A `parallel.offload` the user sets is a
+constraint like any other key. Not searched: pp_split and the bucket sizes (kept as set).
+The memory each rank may hold is `train.memory_budget_gib`, or the device's free memory; a
+budget bounds peak allocated bytes (no CUDA context is added).
 
 Imports no torch: the engine side (free memory, device name, agreement of ranks) is
 train/auto_layout.py.
@@ -24,13 +36,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from fivefold import config as fconfig
-from fivefold.config.parallel import offload_value
+from fivefold.config.parallel import offload_dir_problem, offload_value
 from fivefold.errors import ConfigError
 from fivefold.plan.comm import collectives
 from fivefold.plan.evaluate import LayoutPlan, plan_layout
-from fivefold.plan.hardware import CATALOG, GIB, Assumptions, Hardware
+from fivefold.plan.hardware import CATALOG, GIB, Assumptions, Hardware, measured_disk, with_profile
 from fivefold.plan.inputs import DEFAULT_GPU, layout_config, training_plan_inputs
 from fivefold.plan.layout import Layout, Workload, critical_ranks
+from fivefold.plan.nvme import layout_offload, tier
 from fivefold.plan.search import SearchSpace, enumerate_layouts, search
 from fivefold.plan.timing import collective_time
 
@@ -52,28 +65,53 @@ class AutoPick:
     hardware: str  # what the speeds come from, in words
     considered: int  # layouts meeting the constraints
     cores: int = 0  # CPU cores the ranks of a node share (0: each rank has its own device)
+    nvme_note: str = ""  # why NVMe offload was not searched ("": it was, or it was set)
+    host_gib: float = 0.0  # host memory per rank for offloaded states (0: not modelled)
 
     def step_time(self, plan: LayoutPlan) -> float:
         return shared_cores_time(plan, self.cores)
 
 
 def auto_hardware(base: Hardware | None, ranks_per_node: int, budget_gib: float,
-                  profile: dict | None, on_cpu: bool) -> tuple[Hardware, Assumptions]:
+                  profile: dict | None, on_cpu: bool,
+                  host_gib: float = 0.0) -> tuple[Hardware, Assumptions]:
     """The device the search plans for: the catalog entry of the GPU (the default GPU on a
     CPU), holding `budget_gib` per rank, `ranks_per_node` to a node, with a calibrate
-    profile's measured speeds when given. On a CPU with a profile, the peak is its fastest
-    measured matmul (so MFU is against what this machine reaches) and elementwise kernels
-    run at its measured memory bandwidth. The budget bounds allocated bytes: no context."""
+    profile's measured speeds when given (its disk's rate too). On a CPU with a profile, the
+    peak is its fastest measured matmul (so MFU is against what this machine reaches) and
+    elementwise kernels run at its measured memory bandwidth; a CPU's memory is the host's.
+    On a GPU, `host_gib` (> 0) is the host memory per rank offloaded states may take. The
+    budget bounds allocated bytes: no context."""
     hw = base or CATALOG[DEFAULT_GPU]
     changes: dict = {"memory_gib": budget_gib, "gpus_per_node": max(1, ranks_per_node),
-                     "profile": profile}
+                     "device_is_host": on_cpu, "host_memory_gib": 0.0 if on_cpu else host_gib}
     assume = Assumptions(context_gib=0.0)
     if profile and on_cpu:
         best = max(m["flops_per_s"] for m in profile["matmul"]) / 1e12
         changes.update(fp32_tflops=best, bf16_tflops=best)
         if profile.get("memory_gbps"):  # timing applies hbm_efficiency to hbm_tbps
             changes["hbm_tbps"] = profile["memory_gbps"] / 1e3 / assume.hbm_efficiency
-    return dataclasses.replace(hw, **changes), assume
+    return with_profile(dataclasses.replace(hw, **changes), profile), assume
+
+
+def nvme_note(cfg, hw: Hardware) -> str:
+    """Why the search leaves NVMe offload out for this run, or "" when it tries it (or the
+    user set parallel.offload, which the search keeps as it is)."""
+    if "parallel.offload" in fconfig.given_keys(cfg):
+        return ""
+    if cfg.train.optimizer != "adamw":
+        return (f"NVMe offload not searched: it streams AdamW's states only, and "
+                f"train.optimizer = {cfg.train.optimizer}")
+    if not cfg.parallel.offload_dir:
+        return ("NVMe offload not searched: no parallel.offload_dir (the directory on a fast "
+                "local disk it would write)")
+    problem = offload_dir_problem(cfg.parallel.offload_dir)
+    if problem:
+        return f"NVMe offload not searched: parallel.offload_dir: {problem}"
+    if not measured_disk(hw):
+        return ("NVMe offload not searched: no disk measured (no nvme_gbps in a --hw-profile;"
+                " `fivefold calibrate --offload-dir DIR` measures it)")
+    return ""
 
 
 def shared_cores_time(plan: LayoutPlan, cores: int) -> float:
@@ -82,8 +120,9 @@ def shared_cores_time(plan: LayoutPlan, cores: int) -> float:
     The planner times each rank as if it had a core of its own; time-shared, the step takes
     at least the compute of all ranks (each pipeline stage's, times the ranks that run it,
     plus every rank's optimizer step) over the cores, plus all of the communication,
-    none of it hidden (`unhidden_comm`). So a pipeline bubble costs nothing while other ranks have work for the idle core, and the
-    planner's own step, the critical path, stays a lower bound."""
+    none of it hidden (`unhidden_comm`). So a pipeline bubble costs nothing while other
+    ranks have work for the idle core, and the planner's own step, the critical path, stays
+    a lower bound."""
     lay, t = plan.layout, plan.time
     nodes_ranks = plan.context[1].gpus_per_node if plan.context else lay.world_size
     if not cores or cores >= nodes_ranks:
@@ -137,10 +176,11 @@ def constraints(cfg) -> dict[str, object]:
     return out
 
 
-def search_space(cfg, keep: dict, on_cpu: bool, accepts) -> SearchSpace:
-    """The SearchSpace of an auto config: one value for every kept key."""
-    space = SearchSpace(recompute=RECOMPUTE_CHOICES, sp=(True, False),
-                        offload=(False,) if on_cpu else (False, True))
+def search_space(cfg, keep: dict, on_cpu: bool, accepts, nvme: bool = False) -> SearchSpace:
+    """The SearchSpace of an auto config: one value for every kept key; NVMe offload among
+    the tiers when `nvme` (nvme_note found nothing against it)."""
+    tiers = ((False,) if on_cpu else (False, True)) + (("nvme",) if nvme else ())
+    space = SearchSpace(recompute=RECOMPUTE_CHOICES, sp=(True, False), offload=tiers)
     checks = []
     for dotted, value in keep.items():
         section, key = dotted.split(".", 1)
@@ -149,7 +189,7 @@ def search_space(cfg, keep: dict, on_cpu: bool, accepts) -> SearchSpace:
         elif key in SPACE_FIELDS:
             setattr(space, SPACE_FIELDS[key], (value,))
         elif key == "offload":
-            space.offload = (offload_value(value) != "none",)
+            space.offload = (layout_offload(offload_value(value)),)
         elif key in ("pp_split", "pp_layers"):
             space.fixed[key] = tuple(value) if key == "pp_layers" else value
         if key in ("dp", "sp"):  # no SearchSpace field: kept by the filter
@@ -192,12 +232,18 @@ def choose(cfg, world: int, hw: Hardware, assume: Assumptions, precision: str,
     shared = on_cpu and 0 < cores < hw.gpus_per_node
     # shared cores reorder the planner's times, so its bound cannot prune: plan them all
     top = 10**6 if shared else 4
-    results = [search(work, world, hw, assume, space, top=top)
-               for space in _spaces(search_space(cfg, keep, on_cpu, _accepts(judged)), work)]
+    note = nvme_note(cfg, hw)
+    nvme = not note and "parallel.offload" not in keep
+    space = search_space(cfg, keep, on_cpu, _accepts(judged), nvme)
+    results = [search(work, world, hw, assume, part, top=top) for part in _spaces(space, work)]
     pick = AutoPick(None, None, world, budget, budget_source, hardware_words,
-                    sum(r.considered for r in results), cores if shared else 0)
-    # the search fits grad_sync = auto at its smaller need; each plan has it resolved
-    fitting = sorted((p for r in results for p in r.top if p.fits), key=pick.step_time)
+                    sum(r.considered for r in results), cores if shared else 0, note,
+                    hw.host_memory_gib)
+    # the search fits grad_sync = auto at its smaller need; each plan has it resolved.
+    # Equal times: the states closest first (NVMe's I/O hidden is a tie, not a gain).
+    closest = {"none": 0, "cpu": 1, "nvme": 2}
+    fitting = sorted((p for r in results for p in r.top if p.fits),
+                     key=lambda p: (pick.step_time(p), closest[tier(p.layout.offload)]))
     if fitting:  # the runner-up: the next that differs in prediction (auto ≡ none is a twin)
         best = pick.step_time(fitting[0])
         pick.best = fitting[0]
@@ -212,7 +258,7 @@ def choose(cfg, world: int, hw: Hardware, assume: Assumptions, precision: str,
             f"parallel.layout = 'auto': {_budget_words(budget_source, budget)} is below what "
             f"any layout of {world} rank(s) needs; the smallest, {lay.short()}, needs "
             f"{need / GIB:.3g} GiB: raise the budget, launch more ranks or shorten "
-            f"train.seq_len / train.gbs")
+            f"train.seq_len / train.gbs" + (f" ({note})" if note else ""))
     raise ConfigError(_no_layout(cfg, work, world, hw, keep, on_cpu, judged))
 
 
@@ -311,6 +357,10 @@ def describe(pick: AutoPick) -> list[str]:
              line("chosen", pick.best)]
     lines.append(line("runner-up", pick.runner_up) if pick.runner_up
                  else "  runner-up none: no other layout fits")
+    if pick.host_gib:
+        lines.append(f"  host memory for offloaded states: {pick.host_gib:.3g} GiB per rank")
+    if pick.nvme_note:
+        lines.append(f"  {pick.nvme_note}")
     return lines
 
 
@@ -331,7 +381,7 @@ def kept(cfg, saved: dict, world: int, hw: Hardware, assume: Assumptions,
         field = {"sp_saved_input": "sp_saved"}.get(name, name)
         have = getattr(lay, field, None)
         if name == "offload":
-            value = offload_value(value) != "none"
+            value, have = offload_value(value), tier(have)
         if have is not None and (tuple(have) if name == "pp_layers" else have) != (
                 tuple(value) if name == "pp_layers" else value):
             return None, f"{dotted} = {value} is set now and it has {have}"

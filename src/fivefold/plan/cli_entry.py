@@ -24,7 +24,14 @@ from fivefold.errors import ArgumentParser, ConfigError
 from fivefold.plan.advice import layout_warnings
 from fivefold.plan.conventions import CONVENTIONS, get_convention
 from fivefold.plan.evaluate import plan_layout
-from fivefold.plan.hardware import CATALOG, GIB, get_hardware, load_profile, parse_overrides
+from fivefold.plan.hardware import (
+    CATALOG,
+    GIB,
+    get_hardware,
+    load_profile,
+    parse_overrides,
+    with_profile,
+)
 from fivefold.plan.inputs import (
     default_gbs,
     engine_accepts,
@@ -221,9 +228,10 @@ def run(argv: list[str]) -> int:
         writable_dir("--plot", args.plot)
     if args.json and args.json != "-":
         writable_file("--json", args.json)
-    hw, assume = get_hardware(args.gpu, parse_overrides(args.hw))
+    overrides = parse_overrides(args.hw)
+    hw, assume = get_hardware(args.gpu, overrides)
     if args.hw_profile:
-        hw = dataclasses.replace(hw, profile=load_profile(args.hw_profile))
+        hw = with_profile(hw, load_profile(args.hw_profile), tuple(overrides))
     options = _workload_options(args)
     if args.config and args.convention != "fivefold":
         raise ConfigError(f"--convention {args.convention} plans another engine's run; a "
@@ -239,10 +247,13 @@ def run(argv: list[str]) -> int:
             return _search(args, work, num_gpus, hw, assume, engine_accepts(cfg))
         code = _config_check(args, work, layout, num_gpus, hw, assume, engine_accepts(cfg))
         if offload_value(cfg.parallel.offload) == "nvme" and args.json != "-":
-            from fivefold.plan.nvme import describe_nvme  # planned as cpu offload, then this
+            from fivefold.plan.nvme import describe_nvme
+            from fivefold.plan.timing import offload_nvme_time, optimizer_time
 
-            print(describe_nvme(work, layout, hw, assume,
-                                plan_layout(work, layout, hw, assume).cpu_bytes))
+            plan = plan_layout(work, layout, hw, assume)
+            update = optimizer_time(work, dataclasses.replace(layout, offload=True), hw, assume)
+            print(describe_nvme(plan.disk_bytes, plan.cpu_bytes,
+                                offload_nvme_time(work, layout, hw, update), hw))
         return code
     if args.model and args.params:
         raise ConfigError("give --model or --params, not both")

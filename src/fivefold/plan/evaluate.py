@@ -16,6 +16,7 @@ from fivefold.plan.memory import (
     peak_memory,
     work_bytes_per_param,
 )
+from fivefold.plan.nvme import tier_memory
 from fivefold.plan.timing import StepTime, rank_compute, step_time
 
 STATE_ITEMS = ("params", "grads", "master", "optimizer", "grad_accum")
@@ -29,7 +30,8 @@ def stage_answers(work: Workload, layout: Layout, hw: Hardware,
     m = work.num_microbatches(layout)
     out = []
     for rank in range(layout.pp):
-        items, cpu = memory_items(work, layout, assume, rank)
+        placed = tier_memory(*memory_items(work, layout, assume, rank), layout.offload, hw)
+        items, cpu = placed.items, placed.host
         layers, embed, head = stage(work.model, layout, rank)
         rc = rank_compute(work, layout, hw, assume, rank)
         out.append({
@@ -52,7 +54,7 @@ class LayoutPlan:
     num_microbatches: int
     memory: dict[str, float]  # bytes on the most-loaded rank, by item
     memory_rank: int  # the pipeline rank that is most loaded
-    cpu_bytes: float  # offloaded optimizer states per GPU, in host memory
+    cpu_bytes: float  # offloaded optimizer states per GPU in host memory (nvme: staging)
     memory_limit: float
     bytes_per_param: str
     model_flops: float  # per step, all GPUs (what MFU counts)
@@ -64,6 +66,8 @@ class LayoutPlan:
     peak_flops: float
     context: tuple = ()  # (work, hw, assume), for the per-stage answers computed on demand
     grad_sync: str = "step"  # ZeRO-2/3 reduce-scatter per "step" or "microbatch" (as planned)
+    disk_bytes: float = 0.0  # offload = "nvme": the states per GPU in files (plan/nvme.py)
+    host_limit: float = 0.0  # host bytes per GPU the offloaded states may take (0: any)
 
     @property
     def stages(self) -> list[dict]:
@@ -100,7 +104,11 @@ class LayoutPlan:
 
     @property
     def fits(self) -> bool:
-        return self.memory_total <= self.memory_limit
+        return self.memory_total <= self.memory_limit and self.host_fits
+
+    @property
+    def host_fits(self) -> bool:
+        return not self.host_limit or self.cpu_bytes <= self.host_limit
 
     @property
     def largest_item(self) -> tuple[str, float]:
@@ -112,6 +120,9 @@ class LayoutPlan:
         total, limit = self.memory_total / GIB, self.memory_limit / GIB
         if self.fits:
             return f"fits: {total:.1f} of {limit:.0f} GiB"
+        if not self.host_fits:
+            return (f"does not fit: {self.cpu_bytes / GIB:.1f} GiB of offloaded states per GPU"
+                    f" in {self.host_limit / GIB:.1f} GiB of host memory per GPU")
         name, value = self.largest_item
         return f"does not fit: {total:.1f} of {limit:.0f} GiB ({name} {value / GIB:.1f} GiB)"
 
@@ -148,6 +159,7 @@ class LayoutPlan:
             "peak_reserved_bytes": self.peak_reserved,
             "context_bytes": self.context_bytes,
             "cpu_offload_bytes": self.cpu_bytes,
+            "nvme_offload_bytes": self.disk_bytes,
             "bytes_per_param": self.bytes_per_param,
             "fits": self.fits,
             "why": self.why,
@@ -172,14 +184,15 @@ def plan_layout(work: Workload, layout: Layout, hw: Hardware, assume: Assumption
     work = resolve_grad_sync(work, layout, hw, assume)  # "auto": chosen per layout
     m = work.num_microbatches(layout)
     rank, items, cpu = peak_memory(work, layout, assume)
+    placed = tier_memory(items, cpu, layout.offload, hw)  # by offload tier (plan/nvme.py)
     bpp = work_bytes_per_param(work)
     tokens = work.tokens_per_step
     return LayoutPlan(
         layout=layout,
         num_microbatches=m,
-        memory=items,
+        memory=placed.items,
         memory_rank=rank,
-        cpu_bytes=cpu,
+        cpu_bytes=placed.host,
         memory_limit=hw.memory_bytes,
         bytes_per_param=bpp.describe(layout.zero, layout.dp * layout.cp),
         model_flops=_model_flops(work) * tokens,
@@ -194,6 +207,8 @@ def plan_layout(work: Workload, layout: Layout, hw: Hardware, assume: Assumption
         peak_flops=hw.peak_flops(work.precision),
         context=(work, hw, assume),
         grad_sync=work.grad_sync,
+        disk_bytes=placed.disk,
+        host_limit=0.0 if hw.device_is_host else hw.host_memory_gib * GIB,
     )
 
 

@@ -35,8 +35,16 @@ class Hardware:
     host_link_gbps: float = 32.0  # PCIe to the host, one direction (offload traffic)
     # NVMe per GPU (offload = "nvme"): one PCIe Gen4 x4 drive per GPU, its slower sequential
     # rate (writes): e.g. Samsung PM1733 data sheet, 7.0 GB/s read, 3.8 GB/s write. Override
-    # with --hw nvme_gbps=... after measuring the disk (bench/nvme_offload.py).
+    # with --hw nvme_gbps=..., or measure the disk: `fivefold calibrate --offload-dir DIR`
+    # writes the rate into the profile, and --hw-profile sets this field from it.
     nvme_gbps: float = 3.8
+    # Host memory per GPU that offloaded states may take (0: not modelled); auto layout sets
+    # it from the machine's available memory, so CPU offload of states larger than the host
+    # does not fit and NVMe offload (staging slots in host memory) may (plan/nvme.py).
+    host_memory_gib: float = 0.0
+    # The device is the CPU (a CPU run): its memory is the host's, so CPU offload moves
+    # nothing off it and NVMe offload's staging slots stay in it (plan/nvme.py).
+    device_is_host: bool = False
     # Share of the bf16 peak that large GEMMs reach on this part (cuBLAS/hipBLASLt measured
     # figures are 0.7-0.85 for 8k×8k×8k bf16; end-to-end training sees less).
     matmul_efficiency: float = 0.75
@@ -114,7 +122,8 @@ CATALOG: dict[str, Hardware] = {
 }
 ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "mi300": "mi300x"}
 
-_HW_FIELDS = {f.name: f for f in dataclasses.fields(Hardware) if f.name != "profile"}
+_HW_FIELDS = {f.name: f for f in dataclasses.fields(Hardware)
+              if f.name not in ("profile", "device_is_host")}
 _ASSUME_FIELDS = {f.name: f for f in dataclasses.fields(Assumptions)}
 
 
@@ -133,7 +142,7 @@ def _coerce(key: str, value, typ):
 _MAY_BE_ZERO = ("fp8_tflops", "compute_overhead", "intra_latency_us", "inter_latency_us",
                 "context_gib", "tp_overlap", "fragmentation", "price_per_gpu_hour",
                 "activation_reserve", "loss_reserve", "head_token_bytes", "host_layer_ms",
-                "pp_message_ms")
+                "pp_message_ms", "host_memory_gib")
 _AT_MOST_ONE = ("tp_overlap",)
 
 
@@ -240,7 +249,27 @@ def load_profile(path: str | Path) -> dict:
     if missing or not profile["matmul"]:
         raise ConfigError(f"--hw-profile {p} has no {(missing or ['matmul'])[0]}; write it "
                           f"with fivefold calibrate")
+    disk = profile.get("nvme_gbps")  # absent in profiles of no disk (or written before)
+    if disk is not None and not (isinstance(disk, (int, float)) and math.isfinite(disk)
+                                 and disk > 0):
+        raise ConfigError(f"--hw-profile {p}: nvme_gbps = {disk!r} is not a positive rate; "
+                          f"measure the disk again with fivefold calibrate --offload-dir DIR")
     return profile
+
+
+def with_profile(hw: Hardware, profile: dict | None, overridden: tuple = ()) -> Hardware:
+    """`hw` with a calibrate profile's measured speeds: the profile itself (matmul,
+    attention, collectives, read where the clock asks) and the disk's rate, `nvme_gbps`,
+    where the profile measured one and `--hw nvme_gbps=` (in `overridden`) did not set it."""
+    changes: dict = {"profile": profile}
+    if profile and profile.get("nvme_gbps") and "nvme_gbps" not in overridden:
+        changes["nvme_gbps"] = float(profile["nvme_gbps"])
+    return dataclasses.replace(hw, **changes)
+
+
+def measured_disk(hw: Hardware) -> bool:
+    """Whether `hw.nvme_gbps` is a rate measured here (a profile's), not the data sheet's."""
+    return bool(hw.profile and hw.profile.get("nvme_gbps"))
 
 
 def _interpolate(points: list[tuple[float, float]], x: float) -> float:

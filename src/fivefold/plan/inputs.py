@@ -20,6 +20,7 @@ from fivefold.models.presets import MODEL_FIELDS, ModelConfig, preset
 from fivefold.plan.grad_sync import resolve_grad_sync
 from fivefold.plan.hardware import get_hardware, hardware_for_device_name
 from fivefold.plan.layout import Layout, Workload
+from fivefold.plan.nvme import layout_offload, tier
 
 if sys.version_info >= (3, 11):
     pass
@@ -191,7 +192,7 @@ def training_plan_inputs(cfg: fconfig.Config, hw=None, assume=None,
     layout = Layout(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero,
                     mbs=par.mbs, recompute=tr.recompute, schedule=par.schedule,
                     virtual_stages=par.virtual_stages, sp=par.sp,
-                    offload=offload_value(par.offload) != "none",
+                    offload=layout_offload(offload_value(par.offload)),
                     sp_saved=par.sp_saved_input, cp_comm=par.cp_comm, pp_split=par.pp_split,
                     pp_layers=tuple(par.pp_layers))
     if work.grad_sync == "auto":
@@ -229,9 +230,10 @@ def layout_config(cfg: fconfig.Config, layout: Layout) -> fconfig.Config:
     trial = copy.deepcopy(cfg)
     for name, key in PARALLEL_KEYS.items():
         value = getattr(layout, name)
-        if name == "offload":  # the layout's boolean; a config's nvme tier stays nvme
-            tier = offload_value(cfg.parallel.offload)
-            value = (tier if tier != "none" else "cpu") if value else "none"
+        if name == "offload":  # the layout's tier; True keeps a config's nvme tier nvme
+            given = offload_value(cfg.parallel.offload)
+            value = tier(value) if tier(value) != "cpu" else (
+                given if given != "none" else "cpu")
         setattr(trial.parallel, key, list(value) if name == "pp_layers" else value)
     trial.train.recompute = layout.recompute
     return trial
@@ -289,6 +291,8 @@ def parse_layout(text: str, num_gpus: int | None = None) -> Layout:
             except ValueError:
                 raise ConfigError(f"--layout pp_layers={value!r} must be whole numbers "
                                   f"joined by '-', e.g. pp_layers=3-4-4-3") from None
+        elif key == "offload" and value.lower() == "nvme":
+            values[key] = "nvme"
         elif key in ("sp", "offload"):
             values[key] = value.lower() in ("1", "true", "yes", "on")
         else:

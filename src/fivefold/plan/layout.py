@@ -50,7 +50,7 @@ class Layout:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     sp: bool = False
-    offload: bool = False
+    offload: bool | str = False  # True: CPU offload; "nvme": NVMe offload (plan/nvme.py)
     # Under SP, what column-parallel linears keep for backward: "full" (the gathered input)
     # or "shard" (the sequence shard, gathered again in backward; parallel.sp_saved_input).
     sp_saved: str = "full"
@@ -89,10 +89,13 @@ class Layout:
             parts.append(f"cp{self.cp}" + ("(ag)" if self.cp_comm == "allgather" else ""))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
-        parts += [f"z{self.zero}{'+off' if self.offload else ''}", f"mbs{self.mbs}",
+        parts += [f"z{self.zero}{self._offload_label()}", f"mbs{self.mbs}",
                   {"none": "rc-none", "selective": "rc-sel", "full": "rc-full",
                    "auto": "rc-auto", "op": "rc-op"}[self.recompute]]
         return " ".join(parts)
+
+    def _offload_label(self) -> str:
+        return "+nvme" if self.offload == "nvme" else "+off" if self.offload else ""
 
     def _sp_label(self) -> str:
         if not self.sp:

@@ -91,7 +91,10 @@ def format_explain(plan: LayoutPlan, work: Workload) -> str:
             lines.append(f"  {MEMORY_LABELS[key]:<30} {_gib(p.memory[key]):>8}")
     lines.append(f"  {'total':<30} {_gib(p.memory_total):>8}  of {p.memory_limit / GIB:g}")
     if p.cpu_bytes:
-        lines.append(f"  {'host memory (offload)':<30} {_gib(p.cpu_bytes):>8}")
+        host = "host memory (NVMe staging)" if p.disk_bytes else "host memory (offload)"
+        lines.append(f"  {host:<30} {_gib(p.cpu_bytes):>8}")
+    if p.disk_bytes:
+        lines.append(f"  {'on disk (NVMe offload)':<30} {_gib(p.disk_bytes):>8}")
     lines.append(f"  peak allocated {_gib(p.peak_allocated)}, reserved {_gib(p.peak_reserved)} "
                  f"(allocator model), + context {_gib(p.context_bytes)}: an OOM depends on "
                  f"reserved + context")

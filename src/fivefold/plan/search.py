@@ -32,6 +32,7 @@ from fivefold.plan.layout import (
     stage,
 )
 from fivefold.plan.memory import memory_items, peak_memory
+from fivefold.plan.nvme import host_fits, tier_memory
 from fivefold.plan.timing import rank_compute
 
 SPACE_KEYS = ("tp", "pp", "cp", "ep", "zero", "mbs", "recompute", "schedule",
@@ -88,8 +89,9 @@ class SearchSpace:
                 if bad:
                     raise ConfigError(f"--space {key}={bad[0]} is not one of {', '.join(allowed)}")
                 setattr(space, key, tuple(vals))
-            elif key in ("sp", "offload"):
-                setattr(space, key, tuple(v.lower() in ("1", "true", "yes") for v in vals))
+            elif key in ("sp", "offload"):  # offload: true (CPU), false or nvme
+                setattr(space, key, tuple("nvme" if key == "offload" and v.lower() == "nvme"
+                                          else v.lower() in ("1", "true", "yes") for v in vals))
             else:
                 try:
                     setattr(space, key, tuple(int(v) for v in vals))
@@ -182,12 +184,14 @@ def enumerate_layouts(work: Workload, num_gpus: int, hw: Hardware,
                                 if problems:
                                     _note(removed, problems[0])
                                     continue
-                                # one rank has nothing to shard: stage 0, unless one is asked
-                                zeros = space.zero if dp * cp > 1 or len(space.zero) == 1 \
-                                    else (0,)
+                                # one rank has nothing to shard: stage 0, unless one is
+                                # asked, and stage 1 as what carries offload (ZeRO-Offload)
+                                alone = dp * cp == 1 and len(space.zero) > 1
+                                zeros = space.zero if not alone else (0, 1) if any(
+                                    space.offload) and 1 in space.zero else (0,)
                                 for zero in zeros:
                                     for off in space.offload:
-                                        if off and zero == 0:
+                                        if off and zero == 0 or alone and zero and not off:
                                             continue
                                         for rc in space.recompute:
                                             for comm in space.cp_comm if cp > 1 else ("ring",):
@@ -274,14 +278,17 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
         if fitting_siblings.get(sibling, 99) < level[lay.recompute]:
             bounded += 1
             continue
-        # The first pipeline rank alone over the limit settles it (peak = max over ranks).
-        first, _ = memory_items(work, lay, assume, 0)
-        if sum(first.values()) > hw.memory_bytes or sum(
-                peak_memory(work, lay, assume)[1].values()) > hw.memory_bytes:
+        # The first pipeline rank alone over the limit settles it (peak = max over ranks);
+        # offloaded states count where their tier puts them (plan/nvme.py).
+        first = tier_memory(*memory_items(work, lay, assume, 0), lay.offload, hw)
+        first_total = sum(first.items.values())
+        if first_total > hw.memory_bytes or not host_fits(first.host, hw) or sum(
+                tier_memory(*peak_memory(work, lay, assume)[1:], lay.offload, hw)
+                .items.values()) > hw.memory_bytes:
             dropped += 1
-            if not best and (smallest is None or sum(first.values()) < smallest[0]):
-                smallest = (sum(first.values()), lay)
-            twin = (bound, round(sum(first.values()) / 2**30, 1))
+            if not best and (smallest is None or first_total < smallest[0]):
+                smallest = (first_total, lay)
+            twin = (bound, round(first_total / 2**30, 1))
             if not best and len(too_big) < 3 and twin not in seen:
                 seen.add(twin)
                 too_big.append((bound, lay))

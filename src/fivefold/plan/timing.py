@@ -35,7 +35,13 @@ from fivefold.plan.layout import (
     moe_layers_on_rank,
     stage,
 )
-from fivefold.plan.memory import auto_plan, rank_param_counts, work_bytes_per_param
+from fivefold.plan.memory import (
+    auto_plan,
+    rank_param_counts,
+    shard_model_states,
+    work_bytes_per_param,
+)
+from fivefold.plan.nvme import NvmeTime, nvme_states, nvme_time
 from fivefold.plan.recompute_plan import recompute_seconds
 
 GEMM_HALF_SIZE = 128  # a GEMM whose smallest side is 128 runs at half the large-GEMM rate
@@ -306,9 +312,24 @@ def optimizer_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumpt
 
         ns = newton_schulz_flops(work.model) / layout.pp / (  # in bf16, as the engine
             hw.peak_flops("bf16") * hw.matmul_efficiency)
+    resident = elems * traffic / (hw.hbm_tbps * 1e12 * assume.hbm_efficiency) + ns
     if not layout.offload:
-        return elems * traffic / (hw.hbm_tbps * 1e12 * assume.hbm_efficiency) + ns
+        return resident
     pcie = elems * (bpp.grad + bpp.param) / (hw.host_link_gbps * 1e9)
     host = elems * 2 * (bpp.master + bpp.optimizer + 4) / (
         assume.cpu_adam_gbps * 1e9 / hw.gpus_per_node)
-    return pcie + host + ns
+    # on a CPU device the offloaded update is the resident one: no link, the same memory
+    update = resident if hw.device_is_host else pcie + host + ns
+    if layout.offload != "nvme":
+        return update
+    return offload_nvme_time(work, layout, hw, update).step
+
+
+def offload_nvme_time(work: Workload, layout: Layout, hw: Hardware, update: float) -> NvmeTime:
+    """The NVMe tier's step on pipeline rank 0: its offloaded states (what CPU offload would
+    put in host memory) read and written once, beside `update` (plan/nvme.py)."""
+    counts = rank_param_counts(work.model, layout, 0)
+    shards = layout.dp * layout.cp
+    states = shard_model_states(counts["dense"], work_bytes_per_param(work), layout.zero,
+                                shards, True, counts["expert"], max(shards // layout.ep, 1))
+    return nvme_time(nvme_states(states.cpu).disk, update, hw)

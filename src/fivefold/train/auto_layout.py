@@ -15,6 +15,7 @@ import json
 import math
 import os
 import zlib
+from pathlib import Path
 
 import torch
 
@@ -51,6 +52,37 @@ def memory_budget(cfg: Config, device: torch.device, local_ranks: int) -> tuple[
     return gib, source
 
 
+def host_memory_gib(local_ranks: int) -> float:
+    """On a GPU machine: the host memory per local rank that CPU-offloaded states may take
+    (available memory over the ranks, rounded down to whole GiB so ranks reading it a moment
+    apart agree); 0 (not modelled) where the platform does not say."""
+    free = available_memory_bytes()
+    return float(math.floor(free / 2**30 / max(local_ranks, 1))) if free else 0.0
+
+
+def disk_elsewhere(profile: dict | None, offload_dir: str) -> str:
+    """A note when the profile measured a disk on another file system than the run's
+    parallel.offload_dir (its rate then says little of the run's)."""
+    measured = (profile or {}).get("disk", {}).get("dir")
+    if not measured or not offload_dir:
+        return ""
+
+    def device(path: str) -> int | None:
+        target = Path(path).absolute()
+        while not target.exists() and target != target.parent:
+            target = target.parent
+        try:
+            return target.stat().st_dev
+        except OSError:
+            return None
+
+    if device(measured) == device(offload_dir):
+        return ""
+    return (f"note: the profile measured the disk under {measured}, on another file system "
+            f"than parallel.offload_dir = {offload_dir}; NVMe offload is timed at its rate: "
+            f"`fivefold calibrate --offload-dir {offload_dir}` measures the run's")
+
+
 def _saved_record(cfg: Config) -> dict | None:
     """The auto record of the checkpoint a resume would start from (None: fresh, or a run
     that did not choose with auto). Only read here; the trainer checks the checkpoint."""
@@ -79,9 +111,10 @@ def resolve(cfg: Config, hw_profile: str | None, first_rank: bool) -> Config:
     profile = load_profile(hw_profile) if hw_profile else None
     on_cpu = device.type == "cpu"
     base = None if on_cpu else hardware_for_device_name(torch.cuda.get_device_name(device))
-    hw, assume = planner.auto_hardware(base, local, budget, profile, on_cpu)
+    hw, assume = planner.auto_hardware(base, local, budget, profile, on_cpu,
+                                       0.0 if on_cpu else host_memory_gib(local))
     words = f"the profile {hw_profile}" if profile else f"the catalog's {hw.name}"
-    notes = []
+    notes = [note for note in [disk_elsewhere(profile, cfg.parallel.offload_dir)] if note]
     if on_cpu and not profile:
         notes.append(f"note: no --hw-profile: layouts are ranked with the catalog's {hw.name} "
                      f"speeds, not this CPU's; `fivefold calibrate --out profile.json` "

@@ -182,7 +182,9 @@ def layout_notes(cfg: Config) -> list[str]:
     """Settings the layout accepts but does not use, said once at the start."""
     par = cfg.parallel
     notes = []
-    if par.zero > 0 and par.dp * par.cp == 1 and par.ep == 1:
+    # (offload rides on the ZeRO optimizer: on one rank it is what moves the states)
+    if par.zero > 0 and par.dp * par.cp == 1 and par.ep == 1 and offload_value(
+            par.offload) == "none":
         notes.append(f"note: parallel.zero = {par.zero} shards over the data-parallel ranks, "
                      f"and parallel.dp × cp = 1: nothing is sharded (it runs as zero = 0 "
                      f"would); raise parallel.dp to shard")
