@@ -81,7 +81,8 @@ CONVENTIONS: dict[str, Convention] = {
         # parameters after the step, both blocking (ZeRO-0 runs DDP's overlapped buckets).
         {"grad_dtype_bytes": 2, "fp32_grad_accum": True, "fp32_params": False,
          "causal_flops": False, "chunked_loss": False, "softmax_loss": True,
-         "zero_sync_blocking": True},
+         "zero_sync_blocking": True, "pp_1f1b_min_warmup": True,
+         "pp_idle_rank_fails": True},
         # REDUCE_SCATTER tp mode keeps the shard and gathers in backward; blocks split by
         # cumulative compute cost (4h·q + 3h·ffn per layer, V·h for the head), greedily
         # against thresholds total·(k+1)/pp; ranks reshaped (pp, dp, tp) with tp fastest.

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from fivefold.errors import ConfigError
 from fivefold.plan.evaluate import LayoutPlan, plan_layout
-from fivefold.plan.hardware import Assumptions, Hardware
+from fivefold.plan.hardware import Assumptions, Hardware, usable_memory
 from fivefold.plan.layout import (
     RECOMPUTE,
     SCHEDULES,
@@ -271,8 +271,8 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
             continue
         # The first pipeline rank alone over the limit settles it (peak = max over ranks).
         first, _ = memory_items(work, lay, assume, 0)
-        if sum(first.values()) > hw.memory_bytes or sum(
-                peak_memory(work, lay, assume)[1].values()) > hw.memory_bytes:
+        if sum(first.values()) > usable_memory(hw, assume) or sum(
+                peak_memory(work, lay, assume)[1].values()) > usable_memory(hw, assume):
             dropped += 1
             if not best and (smallest is None or sum(first.values()) < smallest[0]):
                 smallest = (sum(first.values()), lay)
@@ -357,7 +357,7 @@ def suggest_fix(work: Workload, layout: Layout, num_gpus: int, hw: Hardware,
         if best is not None and n > best_changes:
             break
         _, items, _ = peak_memory(work, cand, assume)
-        if sum(items.values()) > hw.memory_bytes:
+        if sum(items.values()) > usable_memory(hw, assume):
             continue
         if allowed is not None and not allowed(cand):
             continue
