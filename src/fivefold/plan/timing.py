@@ -107,12 +107,12 @@ def group_link(hw: Hardware, layout: Layout, group: str,
 
 def rail_gbps(hw: Hardware, assume: Assumptions | None, size: int, stride: int) -> float:
     """GB/s per GPU of a group of `size` ranks `stride` apart that crosses nodes. With one NIC
-    per GPU (DGX H100: 8×400 Gb/s, a NIC per GPU on its own rail), NCCL runs one channel per
-    NIC: a ring or tree that spans nodes carries the group's traffic between two nodes over
-    the NICs of all the members each node holds, not over one (NCCL's rail-optimised
-    topology; nccl-tests on two 8×H100 nodes reach about 8 NICs' worth of bus bandwidth).
-    `inter_node_rails` = 1 counts every member's NIC, 0 one NIC per GPU's share (the
-    planner's default); never above the NVLink bandwidth inside the node."""
+    per GPU (DGX H100: 8×400 Gb/s), NCCL spreads a collective's channels over the NICs of
+    the group's members, and a ring that spans nodes sends only its node-crossing hops
+    over them: the traffic between two nodes can use the NICs of every member a node
+    holds, not one. How much of that a run gets is `inter_node_rails` (fitted per engine:
+    1 every member's NIC, 0 one NIC per GPU, the planner's default); never above the
+    NVLink bandwidth inside the node."""
     node = hw.gpus_per_node
     members = max(1, min(size, node // stride)) if stride < node else 1
     rails = assume.inter_node_rails if assume is not None else 0.0
