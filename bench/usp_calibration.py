@@ -426,8 +426,10 @@ def section(now: dict | None = None, before: dict | None = None,
         "same layout, its memory 59.6 GiB; 8B ZeRO-1: 2,681, planned at 76.6 of 79.6 GiB "
         "where rank 0 logged 64.8). Nothing in the physics planned here slows that "
         "ZeRO-0 run fivefold; the pick now avoids it because the rails make dp 16 ZeRO-1 "
-        "(one group over both nodes) faster than a pipeline, and the 8B layout because "
-        "the headroom says it does not fit.",
+        "(one group over both nodes) faster than a pipeline, and the 8B layout where the "
+        "headroom says it does not fit: with the whole file's 4.5 GiB, and the 16-GPU "
+        "half's 6, but not with the 128-GPU half's 1 GiB, so the pick fitted on 128 GPUs "
+        "still misses 8B on 16 (2 of 3 groups).",
         "- 80B on 128 GPUs: the planner's fastest fitting layout (dp 4 tp 4 pp 8 mbs 1 "
         "ZeRO-1) crashed with its most loaded rank planned near 70 GiB; its neighbours "
         "that ran (dp 2 tp 8 pp 8, 228 tokens/s; dp 4 tp 8 pp 4, 250) are slow in the "
