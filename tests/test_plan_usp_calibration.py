@@ -79,13 +79,15 @@ def test_engine_convention_keeps_its_own_settings():
     """The calibration is the nanotron convention's: fivefold's own plans none of it."""
     own = get_convention("fivefold")
     assert own.assumptions == {} and own.layout["pp_split"] == "even"
-    assert not {"softmax_loss", "zero_sync_blocking"} & set(own.workload)
+    assert not {"softmax_loss", "zero_sync_blocking", "pp_1f1b_min_warmup",
+                "pp_idle_rank_fails"} & set(own.workload)
 
 
 def test_standing_on_a_fifth_of_the_file():
-    """Every fifth run of the committed file (226 runs, 115 ok), under the convention as
-    committed: memory median error within 10% (it was 24% before the calibration on the
-    whole file; 8.1% here), over half the runs within 10% (59%), fits right on 90% (93%)."""
+    """Every fifth run of the committed file (226 runs, 114 ok scored: one ok run is a
+    layout the convention refuses), under the convention as committed: memory median error
+    within 10% (it was 24% before the calibration on the whole file; 6.6% here), over half
+    the runs within 10% (64%), fits right on 90% (95%)."""
     rows = usp.load()[::5]
     s = usp.score(rows, usp.run(rows, hw_overrides=usp.HW))
     assert s["ok_runs_scored"] > 100
@@ -96,7 +98,7 @@ def test_standing_on_a_fifth_of_the_file():
 
 def test_hw_flag_overrides_a_fitted_factor(capsys):
     """`--hw activation_reserve=0` plans without the convention's fitted reserve: the
-    logged (reserved) memory drops by 0.26 of the saved activations, all else equal."""
+    logged (reserved) memory drops by 0.25 of the saved activations, all else equal."""
     import json
 
     from fivefold import cli
@@ -112,4 +114,95 @@ def test_hw_flag_overrides_a_fitted_factor(capsys):
     fitted, plan = logged()
     plain, _ = logged("--hw", "activation_reserve=0")
     activations = plan["memory_bytes"]["activations"]
-    assert fitted - plain == pytest.approx(0.26 * activations, rel=1e-9)
+    assert fitted - plain == pytest.approx(0.25 * activations, rel=1e-9)
+
+
+
+def test_nanotron_cut_leaves_ranks_without_a_block():
+    """The same 1B costs, blocks embed, 16 layers, norm, head (4c), cast, loss; the cut moves
+    on at most one rank per block. pp 16 (thresholds 1.25c apart): layers 1-16 end on rank
+    11, norm on 12, the head on 12 (20c passes 16.25c), cast on 13, loss on 14: rank 15
+    idle. pp 32 (0.625c apart): one layer per rank 0-15, norm 16, head 17, cast 18, loss
+    19: 12 idle. pp 2, 4 and 8 use every rank."""
+    from fivefold.plan.split import cumulative_idle_ranks
+
+    c = 2.0**26
+    assert [cumulative_idle_ranks(16, p, c, 0.0, 4 * c) for p in (2, 4, 8)] == [0, 0, 0]
+    assert cumulative_idle_ranks(16, 16, c, 0.0, 4 * c) == 1
+    assert cumulative_idle_ranks(16, 32, c, 0.0, 4 * c) == 12
+
+
+def _plan_problems(convention, **layout):
+    """check_layout's problems for the 1B model on 128 GPUs under `convention`."""
+    from fivefold.plan.layout import check_layout
+
+    row = _run("1B", 128, "ok", **{"layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 32,
+                                   "ffn": 8192, "vocab": 131072, "seq": 4096,
+                                   "gbs_samples": 256, "tied_embeddings": "True", **layout})
+    return check_layout(*usp.workload_layout(row, convention))
+
+
+def test_nanotron_refuses_what_its_engine_cannot_run():
+    """Under the nanotron convention: dp 16 pp 8 mbs 4 has 4 micro-batches, fewer than
+    pp - 1 = 7 (its 1F1B engine asserts them), and dp 8 pp 16 leaves rank 15 without a
+    block: both refused; dp 16 pp 8 mbs 2 (8 micro-batches) is planned. The engine's own
+    convention plans all three."""
+    assert _plan_problems("nanotron", dp=16, pp=8, mbs=4) == [
+        "1f1b needs at least pp - 1 = 7 micro-batches in this engine, got 4"]
+    assert any("1 pipeline rank(s) without a block" in p
+               for p in _plan_problems("nanotron", dp=8, pp=16))
+    assert _plan_problems("nanotron", dp=16, pp=8, mbs=2) == []
+    for layout in ({"dp": 16, "pp": 8, "mbs": 4}, {"dp": 8, "pp": 16}):
+        assert _plan_problems("fivefold", **layout) == []
+
+
+def test_groups_across_nodes_use_their_members_nics():
+    """H100 nodes (8 GPUs, NVLink 450 GB/s, one 50 GB/s NIC per GPU): tp 16 over two nodes
+    has 8 members in each; with every member's NIC (inter_node_rails = 1) it moves
+    min(450, 8·50) = 400 GB/s per GPU, half of the extra NICs 50·(1 + 0.5·7) = 225, none
+    50 (the default, as before). A dp group of 16 with tp 8 has one member per node: 50
+    whatever the rails."""
+    from fivefold.plan.hardware import get_hardware
+    from fivefold.plan.layout import Layout
+    from fivefold.plan.timing import group_link
+
+    def gbps(layout, group, rails):
+        hw, assume = get_hardware("h100-sxm", {"inter_node_rails": rails})
+        bw, crosses = group_link(hw, layout, group, assume)
+        assert crosses
+        return bw / 1e9
+
+    tp16 = Layout(tp=16, sp=True)
+    assert [gbps(tp16, "tp", r) for r in (1.0, 0.5, 0.0)] == [400.0, 225.0, 50.0]
+    assert gbps(Layout(dp=16), "dp", 1.0) == 400.0
+    assert gbps(Layout(dp=16, tp=8), "dp", 1.0) == 50.0
+    hw, assume = get_hardware("h100-sxm")
+    assert assume.inter_node_rails == 0.0 and group_link(hw, tp16, "tp")[0] == 50e9
+
+
+def test_headroom_moves_the_fits_verdict_only():
+    """memory_headroom_gib lowers the limit the most loaded rank must stay under, nothing
+    else: 1 GiB more than the plan leaves free turns 'fits' into 'does not fit' with the
+    same memory; the default (0) keeps the device's whole memory."""
+    from fivefold.plan.evaluate import plan_layout
+    from fivefold.plan.hardware import GIB, get_hardware
+
+    row = _run("8B", 16, "ok", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=14336,
+               vocab=131072, seq=4096, gbs_samples=256, tied_embeddings="False", dp=4, tp=4,
+               zero=1, mbs=2)
+    work, layout = usp.workload_layout(row)
+    hw, assume = get_hardware("h100-sxm", usp.HW)
+    plan = plan_layout(work, layout, hw, assume)
+    assert plan.memory_limit == hw.memory_bytes and plan.fits
+    free = (plan.memory_limit - plan.memory_total) / GIB
+    hw, tight = get_hardware("h100-sxm", {**usp.HW, "memory_headroom_gib": free + 1})
+    tighter = plan_layout(work, layout, hw, tight)
+    assert not tighter.fits and tighter.memory_total == plan.memory_total
+
+
+def test_memory_factors_by_least_absolute_deviations():
+    """Five runs, one column: four say the factor is 1, one says 10. The fit takes the
+    median's side (1, to 1e-3), where least squares would give the mean, 2.8."""
+    columns, target = [[1.0]] * 5, [1.0, 1.0, 1.0, 1.0, 10.0]
+    assert usp._nonnegative_lad(columns, target)[0] == pytest.approx(1.0, abs=1e-3)
+    assert usp._nonnegative_lstsq(columns, target)[0] == pytest.approx(2.8)

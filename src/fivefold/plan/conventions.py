@@ -81,7 +81,8 @@ CONVENTIONS: dict[str, Convention] = {
         # parameters after the step, both blocking (ZeRO-0 runs DDP's overlapped buckets).
         {"grad_dtype_bytes": 2, "fp32_grad_accum": True, "fp32_params": False,
          "causal_flops": False, "chunked_loss": False, "softmax_loss": True,
-         "zero_sync_blocking": True},
+         "zero_sync_blocking": True, "pp_1f1b_min_warmup": True,
+         "pp_idle_rank_fails": True},
         # REDUCE_SCATTER tp mode keeps the shard and gathers in backward; blocks split by
         # cumulative compute cost (4h·q + 3h·ffn per layer, V·h for the head), greedily
         # against thresholds total·(k+1)/pp; ranks reshaped (pp, dp, tp) with tp fastest.
@@ -103,16 +104,22 @@ CONVENTIONS: dict[str, Convention] = {
          "parallel/tensor_parallel/functional.py _ShardedCrossEntropy (softmax saved); "
          "optim/gradient_accumulator.py sync_gradients_across_dp (ZeRO-1 reduce-scatter "
          "after backward), optim/zero.py ZeroDistributedOptimizer (all-gather after step)",
+         "parallel/pipeline_parallel/engine.py OneForwardOneBackwardPipelineEngine "
+         "(asserts nb_microbatches >= pp - 1); models/base.py build_model (the cut moves "
+         "on one rank per block: ranks after the loss get none; such runs crashed)",
          "fitted on the Ultra-Scale Playbook's 1,130 nanotron runs (bench/data/"
          "usp-calibration.csv, bench/usp_calibration.py; max_memory_reserved of rank 0)"),
         ("afab", "1f1b"),
-        # Fitted on bench/data/usp-calibration.csv alone (bench/usp_calibration.py `fit`;
-        # docs/planner-validation.md gives them fitted on 16 GPUs and judged on 128, and
-        # the other way): reserved per byte of saved activations and of loss buffers beyond
-        # the allocator model, bytes per token per hidden unit on the head's rank, the host
-        # time per layer per micro-batch and the fixed time per pipeline message.
-        {"activation_reserve": 0.26, "loss_reserve": 0.32, "head_token_bytes": 25.0,
-         "host_layer_ms": 4.0, "pp_message_ms": 5.0}),
+        # Fitted on bench/data/usp-calibration.csv alone (bench/usp_calibration.py `fit`,
+        # rounded; docs/planner-validation.md gives them fitted on 16 GPUs and judged on 128,
+        # and the other way): reserved per byte of saved activations and of loss buffers
+        # beyond the allocator model, bytes per token per hidden unit on the head's rank
+        # (least absolute deviations), the host time per layer per micro-batch, the fixed
+        # time per pipeline message, the share of a node's NICs a group across nodes uses
+        # beyond one per GPU, and the GiB the most loaded rank must leave free to fit.
+        {"activation_reserve": 0.25, "loss_reserve": 0.0, "head_token_bytes": 82.0,
+         "host_layer_ms": 4.0, "pp_message_ms": 10.0, "inter_node_rails": 0.5,
+         "memory_headroom_gib": 4.5}),
     "torchtitan": Convention(
         "torchtitan",
         # FSDP2 mixed precision: sharded fp32 parameters (the master copy), bf16 compute

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from fivefold.plan.comm import ledger_volume, wire_volume
 from fivefold.plan.flops import hardware_flops_per_token, model_flops_per_token
 from fivefold.plan.grad_sync import resolve_grad_sync
-from fivefold.plan.hardware import GIB, Assumptions, Hardware
+from fivefold.plan.hardware import GIB, Assumptions, Hardware, usable_memory
 from fivefold.plan.layout import Layout, Workload, bubble_ratio, stage
 from fivefold.plan.memory import (
     MEMORY_ITEMS,
@@ -193,7 +193,7 @@ def plan_layout(work: Workload, layout: Layout, hw: Hardware, assume: Assumption
         memory=placed.items,
         memory_rank=rank,
         cpu_bytes=placed.host,
-        memory_limit=hw.memory_bytes,
+        memory_limit=usable_memory(hw, assume),
         bytes_per_param=bpp.describe(layout.zero, layout.dp * layout.cp),
         model_flops=_model_flops(work) * tokens,
         hardware_flops=(hardware_flops_per_token(work.model, work.seq_len, layout.recompute,

@@ -95,6 +95,14 @@ class Assumptions:
     # Fixed time per pipeline send or receive (ms), exposed: an engine whose point-to-point
     # calls block and exchange metadata first waits this long per message beyond the bytes.
     pp_message_ms: float = 0.0
+    # Share of a node's NICs a group that crosses nodes uses beyond one per GPU: 0 counts one
+    # NIC per GPU (the default), 1 every member's NIC in the node (NCCL's rail-optimised
+    # rings and trees over one NIC per GPU; plan/timing.py rail_gbps).
+    inter_node_rails: float = 0.0
+    # GiB a run needs free beyond the planned peak reserved + context to survive (fitted per
+    # engine: what the planner does not trace, e.g. NCCL's lazily created communicators and
+    # point-to-point buffers, the spread of fragmentation between ranks). 0: the engine's own.
+    memory_headroom_gib: float = 0.0
     price_per_gpu_hour: float = 0.0  # for the whole-run cost (--tokens); 0: not priced
 
 
@@ -142,8 +150,8 @@ def _coerce(key: str, value, typ):
 _MAY_BE_ZERO = ("fp8_tflops", "compute_overhead", "intra_latency_us", "inter_latency_us",
                 "context_gib", "tp_overlap", "fragmentation", "price_per_gpu_hour",
                 "activation_reserve", "loss_reserve", "head_token_bytes", "host_layer_ms",
-                "pp_message_ms", "host_memory_gib")
-_AT_MOST_ONE = ("tp_overlap",)
+                "pp_message_ms", "host_memory_gib", "inter_node_rails", "memory_headroom_gib")
+_AT_MOST_ONE = ("tp_overlap", "inter_node_rails")
 
 
 def _check_range(key: str, value: float) -> None:
@@ -203,6 +211,12 @@ def parse_overrides(items: list[str]) -> dict:
             k, v = part.split("=", 1)
             out[k.strip()] = v.strip()
     return out
+
+
+def usable_memory(hw: Hardware, assume: Assumptions) -> float:
+    """Bytes the plan's most loaded rank may fill (reserved + context): the device's memory
+    less the headroom the engine's unplanned allocations need."""
+    return hw.memory_bytes - assume.memory_headroom_gib * GIB
 
 
 def group_bandwidth(hw: Hardware, group_size: int, stride: int) -> tuple[float, bool]:

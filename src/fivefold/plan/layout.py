@@ -16,6 +16,7 @@ from fivefold.parallel.pipeline.actions import BACKWARD, FORWARD
 from fivefold.parallel.pipeline.schedules import interleaved_chunk, interleaved_warmup
 from fivefold.plan.split import (
     check_split,
+    cumulative_idle_ranks,
     model_stage_layers,
     split_costs,
     stage_layer_counts,
@@ -148,6 +149,12 @@ class Workload:
     # installed torch ("torch") or at torch 1963fc8, Dec 2024 ("torch-2412"); the latter two
     # hold per-micro-batch stage buffers and defer FSDP's gradient sync (plan/torch_pipelining.py).
     pp_runtime: str = "engine"
+    # The engine's 1F1B refuses fewer than pp − 1 micro-batches (nanotron's
+    # OneForwardOneBackwardPipelineEngine asserts nb_microbatches >= pp − 1).
+    pp_1f1b_min_warmup: bool = False
+    # A pipeline rank the stage cut leaves without any block fails (nanotron's cumulative cut
+    # can: plan/split.py cumulative_idle_ranks); such layouts are refused.
+    pp_idle_rank_fails: bool = False
 
     @property
     def dtype_bytes(self) -> int:
@@ -416,6 +423,12 @@ def check_layout(work: Workload, layout: Layout, gpus_per_node: int | None = Non
     split = check_split(mc.num_layers, chunks, lay.pp_split, lay.pp_layers)
     if lay.pp > 1 and split:
         bad.append(split)
+    if (lay.pp > 1 and work.pp_idle_rank_fails and lay.pp_split == "cumulative"
+            and not lay.pp_layers and not split and chunks == lay.pp):
+        idle = cumulative_idle_ranks(mc.num_layers, lay.pp, *split_costs(mc))
+        if idle:
+            bad.append(f"pp = {lay.pp} leaves {idle} pipeline rank(s) without a block under "
+                       f"this engine's stage cut, and such a rank fails; lower pp")
     if (strict_layers and lay.pp_split == "even" and not lay.pp_layers
             and mc.num_layers % chunks):
         bad.append(f"num_layers = {mc.num_layers} is not divisible by {chunks} pipeline chunks")
@@ -425,6 +438,9 @@ def check_layout(work: Workload, layout: Layout, gpus_per_node: int | None = Non
         bad.append(f"interleaved needs micro-batches ({m}) to be a multiple of pp = {lay.pp}")
     if lay.pp > 1 and lay.schedule == "dualpipev" and m < 2 * lay.pp:
         bad.append(f"dualpipev needs at least 2·pp = {2 * lay.pp} micro-batches, got {m}")
+    if lay.pp > 1 and lay.schedule == "1f1b" and work.pp_1f1b_min_warmup and m < lay.pp - 1:
+        bad.append(f"1f1b needs at least pp - 1 = {lay.pp - 1} micro-batches in this engine, "
+                   f"got {m}")
     if lay.pp > 1 and lay.schedule == "zb" and m < lay.pp:
         bad.append(f"zb needs at least pp = {lay.pp} micro-batches, got {m}")
     if lay.offload and lay.zero == 0:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from fivefold.errors import ConfigError
 from fivefold.plan.evaluate import LayoutPlan, plan_layout
-from fivefold.plan.hardware import Assumptions, Hardware
+from fivefold.plan.hardware import Assumptions, Hardware, usable_memory
 from fivefold.plan.layout import (
     RECOMPUTE,
     SCHEDULES,
@@ -282,9 +282,9 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
         # offloaded states count where their tier puts them (plan/nvme.py).
         first = tier_memory(*memory_items(work, lay, assume, 0), lay.offload, hw)
         first_total = sum(first.items.values())
-        if first_total > hw.memory_bytes or not host_fits(first.host, hw) or sum(
+        if first_total > usable_memory(hw, assume) or not host_fits(first.host, hw) or sum(
                 tier_memory(*peak_memory(work, lay, assume)[1:], lay.offload, hw)
-                .items.values()) > hw.memory_bytes:
+                .items.values()) > usable_memory(hw, assume):
             dropped += 1
             if not best and (smallest is None or first_total < smallest[0]):
                 smallest = (first_total, lay)
@@ -369,7 +369,7 @@ def suggest_fix(work: Workload, layout: Layout, num_gpus: int, hw: Hardware,
         if best is not None and n > best_changes:
             break
         _, items, _ = peak_memory(work, cand, assume)
-        if sum(items.values()) > hw.memory_bytes:
+        if sum(items.values()) > usable_memory(hw, assume):
             continue
         if allowed is not None and not allowed(cand):
             continue

@@ -136,6 +136,22 @@ def _cumulative(num_layers: int, stages: int, c: float, embed: float,
     return tuple(counts)
 
 
+def cumulative_idle_ranks(num_layers: int, stages: int, c: float, embed: float,
+                          head: float) -> int:
+    """Pipeline ranks nanotron's greedy cut leaves without any block. The cut moves on by
+    at most one rank per block, so when the head's cost passes several thresholds the
+    zero-cost blocks after it (final cast to fp32, loss) take one rank each and the ranks
+    after them get nothing (1B, 16 layers of cost c and a 4c head, on 16 ranks: the last
+    one; on 32: the last 16)."""
+    costs = [embed] + [c] * num_layers + [0.0, head, 0.0, 0.0]  # ..., norm, head, cast, loss
+    total, cumulative, stage = sum(costs), 0.0, 0
+    for cost in costs[:-1]:
+        cumulative += cost
+        if stage < stages - 1 and cumulative > total * (stage + 1) / stages:
+            stage += 1
+    return stages - 1 - stage
+
+
 def model_stage_layers(model, num_stages: int, split: str = "even",
                        layers: tuple[int, ...] | list[int] = ()) -> tuple[int, ...]:
     """`stage_layer_counts` for a ModelConfig, with its costs."""

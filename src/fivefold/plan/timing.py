@@ -79,26 +79,51 @@ class RankCompute:
     gemm_fwd: float = 0.0  # the layers' forward GEMMs, one micro-batch
 
 
-def group_link(hw: Hardware, layout: Layout, group: str) -> tuple[float, bool]:
+def group_link(hw: Hardware, layout: Layout, group: str,
+               assume: Assumptions | None = None) -> tuple[float, bool]:
     """(bytes/s per GPU, crosses nodes) for a group, ranks placed in `layout.rank_order`
     (tp fastest, then cp, dp, pp for the engine; Layout.stride). EP groups are carved from cp
-    first, then dp."""
+    first, then dp. A group that crosses nodes gets its members' NICs in a node as
+    `assume.inter_node_rails` says (`rail_gbps`)."""
     lay, node = layout, hw.gpus_per_node
     if group == "tp":
-        return group_bandwidth(hw, lay.tp, lay.stride("tp"))
-    if group == "cp":
-        return group_bandwidth(hw, lay.cp, lay.stride("cp"))
-    if group == "pp":  # neighbours one pp step apart
-        return group_bandwidth(hw, 2, lay.stride("pp"))
-    if group == "pp_embed":
-        return group_bandwidth(hw, lay.pp, lay.stride("pp"))
-    if group == "ep" and lay.ep <= lay.cp:
-        return group_bandwidth(hw, lay.ep, lay.stride("cp"))
-    # dp × cp (and the expert-data group inside it): spans the farther of the two dimensions
-    span = max(lay.stride("dp") * lay.dp if lay.dp > 1 else 1,
-               lay.stride("cp") * lay.cp if lay.cp > 1 else 1)
-    inside = span <= node
-    return (hw.intra_node_gbps if inside else hw.inter_node_gbps) * 1e9, not inside
+        size, stride = lay.tp, lay.stride("tp")
+    elif group == "cp":
+        size, stride = lay.cp, lay.stride("cp")
+    elif group == "pp":  # neighbours one pp step apart
+        size, stride = 2, lay.stride("pp")
+    elif group == "pp_embed":
+        size, stride = lay.pp, lay.stride("pp")
+    elif group == "ep" and lay.ep <= lay.cp:
+        size, stride = lay.ep, lay.stride("cp")
+    else:
+        # dp × cp (and the expert-data group inside it): spans the farther of the two
+        # dimensions; its members sit the nearer one's stride apart
+        span = max(lay.stride("dp") * lay.dp if lay.dp > 1 else 1,
+                   lay.stride("cp") * lay.cp if lay.cp > 1 else 1)
+        size = lay.dp * lay.cp
+        stride = min([lay.stride(d) for d in ("dp", "cp") if getattr(lay, d) > 1] or [1])
+        if span <= node:
+            return hw.intra_node_gbps * 1e9, False
+        return rail_gbps(hw, assume, size, stride) * 1e9, True
+    bw, inter = group_bandwidth(hw, size, stride)
+    if inter:
+        bw = rail_gbps(hw, assume, size, stride) * 1e9
+    return bw, inter
+
+
+def rail_gbps(hw: Hardware, assume: Assumptions | None, size: int, stride: int) -> float:
+    """GB/s per GPU of a group of `size` ranks `stride` apart that crosses nodes. With one NIC
+    per GPU (DGX H100: 8×400 Gb/s), NCCL spreads a collective's channels over the NICs of
+    the group's members, and a ring that spans nodes sends only its node-crossing hops
+    over them: the traffic between two nodes can use the NICs of every member a node
+    holds, not one. How much of that a run gets is `inter_node_rails` (fitted per engine:
+    1 every member's NIC, 0 one NIC per GPU, the planner's default); never above the
+    NVLink bandwidth inside the node."""
+    node = hw.gpus_per_node
+    members = max(1, min(size, node // stride)) if stride < node else 1
+    rails = assume.inter_node_rails if assume is not None else 0.0
+    return min(hw.intra_node_gbps, (1 + rails * (members - 1)) * hw.inter_node_gbps)
 
 
 def collective_time(c: Collective, hw: Hardware, assume: Assumptions, layout: Layout,
@@ -106,7 +131,7 @@ def collective_time(c: Collective, hw: Hardware, assume: Assumptions, layout: La
     """Seconds for all of a collective's calls in a step: wire bytes at the group's bus
     bandwidth, plus a latency per call (2·log2 n steps; per bucket when bucketed), or the
     call's latency as calibrate measured it inside a node."""
-    bw, inter = group_link(hw, layout, c.group)
+    bw, inter = group_link(hw, layout, c.group, assume)
     alpha = (assume.inter_latency_us if inter else assume.intra_latency_us) * 1e-6
     measured = None if inter else profile_bus_gbps(hw, c.op, c.group_size)
     if measured:  # bus bandwidth as calibrate measured it inside a node: efficiency included
@@ -291,7 +316,7 @@ def _compute(work, layout, hw, assume, rank) -> tuple[float, float]:
 
 
 def _one_bucket(work, layout, hw, assume, bucket: float) -> float:
-    bw, _ = group_link(hw, layout, "dp")
+    bw, _ = group_link(hw, layout, "dp", assume)
     n = layout.dp * layout.cp
     return 2 * (n - 1) / n * bucket / (bw * assume.bandwidth_efficiency)
 
