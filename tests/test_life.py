@@ -97,6 +97,18 @@ def test_lora_starts_from_the_checkpoint_with_a_fresh_optimizer(life, capsys):
     assert not (life / "bad").exists()
 
 
+def test_peft_export_names_the_checkpoint_it_started_from(life, capsys):
+    """The adapters sit on the base run's weights, so adapter_config.json names that step
+    (what model.init_from resolved to), not nothing."""
+    out = life / "peft"
+    run(capsys, "convert", "--checkpoint", str(life / "lora" / "checkpoints"), "--out",
+        str(out), "--peft")
+    config = json.loads((out / "adapter_config.json").read_text())
+    base_step = life / "base" / "checkpoints" / "step_00000003"
+    assert config["base_model_name_or_path"] == str(base_step)
+    assert config["r"] == 4 and config["lora_alpha"] == 8
+
+
 def test_full_fine_tune_starts_from_the_weights(life):
     from fivefold.config import load
     from fivefold.train.checkpoint import load_model_for_inference
