@@ -34,8 +34,10 @@ Tolerances from that error model:
 
 from __future__ import annotations
 
+import pytest
+import torch
 from harness import run_ranks
-from optimizer_bounds import Run, muon_mover, ns_gain_rms, parity_bounds
+from optimizer_bounds import Run, muon_mover, ns_gain, ns_gain_rms, parity_bounds
 from test_data_parallel import GBS, LR, SEQ, assert_close_run, build, final_params, make_cfg, train
 from tolerances import within
 
@@ -138,7 +140,6 @@ def _check_muon(got, ref, oc, ns_inputs, label):
 
 def test_shards_hold_whole_blocks():
     """align=256 over 3 ranks: every parameter starts on a block, every rank's share too."""
-    import torch
 
     named = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in
              enumerate([300, 4096, 5000, 17])]
@@ -185,3 +186,24 @@ def test_muon_under_tp2_and_pp2_and_adamw8bit_under_pp2_track_one_process(tmp_pa
         want = ref[0] if optimizer == "muon" else ref[1]
         for a, b in zip(losses, want):
             assert abs(a - b) <= 1e-5 * b, (optimizer, tp, pp, losses, want)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_ns_gain_rms_predicts_how_far_random_changes_move_newton_schulz():
+    """`ns_gain_rms` against float64 Newton-Schulz: changes of independent entries, relative
+    size 1e-8, move the output by the predicted gain on average (30 draws: within 15%) and
+    never by more than lambda = 2 times it; the bound over every direction is far above."""
+    coefficients = ns_coefficients("3.4445,-4.7750,2.0315")
+    g = torch.Generator().manual_seed(0)
+    for shape in ((64, 64), (64, 128), (128, 32)):
+        x = torch.randn(*shape, generator=g, dtype=torch.float64)
+        out = muon.newton_schulz(x, coefficients, 5, dtype=torch.float64)
+        moved = []
+        for _ in range(30):
+            change = torch.randn(*shape, generator=g, dtype=torch.float64)
+            change *= 1e-8 * x.norm() / change.norm()
+            moved.append(float((muon.newton_schulz(x + change, coefficients, 5,
+                                                   dtype=torch.float64) - out).norm()) / 1e-8)
+        predicted = ns_gain_rms(x, coefficients, 5)
+        assert abs(sum(moved) / len(moved) / predicted - 1) < 0.15, (shape, moved, predicted)
+        assert max(moved) <= 2 * predicted < ns_gain(coefficients, 5), (shape, moved)
