@@ -140,7 +140,6 @@ def _check_muon(got, ref, oc, ns_inputs, label):
 
 def test_shards_hold_whole_blocks():
     """align=256 over 3 ranks: every parameter starts on a block, every rank's share too."""
-
     named = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in
              enumerate([300, 4096, 5000, 17])]
     layout = FlatLayout(named, [[0, 1], [2, 3]], 3, align=256)
