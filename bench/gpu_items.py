@@ -329,7 +329,9 @@ def measured_vs_planned(ctx: Context, cfg) -> dict:
         cuda_peak = (int(torch.cuda.max_memory_allocated(ctx.device))
                      if ctx.device.type == "cuda" else None)
         plan = planned_peak_bytes(trainer)
-    return {"cuda_max_allocated_bytes": cuda_peak, "tracked_peak_bytes": tracker.peak,
+        kernel = trainer.model.fp8_line or None  # under fp8: where its GEMMs ran
+    return {"fp8_kernel": kernel, "cuda_max_allocated_bytes": cuda_peak,
+            "tracked_peak_bytes": tracker.peak,
             "tracked_items": tracker.items_at_peak, "planned_peak_bytes": sum(plan.values()),
             "planned_items": plan,
             "cuda_over_planned": cuda_peak / sum(plan.values()) if cuda_peak else None}

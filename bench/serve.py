@@ -38,7 +38,8 @@ wall and CPU milliseconds of each of `--steps` decode steps (median) and the ate
 step calls (torch.profiler), written to bench/results/serve_step.json. `--baseline REV`
 also runs the engine of git revision REV (its src/ exported to a temporary directory), in
 alternating child processes, `--rounds` each, and records both, their ratio and whether
-the greedy tokens agree.
+the greedy tokens agree. `--one-call` puts every decoding sequence into one padded SDPA
+call a layer, as on CUDA (on CPU they are otherwise cut into cache-sized groups).
 """
 
 from __future__ import annotations
@@ -203,9 +204,10 @@ def decode_step_ms(model, hf, batch: int, context: int, rounds: int = 7) -> dict
             **{name: statistics.median(ms) for name, ms in times.items()}}
 
 
-def decode_step_host(name: str, batch: int, steps: int) -> dict:
+def decode_step_host(name: str, batch: int, steps: int, one_call: bool = False) -> dict:
     """Per decode step of `batch` greedy sequences: wall and CPU ms (median of `steps`),
-    the aten ops of one step, and every request's tokens."""
+    the aten ops of one step, and every request's tokens. `one_call`: every decoding
+    sequence in one padded SDPA call a layer, as on CUDA (serve/kv_cache.py)."""
     from torch.profiler import ProfilerActivity, profile
 
     cfg = preset(name).replace(max_seq_len=max(preset(name).max_seq_len, 512))
@@ -215,6 +217,8 @@ def decode_step_host(name: str, batch: int, steps: int) -> dict:
                for i in range(batch)]
     engine = Engine(model, max_num_seqs=batch, max_model_len=512, max_num_batched_tokens=8192,
                     num_blocks=batch * 512 // 16 + 8)
+    if one_call:
+        engine.cache.decode_group_bytes = None
     params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     final = {}
@@ -245,7 +249,8 @@ def decode_step_host(name: str, batch: int, steps: int) -> dict:
 
 def step_only(args, argv) -> int:
     if args.child:
-        print(json.dumps(decode_step_host(args.preset, args.batch, args.steps)))
+        print(json.dumps(decode_step_host(args.preset, args.batch, args.steps,
+                                          args.one_call)))
         return 0
     runs = {"after": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -260,12 +265,12 @@ def step_only(args, argv) -> int:
             for label, src in sources.items():
                 cmd = [sys.executable, __file__, "--step-only", "--child", "--preset",
                        args.preset, "--batch", str(args.batch), "--steps", str(args.steps),
-                       "--threads", str(args.threads)]
+                       "--threads", str(args.threads)] + ["--one-call"] * args.one_call
                 out = subprocess.run(cmd, env={**os.environ, "FIVEFOLD_BENCH_SRC": src},
                                      capture_output=True, text=True, check=True).stdout
                 runs[label].append(json.loads(out.splitlines()[-1]))
     result = {"benchmark": "serve_step", "threads": args.threads, "rounds": args.rounds,
-              "baseline": args.baseline or None}
+              "baseline": args.baseline or None, "one_call": args.one_call}
     for label, rounds in runs.items():
         last = dict(rounds[-1])
         last.pop("tokens")
@@ -312,6 +317,8 @@ def main(argv=None) -> int:
     ap.add_argument("--step-only", action="store_true",
                     help="time the host work of one decode step (see above)")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--one-call", action="store_true",
+                    help="--step-only: all decodes in one padded SDPA call, as on CUDA")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--baseline", default="", help="a git revision to measure too")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

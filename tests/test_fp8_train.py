@@ -99,6 +99,18 @@ def test_saved_activations_of_fp8_linears_are_half_their_bf16_size(recipe):
         assert planned["fp8"].layer_terms[item] * 2 < planned["bf16"].layer_terms[item] * 1.1
 
 
+def test_the_fp8_kernel_line_is_said_once_and_not_under_quiet(tmp_path, capsys):
+    args = [*SMALL, "--checkpoint.dir", str(tmp_path / "ck"), "--log.dir", str(tmp_path / "log")]
+    cfg = small_config(tmp_path, *args, "--train.precision", "fp8", "--train.fp8_recipe",
+                       "tensorwise")
+    for quiet in (True, False):
+        Trainer(cfg, quiet=quiet).close()
+        out = capsys.readouterr().out.splitlines()
+        said = [line for line in out if line.startswith("fp8: ")]
+        assert said == ([] if quiet else ["fp8: tensorwise GEMMs on torch._scaled_mm "
+                                          "(torch's cpu kernel)"]), out
+
+
 def test_fp8_checkpoint_is_high_precision_and_resumes_under_bf16(tmp_path):
     args = [*SMALL, "--checkpoint.dir", str(tmp_path / "ck"), "--log.dir", str(tmp_path / "log")]
     cfg = small_config(tmp_path, *args, "--train.precision", "fp8")

@@ -13,11 +13,6 @@ tested. Oracles: transformers, lm-eval's HFLM, sacrebleu, the openai client.
 """
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -31,6 +26,8 @@ pytest.importorskip("lm_eval")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 sacrebleu = pytest.importorskip("sacrebleu")
+
+from test_serve_server import free_port, start_server  # noqa: E402
 
 # init_std 0.2: three steps from wide initial weights leave a model whose greedy text varies
 # token to token, with top-2 logit margins of 0.07 and more (rounding differences are
@@ -65,12 +62,6 @@ def fivefold_greedy(capsys, *source: str) -> str:
                "--max-new-tokens", str(NEW), "--device", "cpu").removesuffix("\n")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def life(tmp_path_factory):
     root = tmp_path_factory.mktemp("life")
@@ -95,6 +86,18 @@ def test_lora_starts_from_the_checkpoint_with_a_fresh_optimizer(life, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and "model.hidden_size = 32" in err
     assert not (life / "bad").exists()
+
+
+def test_peft_export_names_the_checkpoint_it_started_from(life, capsys):
+    """The adapters sit on the base run's weights, so adapter_config.json names that step
+    (what model.init_from resolved to), not nothing."""
+    out = life / "peft"
+    run(capsys, "convert", "--checkpoint", str(life / "lora" / "checkpoints"), "--out",
+        str(out), "--peft")
+    config = json.loads((out / "adapter_config.json").read_text())
+    base_step = life / "base" / "checkpoints" / "step_00000003"
+    assert config["base_model_name_or_path"] == str(base_step)
+    assert config["r"] == 4 and config["lora_alpha"] == 8
 
 
 def test_full_fine_tune_starts_from_the_weights(life):
@@ -181,23 +184,9 @@ def test_the_whole_life(life, capsys, monkeypatch):
     assert 0 <= result["rougeL"] <= 1
 
     # serve the quantised model: the openai client's greedy text is generate's
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fivefold.cli", "serve", "--checkpoint", str(quantized),
-         "--port", str(port), "--device", "cpu", "--kv-cache-gib", "0.01",
-         "--shutdown-grace", "1"], env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc, base = start_server(["--checkpoint", str(quantized), "--port", str(free_port()),
+                               "--kv-cache-gib", "0.01"])
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-            time.sleep(0.2)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
                                timeout=60)
         name = client.models.list().data[0].id

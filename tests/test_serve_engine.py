@@ -295,3 +295,51 @@ def test_quantised_and_lora_models_serve_like_their_dense_path(kind):
     prompts, params = workload(6, seed=2, output=(1, 16))
     dense = [generate(model, p, sp.max_tokens, greedy=True) for p, sp in zip(prompts, params)]
     assert [o.token_ids for o in Engine(model, num_blocks=128).generate(prompts, params)] == dense
+
+
+def _poison_unheld_slots(engine, out):
+    """NaN in every K/V slot no live sequence has written yet: free blocks, the tail of each
+    last block, whatever a padded table or a chunk's context reads past a sequence's length.
+    For an FP8 cache the byte 0x7f, e4m3fn's NaN."""
+    held = torch.zeros(engine.cache.k.shape[1], dtype=torch.bool)
+    for rid in engine.kv.req_blocks:
+        written = engine.scheduler.requests[rid].num_computed_tokens  # before this step
+        held[engine.cache.block_slots(engine.kv.block_ids(rid), written)] = True
+    for pool in (engine.cache.k, engine.cache.v):
+        if engine.cache.fp8:
+            pool.view(torch.uint8)[:, ~held] = 0x7F
+        else:
+            pool[:, ~held] = float("nan")
+
+
+@pytest.mark.parametrize("kv_cache_dtype, one_call, chunked", [
+    ("auto", False, False), ("auto", True, True), ("fp8", True, False)])
+def test_nan_in_unwritten_slots_changes_no_logit(model, kv_cache_dtype, one_call, chunked):
+    """Decode groups pad every table to the longest and mask past each length; a chunk's
+    context reads the rest of its last block. Masked slots must not reach the output,
+    whatever they hold (0 · NaN is NaN): poisoned before every step, the logits are the
+    unpoisoned run's bit for bit."""
+    prompts, params = workload(10, seed=5, prompt=(1, 70), output=(1, 24))
+    runs = []
+    for poison in (False, True):
+        engine = Engine(model, num_blocks=64, enable_prefix_caching=False,
+                        kv_cache_dtype=kv_cache_dtype, chunked_prefill=chunked,
+                        max_num_batched_tokens=40 if chunked else None)
+        if one_call:
+            engine.cache.decode_group_bytes = None
+        execute, logits = engine.runner.execute, []
+
+        def run(out, execute=execute, engine=engine, poison=poison, logits=logits):
+            if poison:
+                _poison_unheld_slots(engine, out)
+            step = execute(out)
+            logits.append(step.rows.clone())
+            return step
+
+        engine.runner.execute = run
+        tokens = [o.token_ids for o in engine.generate(prompts, params)]
+        runs.append((tokens, logits))
+    (tokens, logits), (poisoned_tokens, poisoned_logits) = runs
+    assert poisoned_tokens == tokens
+    assert len(poisoned_logits) == len(logits) > 10
+    assert all(torch.equal(a, b) for a, b in zip(poisoned_logits, logits))

@@ -218,7 +218,10 @@ def _load_lora(p: Path, meta: dict, model_cfg, lora: dict):
 
 def export_peft(checkpoint_dir: str, outdir: str) -> Path:
     """`fivefold convert --checkpoint C --out DIR --peft`: the adapters of a LoRA checkpoint
-    as a PEFT directory; its base_model_name_or_path is the run's model.hf_path."""
+    as a PEFT directory; its base_model_name_or_path is the run's base: model.hf_path, or
+    the fivefold step directory model.init_from resolved to (the weights the adapters sit
+    on, merged if that run trained adapters too: `convert --to-hf` of it gives a directory
+    transformers loads)."""
     from fivefold.finetune.io import adapter_config, save_peft
     from fivefold.train.checkpoint import read_meta
 
@@ -229,9 +232,10 @@ def export_peft(checkpoint_dir: str, outdir: str) -> Path:
         raise ConfigError(f"--checkpoint {checkpoint_dir} is not a LoRA run (lora.rank = 0): "
                           f"there are no adapters; drop --peft to export the whole model")
     model, _, _, _ = load_for_inference(str(p))
-    hf_path = ((meta.get("config") or {}).get("model") or {}).get("hf_path") or ""
+    model_section = (meta.get("config") or {}).get("model") or {}
+    base = model_section.get("hf_path") or model_section.get("init_from") or ""
     config = adapter_config(lora["rank"], lora["alpha"], lora["targets"], lora["dropout"],
-                            lora["rslora"], base_model=hf_path)
+                            lora["rslora"], base_model=base)
     return save_peft(outdir, adapters_of(model), config)
 
 

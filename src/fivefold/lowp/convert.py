@@ -95,9 +95,10 @@ def _swap(module: nn.Module, mixin: type) -> nn.Module:
     return module
 
 
-def apply_fp8(model: nn.Module, train_cfg, device: torch.device) -> list[str]:
-    """train.precision = 'fp8': the recipe and keep-out list of [train], on `model`; says
-    in one line (rank 0) which kernel the GEMMs take."""
+def apply_fp8(model: nn.Module, train_cfg, device: torch.device) -> tuple[list[str], str]:
+    """train.precision = 'fp8': the recipe and keep-out list of [train], on `model`; returns
+    the converted names and the line that says which kernel the GEMMs take (the trainer
+    prints it on rank 0 unless quiet)."""
     recipe = FP8Recipe.from_name(train_cfg.fp8_recipe, train_cfg.fp8_grad_format)
     check_fp8_device(recipe, device)
     converted = convert_to_fp8(model, recipe, parse_keep_out(train_cfg.fp8_keep_out))
@@ -106,9 +107,7 @@ def apply_fp8(model: nn.Module, train_cfg, device: torch.device) -> list[str]:
                                  [modules[n] for n in converted], device)
     if kernel != recipe.kernel:
         set_recipe([modules[n] for n in converted], replace(recipe, kernel=kernel))
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(line, flush=True)
-    return converted
+    return converted, line
 
 
 def fp8_weight_shapes(module: nn.Module) -> list[tuple[int, int]]:

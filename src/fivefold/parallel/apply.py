@@ -26,6 +26,7 @@ class ParallelModel:
 
     chunks: list[nn.Module]
     dims: ParallelDims
+    fp8_line: str = ""  # train.precision = fp8: where its GEMMs run (lowp/convert.py)
 
     def named_parameters(self, frozen: bool = False) -> list[tuple[str, nn.Parameter]]:
         """The parameters the optimizer, DP/ZeRO and checkpoints handle: those that require
@@ -61,10 +62,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
         from fivefold.parallel.expert import apply_expert_parallel
 
         apply_expert_parallel(model, dims)
+    fp8_line = ""
     if cfg.train.precision == "fp8":  # FP8 GEMMs in the linears (their local shards) and experts
         from fivefold.lowp.convert import apply_fp8
 
-        apply_fp8(model, cfg.train, device)
+        _, fp8_line = apply_fp8(model, cfg.train, device)
         if par.fp8_allgather:  # ZeRO-3 gathers these weights in FP8 (parallel/zero3_fp8.py)
             from fivefold.lowp.linear import FP8LinearMixin
 
@@ -86,7 +88,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
         tag_replicas(chunks)
     if cfg.train.compile:
         compile_blocks(chunks)
-    return ParallelModel(chunks, dims)
+    return ParallelModel(chunks, dims, fp8_line)
 
 
 def compile_blocks(chunks: list[nn.Module]) -> None:

@@ -30,9 +30,14 @@ shared prefix block another sequence fills in the same step), then:
   cache's bit for bit: SDPA reduces over the padded length and the folded queries in
   another order, which moves the output by a few fp32 ulps (reordering a softmax-weighted
   sum of L values: ~sqrt(L)·u relative); the tests compare greedy tokens, on models whose
-  choices are not near-ties. Slots past a sequence's length are read and masked: they hold
-  finite values (other tokens', or stale ones of a reused block), as the chunked-prefill
-  path below has always read them;
+  choices are not near-ties. Keys past a sequence's length are read and masked: each
+  one is a slot of the sequence's own last block (its tail, or that block again as padding),
+  either its own token's or unwritten. An unwritten slot may hold anything (a reused
+  block's stale K/V, a NaN a failed step left), and a mask does not stop a NaN: q · k with
+  a NaN key is NaN before the bias adds -inf, and a masked value's weight 0 times NaN is
+  NaN. So before the step the runner zeroes those tails in every layer (`clear_slots`: a
+  few slots a sequence, once a step; the last block is the sequence's alone, since a write
+  to a shared one copies it first), and nothing the pool held before can reach the output;
 - each prefill (or prefill chunk) alone: a fresh prompt attends to its own new keys with the
   causal mask (the very call the dense cache makes); a chunk after a cached or computed
   prefix gathers its context and masks keys after each query's position.
@@ -95,6 +100,8 @@ class DecodeGroup:
 @dataclass
 class PagedBatch:
     slot_mapping: torch.Tensor | None  # (T,) where each new token's K/V goes
+    # the unwritten slots of masked decodes' last blocks, zeroed before the step (clear_slots)
+    stale_slots: torch.Tensor | None = None
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[Prefill] = field(default_factory=list)
 
@@ -255,6 +262,14 @@ class PagedKVCache:
             k[:, dst * bs:(dst + 1) * bs] = k[:, src * bs:(src + 1) * bs]
             v[:, dst * bs:(dst + 1) * bs] = v[:, src * bs:(src + 1) * bs]
 
+    @torch.no_grad()
+    def clear_slots(self, slots: torch.Tensor) -> None:
+        """Zero `slots` in every layer: the unwritten tail of each masked decode's last block,
+        which its padded table reads (see the module's docstring)."""
+        for pool in (self.k, self.v):
+            raw = self._raw(pool)
+            raw.view(*raw.shape[:2], -1).index_fill_(1, slots, 0)
+
     def _decode(self, layer: int, q: torch.Tensor, out: torch.Tensor,
                 group: DecodeGroup) -> None:
         """A group of one-token sequences attends, each to its own context, in one call."""
@@ -292,8 +307,12 @@ class PagedKVCache:
                 out[:, :, p.begin:p.end] = sdpa(qp, k[:, :, p.begin:p.end],
                                                 v[:, :, p.begin:p.end], causal=True)
                 continue
-            kp, vp = self.gather_blocks(layer, p.context_blocks[None], q.dtype)
-            qpos = torch.arange(p.start, p.start + p.end - p.begin, device=q.device)
+            # the context's keys, cut after the last query: the rest of its last block is
+            # unwritten (a NaN there would pass the mask, as 0 · NaN does in the sum)
+            context = p.start + p.end - p.begin
+            kp, vp = (x[:, :, :context] for x in
+                      self.gather_blocks(layer, p.context_blocks[None], q.dtype))
+            qpos = torch.arange(p.start, context, device=q.device)
             mask = torch.arange(kp.shape[2], device=q.device)[None, :] <= qpos[:, None]
             out[:, :, p.begin:p.end] = sdpa(qp, kp, vp, mask)
         return out

@@ -10,9 +10,10 @@ at once, and so does the decode attention (one padded call, kv_cache.py); only p
 attend one sequence at a time.
 
 The host work of a step is built once, here: every index the layers read (tokens,
-positions, slots, the decode rows, lengths and padded block tables, the prefills' tables,
-the sampling rows) goes into one host tensor and reaches the device in one copy, so a
-layer launches its few kernels without building anything.
+positions, slots, the decode rows, lengths and padded block tables, the unwritten slots
+those tables read past a length, the prefills' tables, the sampling rows) goes into one
+host tensor and reaches the device in one copy, so a layer launches its few kernels
+without building anything.
 """
 
 from __future__ import annotations
@@ -91,16 +92,21 @@ class ModelRunner:
                 sample_ids.append(request.request_id)
         sizes = self.cache.decode_groups(lens)
         groups, first = [], 0
+        stale: list[int] = []  # unwritten slots a masked decode reads: zeroed (kv_cache.py)
         for size in sizes:  # each group's tables padded to its longest (own last block)
-            group_tables = tables[first:first + size]
+            group_tables, group_lens = tables[first:first + size], lens[first:first + size]
             width = max(map(len, group_tables))
+            if min(group_lens) != max(group_lens):
+                for table, length in zip(group_tables, group_lens):
+                    stale.extend(range(table[-1] * bs + (length - 1) % bs + 1,
+                                       (table[-1] + 1) * bs))
             groups.append((first, size, width,
                            [b for t in group_tables for b in t + t[-1:] * (width - len(t))]))
             first += size
-        tokens_t, positions_t, slots_t, sample_t, rows_t, lens_t, *rest = self._upload(
-            [tokens, positions, slots, sample_rows, rows, lens,
+        tokens_t, positions_t, slots_t, sample_t, rows_t, lens_t, stale_t, *rest = self._upload(
+            [tokens, positions, slots, sample_rows, rows, lens, stale,
              *(padded for *_, padded in groups), *(table for *_, table in prefills)])
-        batch = PagedBatch(slot_mapping=slots_t)
+        batch = PagedBatch(slot_mapping=slots_t, stale_slots=stale_t if stale else None)
         for (first, size, width, _), tables_t in zip(groups, rest):
             last = first + size - 1
             span = (rows[first], rows[last] + 1) if rows[last] - rows[first] == size - 1 \
@@ -123,6 +129,8 @@ class ModelRunner:
         if self.adapters is not None:  # rows grouped by adapter, each adapter's rows found
             out = self.adapters.begin_step(out, self.device)
         step = self.prepare(out)
+        if step.batch.stale_slots is not None:
+            self.cache.clear_slots(step.batch.stale_slots)
         self.cache.batch = step.batch
         try:
             logits = self.model(step.tokens, cache=self.cache, positions=step.positions,

@@ -113,6 +113,8 @@ class Trainer:
             self.recompute_policies = config_plan(cfg, self.precision)
         self.model = parallelize(plain, self.dims, cfg, self.device, self.dtype,
                                  recompute_policies=self.recompute_policies)
+        if self.is_logger and self.model.fp8_line:
+            print(self.model.fp8_line, flush=True)
         if cfg.model.hf_path:
             self._load_hf_weights()
         elif cfg.model.init_from:
