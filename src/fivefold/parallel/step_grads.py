@@ -30,7 +30,7 @@ import torch
 
 from fivefold.parallel import peak
 
-STEP_CHUNK = 1 << 22  # values of small pieces updated together (16 MiB of fp32 gradients)
+STEP_CHUNK = 1 << 20  # values of small pieces updated together (4 MiB of fp32 gradients)
 
 
 class StepGrads:
