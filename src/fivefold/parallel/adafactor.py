@@ -30,6 +30,7 @@ computes what one device computes for them.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -68,7 +69,7 @@ class Adafactor(PieceOptimizer):
         grads, weights = {}, {}
         for m in self.masters:
             info = self.info_of[id(m)]
-            grads[info.index] = (m.grad if m.grad is not None else torch.zeros_like(m)).view(-1)
+            grads[info.index] = functools.partial(self._flat_grad, m)  # made when gathered
             weights[info.index] = m.view(-1)
         grads = self.assembler.full(grads, infos)  # collectives on every rank
         weights = self.assembler.full(weights, infos)
@@ -112,6 +113,11 @@ class Adafactor(PieceOptimizer):
                 for j in range(info.lo // per, -(-info.hi // per)):  # matrices in the piece
                     a, b = max(info.lo, j * per) - info.lo, min(info.hi, (j + 1) * per) - info.lo
                     p[a:b].add_(own[a:b], alpha=scale[j])
+
+    def _flat_grad(self, master) -> torch.Tensor:
+        """A piece's fp32 gradient, flat: one made at a time (optim_base.grad)."""
+        grad = self.grad(master)
+        return (grad if grad is not None else torch.zeros_like(master)).view(-1)
 
     def assembler_infos(self):
         return getattr(self, "all_infos", None) or self.infos

@@ -72,10 +72,11 @@ class AdamWLowBit(PieceOptimizer):
             lr = torch.tensor(self.group_lr(group), dtype=torch.float32)
             wd = group["weight_decay"]
             for m in group["params"]:
-                if m.grad is None:
+                g = self.grad(m)
+                if g is None:
                     continue
                 st = self.state[m]
-                p, g = m.view(-1), m.grad.view(-1).float()
+                p, g = m.view(-1), g.view(-1).float()
                 # torchao single_param_adam's operations, in its order (bit-equal when eager)
                 p_f32 = p - lr * wd * p
                 bc1, bc2 = 1 - beta1 ** step_t, 1 - beta2 ** step_t
@@ -85,6 +86,7 @@ class AdamWLowBit(PieceOptimizer):
                 _write(st["exp_avg_sq"], avg_sq)
                 denom = (avg_sq.sqrt() / bc2.sqrt()) + eps
                 p.copy_(p_f32 - lr * (avg / bc1) / denom)
+                del g, avg, avg_sq, denom, p_f32  # this piece's temporaries, before the next
 
     # --- checkpoints ----------------------------------------------------------------------
     def checkpoint_views(self, master, load, convert_from=None) -> dict:

@@ -27,21 +27,6 @@ from fivefold.parallel.watchdog import Watchdog
 from fivefold.parallel.zero import DataParallelOptimizer, optimizer_options
 
 
-class _Joint:
-    """Two torch optimizers stepped as one by `update.clipped_step`."""
-
-    def __init__(self, optimizers):
-        self.optimizers = optimizers
-
-    @property
-    def param_groups(self):
-        return [g for o in self.optimizers for g in o.param_groups]
-
-    def step(self) -> None:
-        for o in self.optimizers:
-            o.step()
-
-
 class ExpertParallelOptimizer:
     def __init__(self, named_params, dims, tr, scaler, stage: int = 0, offload: bool = False,
                  bucket_mb: float = 25.0, chunks=None, timeout_s: float = 300.0,
@@ -84,17 +69,16 @@ class ExpertParallelOptimizer:
 
     def step(self, lr: float, loss: torch.Tensor | None = None) -> StepStats:
         grads = [part.bind_grads() for part in self.parts]
-        joint = _Joint([part.optimizer for part in self.parts])
-        stats = clipped_step(joint, [g for gs in grads for g in gs], lr, self.tr, self.scaler,
-                             self.dims["world"],
-                             lambda _, probe: self._global_grad_norm(grads, probe), loss)
+        stats = clipped_step([(part.optimizer, g) for part, g in zip(self.parts, grads)], lr,
+                             self.tr, self.scaler, self.dims["world"], self._global_grad_norm,
+                             loss)
         for part in self.parts:
             part.after_step(stats)
         if self.owns_watchdog:
             self.watchdog.disarm()
         return stats
 
-    def _global_grad_norm(self, grads: list[list[torch.Tensor]], loss=None) -> torch.Tensor:
+    def _global_grad_norm(self, grads: list, loss=None) -> torch.Tensor:
         sq = self.dense.local_grad_sq(grads[0]) + probe_term(loss, self.dense.device)
         if self.experts is not None:
             expert_sq = self.experts.local_grad_sq(grads[1])

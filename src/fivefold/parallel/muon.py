@@ -35,6 +35,7 @@ import math
 import torch
 
 from fivefold.parallel.optim_base import PieceOptimizer
+from fivefold.parallel.step_grads import step_torch
 from fivefold.parallel.update import adamw
 
 
@@ -118,10 +119,12 @@ class Muon(PieceOptimizer):
         for group in self.param_groups:
             for m in group["params"]:
                 info = self.info_of[id(m)]
-                grad = m.grad.view(-1) if m.grad is not None else torch.zeros_like(m.view(-1))
+                grad = self.grad(m)  # one piece's fp32 copy at a time (optim_base.py)
+                grad = grad.view(-1) if grad is not None else torch.zeros_like(m.view(-1))
                 buf = self.state[m]["momentum"]
                 buf.lerp_(grad, 1 - mu)
                 updates[info.index] = grad.lerp(buf, mu) if oc.muon_nesterov else buf
+                del grad
                 lrs[info.index] = (group["lr"], group["weight_decay"])
         full = self.assembler.full(updates, self.all_infos)  # collective on every rank
         for group in self.param_groups:
@@ -141,7 +144,10 @@ class Muon(PieceOptimizer):
             lr = self.param_groups[0]["lr"] * self.adamw_ratio
             for group in self.adamw.param_groups:
                 group["lr"] = lr
-            self.adamw.step()
+            if self.grads is not None:  # a chunk of the owner's fp32 copies at a time
+                step_torch(self.adamw, self.grads)
+            else:
+                self.adamw.step()
 
     # --- checkpoints ----------------------------------------------------------------------
     def owns(self, master) -> bool:

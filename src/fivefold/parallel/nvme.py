@@ -184,15 +184,16 @@ class NvmeAdamW:
     """AdamW over a data-parallel optimizer's shard whose states live in an `NvmeStore`.
 
     Plays the part of the resident torch AdamW for `update.clipped_step`: `param_groups`
-    (the rate is set there) and `step()`; the gradients of the pieces come in `grads`
-    (fp32, on the CPU, in piece order), set by the optimizer's `bind_grads`."""
+    (the rate is set there) and `step()`; the gradients of the pieces come in `grads` (a
+    `step_grads.StepGrads`, set for the step by `update.clipped_step`), each chunk's fp32
+    copy made as the chunk is updated."""
 
     def __init__(self, opt, root: str):
         self.opt, self.tr = opt, opt.tr
         self.param_groups = [{"lr": opt.tr.lr}]
         self.defaults: dict = {}
         self.state: dict = {}
-        self.grads: list[torch.Tensor] = []
+        self.grads = None  # the step's StepGrads
         self.step_count = 0
         numel = opt.layout.total // opt.layout.shards
         pin = opt.device.type == "cuda"
@@ -244,7 +245,7 @@ class NvmeAdamW:
                 "step": torch.tensor(float(self.step_count), device=master.device if fused
                                      else "cpu"),
                 "exp_avg": states["exp_avg"], "exp_avg_sq": states["exp_avg_sq"]}
-            master.grad = self.grads[i][a:b]
+            master.grad = self.grads.make([i], a, b)[0]  # its fp32 copy, made now
             optimizer.step()
             master.grad = None
             dest, at = self._destination(i)

@@ -19,6 +19,7 @@ of the logical ones, and a checkpoint resumes bit-exactly under any layout.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -108,13 +109,34 @@ def piece_view(d: Derived, info: PieceInfo, flat: torch.Tensor) -> tuple:
     return d, info.lo // d.ratio, hi, flat
 
 
+def made(value) -> torch.Tensor:
+    """A value handed to `Assembler.full`: a tensor, or a function making it (a piece's fp32
+    gradient, made only when it is copied into the whole: `PieceOptimizer.grad`)."""
+    return value() if callable(value) else value
+
+
+class _Shaped(Mapping):
+    """Each value viewed in its logical shape when read (a made one made then)."""
+
+    def __init__(self, values: dict, infos: list[PieceInfo]):
+        self.values, self.infos = values, infos
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return made(self.values[i]).view(self.infos[i].logical_shape)
+
+    def __iter__(self):
+        return iter(self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
 class Assembler:
     """Whole logical tensors from pieces and back. One replica without tensor parallelism:
-    a piece is its parameter, nothing moves."""
+    a piece is its parameter, nothing moves (a value is made when it is read)."""
 
-    def full(self, values: dict[int, torch.Tensor], infos: list[PieceInfo]
-             ) -> dict[int, torch.Tensor]:
-        return {i: v.view(infos[i].logical_shape) for i, v in values.items()}
+    def full(self, values: dict, infos: list[PieceInfo]) -> Mapping[int, torch.Tensor]:
+        return _Shaped(values, infos)
 
     def own(self, info: PieceInfo, full: torch.Tensor) -> torch.Tensor:
         return full.reshape(-1)[info.lo:info.hi]
@@ -122,7 +144,10 @@ class Assembler:
 
 class PieceOptimizer(torch.optim.Optimizer):
     """The base of fivefold's own optimizers: torch's Optimizer for the param groups (the
-    owners set `lr` per group each step), a step counter, and the state protocol."""
+    owners set `lr` per group each step), a step counter, and the state protocol.
+    A rule reads a piece's gradient with `grad(master)`, one piece at a time."""
+
+    grads = None  # the owner's step_grads.StepGrads, during a step (update.clipped_step)
 
     def __init__(self, masters: list[torch.Tensor], infos: list[PieceInfo], tr,
                  assembler: Assembler | None = None, lr_ratio: float = 1.0):
@@ -164,6 +189,15 @@ class PieceOptimizer(torch.optim.Optimizer):
 
     def reset_state(self, master: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def grad(self, master: torch.Tensor) -> torch.Tensor | None:
+        """A piece's fp32 gradient for this step: made now from the owner's `StepGrads`
+        (step_grads.py: one piece's copy, dropped by the caller after use), or its `.grad`
+        when the owner bound the gradients themselves (fp32 parameters, or a direct step)."""
+        grads = self.grads
+        if grads is not None and grads.copy and id(master) in grads.index_of:
+            return grads.make([grads.index_of[id(master)]])[0]
+        return master.grad
 
     def group_lr(self, group) -> float:
         return group["lr"] * group.get("lr_ratio", 1.0)

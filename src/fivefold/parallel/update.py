@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from fivefold.parallel import comm
+from fivefold.parallel.step_grads import StepGrads, run_update
 
 
 def decays(name: str, param: torch.Tensor) -> bool:
@@ -41,19 +42,22 @@ class StepStats:
     loss_scale: float
 
 
-def clipped_step(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], lr: float, tr,
-                 scaler, world: comm.Group, global_norm, loss: torch.Tensor | None = None
-                 ) -> StepStats:
-    """The update every optimizer here shares, on the gradients it holds (the optimizer's
-    `.grad`s, full or sharded): unscale (fp16), the exact global norm (`global_norm`),
-    skip the step when a rank saw inf/nan, clip, set the rate, step.
+def clipped_step(updates: list[tuple], lr: float, tr, scaler, world: comm.Group,
+                 global_norm, loss: torch.Tensor | None = None) -> StepStats:
+    """The update every optimizer here shares, on the gradients its owner holds (full or
+    sharded): unscale (fp16), the exact global norm (`global_norm(grads, loss)`), skip the
+    step when a rank saw inf/nan, clip, set the rate, step. `updates` pairs each optimizer
+    with its `StepGrads` (one pair; two under expert parallelism, one clipping norm): the
+    fp32 gradients are made a piece at a time where they are used (step_grads.py).
 
     A non-finite loss or gradient on any rank is found without a collective of its own:
     `global_norm` sums this rank's squares plus `0 · loss` (NaN when the loss is not finite)
     in the reduction it already does, so every rank sees the same non-finite norm and skips
     the same step (under fp16 the loss scale also halves)."""
+    grads = [g for _, g in updates]
     if scaler.enabled:
-        torch._foreach_mul_(grads, 1.0 / scaler.scale)
+        for g in grads:
+            g.scale_(1.0 / scaler.scale)
     norm = global_norm(grads, loss)
     found_inf = not bool(torch.isfinite(norm))
     if scaler.enabled:  # every rank skips together, or none does
@@ -64,12 +68,14 @@ def clipped_step(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], lr
     scaler.update(found_inf)
     if found_inf:
         return StepStats(float("nan"), True, scale)
-    if tr.grad_clip > 0 and grads:
+    if tr.grad_clip > 0 and any(len(g) for g in grads):
         coef = torch.clamp(tr.grad_clip / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef.to(device=grads[0].device, dtype=grads[0].dtype))
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
+        for g in grads:
+            g.scale_(coef)
+    for optimizer, g in updates:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        run_update(optimizer, g)
     return StepStats(float(norm), False, scale)
 
 
@@ -92,9 +98,10 @@ FUSED_ADAMW_ON_CPU = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= 
 NORM_PIECE = 1 << 18  # values per float64 cast in `squared_grad_norm` on a CPU (2 MiB)
 
 
-def squared_grad_norm(grads: list[torch.Tensor], shares: torch.Tensor | list[float],
-                      device: torch.device) -> torch.Tensor:
-    """Σ share·‖g‖² over this rank's gradients, as a 0-d tensor on `device`.
+def squared_grad_norm(grads: StepGrads | list[torch.Tensor],
+                      shares: torch.Tensor | list[float], device: torch.device) -> torch.Tensor:
+    """Σ share·‖g‖² over this rank's fp32 gradients (`StepGrads`, or a list of them), as a
+    0-d tensor on `device`.
 
     On a CPU every square is accumulated in float64 (torch's fp32 norm kernels there sum in
     fp32: over a 25M-element model the norm came out about 5e-6 relative off, which moves the
@@ -102,17 +109,29 @@ def squared_grad_norm(grads: list[torch.Tensor], shares: torch.Tensor | list[flo
     the norm), the dtype the reductions over ranks carry and the planner's ledger counts.
     The float64 copy is made a piece of `NORM_PIECE` values at a time: a whole 16M-value
     embedding gradient cast at once is a fresh 128 MiB buffer (page faults included, 4× the
-    time of the norm itself on one core), a piece stays in cache.
-    On CUDA one fused fp32 `_foreach_norm` (tree reductions) keeps the step fast.
+    time of the norm itself on one core), a piece stays in cache; a gradient kept in the
+    compute dtype is cast to fp32 a piece at a time too.
+    On CUDA one fused fp32 `_foreach_norm` (tree reductions) per chunk of pieces keeps the
+    step fast; it reduces each tensor on its own, so the chunks change no bit.
     """
-    if not grads:
+    if isinstance(grads, list):
+        grads = StepGrads(grads, grads[0].device if grads else device, copy=False)
+    if not len(grads):
         return torch.zeros((), dtype=torch.float32, device=device)
     shares = torch.as_tensor(shares, dtype=torch.float64)
-    if grads[0].device.type == "cpu":
-        squares = torch.stack([
-            sum((torch.linalg.vector_norm(piece, dtype=torch.float64).square()
-                 for piece in g.reshape(-1).split(NORM_PIECE)),
-                torch.zeros((), dtype=torch.float64)) for g in grads])
-        return (squares * shares).sum().float().to(device)
-    norms = torch.stack(torch._foreach_norm(grads)).float()
+    if grads.device.type == "cpu":
+        squares = []
+        for i in range(len(grads)):
+            total = torch.zeros((), dtype=torch.float64)
+            numel = grads.numel(i)
+            for lo in range(0, numel, NORM_PIECE):
+                piece = grads.make([i], lo, min(lo + NORM_PIECE, numel), sample=False)[0]
+                total = total + torch.linalg.vector_norm(piece, dtype=torch.float64).square()
+                del piece  # before the next range is made
+            squares.append(total)
+        return (torch.stack(squares) * shares).sum().float().to(device)
+    norms = []
+    for chunk in grads.chunks():
+        norms += torch._foreach_norm(grads.make(chunk))
+    norms = torch.stack(norms).float()
     return (norms.pow(2) * shares.to(norms)).sum().to(device)

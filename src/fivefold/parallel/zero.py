@@ -21,7 +21,8 @@ Communication per step, per rank, in elements of the model (P, padded), on `dp_c
 Offload (ZeRO-Offload, Ren et al. 2021): fp32 master weights and Adam moments live on the
 CPU and the AdamW step runs there; the reduced gradient shard goes down, the updated
 compute-dtype parameters come back. On a CPU-only machine it changes where nothing lives,
-but takes the same path: a separate fp32 master copy, a copied fp32 gradient.
+but takes the same path: a separate fp32 master copy, a copied fp32 gradient (made a piece
+at a time where the step uses it, `step_grads.StepGrads`, never the whole shard at once).
 
 The optimizer keeps `MasterWeightOptimizer`'s interface (train/optim.py) and its update
 (`update.clipped_step`).
@@ -37,6 +38,7 @@ from fivefold.parallel import comm, peak
 from fivefold.parallel.buffers import FlatLayout, bucket_groups, storage_bytes
 from fivefold.parallel.data import BUCKETS_IN_FLIGHT, GradReducer
 from fivefold.parallel.nvme import run_tag
+from fivefold.parallel.step_grads import StepGrads
 from fivefold.parallel.update import (
     StepStats,
     adamw,
@@ -101,6 +103,7 @@ class DataParallelOptimizer:
                                    self.watchdog, order, buckets_in_flight, grad_sync)
         if self.gatherer is not None:
             self.reducer.segment_done.append(self.gatherer.free)
+        self.step_grads: StepGrads | None = None  # during a step: its fp32 gradients
         self._build_states()
 
     def _bind_params(self) -> torch.Tensor:
@@ -226,29 +229,26 @@ class DataParallelOptimizer:
 
     def step(self, lr: float, loss: torch.Tensor | None = None) -> StepStats:
         grads = self.bind_grads()
-        stats = clipped_step(self.optimizer, grads, lr, self.tr, self.scaler, self.dims["world"],
-                             self._global_grad_norm, loss)
+        stats = clipped_step([(self.optimizer, grads)], lr, self.tr, self.scaler,
+                             self.dims["world"], self._global_grad_norm, loss)
         self.after_step(stats)
         return stats
 
-    def bind_grads(self) -> list[torch.Tensor]:
-        """The reduced gradients of this rank's pieces, set as their masters' `.grad`."""
-        grads = self.reducer.owned_grads(self.pieces)
-        if self.separate_master:
-            grads = [g.to(device=self.state_device, dtype=torch.float32, copy=True)
-                     for g in grads]
-        for m, g in zip(self.master_pieces, grads):
-            m.grad = g
-        if self.nvme_dir is not None:
-            self.optimizer.grads = grads
+    def bind_grads(self) -> StepGrads:
+        """The reduced gradients of this rank's pieces for the step. With a separate fp32
+        master each piece's fp32 copy is made where it is used (step_grads.py), never all at
+        once; without, the reduced fp32 gradients are the masters' `.grad`."""
+        self.step_grads = StepGrads(self.reducer.owned_grads(self.pieces), self.state_device,
+                                    self.separate_master, self.master_pieces)
+        if not self.separate_master:
+            self.step_grads.bind()
         peak.sample("optimizer step")
-        return grads
+        return self.step_grads
 
     def after_step(self, stats: StepStats) -> None:
         for m in self.master_pieces:
             m.grad = None
-        if self.nvme_dir is not None:
-            self.optimizer.grads = []
+        self.step_grads = None
         if not stats.skipped:  # nvme: the step itself wrote the master into the parameters
             self._publish_params(from_master=self.nvme_dir is None)
         self._disarm()
@@ -257,10 +257,10 @@ class DataParallelOptimizer:
         if self.owns_watchdog:
             self.watchdog.disarm()
 
-    def _global_grad_norm(self, grads: list[torch.Tensor], loss=None) -> torch.Tensor:
+    def _global_grad_norm(self, grads: list[StepGrads], loss=None) -> torch.Tensor:
         """sqrt(sum of squares), every logical element counted once: ZeRO shards are
         disjoint (summed over dp_cp); tp/pp replicas carry `norm_share` (train/optim.py)."""
-        sq = self.local_grad_sq(grads) + probe_term(loss, self.device)  # NaN: bad loss
+        sq = self.local_grad_sq(grads[0]) + probe_term(loss, self.device)  # NaN: bad loss
         # Waited through the watchdog like every other collective of the step, so that a peer
         # lost as the optimizer step begins is named (exit 3), not reported as a bare error.
         groups = [self.dims["tp"], self.dims["pp"]]
@@ -271,7 +271,7 @@ class DataParallelOptimizer:
                                "gradient-norm all-reduce")
         return sq.sqrt()
 
-    def local_grad_sq(self, grads: list[torch.Tensor]) -> torch.Tensor:
+    def local_grad_sq(self, grads: StepGrads) -> torch.Tensor:
         """This rank's share of the squared gradient norm, before any reduction."""
         return squared_grad_norm(grads, self.shares, self.device)
 
@@ -404,13 +404,17 @@ class DataParallelOptimizer:
             "params": lambda: [self.param_flat if gatherer is None else gatherer.shard,
                                *frozen],
             "grads": lambda: [reducer.grad_buffer, reducer.grad_shard,
-                              *(m.grad for m in self.master_pieces)],
+                              *(m.grad for m in self.master_pieces), *self._step_copies()],
             "master": lambda: [self.master_flat],
             "optimizer": self._resident_moments,
             "grad_buffer": grad_buffer,
             "comm_buffers": lambda: [*reducer.staging.values(),
                                      *(gatherer.full if gatherer is not None else []),
                                      *(self.frozen.full if self.frozen is not None else [])]}
+
+    def _step_copies(self) -> list[torch.Tensor]:
+        """The fp32 gradient copies the optimizer step holds now (step_grads.py)."""
+        return self.step_grads.live_tensors() if self.step_grads is not None else []
 
     def close(self) -> None:
         """Detach the hooks and stop the watchdog (tests build many optimizers per process)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fivefold.parallel.optim_base import PieceInfo
+from fivefold.parallel.optim_base import PieceInfo, made
 from fivefold.parallel.shards import full_tensor, local_piece
 from fivefold.parallel.update import decays
 
@@ -31,7 +31,7 @@ class ZeroAssembler:
                             device=owner.state_device)
         for i, v in values.items():
             pc = owner.pieces[i]
-            shard[pc.shard:pc.shard + pc.hi - pc.lo] = v
+            shard[pc.shard:pc.shard + pc.hi - pc.lo] = made(v)  # a made one dropped now
         flat = owner._full_flat(shard)
         out = {}
         for i in values:  # the same pieces on every tp peer: the tp gathers pair up

@@ -19,6 +19,7 @@ from torch import nn
 from fivefold.errors import ConfigError
 from fivefold.parallel import comm
 from fivefold.parallel.buffers import storage_bytes
+from fivefold.parallel.step_grads import StepGrads
 from fivefold.parallel.update import (  # noqa: F401  (re-exported)
     StepStats,
     adamw,
@@ -83,6 +84,7 @@ class MasterWeightOptimizer:
             self.optimizer = adamw([g for g in groups if g["params"]], tr,
                                    self.params[0].device)
         self.shares = [norm_share(p, dims.tp) for p in self.params]
+        self.step_grads: StepGrads | None = None  # during a step: its fp32 gradients
 
     def _piece_optimizer(self, named_params, optim):
         """fivefold's own rule over whole local tensors (pieces = parameters)."""
@@ -116,31 +118,30 @@ class MasterWeightOptimizer:
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
 
-    def global_grad_norm(self, grads: list[torch.Tensor], loss=None) -> torch.Tensor:
+    def global_grad_norm(self, grads: list[StepGrads], loss=None) -> torch.Tensor:
         """sqrt of the sum of squares over every logical element, each counted once (NaN if
         any rank's `loss` is not finite: `probe_term`)."""
-        sq = squared_grad_norm(grads, self.shares, grads[0].device)
+        sq = squared_grad_norm(grads[0], self.shares, grads[0].device)
         sq += probe_term(loss, sq.device)
         for name in ("tp", "pp"):
             comm.all_reduce(sq, self.dims[name])
         return sq.sqrt()
 
     def step(self, lr: float, loss: torch.Tensor | None = None) -> StepStats:
+        """With fp32 masters each parameter's fp32 gradient is made where the step uses it
+        (parallel/step_grads.py), never all at once; in fp32 the gradients are the `.grad`."""
         grads = self._grads()
-        if self.mixed:
-            for m, g in zip(self.master, grads):
-                m.grad = g.float()
-        else:
-            for p, g in zip(self.params, grads):
-                p.grad = g
-        stats = clipped_step(self.optimizer, [m.grad for m in self.master], lr, self.tr,
-                             self.scaler, self.dims["world"], self.global_grad_norm, loss)
-        if self.mixed:
-            if not stats.skipped:
-                with torch.no_grad():
-                    torch._foreach_copy_(self.params, self.master)
-            for m in self.master:
-                m.grad = None
+        self.step_grads = StepGrads(grads, self.params[0].device, self.mixed, self.master)
+        if not self.mixed:
+            self.step_grads.bind()
+        try:
+            stats = clipped_step([(self.optimizer, self.step_grads)], lr, self.tr,
+                                 self.scaler, self.dims["world"], self.global_grad_norm, loss)
+        finally:
+            self.step_grads = None
+        if self.mixed and not stats.skipped:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.master)
         return stats
 
     # --- checkpoints and accounting -----------------------------------------------------
@@ -218,7 +219,8 @@ class MasterWeightOptimizer:
         """What this rank holds, by planner item, for a `parallel.peak.PeakTracker`."""
         return {
             "params": lambda: self.params,
-            "grads": lambda: [p.grad for p in self.params],
+            "grads": lambda: [*(p.grad for p in self.params),
+                              *(self.step_grads.live_tensors() if self.step_grads else [])],
             "master": lambda: self.master if self.mixed else [],
             "optimizer": self._state_tensors}
 
@@ -247,10 +249,11 @@ class TensorParallelAssembler:
         self.dims = dims
 
     def full(self, values, infos):
+        from fivefold.parallel.optim_base import made
         from fivefold.parallel.shards import full_tensor
 
         # every tp rank holds the same tensors and passes the same ones, in the same order
-        return {i: full_tensor(infos[i].param, v.view(infos[i].param.shape), self.dims)
+        return {i: full_tensor(infos[i].param, made(v).view(infos[i].param.shape), self.dims)
                 for i, v in values.items()}
 
     def own(self, info, full):
