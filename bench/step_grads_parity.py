@@ -22,9 +22,10 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
+
+from revisions import baseline_src
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = "af3718b"  # the last revision that copied every gradient to fp32 at once
@@ -104,17 +105,6 @@ def worker(name: str, out_path: str) -> None:
 
 
 # ---- the driver -----------------------------------------------------------------------------
-
-def baseline_src(rev: str, into: Path) -> Path:
-    archive = subprocess.run(["git", "archive", rev, "src"], cwd=ROOT, capture_output=True,
-                             check=True).stdout
-    with tempfile.NamedTemporaryFile(suffix=".tar") as f:
-        f.write(archive)
-        f.flush()
-        with tarfile.open(f.name) as tar:
-            tar.extractall(into, filter="data")
-    return into / "src"
-
 
 def first_difference(a: list, b: list) -> str | None:
     import torch
