@@ -45,7 +45,7 @@ from fivefold.plan.inputs import DEFAULT_GPU, layout_config, training_plan_input
 from fivefold.plan.layout import Layout, Workload, critical_ranks
 from fivefold.plan.nvme import layout_offload, tier
 from fivefold.plan.search import SearchSpace, enumerate_layouts, search
-from fivefold.plan.timing import collective_time
+from fivefold.plan.timing import call_time
 
 # The recomputation the search tries when train.recompute is not set.
 RECOMPUTE_CHOICES = ("none", "selective", "full", "auto")
@@ -144,15 +144,7 @@ def unhidden_comm(plan: LayoutPlan) -> float:
     bucket = work.bucket_mb * 1e6
     worst = 0.0
     for rank in critical_ranks(work.model, lay):
-        total = 0.0
-        for c in collectives(work, lay, rank):
-            if c.group == "pp":  # duplex, each message with its overhead (plan/timing.py)
-                total += (collective_time(c, hw, assume, lay)
-                          + c.calls * assume.pp_message_ms * 1e-3) / 2
-            else:
-                total += collective_time(c, hw, assume, lay, bucket
-                                         if c.group in ("dp", "dp_cp", "edp", "pp_embed")
-                                         else 0.0)
+        total = sum(call_time(c, hw, assume, lay, bucket) for c in collectives(work, lay, rank))
         worst = max(worst, total)
     return worst
 

@@ -5,8 +5,8 @@ Speed comes from a bound, not from approximation: every layout first gets a lowe
 its step time (its pipeline's compute, m·(t_f + t_b), and a bubble of its quickest stage's
 micro-batches, which every other part only adds to). Layouts are then planned exactly in
 order of that bound, and the search stops when the bound passes the step time of the last
-layout it must show. A layout whose recompute
-sibling with less recomputation already fits is skipped too: it holds more FLOPs for nothing.
+layout it must show. A layout whose recompute sibling with less recomputation already fits
+is skipped too: it holds more FLOPs for nothing.
 """
 
 from __future__ import annotations

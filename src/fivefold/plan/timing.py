@@ -146,6 +146,20 @@ def collective_time(c: Collective, hw: Hardware, assume: Assumptions, layout: La
     return c.wire_bytes / (bw * assume.bandwidth_efficiency) + calls * per_call
 
 
+DP_GROUPS = ("dp", "dp_cp", "edp", "pp_embed")  # bucketed: reduced in bucket-sized calls
+
+
+def call_time(c: Collective, hw: Hardware, assume: Assumptions, layout: Layout,
+              bucket_bytes: float) -> float:
+    """`collective_time` of one of a rank's collectives as a step pays it: the gradient
+    groups' in buckets; a pipeline message duplex (send ∥ recv), each with its fixed
+    overhead (`assume.pp_message_ms`)."""
+    if c.group == "pp":
+        return (collective_time(c, hw, assume, layout)
+                + c.calls * assume.pp_message_ms * 1e-3) / 2
+    return collective_time(c, hw, assume, layout, bucket_bytes if c.group in DP_GROUPS else 0.0)
+
+
 def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
                  rank: int) -> RankCompute:
     """Forward and backward seconds of one micro-batch on pipeline rank `rank`."""
@@ -245,10 +259,9 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
             elif c.group == "cp" and c.op != "recv":  # all-gather K/V: exposed (Llama 3)
                 cp_exposed += collective_time(c, hw, assume, lay)
             elif c.group == "pp":
-                per["pp"] += (collective_time(c, hw, assume, lay)  # duplex: send ∥ recv
-                              + c.calls * assume.pp_message_ms * 1e-3) / 2
-            elif c.group in ("dp", "dp_cp", "edp", "pp_embed"):
-                dp[c.phase] += collective_time(c, hw, assume, lay, bucket)
+                per["pp"] += call_time(c, hw, assume, lay, bucket)
+            elif c.group in DP_GROUPS:
+                dp[c.phase] += call_time(c, hw, assume, lay, bucket)
         # The column linears' input-gradient GEMMs (about their forward GEMMs, half the
         # layers' matmul time) run while the saved shards are gathered again.
         regather = max(0.0, regather - m * rc.gemm_fwd / 2)
@@ -278,24 +291,24 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
             worst = entry
     mb_time, rc, tp, cp, ep, pp, exposed_dp, slowest = worst
     compute = m * (rc.forward + rc.backward)
-    bubble = bubble_ratio(lay, m) * m * _others_microbatch(work, lay, hw, assume, slowest,
-                                                           mb_time)
+    bubble = bubble_ratio(lay, m) * m * _others_microbatch(
+        work, lay, hw, assume, slowest, mb_time, mb_time - (rc.forward + rc.backward))
     return StepTime(compute=compute, tp_comm=tp, cp_comm=cp, ep_comm=ep, pp_comm=pp,
                     bubble=bubble, dp_comm=exposed_dp,
                     optimizer=optimizer_time(work, lay, hw, assume), recompute=m * rc.recompute)
 
 
 def _others_microbatch(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
-                       slowest: int, mb_time: float) -> float:
+                       slowest: int, mb_time: float, comm: float) -> float:
     """The mean micro-batch time of the pipeline ranks other than the slowest one. A
     pipeline's fill and drain run the other stages' forwards and backwards while the slowest
     waits: 1F1B takes (m − 1)·max_s t_s + Σ_s t_s (Narayanan 2021 §2.2.1 with stages of
     unequal time), so its bubble is Σ over the other stages, (p − 1)/m · m · their mean;
     equal stages give back (p − 1)·t. The other schedules' ratios scale the same mean.
-    Their communication per micro-batch is the slowest rank's, in proportion to layers."""
+    Their communication per micro-batch is the slowest rank's (`comm`), in proportion to
+    layers."""
     if layout.pp == 1:
         return mb_time
-    comm = mb_time - sum(_compute(work, layout, hw, assume, slowest))
     layers = max(1, stage(work.model, layout, slowest)[0])
     seen: dict = {}
     times = []
@@ -304,15 +317,10 @@ def _others_microbatch(work: Workload, layout: Layout, hw: Hardware, assume: Ass
             continue
         key = (stage(work.model, layout, rank), moe_layers_on_rank(work.model, layout, rank))
         if key not in seen:
-            seen[key] = (sum(_compute(work, layout, hw, assume, rank))
-                         + comm * key[0][0] / layers)
+            rc = rank_compute(work, layout, hw, assume, rank)
+            seen[key] = rc.forward + rc.backward + comm * key[0][0] / layers
         times.append(seen[key])
     return sum(times) / len(times)
-
-
-def _compute(work, layout, hw, assume, rank) -> tuple[float, float]:
-    rc = rank_compute(work, layout, hw, assume, rank)
-    return rc.forward, rc.backward
 
 
 def _one_bucket(work, layout, hw, assume, bucket: float) -> float:
