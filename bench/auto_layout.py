@@ -3,7 +3,8 @@ step times of every feasible layout, on this machine.
 
     python bench/auto_layout.py --profile PROFILE.json [--ranks 4] [--rounds 2] [--steps 2]
         [--warmup 1] [--cases 25m-gbs4,25m-gbs8,deep-gbs4,deep-gbs8] [--no-sp]
-        [--more [--only-missing]] [--all]
+        [--more [--only-missing]] [--all] [--rescore] [--stat min|median]
+        [--check CASE:LAYOUT;LAYOUT]
 
 PROFILE.json comes from `fivefold calibrate --out PROFILE.json --world 4 --max-hidden 1024
 --threads 1` (each rank of a CPU run computes on one thread). For each case (a model and a
@@ -173,6 +174,9 @@ def main() -> None:
     ap.add_argument("--stat", choices=sorted(STATS), default="median",
                     help="a layout's time from its samples: their median (default), or their "
                          "minimum where other jobs share the machine (they only add time)")
+    ap.add_argument("--check", metavar="CASE:LAYOUT;LAYOUT", help="time only these layouts "
+                    "(as the results name them) of one case, --steps each, and write "
+                    "bench/results/auto_layout_check.json: a spot check on a quiet machine")
     ap.add_argument("--no-sp", dest="sp", action="store_false",
                     help="measure no sequence-parallel shapes (unless auto picks one)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "auto_layout.json"))
@@ -181,6 +185,9 @@ def main() -> None:
     hw, assume = planner.auto_hardware(None, args.ranks, BUDGET_GIB, profile, on_cpu=True)
     started = time.time()
     root = Path(tempfile.mkdtemp())
+    if args.check:
+        check(args, hw, assume, profile, root)
+        return
     cases = {}
     for name in args.cases.split(","):
         cfg, work, pick, layouts, feasible = candidates(name, args.ranks, hw, assume, root,
@@ -255,6 +262,35 @@ def main() -> None:
         write(args, cases, profile, started, earlier + args.rounds)
 
 
+def check(args, hw, assume, profile: dict, root: Path) -> None:
+    name, _, wanted = args.check.partition(":")
+    cfg, work, pick, layouts, _ = candidates(name, args.ranks, hw, assume, root, True, True)
+    shown = {lay.short(): lay for lay in layouts}
+    rows = []
+    for want in wanted.split(";"):
+        if want not in shown:
+            raise SystemExit(f"--check: {want!r} is not a feasible layout of {name}")
+        plan = plan_layout(work, shown[want], hw, assume)
+        run_cfg = planner.apply(cfg, plan, BUDGET_GIB)
+        run_cfg.parallel.layout = "manual"
+        samples = measure(run_cfg, args.ranks, args.steps, args.warmup)
+        rows.append({"layout": want, "planned_s": pick.step_time(plan), "samples_s": samples})
+        print(f"{name} {want}: planned {rows[-1]['planned_s']:.2f} s, measured "
+              + " ".join(f"{x:.2f}" for x in samples), flush=True)
+    out = ROOT / "bench" / "results" / "auto_layout_check.json"
+    out.write_text(json.dumps({"machine": machine(), "case": name, "steps": args.steps,
+                               "load_average_at_end": os.getloadavg(), "profile": profile,
+                               "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out.relative_to(ROOT)}")
+
+
+def machine() -> dict:
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                         text=True).stdout.strip()
+    return {"cpu_model": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+            "torch": torch.__version__, "git_rev": rev}
+
+
 def write(args, cases: dict, profile: dict, started: float, rounds_done: int) -> None:
     results = {}
     for name, case in cases.items():
@@ -290,11 +326,8 @@ def write(args, cases: dict, profile: dict, started: float, rounds_done: int) ->
               f"{pick_s:.2f} s vs best "
               f"{rows[0]['layout']} {best:.2f} s: regret {100 * (pick_s / best - 1):.1f}%; "
               f"Spearman {rho:.2f} ({rho_own:.2f} as if each rank had its own core)", flush=True)
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                         text=True).stdout.strip()
-    payload = {"merged": args.merge, "machine": {"cpu_model": cpu_model(), "cores": os.cpu_count(),
-                           "platform": platform.platform(), "torch": torch.__version__,
-                           "git_rev": rev, "load_average_at_end": os.getloadavg()},
+    payload = {"merged": args.merge, "machine": {**machine(),
+                                                 "load_average_at_end": os.getloadavg()},
                "ranks": args.ranks, "rounds": rounds_done, "steps": args.steps,
                "statistic": args.stat,
                "budget_gib": BUDGET_GIB, "elapsed_s": time.time() - started,
