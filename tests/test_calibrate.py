@@ -41,17 +41,29 @@ def test_calibrate_writes_a_profile_the_planner_reads(tmp_path, capsys):
     for sizes in faster["bus_gbps"].values():
         for n in sizes:
             sizes[n] *= 2
+    for sizes in faster["call_us"].values():
+        for points in sizes.values():
+            for point in points:
+                point[1] /= 2
     path = tmp_path / "faster.json"
     path.write_text(json.dumps(faster))
     quick = _plan(capsys, "--hw-profile", str(path))
     assert quick["step_time_parts_s"]["compute"] < measured["step_time_parts_s"]["compute"]
     assert quick["step_time_parts_s"]["tp_comm"] < measured["step_time_parts_s"]["tp_comm"]
 
-    # The measured latency of a call is what each collective call costs beyond its bytes:
-    # 1 ms more per call adds 1 ms per tensor-parallel call of the step.
+    # Each collective was timed over a sweep of message sizes, bytes growing, time too (the
+    # bandwidth message last); the planner takes a call's time at its size from them: 1 ms
+    # more per call at every size adds 1 ms per tensor-parallel call of the step.
     assert 0 < profile["latency_us"]["2"] < 1e6
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"):
+        points = profile["call_us"][op]["2"]
+        assert [b for b, _ in points] == [1024, 8192, 65536], op
+        assert all(us > 0 for _, us in points), op
     slow = copy.deepcopy(profile)
-    slow["latency_us"] = {n: v + 1000 for n, v in profile["latency_us"].items()}
+    for sizes in slow["call_us"].values():
+        for points in sizes.values():
+            for point in points:
+                point[1] += 1000
     path.write_text(json.dumps(slow))
     late = _plan(capsys, "--hw-profile", str(path))
     calls = late["step_time_parts_s"]["tp_comm"] - measured["step_time_parts_s"]["tp_comm"]
@@ -63,3 +75,37 @@ def test_bad_profile_is_one_line(tmp_path, capsys):
     bad.write_text(json.dumps({"matmul": []}))
     assert cli_main([*PLAN, "--hw-profile", str(bad)]) == 2
     assert "--hw-profile" in capsys.readouterr().err
+
+
+def test_a_calls_time_follows_the_swept_sizes():
+    """profile_call_s: linear in bytes between the sizes calibrate timed, the smallest's
+    time below them, the largest's bandwidth above, the nearest group size measured; and
+    collective_time pays it per call, falling back to latency and bandwidth without it."""
+    import dataclasses
+
+    from fivefold.plan.comm import Collective
+    from fivefold.plan.hardware import CATALOG, Assumptions, profile_call_s
+    from fivefold.plan.layout import Layout
+    from fivefold.plan.timing import collective_time
+
+    points = [[4096, 100.0], [65536, 400.0], [1 << 20, 2000.0]]
+    profile = {"matmul": [{"thin": 128, "flops_per_s": 1e11}], "attention": [],
+               "bus_gbps": {"all_reduce": {"4": 1.0}}, "latency_us": {"4": 50.0},
+               "call_us": {"all_reduce": {"4": points}}}
+    hw = dataclasses.replace(CATALOG["h100-sxm"], gpus_per_node=4, profile=profile)
+    us = 1e-6
+    assert profile_call_s(hw, "all_reduce", 4, 4096) == 100 * us
+    assert abs(profile_call_s(hw, "all_reduce", 4, (4096 + 65536) / 2) - 250 * us) < 1e-12
+    assert profile_call_s(hw, "all_reduce", 4, 100) == 100 * us  # below: the smallest's
+    assert abs(profile_call_s(hw, "all_reduce", 4, 2 << 20) - 4000 * us) < 1e-12  # above
+    assert profile_call_s(hw, "all_reduce", 8, 4096) == 100 * us  # nearest group measured
+    assert profile_call_s(hw, "all_gather", 4, 4096) is None  # not swept
+
+    lay = Layout(tp=4)
+    call = Collective("tp", "all_reduce", 4, 65536 / 4, 10, 4, "fwd")
+    assert abs(collective_time(call, hw, Assumptions(), lay) - 10 * 400 * us) < 1e-12
+    # without the sweep: the measured latency per call plus bytes at the measured bandwidth
+    old = dataclasses.replace(hw, profile={k: v for k, v in profile.items() if k != "call_us"})
+    wire = 10 * 65536 * 2 * 3 / 4
+    expect = wire / 1e9 + 10 * 50 * us
+    assert abs(collective_time(call, old, Assumptions(), lay) - expect) < 1e-9

@@ -19,6 +19,13 @@ Measured (median of timed repeats after a warm-up):
   element, whose time is all start-up and synchronisation. On a CPU whose ranks outnumber
   its cores it includes waiting for a descheduled peer, which small bandwidth-bound messages
   do not show and which a tensor-parallel step pays at every one of its collectives;
+- the time of one call of each collective per group size over a sweep of message sizes,
+  4 KiB to 16 MiB and the bandwidth message (`call_us`: [[bytes, µs], ...] in the ledger's
+  convention of a call's bytes), as NCCL-tests sweeps them: between the one-element latency
+  and the large-message bandwidth lies a range where neither alone gives a call's time
+  (gloo's 512 KiB all-reduce over 4 CPU ranks takes about 2.5 times what latency plus
+  bytes over the 64 MiB bandwidth say), and a tensor-parallel step's activations live
+  there;
 - with `--offload-dir DIR` (the `parallel.offload_dir` NVMe offload would write), the disk:
   one file of `--disk-mib` MiB (256 by default) written sequentially in the engine's chunks
   (parallel/nvme.py: 4 MiB of fp32 values), then fsync'ed, the fsync inside the timing, so
@@ -49,6 +56,9 @@ from fivefold.config import ArgumentParser, ConfigError
 from fivefold.config.rules import writable_dir, writable_file
 from fivefold.host import cpu_label, cpu_model
 
+# Message sizes of the call-time sweep (bytes; the bandwidth message is added to them).
+SWEEP_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 24)
+QUICK_SWEEP = (1 << 10, 1 << 13)
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
@@ -141,26 +151,34 @@ def _collective_rank(rank: int, world: int, init_file: str, out: str, backend: s
     nbytes = (1 << 16) if quick else (1 << 26)
     results: dict = {op: {} for op in OPS}
     results["latency_us"] = {}
+    results["call_us"] = {op: {} for op in OPS}
     for n in sizes:
         if rank < n:
             group = Group(f"calib{n}", list(range(n)), groups[n], Ledger())
-            for op, gbps in _measure_group(group, nbytes, device, sync, quick).items():
-                results[op][str(n)] = gbps
+            for size in (*(QUICK_SWEEP if quick else SWEEP_BYTES), nbytes):
+                for op, (sent, seconds) in _measure_group(group, size, device, sync,
+                                                          quick).items():
+                    results["call_us"][op].setdefault(str(n), []).append([sent, seconds * 1e6])
+                    if size == nbytes:
+                        results[op][str(n)] = sent / seconds * BUS_FACTOR[op](n) / 1e9
             results["latency_us"][str(n)] = _latency_us(group, device, sync, quick)
         dist.barrier()
+    results["call_us"] = {op: by_n for op, by_n in results["call_us"].items() if by_n}
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
-def _measure_group(group, nbytes: int, device: str, sync, quick: bool) -> dict[str, float]:
-    """Bus bandwidth (GB/s) of each collective over `group`, messages of `nbytes`."""
+def _measure_group(group, nbytes: int, device: str, sync,
+                   quick: bool) -> dict[str, tuple[int, float]]:
+    """(bytes of one call in the ledger's convention, seconds of one call) of each
+    collective over `group`, messages of about `nbytes`."""
     import torch
 
     from fivefold.parallel import comm
 
     n = group.size
-    elems = nbytes // 4
+    elems = max(n, nbytes // 4)
     elems -= elems % n
     x = torch.ones(elems, device=device)
     full, shard = torch.empty(elems, device=device), torch.empty(elems // n, device=device)
@@ -174,11 +192,11 @@ def _measure_group(group, nbytes: int, device: str, sync, quick: bool) -> dict[s
         peer = 1 - group.rank
         calls["send_recv"] = lambda: [h.wait() for h in comm.batch_p2p(
             [comm.P2P("send", x, peer), comm.P2P("recv", full, peer)], group)]
+    inner = 4 if quick else 20 if elems * 4 <= (1 << 20) or elems * 4 >= (1 << 26) else 8
     out = {}
     for op, fn in calls.items():
         comm.barrier(group)
-        t = _timed(fn, sync, 0.0, repeats=3, inner=4 if quick else 20)
-        out[op] = elems * 4 / t * BUS_FACTOR[op](n) / 1e9
+        out[op] = (elems * 4, _timed(fn, sync, 0.0, repeats=3, inner=inner))
     return out
 
 
@@ -209,11 +227,11 @@ def measure_collectives(world: int, backend: str, quick: bool) -> dict:
 
 
 def _collectives(world: int, device: str, quick: bool) -> dict:
-    """`bus_gbps` and `latency_us` of the profile (empty on one rank)."""
+    """`bus_gbps`, `latency_us` and `call_us` of the profile (empty on one rank)."""
     if world < 2:
         return {"bus_gbps": {}}
     bus = measure_collectives(world, "nccl" if device == "cuda" else "gloo", quick)
-    return {"latency_us": bus.pop("latency_us"), "bus_gbps": bus}
+    return {"latency_us": bus.pop("latency_us"), "call_us": bus.pop("call_us"), "bus_gbps": bus}
 
 
 DISK_CHUNK = 4 << 20  # bytes per write and read: parallel/nvme.py's chunk of fp32 values

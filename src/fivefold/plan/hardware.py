@@ -314,13 +314,20 @@ def profile_attention_rate(hw: Hardware, seq_len: float) -> float | None:
                         seq_len)
 
 
+def _nearest(by_size: dict, group_size: int):
+    """The value measured at the group size nearest `group_size` (log scale; the smaller of
+    two equally near), None when nothing was measured."""
+    sizes = {int(n): v for n, v in (by_size or {}).items()}
+    if not sizes:
+        return None
+    return sizes[min(sizes, key=lambda n: (abs(math.log(n / group_size)), n))]
+
+
 def profile_latency_s(hw: Hardware, group_size: int) -> float | None:
     """Measured seconds of one collective call (a one-element all-reduce) at the nearest
     measured group size; None without a profile or one written before calibrate took it."""
-    sizes = {int(n): v for n, v in ((hw.profile or {}).get("latency_us") or {}).items()}
-    if not sizes:
-        return None
-    return sizes[min(sizes, key=lambda n: (abs(math.log(n / group_size)), n))] * 1e-6
+    us = _nearest((hw.profile or {}).get("latency_us"), group_size)
+    return None if us is None else us * 1e-6
 
 
 def profile_bus_gbps(hw: Hardware, op: str, group_size: int) -> float | None:
@@ -328,7 +335,24 @@ def profile_bus_gbps(hw: Hardware, op: str, group_size: int) -> float | None:
     if not hw.profile:
         return None
     key = "send_recv" if op in ("send", "recv") else op
-    sizes = {int(n): v for n, v in hw.profile["bus_gbps"].get(key, {}).items()}
-    if not sizes:
+    return _nearest(hw.profile["bus_gbps"].get(key), group_size)
+
+
+def profile_call_s(hw: Hardware, op: str, group_size: int, nbytes: float) -> float | None:
+    """Measured seconds of one call of `op` moving `nbytes` (the ledger's bytes of a call)
+    at the nearest measured group size: linear in bytes between the sizes calibrate swept
+    (a call's time is latency plus bytes over bandwidth, both varying with the size), the
+    smallest size's time below them, the largest size's bandwidth above. None without a
+    profile's `call_us` (one written before calibrate swept sizes)."""
+    key = "send_recv" if op in ("send", "recv") else op
+    points = _nearest(((hw.profile or {}).get("call_us") or {}).get(key), group_size)
+    if not points:
         return None
-    return sizes[min(sizes, key=lambda n: (abs(math.log(n / group_size)), n))]
+    points = sorted((float(b), float(us) * 1e-6) for b, us in points)
+    if nbytes <= points[0][0]:
+        return points[0][1]
+    for (b0, t0), (b1, t1) in zip(points, points[1:]):
+        if nbytes <= b1:
+            return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+    b, t = points[-1]
+    return t * nbytes / b

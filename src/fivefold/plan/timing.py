@@ -23,6 +23,7 @@ from fivefold.plan.hardware import (
     group_bandwidth,
     profile_attention_rate,
     profile_bus_gbps,
+    profile_call_s,
     profile_latency_s,
     profile_matmul_rate,
 )
@@ -130,7 +131,8 @@ def collective_time(c: Collective, hw: Hardware, assume: Assumptions, layout: La
                     bucket_bytes: float = 0.0) -> float:
     """Seconds for all of a collective's calls in a step: wire bytes at the group's bus
     bandwidth, plus a latency per call (2·log2 n steps; per bucket when bucketed), or the
-    call's latency as calibrate measured it inside a node."""
+    call's latency as calibrate measured it inside a node. Inside a node, a profile that
+    swept message sizes (`call_us`) gives each call's time at its size instead."""
     bw, inter = group_link(hw, layout, c.group, assume)
     alpha = (assume.inter_latency_us if inter else assume.intra_latency_us) * 1e-6
     measured = None if inter else profile_bus_gbps(hw, c.op, c.group_size)
@@ -139,6 +141,10 @@ def collective_time(c: Collective, hw: Hardware, assume: Assumptions, layout: La
     calls = c.calls
     if bucket_bytes:
         calls = max(c.calls, c.bytes / bucket_bytes)
+    swept = None if inter or not calls else profile_call_s(hw, c.op, c.group_size,
+                                                            c.bytes / calls)
+    if swept is not None:  # calibrate timed calls of this size: latency and bytes in one
+        return calls * swept
     steps = 1 if c.op in ("send", "recv") else 2 * log2_ceil(c.group_size)
     per_call = steps * alpha
     if not inter and c.op not in ("send", "recv"):  # measured (calibrate), where it was
