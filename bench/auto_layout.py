@@ -73,8 +73,10 @@ def case_config(name: str, root: Path, layout_args: list[str]):
 
 def candidates(name: str, ranks: int, hw, assume, root: Path, sp: bool = True,
                every: bool = False):
-    """(auto's pick, its runner-up, the layouts to measure) of one case: one per shape, or
-    with `every` each feasible layout of the space (every micro-batch and ZeRO stage)."""
+    """(config, workload, auto's pick and runner-up, the layouts to measure, how many the
+    1F1B space holds, every layout of the space under any schedule by name) of one case:
+    one layout per shape, or with `every` each feasible layout of the space (every
+    micro-batch and ZeRO stage), plus the pick and runner-up."""
     cfg = case_config(name, root, ["--parallel.layout", "auto"])
     for key in ("parallel.mbs",):  # the example's own micro-batch: searched here
         config.given_keys(cfg).discard(key)
@@ -82,7 +84,11 @@ def candidates(name: str, ranks: int, hw, assume, root: Path, sp: bool = True,
                           "the profile", on_cpu=True, cores=CORES)
     work, judged = planner.workload(cfg, "fp32", BUDGET_GIB)
     space = planner.search_space(cfg, planner.constraints(cfg), True, planner._accepts(judged))
-    space.recompute, space.zero, space.schedule = ("none",), (0, 1), ("1f1b",)
+    space.recompute, space.zero = ("none",), (0, 1)
+    # every schedule: what --rescore looks a measured layout up in (an earlier pick)
+    named = {lay.short(): lay for lay in enumerate_layouts(work, ranks, hw, space)
+             if space.allowed(lay)}
+    space.schedule = ("1f1b",)
     feasible = [lay for lay in enumerate_layouts(work, ranks, hw, space) if space.allowed(lay)]
     # One layout per shape (dp, tp, pp, sp): the planner's fastest ZeRO stage and micro-batch
     # of it. Measuring every micro-batch and stage of every shape takes hours on 2 cores.
@@ -100,7 +106,7 @@ def candidates(name: str, ranks: int, hw, assume, root: Path, sp: bool = True,
     for plan in (pick.best, pick.runner_up):
         if plan is not None and plan.layout not in layouts:
             layouts.append(plan.layout)
-    return cfg, work, pick, layouts, len(feasible)
+    return cfg, work, pick, layouts, len(feasible), named
 
 
 def _rank(rank, world, init_file, cfg, steps, warmup, out):
@@ -190,8 +196,8 @@ def main() -> None:
         return
     cases = {}
     for name in args.cases.split(","):
-        cfg, work, pick, layouts, feasible = candidates(name, args.ranks, hw, assume, root,
-                                                         args.sp, args.all)
+        cfg, work, pick, layouts, feasible, _ = candidates(name, args.ranks, hw, assume, root,
+                                                            args.sp, args.all)
         plans = {lay: plan_layout(work, lay, hw, assume) for lay in layouts}
         cases[name] = {"cfg": cfg, "pick": pick, "plans": plans, "feasible": feasible,
                        "times": {lay: [] for lay in layouts}}
@@ -205,13 +211,11 @@ def main() -> None:
         for name, result in before["cases"].items():
             if name not in cases:
                 continue
-            _, work, _, _, _ = candidates(name, args.ranks, hw, assume, root, True, True)
+            _, work, _, _, _, named = candidates(name, args.ranks, hw, assume, root, True, True)
             case = cases[name]
-            shown = {lay.short(): lay for lay in case["times"]}
+            shown = {**named, **{lay.short(): lay for lay in case["times"]}}
             for row in result["rows"]:
-                lay = shown.get(row["layout"]) or next(
-                    (p.layout for p in (case["pick"].best, case["pick"].runner_up)
-                     if p is not None and p.layout.short() == row["layout"]), None)
+                lay = shown.get(row["layout"])
                 if lay is None:  # measured before, out of the space now: not scored
                     print(f"{name}: {row['layout']} is no longer a candidate", flush=True)
                     continue
@@ -264,7 +268,7 @@ def main() -> None:
 
 def check(args, hw, assume, profile: dict, root: Path) -> None:
     name, _, wanted = args.check.partition(":")
-    cfg, work, pick, layouts, _ = candidates(name, args.ranks, hw, assume, root, True, True)
+    cfg, work, pick, layouts, _, _ = candidates(name, args.ranks, hw, assume, root, True, True)
     shown = {lay.short(): lay for lay in layouts}
     rows = []
     for want in wanted.split(";"):
