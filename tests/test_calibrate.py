@@ -69,6 +69,24 @@ def test_calibrate_writes_a_profile_the_planner_reads(tmp_path, capsys):
     calls = late["step_time_parts_s"]["tp_comm"] - measured["step_time_parts_s"]["tp_comm"]
     assert calls > 1e-3 * 4  # at least the 4 calls of one layer's forward and backward
 
+    # The host time per layer was measured, and on a CPU it adds to every layer of every
+    # micro-batch: 10 ms more per layer adds 10 ms × 16 layers × the micro-batches.
+    assert 0 < profile["host_layer_ms"] < 1e3
+    busy = copy.deepcopy(profile)
+    busy["host_layer_ms"] = profile["host_layer_ms"] + 10.0
+    path.write_text(json.dumps(busy))
+    hosted = _plan(capsys, "--hw-profile", str(path))
+    added = hosted["step_time_parts_s"]["compute"] - measured["step_time_parts_s"]["compute"]
+    expect = 10e-3 * 16 * hosted["num_microbatches"]  # llama-3.2-1b: 16 layers, all on rank
+    assert abs(added - expect) < 1e-9 * expect + 1e-12, (added, expect)
+    # A GPU's profile: the host time only bounds a micro-batch from below (kernels queue
+    # ahead), so 10 ms more per layer adds less than on the CPU here, where it all adds.
+    gpu = copy.deepcopy(busy)
+    gpu["device"] = "NVIDIA H100 80GB HBM3"
+    path.write_text(json.dumps(gpu))
+    bounded = _plan(capsys, "--hw-profile", str(path))
+    assert bounded["step_time_parts_s"]["compute"] < hosted["step_time_parts_s"]["compute"]
+
 
 def test_bad_profile_is_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.json"

@@ -19,6 +19,10 @@ Measured (median of timed repeats after a warm-up):
   element, whose time is all start-up and synchronisation. On a CPU whose ranks outnumber
   its cores it includes waiting for a descheduled peer, which small bandwidth-bound messages
   do not show and which a tensor-parallel step pays at every one of its collectives;
+- the host time per layer (`host_layer_ms`): one micro-batch's forward and backward through
+  the engine's own block at a width whose kernels do next to no arithmetic, per layer
+  added; on a CPU, whose cores run that Python and dispatch between the kernels, it adds
+  to every layer of every micro-batch, and small micro-batches pay it most often;
 - the time of one call of each collective per group size over a sweep of message sizes,
   4 KiB to 16 MiB and the bandwidth message (`call_us`: [[bytes, µs], ...] in the ledger's
   convention of a call's bytes), as NCCL-tests sweeps them: between the one-element latency
@@ -124,8 +128,39 @@ def measure_compute(device: str, quick: bool, max_hidden: int = 8192) -> dict:
         attention.append({"seq_len": s, "heads": heads, "head_dim": dim,
                           "flops_per_s": 4 * heads * s * s * dim * 0.5 / t})
     progress("memory bandwidth")
+    memory = measure_memory(device, quick, sync)
+    progress("host time per layer")
     return {"dtype": str(dtype).replace("torch.", ""), "matmul": matmul, "attention": attention,
-            "memory_gbps": measure_memory(device, quick, sync)}
+            "memory_gbps": memory, "host_layer_ms": measure_host(device, quick, sync)}
+
+
+def measure_host(device: str, quick: bool, sync) -> float:
+    """Milliseconds of host time one transformer layer adds to a micro-batch's forward and
+    backward: the engine's own block (models/llama.py) at a width so small that its kernels
+    do next to no arithmetic, timed at 2 and at 2 + k layers, the difference over k. It is
+    Python, autograd and dispatch (and kernel launches on a GPU): what the GEMM, attention
+    and bandwidth timings leave out, and what a micro-batch pays per layer whatever its
+    size."""
+    import dataclasses
+
+    import torch
+
+    from fivefold.models.llama import Llama
+    from fivefold.models.presets import preset
+
+    def one(layers: int) -> float:
+        cfg = dataclasses.replace(preset("nano"), num_layers=layers, vocab_size=64,
+                                  hidden_size=64, intermediate_size=128, num_heads=2,
+                                  num_kv_heads=2)
+        torch.manual_seed(0)
+        model = Llama(cfg).to(device)
+        tokens = torch.randint(0, 64, (1, 8), device=device)
+        return _timed(lambda: model(tokens, tokens).backward(), sync, 0.05 if quick else 0.5,
+                      repeats=7)
+
+    k = 4 if quick else 16
+    base = one(2)
+    return max(0.0, (one(2 + k) - base) / k * 1e3)
 
 
 def progress(what: str) -> None:

@@ -323,6 +323,18 @@ def _nearest(by_size: dict, group_size: int):
     return sizes[min(sizes, key=lambda n: (abs(math.log(n / group_size)), n))]
 
 
+def profile_host_layer_ms(hw: Hardware) -> float | None:
+    """Measured host time per layer per micro-batch (ms, forward and backward), None without
+    a profile that took it (calibrate's `host_layer_ms`)."""
+    ms = (hw.profile or {}).get("host_layer_ms")
+    return float(ms) if isinstance(ms, (int, float)) and math.isfinite(ms) and ms >= 0 else None
+
+
+def runs_on_host(hw: Hardware) -> bool:
+    """Whether the device computes on the host's cores (a CPU run, or a CPU's profile)."""
+    return hw.device_is_host or (hw.profile or {}).get("device") == "cpu"
+
+
 def profile_latency_s(hw: Hardware, group_size: int) -> float | None:
     """Measured seconds of one collective call (a one-element all-reduce) at the nearest
     measured group size; None without a profile or one written before calibrate took it."""

@@ -24,8 +24,10 @@ from fivefold.plan.hardware import (
     profile_attention_rate,
     profile_bus_gbps,
     profile_call_s,
+    profile_host_layer_ms,
     profile_latency_s,
     profile_matmul_rate,
+    runs_on_host,
 )
 from fivefold.plan.layout import (
     Layout,
@@ -234,10 +236,15 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     weight_passes = 1 if work.lora_rank else 2
     backward = (weight_passes * (gemm + head_time) + 2 * elem
                 + attn * (2.5 if work.flash else 2.0) + recompute)
-    # An eager engine's host time (assume.host_layer_ms per layer, a third of it in forward)
-    # bounds a micro-batch from below when the GPU's share is shorter (tp spreads it thin).
-    host = assume.host_layer_ms * 1e-3 * layers
-    forward, backward = max(forward, host / 3), max(backward, 2 * host / 3)
+    # An eager engine's host time per layer (assume.host_layer_ms, else calibrate's measured
+    # one; a third of it in forward). On a GPU it bounds a micro-batch from below when the
+    # GPU's share is shorter (tp spreads it thin); on a CPU the same cores run it between the
+    # kernels, so it adds.
+    host = (assume.host_layer_ms or profile_host_layer_ms(hw) or 0.0) * 1e-3 * layers
+    if runs_on_host(hw):
+        forward, backward = forward + host / 3, backward + 2 * host / 3
+    else:
+        forward, backward = max(forward, host / 3), max(backward, 2 * host / 3)
     return RankCompute(forward, backward, recompute, attn, gemm)
 
 
