@@ -71,7 +71,7 @@ def test_calibrate_writes_a_profile_the_planner_reads(tmp_path, capsys):
 
     # The host time per layer was measured, and on a CPU it adds to every layer of every
     # micro-batch: 10 ms more per layer adds 10 ms × 16 layers × the micro-batches.
-    assert 0 < profile["host_layer_ms"] < 1e3
+    assert 0 <= profile["host_layer_ms"] < 1e3  # a difference of two timings: may round to 0
     busy = copy.deepcopy(profile)
     busy["host_layer_ms"] = profile["host_layer_ms"] + 10.0
     path.write_text(json.dumps(busy))
