@@ -254,3 +254,22 @@ def test_chat_template_from_tokenizer_config_or_plain(tmp_path):
                          "{% if add_generation_prompt %}[assistant]{% endif %}"}))
     render = chat_template(tmp_path)
     assert render(messages) == "<s>[system]be brief</s>[user]hi</s>[assistant]"
+
+
+def test_only_the_rank_that_binds_the_port_checks_it(monkeypatch):
+    """A taken port is one line before any model loads, on the rank that would bind it; a
+    `fivefold launch` rank other than 0 never binds it, so it does not check it (two ranks
+    binding it at once to check it found it taken now and then)."""
+    from fivefold.errors import ConfigError
+    from fivefold.serve.openai.api_server import _check_port
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        monkeypatch.delenv("RANK", raising=False)
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
+            _check_port("127.0.0.1", port)
+        monkeypatch.setenv("RANK", "0")
+        with pytest.raises(ConfigError, match="cannot listen"):
+            _check_port("127.0.0.1", port)
+        monkeypatch.setenv("RANK", "1")
+        _check_port("127.0.0.1", port)  # rank 1 serves no HTTP: nothing to check

@@ -20,6 +20,7 @@ annotations, which name classes imported inside `build_app`.)
 
 
 import json
+import os
 import signal
 import socket
 import sys
@@ -232,7 +233,11 @@ def _check_args(args) -> None:
 
 
 def _check_port(host: str, port: int) -> None:
-    """Fail before loading the model when the address is taken or cannot be bound."""
+    """Fail before loading the model when the address is taken or cannot be bound. Under
+    `fivefold launch` only rank 0 binds it, so only rank 0 checks: two ranks binding the
+    port at once to check it would each find it taken now and then."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
     try:
         with socket.create_server((host, port)):
             pass
