@@ -89,7 +89,7 @@ def candidates(name: str, ranks: int, hw, assume, root: Path, sp: bool = True,
     named = {lay.short(): lay for lay in enumerate_layouts(work, ranks, hw, space)
              if space.allowed(lay)}
     space.schedule = ("1f1b",)
-    feasible = [lay for lay in enumerate_layouts(work, ranks, hw, space) if space.allowed(lay)]
+    feasible = [lay for lay in named.values() if space.allowed(lay)]
     # One layout per shape (dp, tp, pp, sp): the planner's fastest ZeRO stage and micro-batch
     # of it. Measuring every micro-batch and stage of every shape takes hours on 2 cores.
     shapes: dict = {}

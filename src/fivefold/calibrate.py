@@ -27,7 +27,7 @@ Measured (median of timed repeats after a warm-up):
   4 KiB to 16 MiB and the bandwidth message (`call_us`: [[bytes, µs], ...] in the ledger's
   convention of a call's bytes), as NCCL-tests sweeps them: between the one-element latency
   and the large-message bandwidth lies a range where neither alone gives a call's time
-  (gloo's 512 KiB all-reduce over 4 CPU ranks takes about three times what latency plus
+  (gloo's 512 KiB all-reduce over 4 CPU ranks takes several times what latency plus
   bytes over the 64 MiB bandwidth say), and a tensor-parallel step's activations live
   there;
 - with `--offload-dir DIR` (the `parallel.offload_dir` NVMe offload would write), the disk:

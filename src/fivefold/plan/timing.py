@@ -136,10 +136,6 @@ def collective_time(c: Collective, hw: Hardware, assume: Assumptions, layout: La
     call's latency as calibrate measured it inside a node. Inside a node, a profile that
     swept message sizes (`call_us`) gives each call's time at its size instead."""
     bw, inter = group_link(hw, layout, c.group, assume)
-    alpha = (assume.inter_latency_us if inter else assume.intra_latency_us) * 1e-6
-    measured = None if inter else profile_bus_gbps(hw, c.op, c.group_size)
-    if measured:  # bus bandwidth as calibrate measured it inside a node: efficiency included
-        bw = measured * 1e9 / assume.bandwidth_efficiency
     calls = c.calls
     if bucket_bytes:
         calls = max(c.calls, c.bytes / bucket_bytes)
@@ -147,6 +143,10 @@ def collective_time(c: Collective, hw: Hardware, assume: Assumptions, layout: La
                                                             c.bytes / calls)
     if swept is not None:  # calibrate timed calls of this size: latency and bytes in one
         return calls * swept
+    alpha = (assume.inter_latency_us if inter else assume.intra_latency_us) * 1e-6
+    measured = None if inter else profile_bus_gbps(hw, c.op, c.group_size)
+    if measured:  # bus bandwidth as calibrate measured it inside a node: efficiency included
+        bw = measured * 1e9 / assume.bandwidth_efficiency
     steps = 1 if c.op in ("send", "recv") else 2 * log2_ceil(c.group_size)
     per_call = steps * alpha
     if not inter and c.op not in ("send", "recv"):  # measured (calibrate), where it was
