@@ -6,19 +6,21 @@
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (`stream: true` as
 server-sent events), GET /health, GET /metrics (Prometheus text: requests running and
 waiting, KV blocks used and free, generated tokens per second). Every error body is
-OpenAI's: 400 for a bad request (the server keeps serving), 404 for an unknown model
-(`model_not_found`) or route, 405, 500 for a request the engine failed (the others go on),
-503 while shutting down or once the engine loop has died; then /health answers 503 too and
+OpenAI's: 400 for a bad request naming its field (the server keeps serving), 404 for an
+unknown model (`model_not_found`) or route, 405, 413 for a body over --max-request-bytes,
+500 for a request the engine failed (the others go on), 503 while shutting down or once the engine loop has died; then /health answers 503 too and
 the process exits 1, so a supervisor restarts it. SIGTERM (or Ctrl-C) closes the listener
 (new connections are refused), lets running requests finish for --shutdown-grace seconds,
 ends the rest with what they generated and finish_reason "abort", and exits 0. The server
-binds to 127.0.0.1 unless --host says otherwise.
+binds to 127.0.0.1 unless --host says otherwise. Tokenising runs off the event loop; a
+client that leaves is aborted without a log line.
 
 (No `from __future__ import annotations` here: FastAPI reads the route functions'
 annotations, which name classes imported inside `build_app`.)
 """
 
 
+import asyncio
 import json
 import os
 import signal
@@ -79,31 +81,48 @@ def metrics_text(stats: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_app(serving, loop):
+REQUEST_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop",
+                  "logit_bias", "prompt")
+
+
+def field_path(loc) -> list[str]:
+    """A pydantic error location as the request's field names: without "body" and without
+    the names of a union's branches ("str", "list[int]", "function-after[...]")."""
+    return [str(p) for p in loc if p != "body" and not (isinstance(p, str) and (
+        "[" in p or p in ("str", "int", "float", "bool", "dict", "list", "none")))]
+
+
+def build_app(serving, loop, max_request_bytes: int = 16 * 2**20):
     """The FastAPI application over an `OpenAIServing` and its `EngineLoop`."""
     fastapi = require("fastapi", "serve", "fivefold serve")
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    from fivefold.serve.openai.limits import BodyLimit
     from fivefold.serve.openai.protocol import (
         ChatCompletionRequest,
         CompletionRequest,
         error_body,
     )
-    from fivefold.serve.openai.serving import EngineError, ModelNotFound, Unavailable
+    from fivefold.serve.openai.serving import ClientLeft, EngineError, ModelNotFound, Unavailable
 
     app = fastapi.FastAPI(title="fivefold", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        errors = exc.errors() or [{"loc": (), "msg": "invalid request"}]
+        first = errors[0]
         if first.get("type") == "json_invalid":  # its loc is a byte offset, not a field
             error = first.get("ctx", {}).get("error", "")
             return JSONResponse(error_body(f"the body is not valid JSON ({error})"),
                                 status_code=400)
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+        # a union's branches each give an error: the one that got furthest says most
+        first = max(errors, key=lambda e: len(field_path(e.get("loc", ()))))
+        where = ".".join(field_path(first.get("loc", ())))
+        msg = str(first.get("msg")).removeprefix("Value error, ")
+        message = f"{where}: {msg}" if where else msg
         return JSONResponse(error_body(message, where or None), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -116,7 +135,10 @@ def build_app(serving, loop):
 
     @app.exception_handler(ConfigError)
     async def bad_value(_request, exc: ConfigError):
-        return JSONResponse(error_body(str(exc), getattr(exc, "param", None)), status_code=400)
+        # the engine's checks begin with the field they refuse ("max_tokens = 0 must ...")
+        param = getattr(exc, "param", None) or next(
+            (f for f in REQUEST_FIELDS if str(exc).startswith((f + " ", f + ":"))), None)
+        return JSONResponse(error_body(str(exc), param), status_code=400)
 
     @app.exception_handler(ModelNotFound)
     async def no_model(_request, exc: ModelNotFound):
@@ -153,8 +175,10 @@ def build_app(serving, loop):
     async def models():
         return serving.models()
 
-    async def respond(raw, prepared, chat: bool, stream: bool):
-        if stream:
+    async def respond(raw, prepare, body, chat: bool):
+        # tokenising a long prompt takes a while: off the event loop, which keeps answering
+        prepared = await asyncio.to_thread(prepare, body)
+        if body.stream:
             events = await serving.stream(prepared, chat)
             return StreamingResponse(events, media_type="text/event-stream")
 
@@ -162,15 +186,18 @@ def build_app(serving, loop):
             while (await raw.receive())["type"] != "http.disconnect":
                 pass
 
-        return JSONResponse(await serving.run(prepared, chat, client_left))
+        try:
+            return JSONResponse(await serving.run(prepared, chat, client_left))
+        except ClientLeft:  # aborted; there is no one to answer (and nothing to log)
+            return Response(status_code=499)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: fastapi.Request):
-        return await respond(raw, serving.prepare_completion(body), False, body.stream)
+        return await respond(raw, serving.prepare_completion, body, False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: fastapi.Request):
-        return await respond(raw, serving.prepare_chat(body), True, body.stream)
+        return await respond(raw, serving.prepare_chat, body, True)
 
     return app
 
@@ -204,6 +231,9 @@ def build_parser() -> ArgumentParser:
                    help="what the KV cache stores: auto (the model's dtype), bf16, or fp8 "
                         "(e4m3 with a scale per layer and KV head: half of bf16's bytes, twice "
                         "the blocks)")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
+                   help="the largest request body taken (default 16 MiB); a larger one gets "
+                        "413")
     p.add_argument("--shutdown-grace", type=float, default=3.0,
                    help="seconds running requests get to finish after SIGTERM")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: each holds 1/tp "
@@ -228,6 +258,8 @@ def _check_args(args) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {value} must be > 0")
     if args.block_size < 1 or args.max_num_seqs < 1:
         raise ConfigError("--block-size and --max-num-seqs must be >= 1")
+    if args.max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes {args.max_request_bytes} must be >= 1")
     if args.shutdown_grace < 0:
         raise ConfigError(f"--shutdown-grace {args.shutdown_grace} must be >= 0")
 
@@ -270,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     serving = OpenAIServing(loop, name, codec.encode,
                             chat_template(source if args.hf else None), backend.max_model_len,
                             backend.adapters, codec.decode)
-    app = build_app(serving, loop)
+    app = build_app(serving, loop, args.max_request_bytes)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

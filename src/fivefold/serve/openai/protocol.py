@@ -6,15 +6,20 @@ engine does not implement (`UNSUPPORTED`: best_of, suffix, response_format, tool
 logprobs, ...) are accepted at their neutral value and refused with a 400 naming the field
 otherwise, so a request never silently gets something other than it asked for. Other unknown
 field names are ignored (the client adds new ones over time); a known field of the wrong
-type is a 400.
+type is a 400. Types are strict, as the API documents them: `max_tokens: "5"`, `5.0` or
+`true` is a 400 naming the field, not a silent 5 or 1 (a float field takes an integer). A
+string holding a lone surrogate (half a UTF-16 pair, which no tokenizer and no JSON writer
+takes) is a 400 naming its field.
 """
 
 from __future__ import annotations
 
+import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import StrictFloat as _StrictFloat
 
 from fivefold.errors import ConfigError
 from fivefold.serve.sampling_params import SEED_RANGE, SamplingParams
@@ -45,6 +50,22 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 
 
+def _utf8(value: str) -> str:
+    """Refuse a lone surrogate: pydantic names the field in the 400 (a ValueError)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"holds a lone surrogate at character {e.start} (half of a UTF-16 "
+                         f"pair); send valid Unicode text") from None
+    return value
+
+
+Text = Annotated[str, Field(strict=True), AfterValidator(_utf8)]
+Number = _StrictFloat  # an int or a float; not a string, not a bool
+TokenIds = list[StrictInt]
+_TOKEN_KEY = re.compile(r"-?[0-9]+")
+
+
 def _neutral(value: Any, allowed: tuple) -> bool:
     # 0 == False in Python, but `logprobs: 0` asks for the chosen tokens' log-probabilities
     return value is None or any(isinstance(value, bool) == isinstance(a, bool) and value == a
@@ -54,26 +75,26 @@ def _neutral(value: Any, allowed: tuple) -> bool:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(BaseModel):
     # extras are kept (and otherwise ignored) so that UNSUPPORTED can look at them
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    n: int = Field(1, ge=1, le=16)
-    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    stop: str | list[str] | None = None
-    stream: bool = False
+    model: Text | None = None
+    max_tokens: StrictInt | None = None
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    top_k: StrictInt = 0
+    n: StrictInt = Field(1, ge=1, le=16)
+    seed: StrictInt | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stop: Text | list[Text] | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    ignore_eos: StrictBool = False
+    logit_bias: dict[str, Number] | None = None
+    user: Text | None = None
 
     def refuse_unsupported(self) -> None:
         for name, allowed in UNSUPPORTED.items():
@@ -86,11 +107,18 @@ class _Sampling(BaseModel):
                                              "true")
 
     def _logit_bias(self) -> dict[int, float]:
-        try:
-            return {int(k): v for k, v in (self.logit_bias or {}).items()}
-        except ValueError:
-            raise BadField("logit_bias", "logit_bias keys must be token ids (integers as "
-                                         "strings)") from None
+        """Keys are token ids written as decimal integers; two keys naming one token ("5"
+        and "05") are refused, not summed past the documented [-100, 100]."""
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not _TOKEN_KEY.fullmatch(key):
+                raise BadField("logit_bias", f"logit_bias key {key!r} is not a token id; keys "
+                                             f"are integers written as strings")
+            if int(key) in bias:
+                raise BadField("logit_bias", f"logit_bias names token {int(key)} twice; give "
+                                             f"each token once")
+            bias[int(key)] = value
+        return bias
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         self.refuse_unsupported()
@@ -107,29 +135,36 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
-    echo: bool = False
-    max_tokens: int | None = 16  # the API's documented default for completions
+    prompt: Text | TokenIds
+    echo: StrictBool = False
+    max_tokens: StrictInt | None = 16  # the API's documented default for completions
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")  # image_url, input_audio, ...: refused by type
+
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = ""
+    content: Text | list[ContentPart] | None = ""
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: text only (no images, audio)
-            kinds = {p.get("type") for p in self.content} - {"text"}
+            kinds = {p.type for p in self.content} - {"text"}
             if kinds:
                 raise BadField("messages", f"messages: content parts of type "
-                                           f"{sorted(map(str, kinds))} "
+                                           f"{sorted(kinds)} "
                                            f"are not supported by this server; send text")
-            return "".join(str(p.get("text", "")) for p in self.content)
+            return "".join(p.text or "" for p in self.content)
         return self.content or ""
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.max_tokens is None and self.max_completion_tokens is not None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from fivefold.errors import ConfigError
 from fivefold.serve.engine import Engine, RequestOutput
 from fivefold.serve.openai.protocol import (
+    BadField,
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
@@ -36,6 +37,12 @@ from fivefold.serve.openai.protocol import (
     usage,
 )
 from fivefold.serve.sampling_params import SamplingParams
+
+TOKEN_ID_END = 2**63  # past any vocabulary, and past what a tokenizer's int64 takes
+
+
+class ClientLeft(Exception):
+    """The client of a whole (non-streamed) response disconnected; nothing is sent."""
 
 
 class Unavailable(Exception):
@@ -238,15 +245,31 @@ class OpenAIServing:
         return Prepared(prompt, params, include_usage=body.include_usage)
 
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
+        """Tokenises: the server calls it off the event loop (a long prompt takes a while)."""
+        if isinstance(body.prompt, list):
+            bad = next((t for t in body.prompt if not 0 <= t < TOKEN_ID_END), None)
+            if bad is not None:
+                raise BadField("prompt", f"prompt token id {bad} is not a token id (ids lie "
+                                         f"in [0, vocabulary size)); send ids the model knows")
         prompt = body.prompt if isinstance(body.prompt, list) else (
             self.encode(body.prompt) if body.prompt else [])
         prepared = self._prepare(body, prompt)
         if body.echo:
             prepared.echo = body.prompt if isinstance(body.prompt, str) else (
-                self.decode(prompt) if self.decode else "")
+                self._decode_prompt(prompt))
         return prepared
 
+    def _decode_prompt(self, prompt: list[int]) -> str:
+        if self.decode is None:
+            return ""
+        try:
+            return self.decode(prompt)
+        except Exception:  # an id past the tokenizer's vocabulary: the field is at fault
+            raise BadField("prompt", "prompt holds token ids the tokenizer cannot decode; "
+                                     "send ids inside the vocabulary") from None
+
     def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
+        """Renders and tokenises: the server calls it off the event loop."""
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         return self._prepare(body, self.encode(self.chat_prompt(messages)))
 
@@ -254,7 +277,7 @@ class OpenAIServing:
                   client_left: Callable[[], Awaitable[object]]) -> dict:
         """The whole response. `client_left()` returns when the client disconnects: the
         request is then aborted at once (the engine drops it before its next step) and
-        CancelledError raised. Raises EngineError if the engine failed the request."""
+        ClientLeft raised. Raises EngineError if the engine failed the request."""
         rid, out = await self.loop.submit(prepared.prompt, prepared.params)
         n = prepared.params.n
         finals: list[RequestOutput | None] = [None] * n
@@ -265,7 +288,7 @@ class OpenAIServing:
                 await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
                 if not getter.done():
                     getter.cancel()
-                    raise asyncio.CancelledError  # the client left
+                    raise ClientLeft(rid)
                 o = getter.result()
                 if o.index < 0:  # every open choice ends here
                     finals = [f or o for f in finals]
