@@ -8,12 +8,13 @@ server-sent events), GET /health, GET /metrics (Prometheus text: requests runnin
 waiting, KV blocks used and free, generated tokens per second). Every error body is
 OpenAI's: 400 for a bad request naming its field (the server keeps serving), 404 for an
 unknown model (`model_not_found`) or route, 405, 413 for a body over --max-request-bytes,
-500 for a request the engine failed (the others go on), 503 while shutting down or once the engine loop has died; then /health answers 503 too and
-the process exits 1, so a supervisor restarts it. SIGTERM (or Ctrl-C) closes the listener
-(new connections are refused), lets running requests finish for --shutdown-grace seconds,
-ends the rest with what they generated and finish_reason "abort", and exits 0. The server
-binds to 127.0.0.1 unless --host says otherwise. Tokenising runs off the event loop; a
-client that leaves is aborted without a log line.
+500 for a request the engine failed (the others go on), 503 while shutting down or once
+the engine loop has died; then /health answers 503 too and the process exits 1, so a
+supervisor restarts it. SIGTERM (or Ctrl-C) closes the listener (new connections are
+refused), lets running requests finish for --shutdown-grace seconds, ends the rest with
+what they generated and finish_reason "abort", and exits 0. The server binds to 127.0.0.1
+unless --host says otherwise. Tokenising runs off the event loop; a client that leaves is
+aborted without a log line.
 
 (No `from __future__ import annotations` here: FastAPI reads the route functions'
 annotations, which name classes imported inside `build_app`.)
