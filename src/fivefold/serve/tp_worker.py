@@ -15,6 +15,10 @@ forget. Every rank then runs the same forward (two all-reduces per layer inside 
 training) and the vocabulary shards of the sampled positions' logits are all-gathered, so
 rank 0 samples from the full logits exactly as a single device does.
 
+A step that fails on rank 0 before its message goes out fails its requests and serving goes
+on; one that fails after it (rank 0's forward, a worker gone) ends the server with exit 1,
+/health 503 in the meantime: the ranks can no longer be known to be in step.
+
 The control messages (pickled, two broadcasts: length then bytes) go over a gloo group of
 their own, so on CUDA the model's NCCL group carries only tensors; the group waits without
 a deadline, as a worker of an idle server waits for the next step.
@@ -91,6 +95,13 @@ def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
     return max(num_kv_heads // tp, 1)
 
 
+class RanksOutOfStep(BaseException):
+    """A step failed on rank 0 after its message reached the workers. Not an Exception:
+    the engine does not fail the step's requests and go on (the next step would meet the
+    workers in another collective); the serving loop dies, every open request ends with an
+    error, /health answers 503 and `fivefold serve` exits 1 (serve/openai/serving.py)."""
+
+
 class TPModelRunner(ModelRunner):
     """The runner of every rank: the forward on this rank's shards, then the vocabulary
     shards of the sampled positions' logits gathered into the full (n, V) logits."""
@@ -116,13 +127,24 @@ class TPDriverRunner(TPModelRunner):
         super().__init__(model, cache, kv, group)
         self.control, self.scheduler = control, scheduler
         self._sent: dict[str, list] = {}  # request id -> [tokens sent, block table sent]
+        self.broken: str | None = None  # why the ranks are out of step; None while in step
 
     def encode(self, out: SchedulerOutput) -> StepMessage:
+        """The step's message; what was sent is recorded only once the whole message is
+        built (an error here leaves the record as the workers know it)."""
         msg = StepMessage(copies=list(out.copies))
         live = self.scheduler.requests
         msg.forget = [rid for rid in self._sent if rid not in live]
-        for rid in msg.forget:
-            del self._sent[rid]
+        sent_before = self._sent
+        self._sent = {rid: v for rid, v in self._sent.items() if rid in live}
+        try:
+            self._encode_requests(out, msg)
+        except BaseException:
+            self._sent = sent_before
+            raise
+        return msg
+
+    def _encode_requests(self, out: SchedulerOutput, msg: StepMessage) -> None:
         for request, num_new in out.scheduled:
             rid = request.request_id
             tokens, table = request.all_token_ids, list(self.kv.block_ids(rid))
@@ -138,15 +160,27 @@ class TPDriverRunner(TPModelRunner):
             msg.requests.append(StepRequest(rid, tokens[sent[0]:], blocks, replace,
                                             request.num_computed_tokens, num_new))
             self._sent[rid] = [len(tokens), table]
-        return msg
 
     def execute(self, out: SchedulerOutput) -> StepLogits:
-        send_object(self.encode(out), self.control)
-        return super().execute(out)
+        """A failure before the message goes out fails the step's requests (the engine
+        goes on: no rank has seen the step). One after it may leave the workers inside a
+        collective rank 0 never joins: `RanksOutOfStep` then ends the server."""
+        if self.broken is not None:
+            raise RanksOutOfStep(self.broken)
+        msg = self.encode(out)
+        try:
+            send_object(msg, self.control)
+            return super().execute(out)
+        except Exception as e:
+            self.broken = (f"a tensor-parallel step failed after it reached the workers, "
+                           f"so the ranks are out of step ({type(e).__name__}: {e})")
+            raise RanksOutOfStep(self.broken) from e
 
     def close(self) -> None:
-        """Tell the workers to leave their loop."""
-        send_object(None, self.control)
+        """Tell the workers to leave their loop (not once the ranks are out of step: they
+        are not listening; they end with this process)."""
+        if self.broken is None:
+            send_object(None, self.control)
 
 
 def send_object(obj, group: Group) -> None:

@@ -142,6 +142,9 @@ def _start_tp(args) -> Backend | None:
             pass
         for proc in procs:
             proc.join(timeout=10)
+            if proc.is_alive():  # out of step: waiting in a collective rank 0 left
+                proc.kill()
+                proc.join(timeout=5)
         dist.destroy_process_group()
 
     return Backend(EngineLoop(engine), codec, engine.num_blocks, engine.max_model_len,
