@@ -261,3 +261,21 @@ def test_tokenising_runs_off_the_event_loop():
         loop.stop()
         loop.thread.join(timeout=5)
         torch.set_num_threads(threads)
+
+
+def test_the_server_encodes_through_the_batch_form_with_the_same_ids():
+    """gil_free_encode: encode_batch lets go of the GIL (bench/serve_stall.py measures the
+    event loop's waits) and gives encode's ids, for the bundled BPE and a tokenizer.json."""
+    pytest.importorskip("tokenizers")
+    from fivefold.data.tokenizer import BUILTIN, load_tokenizer
+    from fivefold.serve.openai.api_server import gil_free_encode
+    from fivefold.train.generate import TextCodec
+
+    text = "The quick brown fox, naïve café — 123 jumps.\n  Over\tthe lazy dog! 🦊"
+    for codec in (load_tokenizer("corpus-bpe"), TextCodec(BUILTIN["corpus-bpe"])):
+        ids = gil_free_encode(codec)(text)
+        assert ids == (codec.encode(text) if hasattr(codec, "encode_batch") else
+                       codec._tok.encode(text).ids)
+        assert len(ids) > 10
+    byte = load_tokenizer("byte")
+    assert gil_free_encode(byte)(text) == list(text.encode())

@@ -101,7 +101,9 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         if self._tok is None:
             return list(text.encode("utf-8"))
-        return self._tok.encode(text).ids  # with the model's BOS, as transformers would add
+        # with the model's BOS, as transformers would add; encode_batch (the same ids as
+        # encode) lets go of the GIL while it works, so a server's event loop goes on
+        return self._tok.encode_batch([text])[0].ids
 
     def decode(self, ids: list[int]) -> str:
         if self._tok is None:
