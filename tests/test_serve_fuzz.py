@@ -263,19 +263,16 @@ def test_tokenising_runs_off_the_event_loop():
         torch.set_num_threads(threads)
 
 
-def test_the_server_encodes_through_the_batch_form_with_the_same_ids():
-    """gil_free_encode: encode_batch lets go of the GIL (bench/serve_stall.py measures the
-    event loop's waits) and gives encode's ids, for the bundled BPE and a tokenizer.json."""
+def test_codecs_encode_through_the_batch_form_with_encodes_ids():
+    """gil_free_ids: the batch form lets go of the GIL (bench/serve_stall.py measures the
+    event loop's waits) and gives encode's ids, for the bundled BPE (no special tokens) and
+    a tokenizer.json served with --hf (the model's BOS)."""
     pytest.importorskip("tokenizers")
     from fivefold.data.tokenizer import BUILTIN, load_tokenizer
-    from fivefold.serve.openai.api_server import gil_free_encode
     from fivefold.train.generate import TextCodec
 
-    text = "The quick brown fox, naïve café — 123 jumps.\n  Over\tthe lazy dog! 🦊"
-    for codec in (load_tokenizer("corpus-bpe"), TextCodec(BUILTIN["corpus-bpe"])):
-        ids = gil_free_encode(codec)(text)
-        assert ids == (codec.encode(text) if hasattr(codec, "encode_batch") else
-                       codec._tok.encode(text).ids)
-        assert len(ids) > 10
-    byte = load_tokenizer("byte")
-    assert gil_free_encode(byte)(text) == list(text.encode())
+    text = "The quick brown fox, naïve café — 123 jumps.\n  Over\tthe lazy dog! 🦊 " * 20
+    bpe = load_tokenizer("corpus-bpe")
+    assert bpe.encode(text) == bpe._tok.encode(text, add_special_tokens=False).ids
+    hf = TextCodec(BUILTIN["corpus-bpe"])
+    assert hf.encode(text) == hf._tok.encode(text).ids and len(hf.encode(text)) > 100

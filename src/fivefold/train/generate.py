@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from fivefold.config import ArgumentParser, ConfigError
-from fivefold.data.tokenizer import HF_TOKENIZER_HELP
+from fivefold.data.tokenizer import HF_TOKENIZER_HELP, gil_free_ids
 from fivefold.models.llama import KVCache
 from fivefold.models.sampling import sample_token
 
@@ -101,9 +101,8 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         if self._tok is None:
             return list(text.encode("utf-8"))
-        # with the model's BOS, as transformers would add; encode_batch (the same ids as
-        # encode) lets go of the GIL while it works, so a server's event loop goes on
-        return self._tok.encode_batch([text])[0].ids
+        # with the model's BOS, as transformers would add
+        return gil_free_ids(self._tok, text, add_special_tokens=True)
 
     def decode(self, ids: list[int]) -> str:
         if self._tok is None:

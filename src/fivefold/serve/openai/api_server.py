@@ -203,16 +203,6 @@ def build_app(serving, loop, max_request_bytes: int = 16 * 2**20):
     return app
 
 
-def gil_free_encode(codec):
-    """The codec's encode, through its batch form where it has one: Hugging Face tokenizers'
-    encode_batch lets go of the GIL while it works (encode holds it, and so the event loop,
-    for seconds on a prompt of megabytes); the ids are the same."""
-    batch = getattr(codec, "encode_batch", None)
-    if batch is None:
-        return codec.encode
-    return lambda text: batch([text])[0]
-
-
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="fivefold serve",
                        description="Serve a model over an OpenAI-compatible HTTP API.")
@@ -310,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     if name in backend.adapters:
         raise ConfigError(f"--lora {name} has the base model's name; rename the adapter")
     loop.on_fatal = lambda: setattr(server, "should_exit", True)
-    serving = OpenAIServing(loop, name, gil_free_encode(codec),
+    serving = OpenAIServing(loop, name, codec.encode,
                             chat_template(source if args.hf else None), backend.max_model_len,
                             backend.adapters, codec.decode)
     app = build_app(serving, loop, args.max_request_bytes)
