@@ -276,3 +276,15 @@ def test_codecs_encode_through_the_batch_form_with_encodes_ids():
     assert bpe.encode(text) == bpe._tok.encode(text, add_special_tokens=False).ids
     hf = TextCodec(BUILTIN["corpus-bpe"])
     assert hf.encode(text) == hf._tok.encode(text).ids and len(hf.encode(text)) > 100
+
+
+def test_a_bad_body_limit_is_one_line_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "fivefold.cli", "serve", "--hf", str(tmp_path),
+                           "--max-request-bytes", "0"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--max-request-bytes 0" in lines[0], proc.stderr
