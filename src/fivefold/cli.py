@@ -1,4 +1,4 @@
-"""fivefold train | plan | prepare | generate | convert | schedule | bench
+"""fivefold train | plan | prepare | generate | convert | schedule | bench | trace
 
 Every subcommand turns a bad input into one line on stderr and exit code 2, before anything
 is written; any other failure is one line too, with the exit codes `main` lists.
@@ -26,6 +26,7 @@ commands:
   convert    export a checkpoint to Hugging Face format
   schedule   draw the timeline of a pipeline schedule as a PNG
   bench      measure tokens/s, MFU and peak memory (--peer hf: beside transformers)
+  trace      count a step's kernels, bytes and syncs here; predict its time on a GPU
   eval       perplexity of a model, or BLEU/ROUGE of its continuations of a task file
   quantize   int8/int4/AWQ/NF4/MXFP4 weight-only quantisation of a checkpoint
   serve      an OpenAI-compatible HTTP server (paged KV cache, continuous batching)
@@ -133,6 +134,8 @@ def _subcommand(name: str):
         from fivefold.parallel.pipeline.draw import main
     elif name == "bench":
         from fivefold.train.bench import main
+    elif name == "trace":
+        from fivefold.trace.cli import main
     elif name == "eval":
         from fivefold.evaluate.cli import main
     elif name == "quantize":
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     command = _subcommand(argv[0])
     if command is None:
         print(f"error: unknown command '{argv[0]}'; commands: train, plan, calibrate, prepare, "
-              f"generate, convert, schedule, bench, eval, quantize, serve, launch", file=sys.stderr)
+              f"generate, convert, schedule, bench, trace, eval, quantize, serve, launch", file=sys.stderr)
         return EXIT_BAD_INPUT
     def leave_if_distributed(code: int) -> int:
         # Only a command that imported torch can have a process group up; `plan` never
