@@ -13,9 +13,15 @@ roofline.py how the time on a GPU is predicted; step.py what a trace covers.
 from fivefold.trace.counter import SYNC_KINDS, Event, OpCounter
 from fivefold.trace.parts import PartTracker, part_name
 from fivefold.trace.record import PartRecord, StepTrace
-from fivefold.trace.roofline import DEFAULT_LAUNCH_US, Timeline, device_for, simulate
+from fivefold.trace.roofline import (
+    DEFAULT_LAUNCH_US,
+    DEFAULT_VIEW_US,
+    Timeline,
+    device_for,
+    simulate,
+)
 from fivefold.trace.step import load_config, trace_callable, trace_step
 
-__all__ = ["DEFAULT_LAUNCH_US", "SYNC_KINDS", "Event", "OpCounter", "PartRecord",
+__all__ = ["DEFAULT_LAUNCH_US", "DEFAULT_VIEW_US", "SYNC_KINDS", "Event", "OpCounter", "PartRecord",
            "PartTracker", "StepTrace", "Timeline", "device_for", "load_config", "part_name",
            "simulate", "trace_callable", "trace_step"]

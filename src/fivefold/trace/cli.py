@@ -1,7 +1,7 @@
 """`fivefold trace`: the GPU cost of one training step, counted on this machine.
 
     fivefold trace [--config FILE] [--section.key VALUE ...] [--gpu h100] [--json OUT]
-                   [--steps 2] [--launch-us 10.9] [--ops 12]
+                   [--steps 2] [--launch-us 10.9] [--view-us 2.3] [--ops 12]
 
 Runs real training steps of the config on the meta device (no data, no memory: any model
 size), counts the kernels, bytes, FLOPs and host syncs of the last one per part, and
@@ -33,6 +33,8 @@ def build_parser() -> ArgumentParser:
                         help="steps to run; the last is traced (2: the optimizer's states exist)")
     parser.add_argument("--launch-us", type=float, default=None,
                         help="host time per kernel launch, us (default: the H100 profile's)")
+    parser.add_argument("--view-us", type=float, default=None,
+                        help="host time per op that launches nothing (a view), us")
     parser.add_argument("--ops", type=int, default=12, help="the most frequent kernels to list")
     return parser
 
@@ -42,12 +44,13 @@ def main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     if args.steps < 1:
         raise ConfigError(f"--steps = {args.steps} must be >= 1")
-    if args.launch_us is not None and args.launch_us < 0:
-        raise ConfigError(f"--launch-us = {args.launch_us} must be >= 0")
+    for key in ("launch_us", "view_us"):
+        if getattr(args, key) is not None and getattr(args, key) < 0:
+            raise ConfigError(f"--{key.replace('_', '-')} = {getattr(args, key)} must be >= 0")
     if args.ops < 0:
         raise ConfigError(f"--ops = {args.ops} must be >= 0")
     from fivefold.trace.report import summary, table
-    from fivefold.trace.roofline import DEFAULT_LAUNCH_US, device_for
+    from fivefold.trace.roofline import DEFAULT_LAUNCH_US, DEFAULT_VIEW_US, device_for
     from fivefold.trace.step import load_config, trace_step
 
     device_for(args.gpu)  # an unknown GPU: one line before the config is read
@@ -61,7 +64,8 @@ def main(argv: list[str]) -> int:
 
     trace = trace_step(cfg, gpu=args.gpu, steps=args.steps, progress=progress,
                        launch_us=DEFAULT_LAUNCH_US if args.launch_us is None
-                       else args.launch_us)
+                       else args.launch_us,
+                       view_us=DEFAULT_VIEW_US if args.view_us is None else args.view_us)
     print(table(trace))
     if args.ops:
         print("kernels by op: " + ", ".join(

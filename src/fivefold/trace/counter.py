@@ -10,6 +10,7 @@ What counts as a kernel (one launch on the device):
 - an op with a tensor on the traced device (meta, standing for the GPU) among its inputs or
   outputs, that is not a view or metadata op (`NOT_KERNELS`, and every op whose schema says
   its output aliases an input without writing it: view, transpose, expand, slice, ...);
+- a `copy_` of a view onto the very same elements is not (it returns early);
 - allocations (`empty*`) are not kernels; factories that fill (`zeros`, `full`, `arange`,
   random) are;
 - ops on host tensors only are host work (`Event.kind == "host"`), not kernels.
@@ -90,6 +91,17 @@ def _is_view(func) -> bool:
     return info is not None and not info.is_write
 
 
+def _same_data(dst, src) -> bool:
+    """`dst.copy_(src)` of a view onto the very same elements returns early, launching
+    nothing (aten/src/ATen/native/Copy.cpp, copy_impl: "self and src are views of the same
+    data"); `x[i:j] += y` ends in one."""
+    return (isinstance(src, torch.Tensor) and dst.device == src.device
+            and torch._C._is_alias_of(dst, src)
+            and dst.storage_offset() == src.storage_offset() and dst.shape == src.shape
+            and dst.stride() == src.stride() and dst.dtype == src.dtype
+            and dst.is_conj() == src.is_conj() and dst.is_neg() == src.is_neg())
+
+
 def _write_targets(func, args, kwargs) -> list[torch.Tensor]:
     """The tensors an op writes in place (its mutable arguments)."""
     out = []
@@ -124,13 +136,22 @@ def _peak_kind(tensors) -> str:
     return "fp32"
 
 
-def _scalar_for(t: torch.Tensor):
-    """The value a fake `.item()` gives: 0 for integers and booleans (no bad values found,
-    no overflow), 1.0 for floating values (a finite loss or norm)."""
+# The values the host reads from a device that holds none: those of a clean step. A boolean
+# answers by the op that made it: a "no bad value" test (isfinite is abs != inf times
+# x == x; `all`) is True, a "some bad value" test (isnan, isinf, any, x != x) False.
+CLEAN_TRUE = frozenset({"mul", "bitwise_and", "logical_and", "all", "eq", "isfinite"})
+FLAGS_ZERO = ("non_finite", "found_inf", "isnan", "isinf")
+
+
+def _scalar_for(t: torch.Tensor, producer: str | None = None):
+    """The value a `.item()` (or a copy to the host) gives on the meta device: a boolean
+    by its producer (CLEAN_TRUE), 0 for integers (no bad values, no overflow) and for a
+    float written by a non-finite check (found_inf), 1.0 for other floats (a finite loss,
+    norm or scale)."""
     if t.dtype == torch.bool:
-        return False
+        return producer in CLEAN_TRUE
     if t.dtype.is_floating_point or t.dtype.is_complex:
-        return 1.0
+        return 0.0 if producer and any(f in producer for f in FLAGS_ZERO) else 1.0
     return 0
 
 
@@ -145,6 +166,9 @@ class OpCounter(TorchDispatchMode):
         self.device_type = device_type
         self.events: list[Event] = []
         self.enabled = True
+        from torch.utils.weak import WeakTensorKeyDictionary
+
+        self.producer = WeakTensorKeyDictionary()  # small device tensor -> the op that made it
 
     def _on_device(self, tensors) -> bool:
         return any(t.device.type == self.device_type for t in tensors)
@@ -161,13 +185,17 @@ class OpCounter(TorchDispatchMode):
             t = args[0]
             if t.device.type == self.device_type:
                 self.events.append(Event(name, part, "sync", t.element_size(), 0, 0.0, "item"))
-                return _scalar_for(t)
+                return _scalar_for(t, self.producer.get(t))
             self.events.append(Event(name, part, "host"))
             return func(*args, **kwargs)
         out = self._run(func, base, args, kwargs, flat_in)
         flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        self.events.append(self._event(func, name, base, part, args, kwargs, flat_in, flat_out,
-                                       out))
+        event = self._event(func, name, base, part, args, kwargs, flat_in, flat_out, out)
+        self.events.append(event)
+        if event.kind == "kernel":
+            for t in [*flat_out, *_write_targets(func, args, kwargs)]:
+                if t.numel() <= 64 and t.device.type == self.device_type:
+                    self.producer[t] = base
         return out
 
     def _run(self, func, base, args, kwargs, flat_in):
@@ -179,9 +207,10 @@ class OpCounter(TorchDispatchMode):
         if base == "_to_copy" and args[0].device.type == dev and (
                 str(kwargs.get("device", dev)) == "cpu"):
             x = args[0]
-            return torch.full(x.shape, _scalar_for(x), dtype=kwargs.get("dtype") or x.dtype)
+            return torch.full(x.shape, _scalar_for(x, self.producer.get(x)),
+                              dtype=kwargs.get("dtype") or x.dtype)
         if base == "copy_" and args[0].device.type == "cpu" and args[1].device.type == dev:
-            return args[0].fill_(_scalar_for(args[1]))
+            return args[0].fill_(_scalar_for(args[1], self.producer.get(args[1])))
         if base in DYNAMIC_SHAPE and self._on_device(flat_in):
             x = args[0]
             if base == "nonzero":
@@ -194,7 +223,8 @@ class OpCounter(TorchDispatchMode):
         on_device = self._on_device(flat_in) or self._on_device(flat_out)
         if not on_device:
             return Event(name, part, "host")
-        if base in NOT_KERNELS or base.startswith("empty") or _is_view(func):
+        if base in NOT_KERNELS or base.startswith("empty") or _is_view(func) or (
+                base == "copy_" and _same_data(args[0], args[1])):
             return Event(name, part, "view")
         written = _write_targets(func, args, kwargs)
         written_ids = {id(t) for t in written}

@@ -8,6 +8,16 @@ bf16/fp16 without a mask or dropout and a head dim of at most 256 (a multiple of
 grouped-query heads as they are (flash handles them natively); memory-efficient otherwise,
 its key/value heads repeated when grouped. Both kernels have meta implementations and
 autograd formulas, so the backward is the GPU's too.
+
+`torch.optim.AdamW`: the engine asks for the fused kernel on CUDA and foreach elsewhere
+(parallel/update.py `adamw`); under `gpu_optimizer()` an AdamW of meta parameters that asks
+for foreach is made fused, as on the GPU (torch's fused AdamW has a meta kernel).
+
+Other `device.type == "cuda"` branches of the engine still take their non-CUDA side under a
+trace (grep the source): pinned host buffers for offload (parallel/zero.py, nvme.py), the
+pipeline's receive order (parallel/pipeline/runtime.py), the ring attention kernel choice
+(parallel/context/kernels.py), the Triton FP8 kernels and `_scaled_mm` of FP8 linears
+(numerics/fp8_kernel.py, lowp/convert.py): an FP8 trace counts the portable path.
 """
 
 from __future__ import annotations
@@ -39,6 +49,34 @@ def _gpu_sdpa(original):
             query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
     sdpa.original = original
     return sdpa
+
+
+def _fused_adamw(original):
+    class AdamW(original):
+        def __init__(self, params, *args, foreach=None, fused=None, **kwargs):
+            params = list(params)
+            flat = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+            if foreach and any(p.device.type == "meta" for p in flat):
+                foreach, fused = None, True
+            super().__init__(params, *args, foreach=foreach, fused=fused, **kwargs)
+    AdamW.__name__ = AdamW.__qualname__ = original.__name__
+    return AdamW
+
+
+@contextmanager
+def gpu_optimizer():
+    """Within: an AdamW of meta parameters asking for foreach is fused, as on CUDA."""
+    import torch.optim.optimizer as optimizer_mod
+
+    supported = optimizer_mod._get_fused_kernels_supported_devices
+    original = torch.optim.AdamW
+    optimizer_mod._get_fused_kernels_supported_devices = lambda: [*supported(), "meta"]
+    torch.optim.AdamW = _fused_adamw(original)
+    try:
+        yield
+    finally:
+        torch.optim.AdamW = original
+        optimizer_mod._get_fused_kernels_supported_devices = supported
 
 
 @contextmanager

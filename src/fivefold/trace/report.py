@@ -58,9 +58,10 @@ def summary(trace: StepTrace) -> str:
     lines.append(f"syncs: {trace.syncs}" + (f" ({kinds})" if kinds else ""))
     if t is not None:
         lines.append(f"on {trace.gpu}: step {t.step_s * 1e3:.1f} ms predicted, "
-                     f"{t.bound}-bound (device busy {t.device_busy_s * 1e3:.1f} ms, host "
-                     f"launching {t.host_s * 1e3:.1f} ms at {s.get('launch_us', 0):g} us a "
-                     f"launch; device idle {t.device_idle_s * 1e3:.1f} ms; roofline floor "
+                     f"{t.bound}-bound (device busy {t.device_busy_s * 1e3:.1f} ms; host "
+                     f"{t.host_s * 1e3:.1f} ms at {s.get('launch_us', 0):g} us a kernel, "
+                     f"{s.get('view_us', 0):g} us a view; device idle "
+                     f"{t.device_idle_s * 1e3:.1f} ms; roofline floor "
                      f"{t.roofline_s * 1e3:.1f} ms)")
     p = trace.planner
     if p and t is not None:
@@ -76,5 +77,5 @@ def summary(trace: StepTrace) -> str:
             lines.append(f"  model kernels {model * 1e3:.1f} ms on the device vs the planner's "
                          f"compute {p['parts_s']['compute'] * 1e3:.1f} ms; optimizer "
                          f"{opt * 1e3:.1f} ms vs {p['parts_s'].get('optimizer', 0) * 1e3:.1f} "
-                         f"ms; host launches {t.host_s * 1e3:.1f} ms (not in the planner)")
+                         f"ms; host {t.host_s * 1e3:.1f} ms (not in the planner)")
     return "\n".join(lines)

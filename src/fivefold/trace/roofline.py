@@ -10,11 +10,13 @@ planner's own efficiencies (`Hardware.matmul_efficiency`; attention kernels also
 and the planner price a FLOP and a byte alike. `roofline_s` is the same sum at the bare
 peaks (efficiency 1): the floor no kernel beats.
 
-Host: each kernel costs the host `launch_us` to dispatch and launch. The default, 10.9 us, is
-the host time per `aten::add_` (dispatch and its `cudaLaunchKernel`, CPU total / calls) in
-the torch.profiler table of the 8B-shaped 2-block step on an H100
-(bench/results/gpu-profile-nvidia-h100-80gb-hbm3-efcc609.txt: 345.2 ms over 31,575 calls);
-views and host-only ops cost nothing here.
+Host: each kernel costs the host `launch_us` to dispatch and launch, each op that launches
+nothing (a view, a host op) `view_us` to dispatch. The defaults come from the torch.profiler
+table of the 8B-shaped 2-block step on an H100 (bench/results/gpu-profile-nvidia-h100-80gb-
+hbm3-efcc609.txt, CPU total / calls): 10.9 us per `aten::add_` (dispatch and its
+`cudaLaunchKernel`; 345.2 ms over 31,575 calls) and 2.3 us per `aten::slice` (218.6 ms over
+95,285). Both were measured under the profiler, which adds its own cost per op; Python's
+own time between ops is not counted.
 
 The step is a timeline: the host issues kernels in order, each starting on the device when
 both the host has launched it and the device has finished the one before; at a sync the
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 ATTENTION_OPS = ("attention", "flash", "efficient_attention", "cudnn_attention")
 DEFAULT_LAUNCH_US = 10.9
+DEFAULT_VIEW_US = 2.3
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,11 @@ class Device:
     attention_efficiency: float
     memory_gib: float
     launch_s: float
+    view_s: float = DEFAULT_VIEW_US * 1e-6
 
 
-def device_for(gpu: str, launch_us: float = DEFAULT_LAUNCH_US, overrides: dict | None = None):
+def device_for(gpu: str, launch_us: float = DEFAULT_LAUNCH_US, overrides: dict | None = None,
+               view_us: float = DEFAULT_VIEW_US):
     """The catalog's GPU `gpu` (an alias such as "h100" or a catalog name); a ConfigError
     naming the known ones for any other name. Returns (Device, Hardware, Assumptions)."""
     from fivefold.plan.hardware import get_hardware
@@ -56,7 +61,7 @@ def device_for(gpu: str, launch_us: float = DEFAULT_LAUNCH_US, overrides: dict |
     eff = hw.matmul_efficiency
     dev = Device(hw.name, {k: v * eff for k, v in bare.items()}, bare,
                  hw.hbm_tbps * 1e12 * assume.hbm_efficiency, hw.hbm_tbps * 1e12,
-                 assume.attention_efficiency, hw.memory_gib, launch_us * 1e-6)
+                 assume.attention_efficiency, hw.memory_gib, launch_us * 1e-6, view_us * 1e-6)
     return dev, hw, assume
 
 
@@ -79,7 +84,7 @@ class Timeline:
 
     step_s: float  # predicted step time
     device_busy_s: float  # sum of kernel times
-    host_s: float  # host launch time (no waits)
+    host_s: float  # host dispatch and launch time (no waits)
     device_idle_s: float  # device waiting for the host
     host_wait_s: float  # host waiting at syncs
     roofline_s: float  # kernels at the bare peaks, no host
@@ -90,7 +95,11 @@ def simulate(events, dev: Device) -> Timeline:
     """Run the events through the host/device timeline; sets `event.seconds`."""
     host = device = busy = idle = wait = floor = 0.0
     launch = dev.launch_s
+    dispatched = 0.0
     for e in events:
+        if e.kind in ("view", "host"):
+            host += dev.view_s
+            dispatched += dev.view_s
         if e.kind == "kernel":
             e.seconds = kernel_seconds(e, dev)
             floor += kernel_seconds(e, dev, bare=True)
@@ -105,6 +114,6 @@ def simulate(events, dev: Device) -> Timeline:
             wait += max(0.0, device - host)
             host = max(host, device)
     step = max(host, device)
-    launched = launch * sum(1 for e in events if e.kind == "kernel" or e.kind == "sync")
+    launched = dispatched + launch * sum(1 for e in events if e.kind in ("kernel", "sync"))
     return Timeline(step, busy, launched, idle, wait, floor,
                     "host" if launched > busy else "device")

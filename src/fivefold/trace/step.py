@@ -19,10 +19,10 @@ from contextlib import ExitStack, contextmanager
 
 from fivefold.config import ConfigError
 from fivefold.trace.counter import OpCounter
-from fivefold.trace.gpu_paths import gpu_attention
+from fivefold.trace.gpu_paths import gpu_attention, gpu_optimizer
 from fivefold.trace.parts import PartTracker
 from fivefold.trace.record import StepTrace
-from fivefold.trace.roofline import DEFAULT_LAUNCH_US, device_for, simulate
+from fivefold.trace.roofline import DEFAULT_LAUNCH_US, DEFAULT_VIEW_US, device_for, simulate
 
 # What a traced step does not need (as `fivefold bench`'s defaults): no checkpoints, no
 # validation, no log files.
@@ -43,7 +43,8 @@ def _compiles(value) -> bool:
     return value is True or str(value).lower() in ("true", "on", "1", "yes")
 
 
-def check_traceable(cfg, gpu: str, launch_us: float = DEFAULT_LAUNCH_US):
+def check_traceable(cfg, gpu: str, launch_us: float = DEFAULT_LAUNCH_US,
+                    view_us: float = DEFAULT_VIEW_US):
     """Bad input, refused in one line before anything runs: a layout beyond one rank, a
     compiled step, an unknown GPU, a config whose planned memory does not fit the GPU."""
     par = cfg.parallel
@@ -54,7 +55,7 @@ def check_traceable(cfg, gpu: str, launch_us: float = DEFAULT_LAUNCH_US):
     if _compiles(getattr(cfg.train, "compile", False)):
         raise ConfigError("trace runs the eager step (compiled code does not run on the meta "
                           "device); drop train.compile or set --train.compile false")
-    dev, hw, assume = device_for(gpu, launch_us)
+    dev, hw, assume = device_for(gpu, launch_us, view_us=view_us)
     if cfg.train.precision == "auto":  # what 'auto' resolves to on a GPU
         cfg.train.precision = "bf16" if hw.bf16_tflops > 0 else "fp32"
     return dev, hw, assume
@@ -91,7 +92,8 @@ def _in_phase(tracker: PartTracker, name: str, fn):
 
 
 def trace_step(cfg=None, gpu: str = "h100", steps: int = 2, launch_us: float = DEFAULT_LAUNCH_US,
-               progress=None, planner: bool = True) -> StepTrace:
+               progress=None, planner: bool = True, view_us: float = DEFAULT_VIEW_US
+               ) -> StepTrace:
     """Run `steps` real training steps of `cfg` on the meta device; trace the last one.
 
     cfg: a Config (copied; TRACE_DEFAULTS are not applied), a list of `--section.key VALUE`
@@ -106,7 +108,7 @@ def trace_step(cfg=None, gpu: str = "h100", steps: int = 2, launch_us: float = D
         cfg = load_config(None, cfg)
     else:
         cfg = copy.deepcopy(cfg)
-    dev, hw, assume = check_traceable(cfg, gpu, launch_us)
+    dev, hw, assume = check_traceable(cfg, gpu, launch_us, view_us)
     from fivefold.train import trainer as trainer_mod
 
     model_cfg = cfg.model.resolve()
@@ -121,6 +123,7 @@ def trace_step(cfg=None, gpu: str = "h100", steps: int = 2, launch_us: float = D
     kept, first = [], None
     with ExitStack() as stack:
         stack.enter_context(gpu_attention())
+        stack.enter_context(gpu_optimizer())
         stack.enter_context(_patched(trainer_mod, "pick_device",
                                      lambda spec: torch.device("meta")))
         say(f"building {model_cfg.num_layers} layer(s) of hidden {model_cfg.hidden_size} on "
@@ -161,13 +164,15 @@ def trace_step(cfg=None, gpu: str = "h100", steps: int = 2, launch_us: float = D
              "hidden_size": model_cfg.hidden_size, "vocab_size": model_cfg.vocab_size,
              "seq_len": cfg.train.seq_len, "gbs": cfg.train.gbs, "mbs": cfg.parallel.mbs,
              "precision": cfg.train.precision, "recompute": cfg.train.recompute,
-             "steps_run": steps, "launch_us": launch_us, "device": "meta"}
+             "steps_run": steps, "launch_us": launch_us, "view_us": view_us,
+             "device": "meta"}
     return StepTrace.from_events(kept, gpu=dev.name, timeline=timeline, planner=plan,
                                  setup=setup, first_step=first)
 
 
 def trace_callable(fn, *args, gpu: str | None = "h100", modules=None,
-                   launch_us: float = DEFAULT_LAUNCH_US, **kwargs) -> StepTrace:
+                   launch_us: float = DEFAULT_LAUNCH_US, view_us: float = DEFAULT_VIEW_US,
+                   **kwargs) -> StepTrace:
     """Trace `fn(*args, **kwargs)` under the same counters as a step.
 
     Tensors on the meta device stand for the GPU's (make them with device="meta", or
@@ -185,7 +190,7 @@ def trace_callable(fn, *args, gpu: str | None = "h100", modules=None,
         tracker.detach()
     timeline = None
     if gpu is not None:
-        dev, _, _ = device_for(gpu, launch_us)
+        dev, _, _ = device_for(gpu, launch_us, view_us=view_us)
         timeline = simulate(counter.events, dev)
         gpu = dev.name
     return StepTrace.from_events(counter.events, gpu=gpu, timeline=timeline)

@@ -1,0 +1,122 @@
+"""`fivefold trace` of another revision's engine: its step counted with this tree's tracer.
+
+    python bench/trace_revision.py REV [--gpu h100] [--out FILE] [--section.key VALUE ...]
+
+REV's src/ is extracted (git archive) into a temporary directory and put first on the path
+of a child process; the child imports the engine from there and the tracer (src/fivefold/
+trace/, new code that REV lacks) from this tree, then traces one step of the config (default:
+bench/gpu.py's BLOCKS_8B, the 8B-shaped 2-block step, 8192 tokens, bf16) as `fivefold trace`
+does. Where bench/results/ holds a GPU run of REV (gpu-*-REV.json), the trace's predicted
+step time is set beside the measured one and the error stated.
+
+At 24463d9 the H100 profile (bench/results/gpu-profile-nvidia-h100-80gb-hbm3-efcc609.txt)
+counted 31,563 `add_` kernels in the step (the chunked loss's); the JSON's
+`loss_add_kernels` is the trace's count of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+BLOCKS_8B = ["--model.preset", "llama-3.1-8b", "--model.num_layers", "2", "--data.tokenizer",
+             "byte", "--train.seq_len", "8192", "--train.gbs", "1", "--parallel.mbs", "1"]
+
+CHILD = r"""
+import importlib.util, json, sys
+tracer_dir, gpu, out, overrides = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+import fivefold
+spec = importlib.util.spec_from_file_location(
+    "fivefold.trace", tracer_dir + "/__init__.py", submodule_search_locations=[tracer_dir])
+module = importlib.util.module_from_spec(spec)
+sys.modules["fivefold.trace"] = module
+spec.loader.exec_module(module)
+from fivefold.trace.report import summary, table
+engine = fivefold.__file__
+t = module.trace_step(module.load_config(None, overrides), gpu=gpu,
+                      progress=lambda s: print("trace:", s, file=sys.stderr, flush=True))
+print(table(t))
+print(summary(t), flush=True)
+record = t.to_json()
+record["engine_file"] = engine
+json.dump(record, open(out, "w"))
+"""
+
+
+def measured_step(rev: str) -> tuple[float | None, str | None]:
+    """The 8B-block step time of a GPU run of `rev` under bench/results, and its file."""
+    for path in sorted((ROOT / "bench" / "results").glob("gpu-*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not str(data.get("git_revision", "")).startswith(rev):
+            continue
+        item = data.get("items", {}).get("train_8b_blocks", {})
+        if item.get("status") == "ok":
+            return item["step_time_s"], str(path.relative_to(ROOT))
+    return None, None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("rev", help="a git revision of this repository, e.g. 24463d9")
+    parser.add_argument("--gpu", default="h100")
+    parser.add_argument("--out", default="", help="default: bench/results/trace-REV.json")
+    args, overrides = parser.parse_known_args()
+    from revisions import baseline_src
+
+    rev = subprocess.run(["git", "rev-parse", args.rev], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    overrides = overrides or BLOCKS_8B
+    with tempfile.TemporaryDirectory() as tmp:
+        src = baseline_src(rev, Path(tmp))
+        out = Path(tmp) / "trace.json"
+        env = {**os.environ, "PYTHONPATH": str(src)}
+        subprocess.run([sys.executable, "-c", CHILD, str(ROOT / "src" / "fivefold" / "trace"),
+                        args.gpu, str(out), *overrides], env=env, check=True, cwd=ROOT)
+        trace = json.loads(out.read_text())
+    if not trace.pop("engine_file").startswith(str(src)):
+        raise SystemExit("the child imported the engine from elsewhere than the extracted "
+                         "revision")
+    import torch
+
+    from fivefold.train.bench import git_revision
+
+    loss_adds = trace["parts"].get("loss", {}).get("ops", {}).get("aten.add_", 0)
+    measured, source = measured_step(rev[:12])
+    predicted = trace["time"]["step_s"]
+    record = {
+        "kind": "trace_revision", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "traced_revision": rev, "git_revision": git_revision(),
+        "command": "python bench/trace_revision.py " + " ".join(sys.argv[1:]),
+        "machine": {"host_cpu": platform.processor() or platform.machine(),
+                    "python": platform.python_version(), "torch": torch.__version__},
+        "overrides": overrides, "loss_add_kernels": loss_adds,
+        "step_add_kernels": trace["ops"].get("aten.add_", 0),
+        "predicted_step_s": predicted, "measured_step_s": measured, "measured_in": source,
+        "error": None if measured is None else predicted / measured - 1.0,
+        "trace": trace}
+    print(f"{rev[:12]}: loss add_ kernels {loss_adds:,} (step {record['step_add_kernels']:,}),"
+          f" {trace['totals']['kernels']:,} kernels, {trace['totals']['syncs']} syncs; "
+          f"predicted {predicted:.3f} s on {trace['gpu']}"
+          + (f", measured {measured:.3f} s ({source}): error {record['error']:+.1%}"
+             if measured is not None else ", no GPU run of this revision under bench/results"))
+    path = Path(args.out or ROOT / "bench" / "results" / f"trace-{rev[:12]}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
