@@ -93,7 +93,8 @@ def main() -> int:
     from fivefold.train.bench import git_revision
 
     loss_adds = trace["parts"].get("loss", {}).get("ops", {}).get("aten.add_", 0)
-    measured, source = measured_step(rev[:12])
+    # the GPU run measured the 8B-block step: only that config is set beside it
+    measured, source = measured_step(rev[:12]) if overrides == BLOCKS_8B else (None, None)
     predicted = trace["time"]["step_s"]
     record = {
         "kind": "trace_revision", "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -110,7 +111,8 @@ def main() -> int:
           f" {trace['totals']['kernels']:,} kernels, {trace['totals']['syncs']} syncs; "
           f"predicted {predicted:.3f} s on {trace['gpu']}"
           + (f", measured {measured:.3f} s ({source}): error {record['error']:+.1%}"
-             if measured is not None else ", no GPU run of this revision under bench/results"))
+             if measured is not None else ", no GPU run of this config and revision under "
+                                          "bench/results"))
     path = Path(args.out or ROOT / "bench" / "results" / f"trace-{rev[:12]}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")

@@ -1,9 +1,10 @@
 """Which part of the step an op belongs to: module hooks for forward and backward, named
 phases (optimizer, gradient sync, collectives) around the trainer's own calls.
 
-Forward: a module's pre-hook pushes its name, its hook pops it. Backward: when the gradients
-of a module's outputs are ready its name is pushed (a multi-grad hook on the outputs), when
-those of its inputs are, popped (a multi-grad hook on the inputs); a module whose inputs need
+Forward: a module's pre-hook pushes its name, its hook pops it. Backward: when the gradient
+of one of a module's outputs is ready its name is pushed (a tensor hook: a multi-grad hook
+does not fire on the tensor backward starts from), when those of its inputs are, popped (a
+multi-grad hook on the inputs); a module whose inputs need
 no gradient (the embedding) stays pushed until the backward pass ends, when an autograd
 engine callback clears what is left. A recomputed forward inside backward nests like any
 forward. A phase (`with tracker.phase("optimizer")`) overrides modules: its ops are its own.
@@ -113,11 +114,17 @@ class PartTracker:
             self._pop(name)
             tensors = [t for t in tree_flatten(out)[0]
                        if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors and torch.is_grad_enabled():
-                def begin_backward(grads):
+            if not tensors or not torch.is_grad_enabled():
+                return
+            pushed = []
+
+            def begin_backward(grad):  # a tensor hook also fires on the root of backward
+                if not pushed:
+                    pushed.append(True)
                     self.stack.append(name)
                     self._clear_after_backward()
-                register_multi_grad_hook(tensors, begin_backward)
+            for t in tensors:
+                t.register_hook(begin_backward)
         return hook
 
     def detach(self) -> None:
