@@ -54,6 +54,12 @@ def summarize(events: list[Event]) -> dict[str, PartRecord]:
     return parts
 
 
+def _versus(trace):
+    from fivefold.trace.report import versus_planner
+
+    return versus_planner(trace)
+
+
 @dataclass
 class StepTrace:
     """What one traced step (or callable) launched, moved, computed and waited for.
@@ -128,7 +134,8 @@ class StepTrace:
                 "step_s": t.step_s, "device_busy_s": t.device_busy_s, "host_s": t.host_s,
                 "device_idle_s": t.device_idle_s, "host_wait_s": t.host_wait_s,
                 "roofline_s": t.roofline_s, "bound": t.bound},
-            "planner": self.planner, "first_step": self.first_step,
+            "planner": self.planner, "versus_planner": _versus(self),
+            "first_step": self.first_step,
             "parts": {k: v.to_json() for k, v in self.parts.items()},
             "ops": dict(self.ops.most_common()),
         }

@@ -45,6 +45,27 @@ def table(trace: StepTrace) -> str:
     return "\n".join(lines)
 
 
+NOT_MODEL = ("optimizer", "zero_grad", "grad_sync", "step")
+
+
+def versus_planner(trace: StepTrace) -> dict | None:
+    """Where the trace's predicted time and the planner's disagree, and by how much: the
+    whole step, the model's kernels against the planner's compute, the optimizer's kernels
+    against its optimizer time, and the host time the planner does not model."""
+    p, t = trace.planner, trace.timeline
+    if not p or t is None or not p.get("step_time_s"):
+        return None
+    model = sum(r.seconds for n, r in trace.parts.items()
+                if n not in NOT_MODEL and not n.startswith("collective."))
+    parts = p["parts_s"]
+    out = {"step": (t.step_s, p["step_time_s"]),
+           "model_kernels_vs_compute": (model, parts.get("compute", 0.0)),
+           "optimizer": (trace.part("optimizer").seconds, parts.get("optimizer", 0.0)),
+           "host_not_in_planner": (t.host_s, 0.0)}
+    return {k: {"trace_s": a, "planner_s": b, "ratio": a / b if b else None}
+            for k, (a, b) in out.items()}
+
+
 def summary(trace: StepTrace) -> str:
     """The setup, the predicted time and the planner's beside it."""
     s, t = trace.setup, trace.timeline
@@ -69,13 +90,8 @@ def summary(trace: StepTrace) -> str:
         parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in p["parts_s"].items() if v)
         lines.append(f"planner: step {p['step_time_s'] * 1e3:.1f} ms ({parts}); the trace "
                      f"predicts {ratio:.2f}x the planner's time; memory {p['memory']}")
-        opt = trace.part("optimizer").seconds
-        model = sum(r.seconds for n, r in trace.parts.items()
-                    if n not in ("optimizer", "zero_grad", "grad_sync", "step")
-                    and not n.startswith("collective."))
-        if p["parts_s"].get("compute"):
-            lines.append(f"  model kernels {model * 1e3:.1f} ms on the device vs the planner's "
-                         f"compute {p['parts_s']['compute'] * 1e3:.1f} ms; optimizer "
-                         f"{opt * 1e3:.1f} ms vs {p['parts_s'].get('optimizer', 0) * 1e3:.1f} "
-                         f"ms; host {t.host_s * 1e3:.1f} ms (not in the planner)")
+        v = versus_planner(trace)
+        lines.append("  where they differ: " + "; ".join(
+            f"{k.replace('_', ' ')} {d['trace_s'] * 1e3:.1f} vs {d['planner_s'] * 1e3:.1f} ms"
+            + (f" ({d['ratio']:.2f}x)" if d["ratio"] else "") for k, d in v.items()))
     return "\n".join(lines)
