@@ -11,6 +11,8 @@ Items (bench/gpu_items.py):
   train_8b_blocks        the same for a Llama-3.1-8B-shaped model of 2 blocks, 8192 tokens
   mfu_vs_plan            that run's bf16 MFU beside the planner's prediction (same shape and
                          device; the planner's catalogue has GPUs only)
+  trace_vs_measured      `fivefold trace`'s predicted step beside both train items' measured
+                         ones (bench/gpu_trace.py)
   fp8_gemms              one linear, forward + backward, bf16 vs FP8 tensorwise, rowwise and
                          blockwise on Llama-3-8B's GEMMs (8192 tokens x 4096->4096,
                          4096->14336, 14336->4096): tokens/s and ratio, and which kernel ran
@@ -51,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import gpu_items as items  # noqa: E402
+import gpu_trace  # noqa: E402
 
 from fivefold.train.bench import git_revision  # noqa: E402
 
@@ -58,6 +61,7 @@ from fivefold.train.bench import git_revision  # noqa: E402
 ITEMS = [("train_default", items.train_default, True),
          ("train_8b_blocks", items.train_8b_blocks, True),
          ("mfu_vs_plan", items.mfu_vs_plan, False),
+         ("trace_vs_measured", gpu_trace.trace_vs_measured, True),
          ("fp8_gemms", items.fp8_gemms, True),
          ("fp8_block_stack", items.fp8_block_stack, True),
          ("fp8_experts", items.fp8_experts, True),
