@@ -84,6 +84,17 @@ def _patched(obj, name: str, value):
         setattr(obj, name, old)
 
 
+def _no_values(cfg, name, shape, seed, experts=None):
+    """`models/init.py` draws every initial value on the host (an 8B model's would be GBs
+    and a minute here); the meta device holds no values, so the trace draws none."""
+    import torch
+
+    shape = tuple(shape)
+    if experts is not None:
+        shape = (len(experts), *shape[1:])
+    return torch.empty(shape, device="meta")
+
+
 def _in_phase(tracker: PartTracker, name: str, fn):
     def wrapped(*args, **kwargs):
         with tracker.phase(name):
@@ -124,6 +135,9 @@ def trace_step(cfg=None, gpu: str = "h100", steps: int = 2, launch_us: float = D
     with ExitStack() as stack:
         stack.enter_context(gpu_attention())
         stack.enter_context(gpu_optimizer())
+        from fivefold.models import init as init_mod
+
+        stack.enter_context(_patched(init_mod, "init_value", _no_values))
         stack.enter_context(_patched(trainer_mod, "pick_device",
                                      lambda spec: torch.device("meta")))
         say(f"building {model_cfg.num_layers} layer(s) of hidden {model_cfg.hidden_size} on "
