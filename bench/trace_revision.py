@@ -1,7 +1,7 @@
 """`fivefold trace` of another revision's engine: its step counted with this tree's tracer.
 
     python bench/trace_revision.py REV [--job blocks_8b|default] [--gpu h100] [--out FILE]
-                                       [--section.key VALUE ...]
+                   [--launch-us 10.9] [--view-us 2.3] [--section.key VALUE ...]
 
 REV's src/ is extracted (git archive) into a temporary directory and put first on the path
 of a child process; the child imports the engine from there and the tracer (src/fivefold/
@@ -37,7 +37,9 @@ JOBS = {"blocks_8b": (BLOCKS_8B, "train_8b_blocks"), "default": ([], "train_defa
 
 CHILD = r"""
 import importlib.util, json, sys
-tracer_dir, gpu, out, overrides = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+tracer_dir, gpu, out, costs = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+overrides = sys.argv[5:]
+launch_us, view_us = (float(v) for v in costs.split(","))
 import fivefold
 spec = importlib.util.spec_from_file_location(
     "fivefold.trace", tracer_dir + "/__init__.py", submodule_search_locations=[tracer_dir])
@@ -46,7 +48,8 @@ sys.modules["fivefold.trace"] = module
 spec.loader.exec_module(module)
 from fivefold.trace.report import summary, table
 engine = fivefold.__file__
-t = module.trace_step(module.load_config(None, overrides), gpu=gpu,
+t = module.trace_step(module.load_config(None, overrides), gpu=gpu, launch_us=launch_us,
+                      view_us=view_us,
                       progress=lambda s: print("trace:", s, file=sys.stderr, flush=True))
 print(table(t))
 print(summary(t), flush=True)
@@ -78,6 +81,10 @@ def main() -> int:
     parser.add_argument("--job", choices=sorted(JOBS), default="blocks_8b",
                         help="the config traced (overrides given: that config, no item)")
     parser.add_argument("--gpu", default="h100")
+    parser.add_argument("--launch-us", type=float, default=None,
+                        help="host time per kernel, us (default: fivefold trace's)")
+    parser.add_argument("--view-us", type=float, default=None,
+                        help="host time per op that launches nothing, us")
     parser.add_argument("--out", default="", help="default: bench/results/trace-REV.json")
     args, overrides = parser.parse_known_args()
     from revisions import baseline_src
@@ -90,8 +97,12 @@ def main() -> int:
         src = baseline_src(rev, Path(tmp))
         out = Path(tmp) / "trace.json"
         env = {**os.environ, "PYTHONPATH": str(src)}
+        from fivefold.trace import DEFAULT_LAUNCH_US, DEFAULT_VIEW_US
+
+        costs = (f"{DEFAULT_LAUNCH_US if args.launch_us is None else args.launch_us},"
+                 f"{DEFAULT_VIEW_US if args.view_us is None else args.view_us}")
         subprocess.run([sys.executable, "-c", CHILD, str(ROOT / "src" / "fivefold" / "trace"),
-                        args.gpu, str(out), *overrides], env=env, check=True, cwd=ROOT)
+                        args.gpu, str(out), costs, *overrides], env=env, check=True, cwd=ROOT)
         trace = json.loads(out.read_text())
     if not trace.pop("engine_file").startswith(str(src)):
         raise SystemExit("the child imported the engine from elsewhere than the extracted "
