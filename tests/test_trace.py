@@ -39,6 +39,25 @@ def test_one_linear_forward_backward_is_three_gemms():
     assert set(t.parts) == {"proj"} and t.part("proj").kernels == 3
 
 
+def test_fp8_linear_is_traceable():
+    """The FP8 budgets' entry: one FP8 linear, forward + backward, on the GPU's GEMM
+    (blockwise recipe with kernel scaled_mm): its three GEMMs are FP8 FLOPs, no sync."""
+    import dataclasses
+
+    from fivefold.lowp.linear import FP8Recipe, fp8_linear
+
+    tokens, k, n = 256, 128, 256
+    recipe = dataclasses.replace(FP8Recipe.from_name("blockwise"), kernel="scaled_mm")
+    x = torch.empty(tokens, k, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.empty(n, k, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.empty(tokens, n, device="meta", dtype=torch.bfloat16)
+    t = trace_callable(lambda: fp8_linear(x, w, None, recipe).backward(g), gpu="h100")
+    gemms = [e for e in t.events if e.kind == "kernel" and "_scaled_mm" in e.name]
+    assert len(gemms) == 3 and {e.dtype for e in gemms} == {"fp8"}
+    assert t.flops == sum(e.flops for e in gemms) == 3 * 2 * tokens * k * n
+    assert t.syncs == 0 and t.kernels > 3  # the casts and scales around them
+
+
 def test_gemm_roofline_on_h100():
     tokens, d = 8192, 4096
     step, _ = _linear_step(tokens, d, d)

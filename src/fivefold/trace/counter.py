@@ -24,7 +24,8 @@ Bytes: each tensor argument read (a broadcast dimension, stride 0, read once) pl
 output written; an in-place op reads and writes its target, a write-only op (`copy_`,
 `fill_`, `zero_`, random fills) only writes it. FLOPs: the matrix ops of torch's own FLOP
 table (`torch.utils.flop_counter`: mm, addmm, bmm, baddbmm, _scaled_mm, convolution, the
-attention kernels), 0 for the rest (elementwise work is bound by bytes; see roofline.py).
+attention kernels), and 2 x M x K x N for `_scaled_mm_v2` and the grouped GEMMs; 0 for the
+rest (elementwise work is bound by bytes; see roofline.py).
 """
 
 from __future__ import annotations
@@ -113,7 +114,21 @@ def _write_targets(func, args, kwargs) -> list[torch.Tensor]:
     return out
 
 
+GROUPED = frozenset({"_grouped_mm", "_scaled_grouped_mm", "_scaled_grouped_mm_v2"})
+
+
 def _flops(func, args, kwargs, out) -> float:
+    base = func._schema.name.split("::")[-1]
+    if base == "_scaled_mm_v2":  # torch >= 2.10's FP8 GEMM, absent from torch's table
+        a, b = args[0], args[1]
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+    if base in GROUPED and isinstance(out, torch.Tensor):
+        # one GEMM per group: 2 x output elements x the contracted size; a 2-D x 2-D call
+        # (the weight gradient) contracts its groups' rows, each output block once
+        a, b = args[0], args[1]
+        if a.dim() == 2 and b.dim() == 2:
+            return 2.0 * (out.numel() / out.shape[0]) * a.shape[-1]
+        return 2.0 * out.numel() * a.shape[-1]
     try:
         from torch.utils.flop_counter import flop_registry
     except ImportError:  # pragma: no cover - every torch this project supports has it
