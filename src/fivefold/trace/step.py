@@ -19,7 +19,7 @@ from contextlib import ExitStack, contextmanager
 
 from fivefold.config import ConfigError
 from fivefold.trace.counter import OpCounter
-from fivefold.trace.gpu_paths import gpu_attention, gpu_optimizer
+from fivefold.trace.gpu_paths import SM90, gpu_attention, gpu_fp8, gpu_optimizer
 from fivefold.trace.parts import PartTracker
 from fivefold.trace.record import StepTrace
 from fivefold.trace.roofline import DEFAULT_LAUNCH_US, DEFAULT_VIEW_US, device_for, simulate
@@ -135,6 +135,7 @@ def trace_step(cfg=None, gpu: str = "h100", steps: int = 2, launch_us: float = D
     with ExitStack() as stack:
         stack.enter_context(gpu_attention())
         stack.enter_context(gpu_optimizer())
+        stack.enter_context(gpu_fp8(dev.name.startswith(SM90)))
         from fivefold.models import init as init_mod
 
         stack.enter_context(_patched(init_mod, "init_value", _no_values))
