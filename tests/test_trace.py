@@ -144,6 +144,17 @@ def test_step_parts_forward_and_backward():
     assert t.kernels == sum(1 for e in t.events if e.kind == "kernel")
 
 
+def test_moe_step_traces_with_its_syncs():
+    """Routing counts tokens per expert (bincount: its length depends on the data, a sync
+    on a GPU); the step still runs on meta, and its syncs are the experts' part's."""
+    t = trace_step(["--model.preset", "tiny-moe", "--model.num_layers", "1",
+                    "--train.seq_len", "32", "--train.gbs", "1", "--parallel.mbs", "1"],
+                   steps=1, planner=False)
+    mlp = t.part("layers.0.mlp")
+    assert mlp.ops["aten._grouped_mm"] > 0 or mlp.ops["aten.mm"] > 0
+    assert sum(n for k, n in mlp.sync_ops.items() if "bincount" in k) >= 1
+
+
 def test_loss_kernels_do_not_grow_with_the_weight():
     """The 31,563 adds of rev 24463d9: grad_W was added a 2^20-element block at a time,
     V·h/2^20 launches per token chunk after the first. The loss's kernels must not depend on
