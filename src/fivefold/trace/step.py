@@ -107,7 +107,7 @@ def trace_step(cfg=None, gpu: str = "h100", steps: int = 2, launch_us: float = D
                ) -> StepTrace:
     """Run `steps` real training steps of `cfg` on the meta device; trace the last one.
 
-    cfg: a Config (copied; TRACE_DEFAULTS are not applied), a list of `--section.key VALUE`
+    cfg: a Config (copied, with TRACE_DEFAULTS' checkpoint and validation settings), a list of `--section.key VALUE`
     overrides of the default config, or None (the default config). The second step is the
     first with the optimizer's states in place: the steady state. `progress(text)` hears
     of each stage. The planner's prediction (`planner_view`) goes beside the trace unless
@@ -119,6 +119,7 @@ def trace_step(cfg=None, gpu: str = "h100", steps: int = 2, launch_us: float = D
         cfg = load_config(None, cfg)
     else:
         cfg = copy.deepcopy(cfg)
+        cfg.checkpoint.resume, cfg.checkpoint.every, cfg.train.eval_every = "never", 0, 0
     dev, hw, assume = check_traceable(cfg, gpu, launch_us, view_us)
     from fivefold.train import trainer as trainer_mod
 
