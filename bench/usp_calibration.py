@@ -167,105 +167,6 @@ def run(rows: list[dict], convention: str = "nanotron", hw_overrides: dict | Non
     return [predict(r, convention, hw_overrides) for r in rows]
 
 
-MEMORY_FITTED = ("activation_reserve", "loss_reserve", "head_token_bytes")
-TIME_FITTED = ("host_layer_ms", "pp_message_ms", "inter_node_rails")
-FITTED = MEMORY_FITTED + TIME_FITTED + ("memory_headroom_gib",)
-HOST_GRID = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0)  # ms per layer per micro-batch
-MESSAGE_GRID = (0.0, 5.0, 10.0, 20.0, 40.0)  # ms per pipeline message
-RAILS_GRID = (0.0, 0.25, 0.5, 1.0)  # share of a node's NICs a spanning group uses
-HEADROOM_GRID = tuple(k / 2 for k in range(21))  # GiB, 0 to 10
-
-
-def fit(rows: list[dict], convention: str = "nanotron") -> dict:
-    """The convention's fitted factors, from `rows` alone.
-
-    Memory: with the factors at 0, rank 0's planned reserved bytes R, saved activations A,
-    loss buffers G and, where rank 0 holds the head, tokens × hidden size H; the factors
-    are the (a, g, b) ≥ 0 of measured ≈ R + a·A + g·G + b·H with the smallest sum of
-    absolute relative errors (each ok run weighted by 1/measured): the goal is a median
-    error, and squares would let a few runs far off (a crashed neighbour's allocator,
-    another job's memory) set the factors.
-    Throughput: the host time per layer per micro-batch, the fixed time per pipeline
-    message and the share of a node's NICs a group spanning nodes uses that make the median
-    of |log(predicted/measured tokens/s)| smallest, on the grids HOST_GRID × MESSAGE_GRID ×
-    RAILS_GRID.
-    Headroom: with those, the GiB the most loaded rank must leave free that makes the
-    fits-or-not verdict right on the most of `rows` (ok and crashed), on HEADROOM_GRID
-    (the smallest of equals)."""
-    zero = {k: 0.0 for k in FITTED}
-    ok = [r for r in rows if r["status"] == "ok"]
-    columns, target = [], []
-    for row in ok:
-        work, layout = workload_layout(row, convention)
-        hw, assume = get_hardware("h100-sxm", zero)  # zero wins over the convention's
-        if check_layout(work, layout):
-            continue
-        items, _ = memory_items(work, layout, assume, 0)
-        measured = float(row["gpu_memory_GB"]) * GIB
-        base = sum(items.values()) - assume.context_gib * GIB
-        column = {"activation_reserve": items["activations"],
-                  "loss_reserve": items["logits_loss"]}
-        unit, _ = memory_items(work, layout, dataclasses.replace(assume, head_token_bytes=1.0),
-                               0)  # the head's term at 1 byte per token per hidden unit
-        column["head_token_bytes"] = unit["overhead"] - items["overhead"]
-        columns.append([column[k] / measured for k in MEMORY_FITTED])
-        target.append((measured - base) / measured)
-    memory = dict(zip(MEMORY_FITTED, _nonnegative_lad(columns, target)))
-    best = None
-    for host in HOST_GRID:
-        for message in MESSAGE_GRID:
-            for rails in RAILS_GRID:
-                logs = []
-                for row in ok:
-                    p = predict(row, convention, {**zero, "host_layer_ms": host,
-                                                  "pp_message_ms": message,
-                                                  "inter_node_rails": rails})
-                    if p["plannable"]:
-                        logs.append(abs(math.log(p["tokens_per_s_per_gpu"]
-                                                 / float(row["tokens_per_s_per_gpu"]))))
-                err = statistics.median(logs)
-                if best is None or err < best[0]:
-                    best = (err, host, message, rails)
-    factors = {**memory, **dict(zip(TIME_FITTED, best[1:]))}
-    preds = run(rows, convention, {**HW, **zero, **factors})
-    free = [(HW["memory_gib"] - p["most_loaded_total_gib"] if p["plannable"] else None,
-             r["status"] == "ok") for r, p in zip(rows, preds)]
-    right = {h: sum((f is not None and f >= h) == ok for f, ok in free)
-             for h in HEADROOM_GRID}
-    top = max(right.values())
-    return {**factors, "memory_headroom_gib": min(h for h, n in right.items() if n == top)}
-
-
-def _nonnegative_lad(columns: list[list[float]], target: list[float],
-                     rounds: int = 100) -> list[float]:
-    """Least absolute deviations with every coefficient ≥ 0, by iteratively reweighted least
-    squares (each run weighted by 1/|its residual|, floored at 1e-4; Schlossmacher 1973)."""
-    a, y = numpy.array(columns), numpy.array(target)
-    weights = numpy.ones(len(y))
-    coef = numpy.zeros(a.shape[1])
-    for _ in range(rounds):
-        root = numpy.sqrt(weights)
-        coef = numpy.array(_nonnegative_lstsq((a * root[:, None]).tolist(),
-                                              (y * root).tolist()))
-        weights = 1 / numpy.maximum(numpy.abs(y - a @ coef), 1e-4)
-    return [float(c) for c in coef]
-
-
-def _nonnegative_lstsq(columns: list[list[float]], target: list[float]) -> list[float]:
-    """Least squares with every coefficient ≥ 0: a column whose coefficient comes out
-    negative is dropped (set to 0) and the rest refitted."""
-    keep = list(range(len(columns[0])))
-    while True:
-        a = numpy.array([[c[k] for k in keep] for c in columns])
-        coef = numpy.linalg.lstsq(a, numpy.array(target), rcond=None)[0]
-        if (coef >= 0).all():
-            out = [0.0] * len(columns[0])
-            for k, v in zip(keep, coef):
-                out[k] = float(v)
-            return out
-        keep = [k for k, v in zip(keep, coef) if v >= 0]
-
-
 def _row(label: str, s: dict) -> str:
     return (f"| {label} | {s['ok_runs_scored']} | {s['memory_median_abs_error']:.1%} | "
             f"{s['memory_within_10pct']:.0%} | {s['fits_right']:.1%} | "
@@ -491,6 +392,8 @@ def main(argv: list[str] | None = None) -> dict:
     for g, sub in split.items():
         scores[f"{g}_gpus"] = score(sub, run(sub, hw_overrides=HW))
     held_out, fitted = {}, {}
+    from usp_fit import fit  # it imports this module: after its names exist
+
     if not args.no_fit:
         fitted["all"] = fit(rows)
         for train, test in (("16", "128"), ("128", "16")):

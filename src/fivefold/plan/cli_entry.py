@@ -23,6 +23,8 @@ from fivefold.config.rules import writable_dir, writable_file
 from fivefold.errors import ArgumentParser, ConfigError
 from fivefold.plan.advice import layout_warnings
 from fivefold.plan.conventions import CONVENTIONS, get_convention
+from fivefold.plan.validated import describe as describe_validated
+from fivefold.plan.validated import validated_range
 from fivefold.plan.evaluate import plan_layout
 from fivefold.plan.hardware import (
     CATALOG,
@@ -319,6 +321,8 @@ def run(argv: list[str]) -> int:
             if getattr(args, "gbs_note", None):
                 print(f"note: {args.gbs_note}")
             print(_explain(plan, work, hw))
+            print("\n" + "\n".join(describe_validated(convention.name, layout,
+                                                        hw.gpus_per_node)))
             if convention.name != "fivefold":
                 print("\n" + describe_convention(convention, plan))
             if cost:
@@ -352,6 +356,7 @@ def _search(args, work, num_gpus, hw, assume, allowed=None) -> int:
     if convention is not None:  # its layout settings, but the search still explores ZeRO
         space.fixed = {k: v for k, v in convention.layout.items() if k != "zero"}
         space.schedule = tuple(s for s in space.schedule if s in convention.schedules)
+    space.validated = validated_range(convention.name if convention else "fivefold")
     result = search(work, num_gpus, hw, assume, space, top=max(args.top, 1),
                     progress=lambda line: print(line, file=sys.stderr, flush=True))
     if getattr(args, "gbs_note", None):
@@ -364,6 +369,10 @@ def _search(args, work, num_gpus, hw, assume, allowed=None) -> int:
         _emit_json(args, payload)
     if args.json != "-":
         print(format_search(result, work, hw, args.top))
+        if result.top:
+            print("\n" + "\n".join(describe_validated(
+                convention.name if convention else "fivefold", result.top[0].layout,
+                hw.gpus_per_node)))
         if cost:
             print(f"\nwith the fastest layout, {result.top[0].layout.short()}:")
             print(cost.describe())

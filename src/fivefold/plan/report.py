@@ -14,7 +14,7 @@ from fivefold.text import count, params
 
 TIME_LABELS = {"compute": "compute", "tp_comm": "TP comm", "cp_comm": "CP comm",
                "ep_comm": "EP comm", "pp_comm": "PP comm", "bubble": "bubble",
-               "dp_comm": "DP comm", "optimizer": "optimizer"}
+               "dp_comm": "DP comm", "optimizer": "optimizer", "straggler": "stragglers"}
 MEMORY_LABELS = {"params": "parameters", "grads": "gradients", "master": "master weights",
                  "optimizer": "optimizer states", "grad_accum": "fp32 grad accumulation",
                  "grad_buffer": "unsharded grads (step sync)", "activations": "activations",

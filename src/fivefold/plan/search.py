@@ -34,6 +34,7 @@ from fivefold.plan.layout import (
 from fivefold.plan.memory import memory_items, peak_memory
 from fivefold.plan.nvme import host_fits, tier_memory
 from fivefold.plan.timing import rank_compute
+from fivefold.plan.validated import ValidatedRange, rank_key
 
 SPACE_KEYS = ("tp", "pp", "cp", "ep", "zero", "mbs", "recompute", "schedule",
               "virtual_stages", "sp", "offload", "cp_comm", "sp_saved")
@@ -64,6 +65,9 @@ class SearchSpace:
     # Layouts to rank, e.g. only what the engine runs today (plan --config); None: all.
     # Asked only of the layouts the search reaches, not of every one enumerated.
     allowed: Callable[[Layout], bool] | None = None
+    # The convention's validated range (plan/validated.py): layouts inside it rank first
+    # when predicted times are within validated.CLOSE; None: time alone.
+    validated: ValidatedRange | None = None
 
     @classmethod
     def parse(cls, text: str) -> SearchSpace:
@@ -302,16 +306,17 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
         if twin in seen:
             continue
         seen.add(twin)
-        entry = (-plan.time.total, -i, plan)
+        key = rank_key(plan.time.total, lay, space.validated)  # ≥ the time ≥ its bound
+        entry = (-key, -i, plan)
         if len(best) < top:
             heapq.heappush(best, entry)
-        elif plan.time.total < -best[0][0]:
+        elif key < -best[0][0]:
             heapq.heapreplace(best, entry)
     ranked = [p for _, _, p in sorted(best, key=lambda e: (-e[0], -e[1]))]
     notes = [note for note in [gbs_note(work.gbs, num_gpus, removed)] if note]
     if not ranked:  # memory binds: would a lighter optimizer's states fit? (plan/optimizer.py)
         notes += lighter_optimizer_note(work, num_gpus, hw, assume, space, top)
-    fastest = ranked[0].time.total if ranked else float("inf")
+    fastest = min((p.time.total for p in ranked), default=float("inf"))
     too_big_plans = [plan_layout(work, lay, hw, assume) for _, lay in too_big]
     too_big_plans = [p for p in too_big_plans if p.time.total < fastest]
     return SearchResult(
