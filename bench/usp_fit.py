@@ -8,11 +8,11 @@ import math
 import statistics
 
 import numpy
+from usp_calibration import HW, predict, run, workload_layout
 
 from fivefold.plan.hardware import GIB, get_hardware
 from fivefold.plan.layout import check_layout
 from fivefold.plan.memory import memory_items
-from usp_calibration import HW, predict, run, workload_layout
 
 MEMORY_FITTED = ("activation_reserve", "loss_reserve", "head_token_bytes")
 # The time factors nothing published gives for these runs, and their grids. Argued, not

@@ -23,8 +23,6 @@ from fivefold.config.rules import writable_dir, writable_file
 from fivefold.errors import ArgumentParser, ConfigError
 from fivefold.plan.advice import layout_warnings
 from fivefold.plan.conventions import CONVENTIONS, get_convention
-from fivefold.plan.validated import describe as describe_validated
-from fivefold.plan.validated import validated_range
 from fivefold.plan.evaluate import plan_layout
 from fivefold.plan.hardware import (
     CATALOG,
@@ -54,6 +52,8 @@ from fivefold.plan.report import (
 )
 from fivefold.plan.run_cost import model_from_params, run_cost
 from fivefold.plan.search import SearchSpace, search, suggest_fix
+from fivefold.plan.validated import describe as describe_validated
+from fivefold.plan.validated import validated_range
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, fields
 
 from fivefold.plan.activations import op_sac_recomputed_matmul_share
-from fivefold.plan.comm import REGATHER, Collective, collectives
+from fivefold.plan.comm import REGATHER, collectives
 from fivefold.plan.flops import forward_flops_per_token
 from fivefold.plan.hardware import (
     Assumptions,
