@@ -48,8 +48,8 @@ def test_ring_latency_grows_with_ranks_and_pays_the_network_per_crossing_step():
 
 def test_nccl_takes_the_tree_for_a_small_all_reduce_over_many_nodes():
     """dp 128 over 128 nodes: a one-element all-reduce's ring pays 254 network steps, the
-    tree 2·log2(128) = 14; a huge one costs its bytes either way (equal bus bytes), so the
-    time is the smaller of the two. Inside a node NCCL weighs the ring alone."""
+    tree 2·log2(128) = 14 at 0.9 of the ring's bandwidth (NCCL's model), so a small call
+    takes the tree and a large one the ring. Inside a node NCCL weighs the ring alone."""
     a = Assumptions()
     assert nccl_algorithms("all_reduce", True) == ("ring", "tree")
     assert nccl_algorithms("all_reduce", False) == ("ring",)
@@ -63,7 +63,11 @@ def test_nccl_takes_the_tree_for_a_small_all_reduce_over_many_nodes():
     bw, inter = group_link(H100, lay, "dp_cp", a)
     assert inter
     assert collective_time(tiny, H100, a, lay) == pytest.approx(
-        tiny.wire_bytes / (bw * a.bandwidth_efficiency) + tree, rel=1e-12)
+        tiny.wire_bytes / (0.9 * bw * a.bandwidth_efficiency) + tree, rel=1e-12)
+    # 1 GB: the ring's latency is small beside the tree's 10% less bandwidth
+    big = Collective("dp_cp", "all_reduce", 4, 2.5e8, 1, 128, "grad")
+    assert collective_time(big, H100, a, lay) == pytest.approx(
+        big.wire_bytes / (bw * a.bandwidth_efficiency) + ring, rel=1e-12)
 
 
 def test_spine_contention_only_past_a_leaf_group():

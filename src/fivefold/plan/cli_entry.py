@@ -321,10 +321,10 @@ def run(argv: list[str]) -> int:
             if getattr(args, "gbs_note", None):
                 print(f"note: {args.gbs_note}")
             print(_explain(plan, work, hw))
-            print("\n" + "\n".join(describe_validated(convention.name, layout,
-                                                        hw.gpus_per_node)))
             if convention.name != "fivefold":
                 print("\n" + describe_convention(convention, plan))
+            print("\n" + "\n".join(describe_validated(convention.name, layout,
+                                                        hw.gpus_per_node)))
             if cost:
                 print("\n" + cost.describe())
         if args.plot:

@@ -37,6 +37,9 @@ from fivefold.plan.hardware import (
 from fivefold.plan.layout import Layout, log2_ceil
 
 DP_GROUPS = ("dp", "dp_cp", "edp", "pp_embed")  # bucketed: reduced in bucket-sized calls
+# A tree all-reduce's bus bandwidth against the ring's: NCCL's model takes 0.9 of it
+# (src/graph/tuning.cc: `busBw*.9` for the tree algorithm).
+TREE_BANDWIDTH = {"tree": 0.9}
 
 
 def group_shape(layout: Layout, group: str) -> tuple[int, int]:
@@ -197,7 +200,8 @@ def collective_time(c: Collective, hw: Hardware, assume: Assumptions, layout: La
     if measured:  # bus bandwidth as calibrate measured it inside a node: efficiency included
         bw = measured * 1e9 / assume.bandwidth_efficiency
     wire = c.wire_bytes / (bw * assume.bandwidth_efficiency)
-    return min(wire + calls * call_latency_s(c, hw, assume, layout, inter, algo)
+    return min(wire / TREE_BANDWIDTH.get(algo, 1.0)
+               + calls * call_latency_s(c, hw, assume, layout, inter, algo)
                for algo in nccl_algorithms(c.op, inter))
 
 
