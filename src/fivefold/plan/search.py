@@ -26,14 +26,11 @@ from fivefold.plan.layout import (
     SCHEDULES,
     Layout,
     Workload,
-    bubble_ratio,
     check_layout,
-    critical_ranks,
-    stage,
 )
 from fivefold.plan.memory import memory_items, peak_memory
 from fivefold.plan.nvme import host_fits, tier_memory
-from fivefold.plan.timing import rank_compute
+from fivefold.plan.timing import step_lower_bound
 from fivefold.plan.validated import ValidatedRange, rank_key
 
 SPACE_KEYS = ("tp", "pp", "cp", "ep", "zero", "mbs", "recompute", "schedule",
@@ -230,31 +227,12 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
     compute_cache: dict[tuple, float] = {}
 
     def lower_bound(lay: Layout) -> float:
-        m = work.num_microbatches(lay)
         # auto's recomputation costs ≥ 0 s, so none's compute bounds it from below without
         # solving its per-layer plan, which follows the whole layout (its budget is what the
         # states leave) and is solved only for the layouts the search reaches.
         if lay.recompute == "auto":
             lay = dataclasses.replace(lay, recompute="none")
-        key = (lay.tp, lay.cp, lay.pp, lay.mbs, lay.schedule, lay.virtual_stages,
-               lay.recompute, lay.sp)
-        cached = compute_cache.get(key)
-        if cached is None:
-            def rank_mb(rank):
-                rkey = (lay.tp, lay.cp, lay.mbs, lay.recompute, lay.sp,
-                        stage(work.model, lay, rank))
-                rc = compute_cache.get(rkey)
-                if rc is None:
-                    one = rank_compute(work, lay, hw, assume, rank)
-                    rc = compute_cache[rkey] = one.forward + one.backward
-                return rc
-            # the slowest stage's micro-batches; the bubble is the other stages' fill and
-            # drain (plan/timing.py), at least the quickest stage's time each
-            cached = compute_cache[key] = (
-                max(rank_mb(r) for r in critical_ranks(work.model, lay)),
-                min(rank_mb(r) for r in range(lay.pp)) if lay.pp > 1 else 0.0)
-        per_mb, quickest = cached
-        return m * per_mb + bubble_ratio(lay, m) * m * quickest
+        return step_lower_bound(work, lay, hw, assume, compute_cache)
 
     bounds = []
     for i, lay in enumerate(layouts):

@@ -271,6 +271,35 @@ def _others_microbatch(work: Workload, layout: Layout, hw: Hardware, assume: Ass
     return sum(times) / len(times)
 
 
+def step_lower_bound(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
+                     cache: dict | None = None) -> float:
+    """Seconds a step takes at least: the slowest pipeline rank's micro-batches and the
+    bubble at the quickest stage's pace, no communication (`step_time` adds only to it).
+    `cache` keeps each rank's compute between calls of one search (by the layout fields
+    compute depends on)."""
+    lay, cache = layout, {} if cache is None else cache
+    m = work.num_microbatches(lay)
+    key = (lay.tp, lay.cp, lay.pp, lay.mbs, lay.schedule, lay.virtual_stages, lay.recompute,
+           lay.sp)
+    cached = cache.get(key)
+    if cached is None:
+        def rank_mb(rank):
+            rkey = (lay.tp, lay.cp, lay.mbs, lay.recompute, lay.sp,
+                    stage(work.model, lay, rank))
+            rc = cache.get(rkey)
+            if rc is None:
+                one = rank_compute(work, lay, hw, assume, rank)
+                rc = cache[rkey] = one.forward + one.backward
+            return rc
+        # the slowest stage's micro-batches; the bubble is the other stages' fill and
+        # drain (`_others_microbatch`), at least the quickest stage's time each
+        cached = cache[key] = (
+            max(rank_mb(r) for r in critical_ranks(work.model, lay)),
+            min(rank_mb(r) for r in range(lay.pp)) if lay.pp > 1 else 0.0)
+    per_mb, quickest = cached
+    return m * per_mb + bubble_ratio(lay, m) * m * quickest
+
+
 def _one_bucket(work, layout, hw, assume, bucket: float) -> float:
     bw, _ = group_link(hw, layout, "dp", assume)
     n = layout.dp * layout.cp
