@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import subprocess
 from collections import defaultdict
 from pathlib import Path
 
-from usp_calibration import HW, ROOT, load, run
+from usp_calibration import HW, ROOT, _cpu_model, load, run
 
 OUT = ROOT / "bench" / "results" / "usp_breakdown.json"
 DIMENSIONS = ("n_gpus", "tp", "pp")
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{dim} {value:>4}: {g['runs']:>3} runs, predicted/measured "
                   f"{g['median_ratio']:.2f}, median error {g['median_abs_error']:.1%}, "
                   f"within 20% {g['within_20pct']:.0%}")
-    out = {"git": rev, "by": table}
+    out = {"machine": {"host": platform.node(), "cpu": _cpu_model(),
+                       "python": platform.python_version()}, "git": rev, "by": table}
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     return out
 
