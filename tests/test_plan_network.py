@@ -19,6 +19,7 @@ from fivefold.plan.network import (
     ring_steps,
     tree_steps,
 )
+from fivefold.plan.report import explain_losses
 from fivefold.plan.search import SearchSpace, search
 from fivefold.plan.timing import step_time
 from fivefold.plan.validated import CLOSE, RANGES, describe, rank_key
@@ -175,9 +176,13 @@ def test_search_prefers_the_validated_range_when_close(monkeypatch):
     assert 1.05 < ratio < 1.10
     for close, want in ((0.05, free), (0.10, inside)):
         monkeypatch.setattr(validated, "CLOSE", close)
-        got = search(work, 16, hw, a, SearchSpace(zero=(1,), max_mbs=4, validated=rng),
-                     top=3).top[0]
-        assert got.layout == want.layout, close
+        result = search(work, 16, hw, a, SearchSpace(zero=(1,), max_mbs=4, validated=rng),
+                        top=20)
+        assert result.top[0].layout == want.layout, close
+    # the report says why a faster layout ranks below the chosen one
+    lines = explain_losses(result, count=len(result.top))
+    assert any(line.startswith(free.layout.short()) and "faster, but outside the validated "
+               "range (cp 2 > 1), so not preferred within 10%" in line for line in lines), lines
 
 
 @pytest.mark.parametrize("args, says", [

@@ -103,7 +103,8 @@ class SearchSpace:
 
 @dataclass
 class SearchResult:
-    top: list[LayoutPlan]  # fitting layouts, fastest first
+    top: list[LayoutPlan]  # fitting layouts, fastest first (inside the validated range first
+    #                        when within validated.CLOSE: `validated.rank_key`)
     faster_but_too_big: list[LayoutPlan]  # layouts faster than the best that do not fit
     num_gpus: int
     considered: int  # layouts meeting every constraint
@@ -115,6 +116,7 @@ class SearchResult:
     # which constraint removed how many layouts: {kind: [count, first example]}
     removed: dict[str, list] = field(default_factory=dict)
     smallest: tuple[float, Layout] | None = None  # when none fits: the least memory needed
+    validated: ValidatedRange | None = None  # the range the ranking preferred
 
 
 def _note(removed: dict | None, problem: str, count: int = 1) -> None:
@@ -301,7 +303,7 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
         top=ranked, faster_but_too_big=too_big_plans, num_gpus=num_gpus,
         considered=len(layouts), planned=planned + len(too_big_plans), dropped=dropped,
         bounded_out=bounded, elapsed_s=time.perf_counter() - start, removed=removed,
-        smallest=None if ranked else smallest, notes=notes)
+        smallest=None if ranked else smallest, notes=notes, validated=space.validated)
 
 
 def gbs_note(gbs: int, num_gpus: int, removed: dict) -> str:
