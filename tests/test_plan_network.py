@@ -153,6 +153,13 @@ def test_plan_at_512_gpus_says_where_it_lies_outside(capsys):
     assert code == 0
     assert "validated range (nanotron convention): 16-128 GPUs (2-16 nodes)" in out
     assert "outside it: 512 GPUs above the 16-128 GPUs validated; 64 nodes above 2-16" in out
+    import json
+
+    main(["--model", "llama-3.1-8b", "--gpus", "512", "--gpu", "h100", "--convention",
+          "nanotron", "--layout", "dp=64,tp=8,pp=1,mbs=1,zero=1", "--seq-len", "4096",
+          "--gbs", "256", "--json", "-"])
+    got = json.loads(capsys.readouterr().out)["validated"]
+    assert got["outside"] == ["512 GPUs above the 16-128 GPUs validated", "64 nodes above 2-16"]
     lines = describe("nanotron", Layout(dp=8, tp=16), 8)
     assert lines[1] == "this plan lies inside it"
 

@@ -53,6 +53,7 @@ from fivefold.plan.report import (
 from fivefold.plan.run_cost import model_from_params, run_cost
 from fivefold.plan.search import SearchSpace, search, suggest_fix
 from fivefold.plan.validated import describe as describe_validated
+from fivefold.plan.validated import to_dict as validated_to_dict
 from fivefold.plan.validated import validated_range
 
 
@@ -315,7 +316,9 @@ def run(argv: list[str]) -> int:
             _emit_json(args, {"workload": workload_to_dict(work), "layouts": [plan.to_dict()],
                               "warnings": layout_warnings(plan, work, hw),
                               "run": cost.to_dict() if cost else None,
-                              "convention": convention_to_dict(convention, plan)})
+                              "convention": convention_to_dict(convention, plan),
+                              "validated": validated_to_dict(convention.name, layout,
+                                                             hw.gpus_per_node)})
         if args.json != "-":
             print(describe_workload(work, hw, args.gpus))
             if getattr(args, "gbs_note", None):
@@ -366,6 +369,9 @@ def _search(args, work, num_gpus, hw, assume, allowed=None) -> int:
         payload = search_to_dict(result, work, hw, assume)
         payload["run"] = cost.to_dict() if cost else None
         payload["convention"] = convention.name if convention else "fivefold"
+        if result.top:
+            payload["validated"] = validated_to_dict(payload["convention"],
+                                                     result.top[0].layout, hw.gpus_per_node)
         _emit_json(args, payload)
     if args.json != "-":
         print(format_search(result, work, hw, args.top))

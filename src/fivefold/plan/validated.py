@@ -93,6 +93,13 @@ def describe(convention: str, layout, gpus_per_node: int = 8) -> list[str]:
     return lines
 
 
+def to_dict(convention: str, layout, gpus_per_node: int = 8) -> dict:
+    """The range and where `layout` lies outside it, for --json."""
+    rng = validated_range(convention)
+    return {"convention": convention, "range": rng.describe() if rng else None,
+            "outside": rng.outside(layout, gpus_per_node) if rng else ["no scored run"]}
+
+
 def rank_key(time_s: float, layout, rng: ValidatedRange | None) -> float:
     """The search's ranking key: predicted time, raised by CLOSE for a layout whose
     dimensions lie outside the validated range (so one inside ranks first unless the one
