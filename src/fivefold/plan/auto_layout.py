@@ -43,9 +43,10 @@ from fivefold.plan.evaluate import LayoutPlan, plan_layout
 from fivefold.plan.hardware import CATALOG, GIB, Assumptions, Hardware, measured_disk, with_profile
 from fivefold.plan.inputs import DEFAULT_GPU, layout_config, training_plan_inputs
 from fivefold.plan.layout import Layout, Workload, critical_ranks
+from fivefold.plan.network import call_time
 from fivefold.plan.nvme import layout_offload, tier
 from fivefold.plan.search import SearchSpace, enumerate_layouts, search
-from fivefold.plan.timing import call_time
+from fivefold.plan.validated import validated_range
 
 # The recomputation the search tries when train.recompute is not set.
 RECOMPUTE_CHOICES = ("none", "selective", "full", "auto")
@@ -172,7 +173,9 @@ def search_space(cfg, keep: dict, on_cpu: bool, accepts, nvme: bool = False) -> 
     """The SearchSpace of an auto config: one value for every kept key; NVMe offload among
     the tiers when `nvme` (nvme_note found nothing against it)."""
     tiers = ((False,) if on_cpu else (False, True)) + (("nvme",) if nvme else ())
-    space = SearchSpace(recompute=RECOMPUTE_CHOICES, sp=(True, False), offload=tiers)
+    # layouts inside the engine's validated range rank first when within validated.CLOSE
+    space = SearchSpace(recompute=RECOMPUTE_CHOICES, sp=(True, False), offload=tiers,
+                        validated=validated_range("fivefold"))
     checks = []
     for dotted, value in keep.items():
         section, key = dotted.split(".", 1)

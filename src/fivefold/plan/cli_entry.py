@@ -52,6 +52,9 @@ from fivefold.plan.report import (
 )
 from fivefold.plan.run_cost import model_from_params, run_cost
 from fivefold.plan.search import SearchSpace, search, suggest_fix
+from fivefold.plan.validated import describe as describe_validated
+from fivefold.plan.validated import to_dict as validated_to_dict
+from fivefold.plan.validated import validated_range
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -313,7 +316,9 @@ def run(argv: list[str]) -> int:
             _emit_json(args, {"workload": workload_to_dict(work), "layouts": [plan.to_dict()],
                               "warnings": layout_warnings(plan, work, hw),
                               "run": cost.to_dict() if cost else None,
-                              "convention": convention_to_dict(convention, plan)})
+                              "convention": convention_to_dict(convention, plan),
+                              "validated": validated_to_dict(convention.name, layout,
+                                                             hw.gpus_per_node)})
         if args.json != "-":
             print(describe_workload(work, hw, args.gpus))
             if getattr(args, "gbs_note", None):
@@ -321,6 +326,8 @@ def run(argv: list[str]) -> int:
             print(_explain(plan, work, hw))
             if convention.name != "fivefold":
                 print("\n" + describe_convention(convention, plan))
+            print("\n" + "\n".join(describe_validated(convention.name, layout,
+                                                        hw.gpus_per_node)))
             if cost:
                 print("\n" + cost.describe())
         if args.plot:
@@ -352,6 +359,7 @@ def _search(args, work, num_gpus, hw, assume, allowed=None) -> int:
     if convention is not None:  # its layout settings, but the search still explores ZeRO
         space.fixed = {k: v for k, v in convention.layout.items() if k != "zero"}
         space.schedule = tuple(s for s in space.schedule if s in convention.schedules)
+    space.validated = validated_range(convention.name if convention else "fivefold")
     result = search(work, num_gpus, hw, assume, space, top=max(args.top, 1),
                     progress=lambda line: print(line, file=sys.stderr, flush=True))
     if getattr(args, "gbs_note", None):
@@ -361,9 +369,16 @@ def _search(args, work, num_gpus, hw, assume, allowed=None) -> int:
         payload = search_to_dict(result, work, hw, assume)
         payload["run"] = cost.to_dict() if cost else None
         payload["convention"] = convention.name if convention else "fivefold"
+        if result.top:
+            payload["validated"] = validated_to_dict(payload["convention"],
+                                                     result.top[0].layout, hw.gpus_per_node)
         _emit_json(args, payload)
     if args.json != "-":
         print(format_search(result, work, hw, args.top))
+        if result.top:
+            print("\n" + "\n".join(describe_validated(
+                convention.name if convention else "fivefold", result.top[0].layout,
+                hw.gpus_per_node)))
         if cost:
             print(f"\nwith the fastest layout, {result.top[0].layout.short()}:")
             print(cost.describe())
