@@ -58,6 +58,22 @@ def test_fp8_linear_is_traceable():
     assert t.syncs == 0 and t.kernels > 3  # the casts and scales around them
 
 
+@pytest.mark.parametrize("gpu,gemm", [("h100", "aten._scaled_mm_v2"), ("b200", "aten.mm")])
+def test_fp8_step_takes_the_gpus_blockwise_kernel(gpu, gemm):
+    """An sm90 GPU runs blockwise FP8 on cuBLASLt's `_scaled_mm`; a B200 (10.0) the
+    emulated GEMMs, as the engine's kernel_support decides on each."""
+    if not hasattr(torch.ops.aten, "_scaled_mm_v2") and gpu == "h100":
+        gemm = "aten._scaled_mm"
+    t = trace_step(["--model.preset", "llama-3.1-8b", "--model.num_layers", "1",
+                    "--data.tokenizer", "byte", "--train.seq_len", "128", "--train.gbs", "1",
+                    "--parallel.mbs", "1", "--train.precision", "fp8"], gpu=gpu, steps=1,
+                   planner=False)
+    mlp = t.part("layers.0.mlp").ops
+    assert mlp[gemm] >= 9  # gate, up, down: forward and two backward GEMMs each
+    scaled = [op for op in mlp if "_scaled_mm" in op]
+    assert (scaled and "aten.mm" not in mlp) if gpu == "h100" else not scaled
+
+
 def test_gemm_roofline_on_h100():
     tokens, d = 8192, 4096
     step, _ = _linear_step(tokens, d, d)
@@ -126,6 +142,17 @@ def test_step_parts_forward_and_backward():
     assert t.matching("layers.0").kernels == sum(
         p.kernels for n, p in t.parts.items() if n.startswith("layers.0"))
     assert t.kernels == sum(1 for e in t.events if e.kind == "kernel")
+
+
+def test_moe_step_traces_with_its_syncs():
+    """Routing counts tokens per expert (bincount: its length depends on the data, a sync
+    on a GPU); the step still runs on meta, and its syncs are the experts' part's."""
+    t = trace_step(["--model.preset", "tiny-moe", "--model.num_layers", "1",
+                    "--train.seq_len", "32", "--train.gbs", "1", "--parallel.mbs", "1"],
+                   steps=1, planner=False)
+    mlp = t.part("layers.0.mlp")
+    assert mlp.ops["aten._grouped_mm"] > 0 or mlp.ops["aten.mm"] > 0
+    assert sum(n for k, n in mlp.sync_ops.items() if "bincount" in k) >= 1
 
 
 def test_loss_kernels_do_not_grow_with_the_weight():

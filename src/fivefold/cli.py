@@ -180,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     command = _subcommand(argv[0])
     if command is None:
         print(f"error: unknown command '{argv[0]}'; commands: train, plan, calibrate, prepare, "
-              f"generate, convert, schedule, bench, trace, eval, quantize, serve, launch", file=sys.stderr)
+              f"generate, convert, schedule, bench, trace, eval, quantize, serve, launch",
+              file=sys.stderr)
         return EXIT_BAD_INPUT
+
     def leave_if_distributed(code: int) -> int:
         # Only a command that imported torch can have a process group up; `plan` never
         # imports torch (tests/test_plan_search.py), so it must not be imported here.

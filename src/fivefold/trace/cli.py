@@ -72,9 +72,19 @@ def main(argv: list[str]) -> int:
             f"{op.removeprefix('aten.')} {n:,}" for op, n in trace.ops.most_common(args.ops)))
     print(summary(trace), flush=True)
     if out is not None:
+        import platform
+
+        import torch
+
+        from fivefold.host import cpu_model
         from fivefold.train.bench import git_revision
 
-        record = {"kind": "trace", "git_revision": git_revision(), **trace.to_json()}
+        record = {"kind": "trace", "git_revision": git_revision(),
+                  "command": "fivefold trace " + " ".join(argv),
+                  "machine": {"host_cpu": cpu_model(), "python": platform.python_version(),
+                              "torch": torch.__version__,
+                              "note": "traced on the meta device: no time measured here"},
+                  **trace.to_json()}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {out}", flush=True)

@@ -51,7 +51,8 @@ NOT_KERNELS = frozenset({
 WRITE_ONLY = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_",
                         "random_", "exponential_", "index_put_", "scatter_"})
 DYNAMIC_SHAPE = frozenset({"nonzero", "masked_select", "unique", "_unique", "_unique2",
-                           "unique_consecutive", "unique_dim", "repeat_interleave"})
+                           "unique_consecutive", "unique_dim", "repeat_interleave",
+                           "bincount"})
 SYNC_KINDS = ("item", "d2h", "h2d", "dynamic_shape")
 
 
@@ -232,6 +233,12 @@ class OpCounter(TorchDispatchMode):
                 return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
             if base == "masked_select":
                 return torch.empty((x.numel(),), dtype=x.dtype, device=x.device)
+            if base == "bincount":  # its length is max(minlength, the largest value + 1)
+                weights = args[1] if len(args) > 1 else kwargs.get("weights")
+                length = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
+                dtype = torch.long if weights is None else (
+                    weights.dtype if weights.dtype.is_floating_point else torch.double)
+                return torch.empty((max(int(length), 1),), dtype=dtype, device=x.device)
         return func(*args, **kwargs)
 
     def _event(self, func, name, base, part, args, kwargs, flat_in, flat_out, out) -> Event:

@@ -13,11 +13,15 @@ autograd formulas, so the backward is the GPU's too.
 (parallel/update.py `adamw`); under `gpu_optimizer()` an AdamW of meta parameters that asks
 for foreach is made fused, as on the GPU (torch's fused AdamW has a meta kernel).
 
+FP8's blockwise GEMM: the engine takes cuBLASLt's blockwise `_scaled_mm` on a GPU of compute
+capability 9.x (numerics/fp8_kernel.py `kernel_support`, asked by lowp/convert.py); under
+`gpu_fp8(sm90=True)` a meta device answers as such a GPU (H100, H200), so a traced FP8 step
+takes that kernel; elsewhere the emulated one, as the engine would.
+
 Other `device.type == "cuda"` branches of the engine still take their non-CUDA side under a
 trace (grep the source): pinned host buffers for offload (parallel/zero.py, nvme.py), the
 pipeline's receive order (parallel/pipeline/runtime.py), the ring attention kernel choice
-(parallel/context/kernels.py), the Triton FP8 kernels and `_scaled_mm` of FP8 linears
-(numerics/fp8_kernel.py, lowp/convert.py): an FP8 trace counts the portable path.
+(parallel/context/kernels.py).
 """
 
 from __future__ import annotations
@@ -77,6 +81,36 @@ def gpu_optimizer():
     finally:
         torch.optim.AdamW = original
         optimizer_mod._get_fused_kernels_supported_devices = supported
+
+
+SM90 = ("h100", "h200")  # the catalog's GPUs of compute capability 9.x
+
+
+@contextmanager
+def gpu_fp8(sm90: bool):
+    """Within: the blockwise FP8 kernel's support check answers for a meta device as an
+    sm90 GPU would (`sm90`) or as one without the kernel."""
+    try:
+        from fivefold.lowp import convert
+        from fivefold.numerics.fp8_kernel import scaled_mm_api
+    except ImportError:  # a revision without FP8's kernel choice
+        yield
+        return
+    original = convert.kernel_support
+
+    def support(device):
+        if device.type != "meta":
+            return original(device)
+        if not sm90:
+            return False, "the traced GPU has no cuBLASLt blockwise FP8 GEMM (needs 9.x)"
+        if scaled_mm_api() is None:
+            return False, f"torch {torch.__version__} has neither F.scaled_mm nor _scaled_mm_v2"
+        return True, "cuBLASLt (traced as on a GPU of compute capability 9.x)"
+    convert.kernel_support = support
+    try:
+        yield
+    finally:
+        convert.kernel_support = original
 
 
 @contextmanager

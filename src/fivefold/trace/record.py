@@ -54,9 +54,28 @@ def summarize(events: list[Event]) -> dict[str, PartRecord]:
     return parts
 
 
-def _versus(trace):
-    from fivefold.trace.report import versus_planner
+NOT_MODEL = ("optimizer", "zero_grad", "grad_sync", "step")
 
+
+def versus_planner(trace: StepTrace) -> dict | None:
+    """Where the trace's predicted time and the planner's disagree, and by how much: the
+    whole step, the model's kernels against the planner's compute, the optimizer's kernels
+    against its optimizer time, and the host time the planner does not model."""
+    p, t = trace.planner, trace.timeline
+    if not p or t is None or not p.get("step_time_s"):
+        return None
+    model = sum(r.seconds for n, r in trace.parts.items()
+                if n not in NOT_MODEL and not n.startswith("collective."))
+    parts = p["parts_s"]
+    out = {"step": (t.step_s, p["step_time_s"]),
+           "model_kernels_vs_compute": (model, parts.get("compute", 0.0)),
+           "optimizer": (trace.part("optimizer").seconds, parts.get("optimizer", 0.0)),
+           "host_not_in_planner": (t.host_s, 0.0)}
+    return {k: {"trace_s": a, "planner_s": b, "ratio": a / b if b else None}
+            for k, (a, b) in out.items()}
+
+
+def _versus(trace):
     return versus_planner(trace)
 
 

@@ -19,7 +19,7 @@ from contextlib import ExitStack, contextmanager
 
 from fivefold.config import ConfigError
 from fivefold.trace.counter import OpCounter
-from fivefold.trace.gpu_paths import gpu_attention, gpu_optimizer
+from fivefold.trace.gpu_paths import SM90, gpu_attention, gpu_fp8, gpu_optimizer
 from fivefold.trace.parts import PartTracker
 from fivefold.trace.record import StepTrace
 from fivefold.trace.roofline import DEFAULT_LAUNCH_US, DEFAULT_VIEW_US, device_for, simulate
@@ -107,9 +107,9 @@ def trace_step(cfg=None, gpu: str = "h100", steps: int = 2, launch_us: float = D
                ) -> StepTrace:
     """Run `steps` real training steps of `cfg` on the meta device; trace the last one.
 
-    cfg: a Config (copied; TRACE_DEFAULTS are not applied), a list of `--section.key VALUE`
-    overrides of the default config, or None (the default config). The second step is the
-    first with the optimizer's states in place: the steady state. `progress(text)` hears
+    cfg: a Config (copied, with TRACE_DEFAULTS' checkpoint and validation settings), a list
+    of `--section.key VALUE` overrides of the default config, or None (the default config).
+    The second step is the first with the optimizer's states in place: the steady state. `progress(text)` hears
     of each stage. The planner's prediction (`planner_view`) goes beside the trace unless
     planner=False; a config that does not fit `gpu` is refused (ConfigError)."""
     import torch
@@ -119,6 +119,7 @@ def trace_step(cfg=None, gpu: str = "h100", steps: int = 2, launch_us: float = D
         cfg = load_config(None, cfg)
     else:
         cfg = copy.deepcopy(cfg)
+        cfg.checkpoint.resume, cfg.checkpoint.every, cfg.train.eval_every = "never", 0, 0
     dev, hw, assume = check_traceable(cfg, gpu, launch_us, view_us)
     from fivefold.train import trainer as trainer_mod
 
@@ -135,6 +136,7 @@ def trace_step(cfg=None, gpu: str = "h100", steps: int = 2, launch_us: float = D
     with ExitStack() as stack:
         stack.enter_context(gpu_attention())
         stack.enter_context(gpu_optimizer())
+        stack.enter_context(gpu_fp8(dev.name.startswith(SM90)))
         from fivefold.models import init as init_mod
         from fivefold.models import loss as loss_mod
 
