@@ -111,7 +111,8 @@ def trace_step(cfg=None, gpu: str = "h100", steps: int = 2, launch_us: float = D
     of `--section.key VALUE` overrides of the default config, or None (the default config).
     The second step is the first with the optimizer's states in place: the steady state.
     `progress(text)` hears of each stage. The planner's prediction (`planner_view`) goes
-    beside the trace unless planner=False; a config that does not fit `gpu` is refused (ConfigError)."""
+    beside the trace unless planner=False; a config that does not fit `gpu` is refused
+    (ConfigError)."""
     import torch
 
     say = progress or (lambda text: None)
