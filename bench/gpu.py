@@ -11,6 +11,9 @@ Items (bench/gpu_items.py):
   train_8b_blocks        the same for a Llama-3.1-8B-shaped model of 2 blocks, 8192 tokens
   mfu_vs_plan            that run's bf16 MFU beside the planner's prediction (same shape and
                          device; the planner's catalogue has GPUs only)
+  step_before_after      the 8B-shaped step: chunked loss, fused loss, fused + compiled blocks,
+  hf_peer_compiled       transformers' Llama of that shape compiled, step_profile: one step's
+                         profiler table (bench/gpu_step.py)
   trace_vs_measured      `fivefold trace`'s predicted step beside both train items' measured
                          ones (bench/gpu_trace.py)
   fp8_gemms              one linear, forward + backward, bf16 vs FP8 tensorwise, rowwise and
@@ -53,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import gpu_items as items  # noqa: E402
+import gpu_step  # noqa: E402
 import gpu_trace  # noqa: E402
 
 from fivefold.train.bench import git_revision  # noqa: E402
@@ -61,6 +65,9 @@ from fivefold.train.bench import git_revision  # noqa: E402
 ITEMS = [("train_default", items.train_default, True),
          ("train_8b_blocks", items.train_8b_blocks, True),
          ("mfu_vs_plan", items.mfu_vs_plan, False),
+         ("step_before_after", gpu_step.step_before_after, True),
+         ("hf_peer_compiled", gpu_step.hf_peer_compiled, True),
+         ("step_profile", gpu_step.step_profile, True),
          ("trace_vs_measured", gpu_trace.trace_vs_measured, True),
          ("fp8_gemms", items.fp8_gemms, True),
          ("fp8_block_stack", items.fp8_block_stack, True),

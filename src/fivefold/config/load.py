@@ -107,6 +107,10 @@ def set_value(cfg: Config, dotted: str, value) -> None:
                           f"{section} takes: {', '.join(names)}")
     if dotted == "parallel.offload":  # a tier name that also takes its old booleans
         value = offload_value(value)
+    if dotted == "train.compile":  # auto, or its old booleans
+        from fivefold.config.train import compile_value
+
+        value = compile_value(value)
     setattr(obj, key, coerce(dotted, value, fields[key].type))
     given_keys(cfg).add(dotted)
 

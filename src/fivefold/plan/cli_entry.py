@@ -30,6 +30,7 @@ from fivefold.plan.hardware import (
     get_hardware,
     load_profile,
     parse_overrides,
+    runs_on_host,
     with_profile,
 )
 from fivefold.plan.inputs import (
@@ -285,6 +286,8 @@ def run(argv: list[str]) -> int:
         args.gbs_note = (f"gbs = {gbs} sequences, the default: about 4M tokens rounded to "
                          f"{args.gpus} GPUs × {gbs // args.gpus} so every dp divides it "
                          f"(--gbs or --gbs-tokens sets another)")
+    if not runs_on_host(hw):  # a GPU's fused loss sizes its chunks by its memory
+        options = {"loss_device_memory": hw.memory_gib * 2**30, **options}
     work = Workload(model=model, seq_len=args.seq_len, gbs=gbs, precision=args.precision,
                     **{"grad_sync": "auto", **options})
     convention = get_convention(args.convention)

@@ -139,6 +139,10 @@ def trace_step(cfg=None, gpu: str = "h100", steps: int = 2, launch_us: float = D
         stack.enter_context(gpu_optimizer())
         stack.enter_context(gpu_fp8(dev.name.startswith(SM90)))
         from fivefold.models import init as init_mod
+        from fivefold.models import loss as loss_mod
+
+        # the fused loss sizes its chunks by the traced GPU's memory (models/loss_chunks.py)
+        stack.enter_context(_patched(loss_mod, "META_DEVICE_MEMORY", dev.memory_gib * 2**30))
 
         stack.enter_context(_patched(init_mod, "init_value", _no_values))
         stack.enter_context(_patched(trainer_mod, "pick_device",

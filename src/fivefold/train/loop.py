@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fivefold.config import Config
 from fivefold.config.parallel import offload_value
+from fivefold.config.train import resolve_compile
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.parallel.watchdog import is_comm_failure
 from fivefold.text import count
@@ -224,7 +225,8 @@ def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
                          f"{layout_line(cfg)}")
         mc = trainer.model_cfg
         progress.message(f"attention: SDPA {attention_backend(trainer)} kernel"
-                         + (", blocks compiled (train.compile)" if cfg.train.compile else ""))
+                         + (", blocks compiled (train.compile)"
+                            if resolve_compile(cfg.train.compile, trainer.device.type) else ""))
         if mc.num_experts:
             progress.message(f"mixture of experts: {mc.num_moe_layers} MoE layers of "
                              f"{mc.num_experts} experts, top-{mc.experts_top_k}; "
