@@ -68,7 +68,7 @@ class Engine:
                  detokenize: Callable[[list[int]], str] | None = None, seed: int = 0,
                  prepack: bool | str = False, kv_cache_dtype: str = "auto",
                  kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 num_kv_heads: int | None = None):
+                 num_kv_heads: int | None = None, fuse: bool = True):
         cfg = model.cfg  # the ModelConfig every fivefold model carries
         param = next(model.parameters())
         self.model, self.cfg, self.device = model.eval(), cfg, param.device
@@ -110,7 +110,7 @@ class Engine:
                 prepack = self.linear_probe.prepack
             if prepack:
                 model, self.num_prepacked = prepack_linears(model)
-        self.runner = ModelRunner(model, self.cache, self.kv)
+        self.runner = ModelRunner(model, self.cache, self.kv, fuse)
         self.detokenize = detokenize
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(seed)
