@@ -68,7 +68,8 @@ class Engine:
                  detokenize: Callable[[list[int]], str] | None = None, seed: int = 0,
                  prepack: bool | str = False, kv_cache_dtype: str = "auto",
                  kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 num_kv_heads: int | None = None, fuse: bool = True):
+                 num_kv_heads: int | None = None, fuse: bool = True,
+                 num_layers: int | None = None):
         cfg = model.cfg  # the ModelConfig every fivefold model carries
         param = next(model.parameters())
         self.model, self.cfg, self.device = model.eval(), cfg, param.device
@@ -77,8 +78,11 @@ class Engine:
             raise ConfigError(f"block_size = {block_size} must be >= 1 (16 is usual)")
         self.max_model_len = min(max_model_len or cfg.max_seq_len, cfg.max_seq_len)
         # num_kv_heads: the kv heads this rank holds (its share under tensor parallelism,
-        # serve/tp_worker.py); by default all of the model's
-        shape = (cfg.num_layers, num_kv_heads or cfg.num_kv_heads, cfg.dim_per_head)
+        # serve/tp_worker.py); num_layers: the layers whose K/V it holds (its stage's under
+        # pipeline parallelism, the largest stage's when sizing, serve/pp_worker.py); by
+        # default all of the model's
+        shape = (num_layers or cfg.num_layers, num_kv_heads or cfg.num_kv_heads,
+                 cfg.dim_per_head)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype = {kv_cache_dtype!r}: choose one of "
                               f"{', '.join(KV_CACHE_DTYPES)}")

@@ -128,15 +128,32 @@ class FusedLlama:
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, cache=None, positions: torch.Tensor | None = None,
                  logits_index: torch.Tensor | None = None) -> torch.Tensor:
-        ids = tokens[0]
-        T = ids.shape[0]
-        h = F.embedding(ids, self.embed)
+        h = self.layers_forward(self.embed_tokens(tokens), positions, cache, 0,
+                                len(self.layers))
+        return self.logits(h, logits_index)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(1, T) ids -> (T, hidden): a fresh tensor, which the layers update in place."""
+        return F.embedding(tokens[0], self.embed)
+
+    def logits(self, h: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
+        if logits_index is not None:
+            h = h.index_select(0, logits_index)
+        return F.linear(self._norm(h, self.norm), self.head)[None]
+
+    @torch.inference_mode()
+    def layers_forward(self, h: torch.Tensor, positions: torch.Tensor, cache, first: int,
+                       end: int) -> torch.Tensor:
+        """Layers first..end-1 on h (T, hidden), in place; the cache holds those layers'
+        K/V as its layers 0, 1, ... (a pipeline stage's, serve/pp_worker.py)."""
+        T = h.shape[0]
         cos, sin = self._rope_tables(positions, h.dtype)
         H, KV, d = self.heads, self.kv_heads, self.head_dim
         qk_end, q_end = (H + KV) * d, H * d
         attend = self._attention_for(cache, T)
         half = d // 2
-        for i, layer in enumerate(self.layers):
+        for i in range(first, end):
+            layer = self.layers[i]
             x = self._norm(h, layer.norm1)
             qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
             qk = qkv[:, :qk_end].view(T, H + KV, d)
@@ -145,13 +162,11 @@ class FusedLlama:
             q = qkv[:, :q_end].view(T, H, d)
             k = qkv[:, q_end:qk_end].view(T, KV, d)
             v = qkv[:, qk_end:].view(T, KV, d)
-            h.add_(F.linear(attend(i, q, k, v), layer.o_w))  # h: the embedding's copy
+            h.add_(F.linear(attend(i - first, q, k, v), layer.o_w))
             gu = F.linear(self._norm(h, layer.norm2), layer.gate_up_w)
             f = layer.ffn
             h.add_(F.linear(F.silu(gu[:, :f]).mul_(gu[:, f:]), layer.down_w))
-        if logits_index is not None:
-            h = h.index_select(0, logits_index)
-        return F.linear(self._norm(h, self.norm), self.head)[None]
+        return h
 
     def _attention_for(self, cache, T: int):
         """The attention of this step: the lean decode path where it applies (module's
