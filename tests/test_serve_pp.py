@@ -9,7 +9,7 @@ from harness import run_ranks
 
 from fivefold.errors import ConfigError
 from fivefold.models.init import build_model
-from fivefold.models.presets import ModelConfig
+from fivefold.models.presets import ModelConfig, preset
 from fivefold.plan.serve import num_blocks
 from fivefold.serve.engine import Engine
 from fivefold.serve.pp_worker import check_pp, micro_batches, stage_bounds
@@ -42,22 +42,30 @@ def _pp_run(rank, world, prompts, params, fuse):
 def test_pp_equals_pp1(world, fuse, one_thread):
     prompts, params = workload(18, seed=2)
     model = build_model(CFG, seed=5).eval()
-    largest = max(e - f for f, e in stage_bounds(CFG.num_layers, world))
+    largest = max(e - f for f, e in stage_bounds(CFG, world))
     blocks = BUDGET // (16 * 2 * largest * 2 * 16 * 4)
     expected = [o.token_ids for o in Engine(model, block_size=16, num_blocks=blocks)
                 .generate(prompts, params)]
     out, *steps = run_ranks(_pp_run, world, prompts, params, fuse)
     assert out["tokens"] == expected
-    assert out["blocks"] == blocks and out["layers"] == stage_bounds(5, world)[0][1]
+    assert out["blocks"] == blocks and out["layers"] == stage_bounds(CFG, world)[0][1]
     assert all(s == out["steps"] for s in steps)  # every stage ran every step
     if world == 2 and fuse:
         assert out["preemptions"] > 0  # the small pool preempted, and still the same
 
 
 def test_stage_and_micro_batch_splits():
-    assert stage_bounds(5, 2) == [(0, 2), (2, 5)]
-    assert stage_bounds(6, 3) == [(0, 2), (2, 4), (4, 6)]
-    assert stage_bounds(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    # a layer of CFG reads 36,992 weights a token, its head 16,000: 3 + 2 layers is the
+    # least largest stage (110,976 against 89,984 with the head)
+    assert stage_bounds(CFG, 2) == [(0, 3), (3, 5)]
+    assert stage_bounds(CFG, 3) == [(0, 2), (2, 4), (4, 5)]
+    assert stage_bounds(CFG, 5) == [(i, i + 1) for i in range(5)]
+    # llama-25m's head (32000 x 512) outweighs five of its layers: the last stage gets one
+    assert stage_bounds(preset("llama-25m"), 2) == [(0, 7), (7, 8)]
+    for cfg, pp in ((preset("llama-3.1-8b"), 4), (CFG, 2), (preset("llama-25m"), 3)):
+        bounds = stage_bounds(cfg, pp)
+        assert bounds[0][0] == 0 and bounds[-1][1] == cfg.num_layers
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(bounds, bounds[1:]))
     assert micro_batches([1] * 8, 2) == [4, 4]
     assert micro_batches([100, 1, 1, 1], 2) == [1, 3]
     assert micro_batches([1, 1, 1, 100], 2) == [3, 1]
@@ -75,7 +83,7 @@ def test_plan_serve_pp_counts_the_largest_stage(capsys):
 
     model = build_model(CFG, seed=1).eval()
     budget = 3 * 2**20 + 999
-    largest = max(e - f for f, e in stage_bounds(CFG.num_layers, 2))
+    largest = max(e - f for f, e in stage_bounds(CFG, 2))
     engine = Engine(model, kv_cache_bytes=budget, num_layers=largest)
     assert engine.num_blocks == num_blocks(budget, CFG, 16, "fp32", pp=2)
     assert num_blocks(budget, CFG, 16, "fp32", pp=2) > num_blocks(budget, CFG, 16, "fp32")
@@ -83,7 +91,9 @@ def test_plan_serve_pp_counts_the_largest_stage(capsys):
     import json
 
     plan = json.loads(capsys.readouterr().out)
-    assert plan["pp"] == 4 and plan["kv_bytes_per_token"] == 131072 // 4
+    # llama-3.1-8b in 4 stages: 8, 9, 9 and 6 layers (the head on the last); the pools are
+    # sized for 9 of the 32 layers' 128 KiB a token
+    assert plan["pp"] == 4 and plan["kv_bytes_per_token"] == 131072 * 9 // 32
 
 
 def test_bad_pp_is_one_line():

@@ -54,11 +54,44 @@ def kv_heads_per_rank(model: ModelConfig, tp: int = 1) -> int:
     return max(model.num_kv_heads // tp, 1)
 
 
+def pp_stage_bounds(model: ModelConfig, pp: int) -> list[tuple[int, int]]:
+    """(first, end) layers of each of pp pipeline stages (fivefold serve --pp, serve/
+    pp_worker.py): consecutive runs, none empty, that minimise the largest stage's weights
+    read a decode step (each layer's active parameters; the last stage also the head,
+    vocab · hidden, which on a small model outweighs several layers). Ties: the earlier
+    split. Exact by dynamic programming over the split points."""
+    n = model.num_layers
+    if not 1 <= pp <= n:
+        raise ConfigError(f"--pp {pp} must lie in 1..{n} (the model's layers)")
+    cost = [model.layer_params(i, active=True) for i in range(n)]
+    prefix = [0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    head = model.vocab_size * model.hidden_size
+    inf = float("inf")
+    # best[s][e]: the least largest cost of layers 0..e-1 in s stages (the last not yet
+    # carrying the head); cut[s][e]: where its last stage starts
+    best = [[inf] * (n + 1) for _ in range(pp + 1)]
+    cut = [[0] * (n + 1) for _ in range(pp + 1)]
+    best[0][0] = 0
+    for s in range(1, pp + 1):
+        for e in range(s, n + 1):
+            extra = head if (s == pp and e == n) else 0
+            for f in range(s - 1, e):
+                value = max(best[s - 1][f], prefix[e] - prefix[f] + extra)
+                if value < best[s][e]:
+                    best[s][e], cut[s][e] = value, f
+    bounds, end = [], n
+    for s in range(pp, 0, -1):
+        first = cut[s][end]
+        bounds.append((first, end))
+        end = first
+    return bounds[::-1]
+
+
 def layers_per_rank(model: ModelConfig, pp: int = 1) -> int:
-    """The layers of the largest of pp pipeline stages (fivefold serve --pp puts L // pp
-    on each, one more on the last L % pp: serve/pp_worker.py), whose pool sizes every
-    stage's."""
-    return -(-model.num_layers // pp)
+    """The layers of the largest of pp pipeline stages, whose pool sizes every stage's."""
+    return max(end - first for first, end in pp_stage_bounds(model, pp))
 
 
 def kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "bf16", tp: int = 1,

@@ -3,8 +3,8 @@
     fivefold serve --checkpoint runs/default/checkpoints --pp 2
 
 Rank 0 runs HTTP, the scheduler and the first stage (the embedding and its layers); rank s
-runs layers `stage_bounds(L, pp)[s]`, the last one also the final norm and the head. Every
-rank keeps a paged pool of the same block ids for its own layers only, sized from the
+runs layers `stage_bounds(cfg, pp)[s]` (runs of layers balanced by the weights a decode step
+reads), the last one also the final norm and the head. Every rank keeps a paged pool of the same block ids for its own layers only, sized from the
 budget for the largest stage (what `fivefold plan --serve --pp` counts, plan/serve.py).
 
 Each step goes to the workers once, as under tensor parallelism (serve/tp_worker.py: the
@@ -31,6 +31,7 @@ from torch import nn
 
 from fivefold.errors import ConfigError
 from fivefold.parallel.comm import Group
+from fivefold.plan.serve import pp_stage_bounds
 from fivefold.serve.fused import FusedLlama, fusable
 from fivefold.serve.kv_cache import PagedKVCache
 from fivefold.serve.runner import ModelRunner, StepLogits
@@ -45,16 +46,11 @@ from fivefold.serve.tp_worker import (
 )
 
 
-def stage_bounds(num_layers: int, pp: int) -> list[tuple[int, int]]:
-    """(first, end) layers of each stage: L // pp each, the last L % pp stages one more
-    (stage 0 also embeds, schedules and answers HTTP)."""
-    base, extra = divmod(num_layers, pp)
-    bounds, first = [], 0
-    for s in range(pp):
-        size = base + (s >= pp - extra)
-        bounds.append((first, first + size))
-        first += size
-    return bounds
+def stage_bounds(cfg, pp: int) -> list[tuple[int, int]]:
+    """(first, end) layers of each stage: balanced by the weights a decode step reads, the
+    head counted on the last stage (plan/serve.py's `pp_stage_bounds`, which the planner's
+    block count uses too)."""
+    return pp_stage_bounds(cfg, pp)
 
 
 def check_pp(pp: int, tp: int = 1, dp: int = 1, lora=(), num_layers: int | None = None
@@ -231,7 +227,7 @@ def driver_engine(model: nn.Module, pp: int, groups: tuple[Group, Group], **engi
     from fivefold.serve.engine import Engine
 
     data, control = groups
-    bounds = stage_bounds(model.cfg.num_layers, pp)
+    bounds = stage_bounds(model.cfg, pp)
     largest = max(end - first for first, end in bounds)
     try:
         engine = Engine(model, num_layers=largest, **{**engine_kwargs, "prepack": False,
@@ -258,7 +254,7 @@ def run_worker(model: nn.Module, pp: int, groups: tuple[Group, Group]) -> int:
         return 0
     num_blocks, block_size, store = setup
     rank = dist.get_rank()
-    bounds = stage_bounds(model.cfg.num_layers, pp)
+    bounds = stage_bounds(model.cfg, pp)
     first, end = bounds[rank]
     cfg, param = model.cfg, next(model.parameters())
     cache = PagedKVCache(end - first, cfg.num_kv_heads, cfg.dim_per_head, num_blocks,
