@@ -14,8 +14,10 @@ arithmetic as `Llama.forward` (models/llama.py) on the same weights with fewer o
   product bit for bit (−(a·b) = (−a)·b in IEEE arithmetic);
 - a step of decodes alone attends in one SDPA call a group on the (T, heads, d) rows as
   they leave the GEMM: a KV head's `rep` query heads are adjacent there, so the grouped
-  queries are a view and the output is the o-projection's input without a copy. Any other
-  step (prefills, FP8 caches) goes through `PagedKVCache.attend`, as the model does.
+  queries are a view and the output is the o-projection's input without a copy; on CUDA
+  with triton, the paged kernel (serve/paged_attention.py) instead reads K/V through the
+  block tables, with no gathered copy. Any other step (prefills, FP8 caches) goes through
+  `PagedKVCache.attend`, as the model does.
 
 Which models: `fusable` says why not, or None: dense Llamas whose linears are exactly
 `nn.Linear` (not LoRA-wrapped, quantised or prepacked), RMSNorm, SwiGLU, no q/k norm.
@@ -31,6 +33,7 @@ from torch import nn
 
 from fivefold.models.llama import Llama, RMSNorm
 from fivefold.models.mlp import MLP
+from fivefold.serve import paged_attention
 
 RMS_NORM = getattr(torch, "rms_norm", None)  # torch >= 2.4
 
@@ -184,6 +187,18 @@ class FusedLlama:
             return general
         slots = batch.slot_mapping
         k_pool, v_pool = cache.k, cache.v
+        bs = cache.block_size
+        if paged_attention.available(k_pool.device) and bs & (bs - 1) == 0:
+            def kernel(layer, q, k, v):  # the paged kernel reads K/V through the tables
+                k_pool[layer].index_copy_(0, slots, k)
+                v_pool[layer].index_copy_(0, slots, v)
+                out = q.new_empty(T, H, d)
+                for group in groups:
+                    first, end = group.span
+                    paged_attention.paged_decode(q[first:end], k_pool[layer], v_pool[layer],
+                                                 group.tables, group.lens, bs, out[first:end])
+                return out.view(T, H * d)
+            return kernel
         k_blocks = k_pool.view(k_pool.shape[0], cache.num_blocks, -1)  # a block a row
         v_blocks = v_pool.view(v_pool.shape[0], cache.num_blocks, -1)
         # each group: its rows, its tables flat, the gathered keys' shape
