@@ -28,6 +28,8 @@ from torch import nn
 
 from fivefold.errors import ConfigError
 from fivefold.models.sampling import sample_token
+from fivefold.serve import paged_attention
+from fivefold.serve.cuda_graphs import StaticDecode
 from fivefold.serve.kv_cache import PagedKVCache, kv_bytes_per_token
 from fivefold.serve.kv_cache_manager import KVCacheManager, cdiv
 from fivefold.serve.prepack import can_prepack, prepack_linears, probe_linears
@@ -69,7 +71,7 @@ class Engine:
                  prepack: bool | str = False, kv_cache_dtype: str = "auto",
                  kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                  num_kv_heads: int | None = None, fuse: bool = True,
-                 num_layers: int | None = None):
+                 num_layers: int | None = None, cuda_graphs: bool | str = True):
         cfg = model.cfg  # the ModelConfig every fivefold model carries
         param = next(model.parameters())
         self.model, self.cfg, self.device = model.eval(), cfg, param.device
@@ -115,6 +117,16 @@ class Engine:
             if prepack:
                 model, self.num_prepacked = prepack_linears(model)
         self.runner = ModelRunner(model, self.cache, self.kv, fuse)
+        # decode at fixed batch sizes from static buffers: captured as CUDA graphs on CUDA
+        # (where the fused forward and the paged kernel run); "static": the same path run
+        # without capture (how the tests check it on CPU); False: --enforce-eager
+        static = cuda_graphs == "static" or (cuda_graphs and self.device.type == "cuda"
+                                             and paged_attention.available(self.device))
+        if static and self.runner.fused is not None and not self.cache.fp8:
+            self.cache.decode_group_bytes = None  # one group: the full-width tables
+            self.runner.static = StaticDecode(self.runner.fused, self.cache,
+                                              self.max_model_len, max_num_seqs,
+                                              capture=cuda_graphs != "static")
         self.detokenize = detokenize
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(seed)

@@ -146,14 +146,15 @@ class FusedLlama:
 
     @torch.inference_mode()
     def layers_forward(self, h: torch.Tensor, positions: torch.Tensor, cache, first: int,
-                       end: int) -> torch.Tensor:
+                       end: int, attend=None) -> torch.Tensor:
         """Layers first..end-1 on h (T, hidden), in place; the cache holds those layers'
-        K/V as its layers 0, 1, ... (a pipeline stage's, serve/pp_worker.py)."""
+        K/V as its layers 0, 1, ... (a pipeline stage's, serve/pp_worker.py). `attend`
+        (layer, q, k, v) -> (T, heads · d): by default the step's (cache.batch)."""
         T = h.shape[0]
         cos, sin = self._rope_tables(positions, h.dtype)
         H, KV, d = self.heads, self.kv_heads, self.head_dim
         qk_end, q_end = (H + KV) * d, H * d
-        attend = self._attention_for(cache, T)
+        attend = attend or self._attention_for(cache, T)
         half = d // 2
         for i in range(first, end):
             layer = self.layers[i]

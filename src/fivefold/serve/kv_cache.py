@@ -150,9 +150,13 @@ class PagedKVCache:
         """`dtype`: the model's; `kv_cache_dtype`: what the pools hold (default `dtype`;
         FP8 for the e4m3 cache); `kv_scales`: calibrated (k, v) scales (layers, kv_heads)."""
         store = kv_cache_dtype or dtype
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=store, device=device)
-        self.v = torch.zeros(shape, dtype=store, device=device)
+        # one slot past the pool in every layer: where the padding rows of a CUDA graph's
+        # fixed-size batch write their K/V (serve/cuda_graphs.py); not part of the pool
+        shape = (num_layers, num_blocks * block_size + 1, num_kv_heads, head_dim)
+        self.k_ext = torch.zeros(shape, dtype=store, device=device)
+        self.v_ext = torch.zeros(shape, dtype=store, device=device)
+        self.trash_slot = num_blocks * block_size
+        self.k, self.v = self.k_ext[:, :-1], self.v_ext[:, :-1]
         self.num_blocks, self.block_size = num_blocks, block_size
         # decoding sequences per SDPA call: on CPU as many as leave their gathered K/V in
         # the L2 cache, so SDPA reads it from there (contexts of 0.5 MiB and up go alone); on

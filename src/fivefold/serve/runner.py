@@ -66,6 +66,7 @@ class ModelRunner:
         # fuse: the lean forward of serve/fused.py where the model allows it (not while
         # LoRA adapters wrap its linears: those steps run the model itself)
         self.fused = FusedLlama(model) if fuse and fusable(model) is None else None
+        self.static = None  # decode at fixed sizes, CUDA graphs (serve/cuda_graphs.py)
 
     def _upload(self, parts: list[list[int]]) -> list[torch.Tensor]:
         """Integer lists as tensors on the device: one host tensor, one copy."""
@@ -141,6 +142,14 @@ class ModelRunner:
         step = self.prepare(out)
         if step.batch.stale_slots is not None:
             self.cache.clear_slots(step.batch.stale_slots)
+        static = self.static
+        if static is not None and self.adapters is None and not step.batch.prefills and \
+                len(step.batch.decodes) == 1 and len(step.sample_ids) == len(out.scheduled) \
+                and static.size_for(len(out.scheduled)) is not None:
+            group = step.batch.decodes[0]  # every row decodes and samples, in order
+            rows = static.run(step.tokens[0], step.positions, step.batch.slot_mapping,
+                              group.tables, group.lens)
+            return StepLogits(step.sample_ids, rows)
         self.cache.batch = step.batch
         forward = self.fused if self.fused is not None and self.adapters is None else self.model
         try:

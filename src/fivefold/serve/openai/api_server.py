@@ -209,6 +209,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: each holds 1/tp "
                    "of every linear and its kv heads' share of the cache (serve starts them, or "
                    "`fivefold launch --nproc-per-node N serve ...` does)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode "
+                   "(by default captured on CUDA for batch sizes 1, 2, 4, 8, 16, ...)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, one rank each, each "
                    "holding its layers and their KV blocks (serve/pp_worker.py)")
     p.add_argument("--dp", type=int, default=1, help="engine replicas behind this endpoint, "

@@ -80,7 +80,8 @@ def engine_kwargs(args, codec) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching, eos_token_ids=eos_ids,
                 max_model_len=args.max_model_len, detokenize=codec.decode,
                 prepack=False if args.no_prepack else "auto",
-                kv_cache_dtype=args.kv_cache_dtype)
+                kv_cache_dtype=args.kv_cache_dtype,
+                cuda_graphs=not getattr(args, "enforce_eager", False))
 
 
 def _backend_name(args) -> str:
