@@ -26,6 +26,8 @@ Items (bench/gpu_items.py):
   serve_vs_transformers  the Engine's greedy decoding vs transformers' generate: the same
                          requests, tokens/s, how many outputs agree
   qlora_step             a QLoRA step (NF4 base), its peak memory vs the plan
+  serve_decode_profile, serve_16_requests, serve_128_mixed: serving at GPU speed
+                         (bench/gpu_serve.py's docstring)
 
 `--budget-s` (default 480) stops starting new items once spent (they record why). The JSON
 holds the device name, driver, torch, CUDA and cuDNN versions, the host CPU, the git
@@ -51,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import gpu_items as items  # noqa: E402
+import gpu_serve  # noqa: E402
 
 from fivefold.train.bench import git_revision  # noqa: E402
 
@@ -65,7 +68,10 @@ ITEMS = [("train_default", items.train_default, True),
          ("cp_ring_vs_sdpa", items.cp_ring_vs_sdpa, True),
          ("peak_memory_vs_plan", items.peak_memory_vs_plan, True),
          ("serve_vs_transformers", items.serve_vs_transformers, True),
-         ("qlora_step", items.qlora_step, True)]
+         ("qlora_step", items.qlora_step, True),
+         ("serve_decode_profile", gpu_serve.serve_decode_profile, True),
+         ("serve_16_requests", gpu_serve.serve_16_requests, True),
+         ("serve_128_mixed", gpu_serve.serve_128_mixed, True)]
 
 BLOCKS_8B = ["--model.preset", "llama-3.1-8b", "--model.num_layers", "2", "--data.tokenizer",
              "byte", "--train.seq_len", "8192", "--train.gbs", "1", "--parallel.mbs", "1"]
