@@ -4,7 +4,6 @@ small enough to preempt), fused and module stages, 2 and 3 stages; the planner's
 --pp` block count equal to the engine's; the stage and micro-batch splits; bad input."""
 
 import pytest
-import torch
 from harness import run_ranks
 
 from fivefold.errors import ConfigError

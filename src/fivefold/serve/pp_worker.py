@@ -4,8 +4,9 @@
 
 Rank 0 runs HTTP, the scheduler and the first stage (the embedding and its layers); rank s
 runs layers `stage_bounds(cfg, pp)[s]` (runs of layers balanced by the weights a decode step
-reads), the last one also the final norm and the head. Every rank keeps a paged pool of the same block ids for its own layers only, sized from the
-budget for the largest stage (what `fivefold plan --serve --pp` counts, plan/serve.py).
+reads), the last one also the final norm and the head. Every rank keeps a paged pool of
+the same block ids for its own layers only, sized from the budget for the largest stage
+(what `fivefold plan --serve --pp` counts, plan/serve.py).
 
 Each step goes to the workers once, as under tensor parallelism (serve/tp_worker.py: the
 same diff of tokens and block tables, on a gloo group of its own), with how the step's
