@@ -16,8 +16,7 @@ launch for the whole forward.
   width and SDPA with a length mask (the same static path, run without capture: how the
   tests check it on CPU).
 - All graphs share one memory pool; a size is captured the first time a batch needs it
-  (after two warm-up runs on a side stream, as torch.cuda.graphs requires), largest
-  sizes first when warming up all (`capture_all`).
+  (after two warm-up runs on a side stream, as torch.cuda.graphs requires).
 - Nothing inside syncs or allocates on the host: the forward is the fused one (serve/
   fused.py) with this module's attention; sampling happens after the replay, on the
   graph's output rows (one device-to-host copy per step: the sampled tokens).
@@ -145,11 +144,7 @@ class StaticDecode:
                 self.forward(size)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA calls of the server's other threads do not void the capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self.outputs[size] = self.forward(size)
         self.graphs[size] = graph
-
-    def capture_all(self) -> None:
-        for size in reversed(self.sizes):  # largest first: the smaller reuse its memory
-            if size not in self.graphs:
-                self._capture(size)
