@@ -5,7 +5,7 @@ one H100, each item on its own (one failing records its one-line reason; the res
     python bench/gpu.py --dry-run      # on CPU, tiny shapes, the same code paths where a CPU
                                        # has them (tests/test_gpu_script.py runs this)
 
-Items (bench/gpu_items.py):
+Items (bench/gpu_items.py; serve_* in bench/gpu_serve.py, the decode profile first):
   train_default          a bf16 training step of the default job's model (Trainer, as
                          `fivefold train` runs it) inside a world of one: NCCL on CUDA
   train_8b_blocks        the same for a Llama-3.1-8B-shaped model of 2 blocks, 8192 tokens
@@ -58,7 +58,8 @@ import gpu_serve  # noqa: E402
 from fivefold.train.bench import git_revision  # noqa: E402
 
 # (name, function, has a CPU path: a dry run must give numbers for it)
-ITEMS = [("train_default", items.train_default, True),
+ITEMS = [("serve_decode_profile", gpu_serve.serve_decode_profile, True),  # first: it aims
+         ("train_default", items.train_default, True),
          ("train_8b_blocks", items.train_8b_blocks, True),
          ("mfu_vs_plan", items.mfu_vs_plan, False),
          ("fp8_gemms", items.fp8_gemms, True),
@@ -69,7 +70,6 @@ ITEMS = [("train_default", items.train_default, True),
          ("peak_memory_vs_plan", items.peak_memory_vs_plan, True),
          ("serve_vs_transformers", items.serve_vs_transformers, True),
          ("qlora_step", items.qlora_step, True),
-         ("serve_decode_profile", gpu_serve.serve_decode_profile, True),
          ("serve_16_requests", gpu_serve.serve_16_requests, True),
          ("serve_128_mixed", gpu_serve.serve_128_mixed, True)]
 
