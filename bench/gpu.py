@@ -5,7 +5,7 @@ one H100, each item on its own (one failing records its one-line reason; the res
     python bench/gpu.py --dry-run      # on CPU, tiny shapes, the same code paths where a CPU
                                        # has them (tests/test_gpu_script.py runs this)
 
-Items (bench/gpu_items.py):
+Items (bench/gpu_items.py; serve_* in bench/gpu_serve.py, the decode profile first):
   train_default          a bf16 training step of the default job's model (Trainer, as
                          `fivefold train` runs it) inside a world of one: NCCL on CUDA
   train_8b_blocks        the same for a Llama-3.1-8B-shaped model of 2 blocks, 8192 tokens
@@ -31,6 +31,8 @@ Items (bench/gpu_items.py):
   serve_vs_transformers  the Engine's greedy decoding vs transformers' generate: the same
                          requests, tokens/s, how many outputs agree
   qlora_step             a QLoRA step (NF4 base), its peak memory vs the plan
+  serve_decode_profile, serve_16_requests, serve_128_mixed: serving at GPU speed
+                         (bench/gpu_serve.py's docstring)
 
 `--budget-s` (default 480) stops starting new items once spent (they record why). The JSON
 holds the device name, driver, torch, CUDA and cuDNN versions, the host CPU, the git
@@ -56,13 +58,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import gpu_items as items  # noqa: E402
+import gpu_serve  # noqa: E402
 import gpu_step  # noqa: E402
 import gpu_trace  # noqa: E402
 
 from fivefold.train.bench import git_revision  # noqa: E402
 
 # (name, function, has a CPU path: a dry run must give numbers for it)
-ITEMS = [("train_default", items.train_default, True),
+ITEMS = [("serve_decode_profile", gpu_serve.serve_decode_profile, True),  # first: it aims
+         ("train_default", items.train_default, True),
          ("train_8b_blocks", items.train_8b_blocks, True),
          ("mfu_vs_plan", items.mfu_vs_plan, False),
          ("step_before_after", gpu_step.step_before_after, True),
@@ -76,7 +80,9 @@ ITEMS = [("train_default", items.train_default, True),
          ("cp_ring_vs_sdpa", items.cp_ring_vs_sdpa, True),
          ("peak_memory_vs_plan", items.peak_memory_vs_plan, True),
          ("serve_vs_transformers", items.serve_vs_transformers, True),
-         ("qlora_step", items.qlora_step, True)]
+         ("qlora_step", items.qlora_step, True),
+         ("serve_16_requests", gpu_serve.serve_16_requests, True),
+         ("serve_128_mixed", gpu_serve.serve_128_mixed, True)]
 
 BLOCKS_8B = ["--model.preset", "llama-3.1-8b", "--model.num_layers", "2", "--data.tokenizer",
              "byte", "--train.seq_len", "8192", "--train.gbs", "1", "--parallel.mbs", "1"]

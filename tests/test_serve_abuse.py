@@ -1,6 +1,6 @@
 """`fivefold serve` under abuse: no request can kill it, and what it accepts it implements.
 
-A real server process on a loopback port (a model with a 2048-token context, so a long
+A real server process on a loopback port (a model with a 16384-token context, so a long
 request outlives a one-second shutdown grace) takes a fuzz of a few hundred random and
 edge-valued requests, bounded in count and time, and must then answer a normal request with
 every KV block back in the pool. Each defect found earlier has its test: a seed past int64,
@@ -46,8 +46,9 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     directory = tmp_path_factory.mktemp("abused")
-    model = build_model(CFG, seed=5).eval()
-    save_hf(model, CFG, directory)
+    served = CFG.replace(max_seq_len=16384)  # the server's: a long request outlives the grace
+    model = build_model(served, seed=5).eval()
+    save_hf(model, served, directory)
     port = free_port()
     proc, base = start_server(["--hf", str(directory), "--tokenizer", "byte", "--port",
                                str(port), "--served-model-name", MODEL, "--kv-cache-gib",
@@ -63,7 +64,7 @@ def greedy_ids(model, prompt: str, max_tokens: int) -> list[int]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        (out,) = Engine(model, num_blocks=160).generate(
+        (out,) = Engine(model, num_blocks=model.cfg.max_seq_len // 16 + 32).generate(
             [list(prompt.encode())], SamplingParams(max_tokens=max_tokens, temperature=0))
     finally:
         torch.set_num_threads(threads)
@@ -195,9 +196,10 @@ def test_a_non_streamed_client_that_leaves_is_aborted_within_a_step(server):
         assert time.monotonic() < deadline, "the request ran on after its client left"
         time.sleep(0.01)
     after = metrics(base)
-    # A step makes one token; the metrics' round trip and the close take a few more.
-    # Before the fix the request ran to its 2000 tokens.
-    assert after["fivefold_generated_tokens"] - at_close <= 20
+    # A step makes one token; the metrics' round trips, the 10 ms polls and the close take
+    # more: with the fused forward (serve/fused.py) this 2-layer model made 35 tokens in
+    # that window once on a 2-core machine. Before the fix the request ran to its 2000.
+    assert after["fivefold_generated_tokens"] - at_close <= 200
     assert after["fivefold_kv_blocks_used"] == 0
 
 
@@ -295,7 +297,7 @@ def test_sigterm_returns_what_whole_responses_generated_and_refuses_new_connecti
     answers = []
 
     def long_request():
-        answers.append(post(base, {"model": MODEL, "prompt": "go", "max_tokens": 2000,
+        answers.append(post(base, {"model": MODEL, "prompt": "go", "max_tokens": 16000,
                                    "temperature": 0, "ignore_eos": True}))
 
     reader = threading.Thread(target=long_request)
@@ -320,7 +322,7 @@ def test_sigterm_returns_what_whole_responses_generated_and_refuses_new_connecti
     assert r.status_code == 200, r.text
     choice, used = r.json()["choices"][0], r.json()["usage"]
     assert choice["finish_reason"] == "abort"
-    assert 0 < used["completion_tokens"] < 2000
+    assert 0 < used["completion_tokens"] < 16000
     assert choice["text"] == greedy_text(server["model"], "go", used["completion_tokens"])
 
 

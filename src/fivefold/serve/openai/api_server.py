@@ -209,6 +209,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: each holds 1/tp "
                    "of every linear and its kv heads' share of the cache (serve starts them, or "
                    "`fivefold launch --nproc-per-node N serve ...` does)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode "
+                   "(by default captured on CUDA for batch sizes 1, 2, 4, 8, 16, ...)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages, one rank each, each "
+                   "holding its layers and their KV blocks (serve/pp_worker.py)")
     p.add_argument("--dp", type=int, default=1, help="engine replicas behind this endpoint, "
                    "each request to the least loaded (on CUDA one per GPU)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
@@ -286,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     loop.start()
     for line in backend.notes:
         print(f"fivefold serve: {line}", file=sys.stderr, flush=True)
-    layout = "".join(f", {k} {v}" for k, v in (("tp", args.tp), ("dp", args.dp)) if v > 1)
+    layout = "".join(f", {k} {v}" for k, v in (("tp", args.tp), ("pp", args.pp),
+                                                        ("dp", args.dp)) if v > 1)
     print(f"fivefold serve: {name} on http://{args.host}:{args.port}/v1 "
           f"({backend.num_blocks} KV blocks of {args.block_size} tokens "
           f"({backend.kv_dtype}), context {backend.max_model_len}{layout}"

@@ -55,8 +55,16 @@ def check_parallel_args(args) -> None:
         if not name or not directory:
             raise ConfigError(f"--lora {spec}: write name=DIR (a PEFT adapter directory or a "
                               f"fivefold LoRA checkpoint)")
+    pp = getattr(args, "pp", 1)
+    if pp != 1:  # the model's layer count is checked once it is loaded (serve/pp_worker.py)
+        from fivefold.serve.pp_worker import check_pp
+
+        check_pp(pp, args.tp, args.dp, args.lora)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched > 1 and launched != args.tp:
+    if launched > 1 and pp > 1 and launched != pp:
+        raise ConfigError(f"launched {launched} processes but --pp {pp}; serve under "
+                          f"`fivefold launch --nproc-per-node {pp}` or change --pp")
+    if launched > 1 and pp == 1 and launched != args.tp:
         raise ConfigError(f"launched {launched} processes but --tp {args.tp}; serve under "
                           f"`fivefold launch --nproc-per-node {args.tp}` or change --tp")
 
@@ -72,7 +80,8 @@ def engine_kwargs(args, codec) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching, eos_token_ids=eos_ids,
                 max_model_len=args.max_model_len, detokenize=codec.decode,
                 prepack=False if args.no_prepack else "auto",
-                kv_cache_dtype=args.kv_cache_dtype)
+                kv_cache_dtype=args.kv_cache_dtype,
+                cuda_graphs=not getattr(args, "enforce_eager", False))
 
 
 def _backend_name(args) -> str:
@@ -150,6 +159,10 @@ def _start_tp(args) -> Backend | None:
 
 def start(args) -> Backend | None:
     check_parallel_args(args)
+    if getattr(args, "pp", 1) > 1:  # pipeline stages (serve/pp_worker.py)
+        from fivefold.serve.pp_worker import start_pp
+
+        return start_pp(args)
     if args.tp > 1:
         return _start_tp(args)
     from fivefold.serve.engine import Engine
