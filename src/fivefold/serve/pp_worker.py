@@ -24,8 +24,6 @@ Not (yet) with --tp, --dp or --lora: one line, exit 2.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -266,7 +264,7 @@ def run_worker(model: nn.Module, pp: int, groups: tuple[Group, Group]) -> int:
     return worker.num_steps
 
 
-# --- the server's side (serve/openai/backends.py calls start_pp) -----------------------
+# --- a worker rank of the server (serve/openai/backends.py `_start_pp` starts them) -----
 def _worker(rank: int, args) -> None:
     import signal
 
@@ -285,43 +283,3 @@ def _worker(rank: int, args) -> None:
         raise SystemExit(2) from None  # rank 0 checks the same and says it in one line
     groups = pp_groups(args.pp)
     run_worker(model.eval(), args.pp, groups)
-
-
-def start_pp(args):
-    """`fivefold serve --pp N`: rank 0's Backend (the others spawned here), or None on a
-    worker rank under `fivefold launch`."""
-    from fivefold.serve.openai.backends import Backend, _backend_name, _notes, engine_kwargs
-    from fivefold.serve.openai.serving import EngineLoop
-    from fivefold.serve.tp_worker import start_world, threads_per_rank
-    from fivefold.train.generate import load_for_generation
-
-    procs = []
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under fivefold launch / torchrun
-        from fivefold.parallel.mesh import init_distributed
-
-        rank, _ = init_distributed(_backend_name(args))
-        if rank != 0:
-            _worker(rank, args)
-            dist.destroy_process_group()
-            return None
-        model, codec = load_for_generation(args)
-        check_pp(args.pp, num_layers=model.cfg.num_layers)
-    else:  # load and check here first: a bad input is one line before any rank starts
-        model, codec = load_for_generation(args)
-        check_pp(args.pp, args.tp, args.dp, args.lora, model.cfg.num_layers)
-        procs = start_world(args.pp, _backend_name(args), _worker, (args,))
-    torch.set_num_threads(threads_per_rank(args.pp))
-    groups = pp_groups(args.pp)
-    engine = driver_engine(model.eval(), args.pp, groups, **engine_kwargs(args, codec))
-
-    def close():
-        try:
-            send_object(None, groups[1])
-        except RuntimeError:  # a worker is gone already
-            pass
-        for proc in procs:
-            proc.join(timeout=10)
-        dist.destroy_process_group()
-
-    return Backend(EngineLoop(engine), codec, engine.num_blocks, engine.max_model_len,
-                   close=close, kv_dtype=str(engine.cache.k.dtype), notes=_notes(engine))
