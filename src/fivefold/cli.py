@@ -57,6 +57,8 @@ def train_main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     from fivefold import config
 
+    config.check_options(overrides, parser)
+
     if args.run_name is not None:
         overrides = [*config.run_name_overrides(args.run_name), *overrides]
     if args.help:

@@ -214,6 +214,10 @@ def check_pipeline(par: ParallelSection, num_layers: int, num_micro: int) -> Non
         if par.virtual_stages > 1:
             raise ConfigError(f"parallel.virtual_stages = {par.virtual_stages} needs "
                               f"parallel.pp > 1 and parallel.schedule = 'interleaved'")
+        # (under layout = auto the planner may pick pp = 1 for a schedule it was given)
+        if par.schedule != "1f1b" and par.layout == "manual":
+            raise ConfigError(f"parallel.schedule = '{par.schedule}' needs parallel.pp > 1 (a "
+                              f"schedule orders pipeline stages); set parallel.pp or drop it")
         return
     from fivefold.parallel.pipeline.schedules import build_schedule
 

@@ -111,6 +111,21 @@ def _run_hf_path(checkpoint: Path) -> str:
     return ((meta.get("config") or {}).get("model") or {}).get("hf_path") or ""
 
 
+def _quantized_refusal(checkpoint: Path) -> str:
+    """One line for convert --checkpoint of a `fivefold quantize` directory, naming its
+    method and the float model it came from (its quantized.json says both)."""
+    try:
+        manifest = json.loads((checkpoint / QUANTIZED_MARKER).read_text())
+    except (OSError, ValueError):
+        manifest = {}
+    method = (manifest.get("quant") or {}).get("method") or "quantised"
+    came = next(iter((manifest.get("source") or {}).values()), "")
+    came = f" ({came})" if isinstance(came, str) and came else ""
+    return (f"--checkpoint {checkpoint} holds {method} weights written by fivefold quantize; "
+            f"convert exports float models only: convert the checkpoint or Hugging Face "
+            f"directory it was quantised from{came}, or serve/generate/eval this one directly")
+
+
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="fivefold convert",
                                 description="Convert between Hugging Face and fivefold formats.")
@@ -136,11 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.to_hf:
             raise ConfigError("give --to-hf OUTDIR: the Hugging Face directory to write")
         if args.checkpoint and (Path(args.checkpoint) / QUANTIZED_MARKER).is_file():
-            # transformers reads AWQ/int4 weights only through the gptqmodel kernels, which
-            # do not install here, so a layout written for them could not be checked.
-            raise ConfigError(f"--checkpoint {args.checkpoint} is quantised (fivefold quantize),"
-                              f" and exporting int4/AWQ in transformers' AWQ layout is not "
-                              f"supported; convert the float checkpoint it came from instead")
+            # transformers reads int4/AWQ weights only through the gptqmodel kernels, which do
+            # not install here, and int8/nf4/mxfp4 in layouts of bitsandbytes or torchao's
+            # own: a directory written for any of them could not be checked here.
+            raise ConfigError(_quantized_refusal(Path(args.checkpoint)))
         target = Path(args.to_hf)
         writable_dir("--to-hf", args.to_hf)
         if target.is_dir() and any(target.iterdir()):  # before the (slow) load, not after
