@@ -29,8 +29,10 @@ commands:
   eval       perplexity of a model, or BLEU/ROUGE of its continuations of a task file
   quantize   int8/int4/AWQ/NF4/MXFP4 weight-only quantisation of a checkpoint
   serve      an OpenAI-compatible HTTP server (paged KV cache, continuous batching)
+  help       a command's options: fivefold help COMMAND
 
-Run `fivefold COMMAND --help` for a command's options; `fivefold --version` for the version.
+Run `fivefold help COMMAND` (or `fivefold COMMAND --help`) for a command's options;
+`fivefold --version` for the version.
 Add --debug to any command to see a failure's traceback."""
 
 
@@ -168,9 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print(USAGE, file=sys.stderr)
         return EXIT_BAD_INPUT
-    if argv[0] in ("-h", "--help"):
+    if argv[0] in ("-h", "--help") or argv == ["help"]:
         print(USAGE)
         return 0
+    if argv[0] == "help":  # `fivefold help COMMAND` is `fivefold COMMAND --help`
+        argv = [argv[1], "--help"]
     if argv[0] in ("-V", "--version"):
         from fivefold import __version__
 
@@ -179,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     command = _subcommand(argv[0])
     if command is None:
         print(f"error: unknown command '{argv[0]}'; commands: train, plan, calibrate, prepare, "
-              f"generate, convert, schedule, bench, eval, quantize, serve, launch", file=sys.stderr)
+              f"generate, convert, schedule, bench, eval, quantize, serve, launch, help",
+              file=sys.stderr)
         return EXIT_BAD_INPUT
     def leave_if_distributed(code: int) -> int:
         # Only a command that imported torch can have a process group up; `plan` never

@@ -178,7 +178,8 @@ def build_parser() -> ArgumentParser:
                         "(default: the run's model.hf_path; a run without one gets the base "
                         "its adapters sit on written beside OUT, as OUT-base)")
     p.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
-    p.add_argument("--dtype", default="keep", choices=DTYPES)
+    p.add_argument("--dtype", default="keep", choices=DTYPES,
+                   help="the written weights' dtype (default keep: as stored)")
     return p
 
 
