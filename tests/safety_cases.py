@@ -3,7 +3,7 @@
 `make_world(root)` builds the inputs once (broken Hugging Face directories, a token file, a
 damaged copy of a run); `cases(world)` lists (name, argv, exit code, text the line must hold).
 tests/test_safety.py runs them in-process after a completed run and checks that run's files
-byte for byte; bench/bad_inputs.py runs them as real processes and prints the table.
+byte for byte; bench/runs/bad_inputs.py runs them as real processes and prints the table.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ class ParallelSection:
     offload: str = "none"  # where the fp32 master and Adam's moments live: none | cpu | nvme
     offload_dir: str = ""  # offload = "nvme": the directory (a fast local disk) for them
     sp: bool = False  # sequence parallelism (needs tp > 1)
-    # full | shard: what SP column linears keep for backward. full by default: measured on
-    # CPU/gloo, shard saved 9% of saved bytes for a 12% slower step (bench/sp_saved_input.py)
+    # full | shard: what SP column linears keep for backward. full by default: measured on CPU/
+    # gloo, shard saved 9% of saved bytes for a 12% slower step (bench/parallel/sp_saved_input.py)
     sp_saved_input: str = "full"
     cp_comm: str = "ring"  # context parallelism's K/V exchange: ring | allgather
     cp_layout: str = "zigzag"  # sequence split over cp ranks: zigzag | contiguous
