@@ -84,10 +84,13 @@ def layout_world_size(command: str, args: list[str], launched: int | None = None
     known.add_argument("--config")
     known.add_argument("--hw-profile")
     known.add_argument("--run-name")
+    known.add_argument("--overwrite", action="store_true")
     if command == "bench":
         known.add_argument("--preset")
     opts, overrides = known.parse_known_args(args)
-    overrides = [a for a in overrides if a not in ("--overwrite", "--debug")]
+    overrides = [a for a in overrides if a != "--debug"]
+    if command == "train":  # a misspelt option, as train itself names it
+        config.check_options(overrides, known)
     if opts.run_name is not None:
         overrides = [*config.run_name_overrides(opts.run_name), *overrides]
     cfg = config.load(opts.config, overrides)
