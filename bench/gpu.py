@@ -19,7 +19,7 @@ Items (bench/gpu_items.py; serve_* in bench/gpu_serve.py, the decode profile fir
   fp8_gemms              one linear, forward + backward, bf16 vs FP8 tensorwise, rowwise and
                          blockwise on Llama-3-8B's GEMMs (8192 tokens x 4096->4096,
                          4096->14336, 14336->4096): tokens/s and ratio, and which kernel ran
-  fp8_block_stack        the same on a stack of 2 Llama-3.1-8B blocks (bench/fp8_speed.py)
+  fp8_block_stack        the same on a stack of 2 Llama-3.1-8B blocks (bench/fp8/fp8_speed.py)
   fp8_experts            routed experts (Mixtral-8x7B's shape), bf16 grouped matmul vs the
                          FP8 experts' per-expert GEMMs, rowwise and blockwise
   fp8_kernel_float64     tests/test_fp8_kernel.py's GPU test: the blockwise FP8 linear on

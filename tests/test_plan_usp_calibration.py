@@ -1,4 +1,4 @@
-"""The nanotron convention against the Ultra-Scale Playbook's runs (bench/usp_calibration.py,
+"""The nanotron convention against the Ultra-Scale Playbook's runs (bench/plan/usp_calibration.py,
 bench/data/usp-calibration.csv): the scorer on runs made up here, nanotron's stage cut and
 loss buffers by hand, and the convention's standing on a fixed fifth of the file."""
 
@@ -11,7 +11,7 @@ from fivefold.plan.activations import activation_bytes_per_microbatch
 from fivefold.plan.conventions import get_convention
 from fivefold.plan.split import stage_layer_counts
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "plan"))
 import usp_calibration as usp  # noqa: E402
 
 

@@ -30,8 +30,10 @@ commands:
   eval       perplexity of a model, or BLEU/ROUGE of its continuations of a task file
   quantize   int8/int4/AWQ/NF4/MXFP4 weight-only quantisation of a checkpoint
   serve      an OpenAI-compatible HTTP server (paged KV cache, continuous batching)
+  help       a command's options: fivefold help COMMAND
 
-Run `fivefold COMMAND --help` for a command's options; `fivefold --version` for the version.
+Run `fivefold help COMMAND` (or `fivefold COMMAND --help`) for a command's options;
+`fivefold --version` for the version.
 Add --debug to any command to see a failure's traceback."""
 
 
@@ -57,6 +59,8 @@ def train_main(argv: list[str]) -> int:
                              "this machine, whose measured speeds rank the layouts")
     args, overrides = parser.parse_known_args(argv)
     from fivefold import config
+
+    config.check_options(overrides, parser)
 
     if args.run_name is not None:
         overrides = [*config.run_name_overrides(args.run_name), *overrides]
@@ -169,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print(USAGE, file=sys.stderr)
         return EXIT_BAD_INPUT
-    if argv[0] in ("-h", "--help"):
+    if argv[0] in ("-h", "--help") or argv == ["help"]:
         print(USAGE)
         return 0
+    if argv[0] == "help":  # `fivefold help COMMAND` is `fivefold COMMAND --help`
+        argv = [argv[1], "--help"]
     if argv[0] in ("-V", "--version"):
         from fivefold import __version__
 
@@ -180,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     command = _subcommand(argv[0])
     if command is None:
         print(f"error: unknown command '{argv[0]}'; commands: train, plan, calibrate, prepare, "
-              f"generate, convert, schedule, bench, trace, eval, quantize, serve, launch",
+              f"generate, convert, schedule, bench, trace, eval, quantize, serve, launch, "
+              f"help",
               file=sys.stderr)
         return EXIT_BAD_INPUT
 

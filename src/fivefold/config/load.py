@@ -183,6 +183,20 @@ def cap_steps(cfg: Config) -> None:
         cfg.train.steps = int(cap)
 
 
+def check_options(args: list[str], parser) -> None:
+    """The arguments a command's parser left over are --section.key overrides: one without a
+    dot is an option the parser does not know (`--overwite`), named with the closest one,
+    not taken for an override that lacks its value."""
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    i = 0
+    while i < len(args):
+        name = args[i].split("=", 1)[0]
+        if name.startswith("--") and "." not in name:
+            raise ConfigError(f"unknown option {name}{suggest(name, options)}; options: "
+                              f"{', '.join(options)}, or --section.key VALUE")
+        i += 1 if "=" in args[i] or not name.startswith("--") else 2
+
+
 def apply_overrides(cfg: Config, args: list[str]) -> None:
     """Apply ['--train.lr', '1e-3', '--parallel.dp=2', ...] to cfg."""
     i = 0

@@ -311,6 +311,17 @@ def _no_layout(cfg, work, world, hw, keep, on_cpu, judged) -> str:
             "number of ranks")
 
 
+def check_ranks(cfg, world: int, ranks_per_node: int, on_cpu: bool, precision: str) -> None:
+    """Memory aside, whether a layout of `world` ranks runs cfg, else choose()'s one line:
+    `fivefold launch` asks it once, before any rank starts (each rank measures its budget
+    and chooses on its own; a budget no layout fits stays theirs to say)."""
+    hw, _ = auto_hardware(None, ranks_per_node, 2.0**40, None, on_cpu)
+    work, judged = workload(cfg, precision, hw.memory_gib)
+    keep = constraints(cfg)
+    if not _exists(work, world, hw, search_space(cfg, keep, on_cpu, _accepts(judged)))[0]:
+        raise ConfigError(_no_layout(cfg, work, world, hw, keep, on_cpu, judged))
+
+
 def apply(cfg, plan: LayoutPlan, budget_gib: float):
     """`cfg` set to run `plan`'s layout (a copy; parallel.layout stays auto, as given)."""
     out = layout_config(cfg, plan.layout)

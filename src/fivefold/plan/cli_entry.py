@@ -97,12 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "measured matmul, attention and collective speeds replace the peaks")
     hw.add_argument("--list-gpus", action="store_true", help="print the catalog and exit")
     tr = ap.add_argument_group("training shape")
-    tr.add_argument("--seq-len", type=int, default=4096)
+    tr.add_argument("--seq-len", type=int, default=4096,
+                    help="tokens per training sequence (default 4096)")
     batch = tr.add_mutually_exclusive_group()
     batch.add_argument("--gbs", type=int, help="global batch in sequences (default: about "
                        "4M tokens, rounded to GPUs × a power of two so every dp divides it)")
     batch.add_argument("--gbs-tokens", type=float, help="global batch in tokens (e.g. 4e6)")
-    tr.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"))
+    tr.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"),
+                    help="the training precision (default bf16; fp8: bf16 with FP8 GEMMs)")
     tr.add_argument("--optimizer", default="adamw", choices=(
         "adamw", "adam", "sgd", "adamw8bit", "adamw4bit", "adafactor", "muon"),
         help="the optimizer whose states and update are planned (train.optimizer)")

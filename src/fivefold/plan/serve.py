@@ -177,7 +177,7 @@ def plan_serving(model: ModelConfig, hbm_bytes_per_s: float, memory_bytes: float
     if weights not in WEIGHT_BYTES:
         raise ConfigError(f"--weights {weights}: choose one of {', '.join(WEIGHT_BYTES)}")
     if kv_dtype not in KV_BYTES:
-        raise ConfigError(f"--kv-dtype {kv_dtype}: choose one of {', '.join(KV_BYTES)}")
+        raise ConfigError(f"--kv-cache-dtype {kv_dtype}: choose one of {', '.join(KV_BYTES)}")
     if context < 1 or output < 1 or block_size < 1:
         raise ConfigError("--context, --output and --block-size must be >= 1")
     if not 0 < utilization <= 1:
@@ -216,20 +216,26 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
                    help="override a hardware figure, e.g. memory_gib=94 hbm_tbps=4.8")
     p.add_argument("--weights", default="bf16", help=", ".join(WEIGHT_BYTES))
-    p.add_argument("--kv-dtype", default="bf16", help=", ".join(KV_BYTES))
+    p.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default="bf16",
+                   help="what the KV cache stores, as `fivefold serve --kv-cache-dtype` "
+                        f"(--kv-dtype: the older name): {', '.join(KV_BYTES)}")
     p.add_argument("--context", type=int, default=2048, help="prompt tokens per request")
     p.add_argument("--output", type=int, default=256, help="output tokens per request")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV block, as serve's --block-size (default 16)")
     p.add_argument("--kv-cache-gib", type=float, help="the KV budget (default: 0.9 of what "
                    "the weights and the CUDA context leave)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU left after the weights and context that the KV "
+                        "cache takes, unless --kv-cache-gib gives it (default 0.9)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (fivefold serve "
                    "--tp): each holds 1/tp of the weights and its kv heads' share of blocks")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (fivefold serve --pp): "
                    "each holds its layers and their share of every block")
     p.add_argument("--batch", type=int, help="decode batch for the roofline (default: the "
                    "concurrent sequences the budget holds)")
-    p.add_argument("--json", nargs="?", const="-", metavar="PATH")
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                   help="every number as JSON, to PATH or (no PATH) stdout")
     return p
 
 

@@ -10,7 +10,7 @@ times are close (`CLOSE`). The ranges are the runs docs/planner-validation.md sc
 - torchtitan: its H100 benchmarks @9dec370 (8 to 512 H100s): tp up to 8, pp up to 8, cp up
   to 2;
 - deepspeed: no published run is scored;
-- fivefold (the engine itself): its ranking checked on 4 CPU ranks (bench/auto_layout.py),
+- fivefold (the engine itself): its ranking checked on 4 CPU ranks (bench/parallel/auto_layout.py),
   on no GPU run.
 """
 
@@ -65,7 +65,7 @@ RANGES: dict[str, ValidatedRange | None] = {
     "torchtitan": ValidatedRange("docs/planner-validation.md (torchtitan's H100 benchmarks)",
                                  (8, 512), (1, 64), 8, 8, 2),
     "deepspeed": None,
-    "fivefold": ValidatedRange("bench/auto_layout.py, CPU ranks; no GPU run", (1, 4), (1, 1),
+    "fivefold": ValidatedRange("bench/parallel/auto_layout.py, CPU ranks; no GPU run", (1, 4), (1, 1),
                                4, 4, 4, unit="ranks"),
 }
 

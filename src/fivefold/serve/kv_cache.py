@@ -25,7 +25,7 @@ shared prefix block another sequence fills in the same step), then:
   within about an L2 cache (`DECODE_GROUP_BYTES_CPU`), so SDPA reads them while they are
   still there: one padded call over every sequence gathers more than the caches hold, and
   made a decode step of llama-25m (8 KV heads) 1.2x slower than one call per sequence
-  (bench/serve.py --step-only). A long context goes alone, unpadded and unmasked (for a
+  (bench/serve/serve.py --step-only). A long context goes alone, unpadded and unmasked (for a
   model without GQA, the dense cache's very call). Otherwise the result is not the dense
   cache's bit for bit: SDPA reduces over the padded length and the folded queries in
   another order, which moves the output by a few fp32 ulps (reordering a softmax-weighted

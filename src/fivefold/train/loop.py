@@ -189,10 +189,6 @@ def layout_notes(cfg: Config) -> list[str]:
         notes.append(f"note: parallel.zero = {par.zero} shards over the data-parallel ranks, "
                      f"and parallel.dp × cp = 1: nothing is sharded (it runs as zero = 0 "
                      f"would); raise parallel.dp to shard")
-    if par.pp == 1 and par.schedule != "1f1b":
-        notes.append(f"note: parallel.schedule = {par.schedule} has no effect with "
-                     f"parallel.pp = 1 (a schedule orders pipeline stages); set parallel.pp > 1"
-                     f" to use it")
     return notes
 
 

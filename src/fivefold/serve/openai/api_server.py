@@ -184,7 +184,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--tokenizer", help="with --hf: the tokenizer the model was trained with, "
                    "when the directory has no tokenizer.json: byte, corpus-bpe or a file")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000,
+                   help="TCP port to listen on (default 8000)")
     p.add_argument("--served-model-name", help="the model id clients name (default: the "
                    "directory's name)")
     p.add_argument("--kv-cache-gib", type=float, help="memory for the KV cache (default: 90%% "
@@ -195,7 +196,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     p.add_argument("--chunked-prefill", action="store_true",
                    help="split long prompts into chunks of --max-num-batched-tokens")
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt in full: no reuse of KV blocks that an earlier "
+                        "request's identical prefix filled")
     p.add_argument("--no-prepack", action="store_true",
                    help="fp32 on a CPU: keep torch's sgemm linears; by default a probe at "
                         "start-up picks oneDNN with weights reordered once (holding a second "
@@ -218,8 +221,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="serve a LoRA adapter (a PEFT directory or a fivefold LoRA checkpoint) "
                         "as model NAME; repeatable; requests for any of them share batches")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: the GPU when torch sees one, else the CPU")
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                   help="the weights' dtype; auto: bf16 on a GPU, fp32 on a CPU")
     return p
 
 
