@@ -1,6 +1,6 @@
 """The Ultra-Scale Playbook section of docs/planner-validation.md, from the JSON results
-of bench/plan/usp_calibration.py and bench/plan/usp_breakdown.py (both write it: the calibration after
-its run, bench/plan/plan_validation.py when it rewrites the page)."""
+of bench/plan/usp_calibration.py and bench/plan/usp_breakdown.py (both write it: the
+calibration after its run, bench/plan/plan_validation.py when it rewrites the page)."""
 
 from __future__ import annotations
 

@@ -65,8 +65,8 @@ RANGES: dict[str, ValidatedRange | None] = {
     "torchtitan": ValidatedRange("docs/planner-validation.md (torchtitan's H100 benchmarks)",
                                  (8, 512), (1, 64), 8, 8, 2),
     "deepspeed": None,
-    "fivefold": ValidatedRange("bench/parallel/auto_layout.py, CPU ranks; no GPU run", (1, 4), (1, 1),
-                               4, 4, 4, unit="ranks"),
+    "fivefold": ValidatedRange("bench/parallel/auto_layout.py, CPU ranks; no GPU run", (1, 4),
+                               (1, 1), 4, 4, 4, unit="ranks"),
 }
 
 
