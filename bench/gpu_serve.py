@@ -33,6 +33,22 @@ from gpu_items import NotRun, median_time  # noqa: F401  (NotRun: items' one-lin
 
 from fivefold.serve.kv_cache_manager import cdiv
 
+
+def _serve_bench():
+    """bench/serve/serve.py, loaded by its path: with bench/ on sys.path, `import serve`
+    finds the folder bench/serve/ instead."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "bench_serve" not in sys.modules:
+        path = Path(__file__).resolve().parent / "serve" / "serve.py"
+        spec = importlib.util.spec_from_file_location("bench_serve", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_serve"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_serve"]
+
 SHAPES = {  # preset, requests, prompt, output; mixed: requests, static batch
     False: {"preset": "smollm2-135m", "dtype": torch.bfloat16, "requests": 16, "prompt": 128,
             "output": 128, "mixed": (128, 32, (32, 512), (16, 256))},
@@ -91,7 +107,7 @@ def _run_engine(engine, prompts, outputs) -> tuple[list, list]:
 
 
 def _hf_batches(ctx, hf, prompts, outputs, batch: int) -> tuple[list, list]:
-    from serve import StepClock
+    StepClock = _serve_bench().StepClock
 
     tokens, times = [], []
     start = time.perf_counter()
@@ -112,7 +128,7 @@ def _hf_batches(ctx, hf, prompts, outputs, batch: int) -> tuple[list, list]:
 
 
 def _latency(times: list[list[float]]) -> dict:
-    from serve import percentiles
+    percentiles = _serve_bench().percentiles
 
     return {"ttft_s": percentiles([t[1] - t[0] for t in times if len(t) > 1]),
             "itl_s": percentiles([b - a for t in times for a, b in zip(t[1:], t[2:])])}
