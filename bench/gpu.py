@@ -5,16 +5,21 @@ one H100, each item on its own (one failing records its one-line reason; the res
     python bench/gpu.py --dry-run      # on CPU, tiny shapes, the same code paths where a CPU
                                        # has them (tests/test_gpu_script.py runs this)
 
-Items (bench/gpu_items.py):
+Items (bench/gpu_items.py; serve_* in bench/gpu_serve.py, the decode profile first):
   train_default          a bf16 training step of the default job's model (Trainer, as
                          `fivefold train` runs it) inside a world of one: NCCL on CUDA
   train_8b_blocks        the same for a Llama-3.1-8B-shaped model of 2 blocks, 8192 tokens
   mfu_vs_plan            that run's bf16 MFU beside the planner's prediction (same shape and
                          device; the planner's catalogue has GPUs only)
+  step_before_after      the 8B-shaped step: chunked loss, fused loss, fused + compiled blocks,
+  hf_peer_compiled       transformers' Llama of that shape compiled, step_profile: one step's
+                         profiler table (bench/gpu_step.py)
+  trace_vs_measured      `fivefold trace`'s predicted step beside both train items' measured
+                         ones (bench/gpu_trace.py)
   fp8_gemms              one linear, forward + backward, bf16 vs FP8 tensorwise, rowwise and
                          blockwise on Llama-3-8B's GEMMs (8192 tokens x 4096->4096,
                          4096->14336, 14336->4096): tokens/s and ratio, and which kernel ran
-  fp8_block_stack        the same on a stack of 2 Llama-3.1-8B blocks (bench/fp8_speed.py)
+  fp8_block_stack        the same on a stack of 2 Llama-3.1-8B blocks (bench/fp8/fp8_speed.py)
   fp8_experts            routed experts (Mixtral-8x7B's shape), bf16 grouped matmul vs the
                          FP8 experts' per-expert GEMMs, rowwise and blockwise
   fp8_kernel_float64     tests/test_fp8_kernel.py's GPU test: the blockwise FP8 linear on
@@ -26,6 +31,8 @@ Items (bench/gpu_items.py):
   serve_vs_transformers  the Engine's greedy decoding vs transformers' generate: the same
                          requests, tokens/s, how many outputs agree
   qlora_step             a QLoRA step (NF4 base), its peak memory vs the plan
+  serve_decode_profile, serve_16_requests, serve_128_mixed: serving at GPU speed
+                         (bench/gpu_serve.py's docstring)
 
 `--budget-s` (default 480) stops starting new items once spent (they record why). The JSON
 holds the device name, driver, torch, CUDA and cuDNN versions, the host CPU, the git
@@ -51,13 +58,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import gpu_items as items  # noqa: E402
+import gpu_serve  # noqa: E402
+import gpu_step  # noqa: E402
+import gpu_trace  # noqa: E402
 
 from fivefold.train.bench import git_revision  # noqa: E402
 
 # (name, function, has a CPU path: a dry run must give numbers for it)
-ITEMS = [("train_default", items.train_default, True),
+ITEMS = [("serve_decode_profile", gpu_serve.serve_decode_profile, True),  # first: it aims
+         ("train_default", items.train_default, True),
          ("train_8b_blocks", items.train_8b_blocks, True),
          ("mfu_vs_plan", items.mfu_vs_plan, False),
+         ("step_before_after", gpu_step.step_before_after, True),
+         ("hf_peer_compiled", gpu_step.hf_peer_compiled, True),
+         ("step_profile", gpu_step.step_profile, True),
+         ("trace_vs_measured", gpu_trace.trace_vs_measured, True),
          ("fp8_gemms", items.fp8_gemms, True),
          ("fp8_block_stack", items.fp8_block_stack, True),
          ("fp8_experts", items.fp8_experts, True),
@@ -65,7 +80,9 @@ ITEMS = [("train_default", items.train_default, True),
          ("cp_ring_vs_sdpa", items.cp_ring_vs_sdpa, True),
          ("peak_memory_vs_plan", items.peak_memory_vs_plan, True),
          ("serve_vs_transformers", items.serve_vs_transformers, True),
-         ("qlora_step", items.qlora_step, True)]
+         ("qlora_step", items.qlora_step, True),
+         ("serve_16_requests", gpu_serve.serve_16_requests, True),
+         ("serve_128_mixed", gpu_serve.serve_128_mixed, True)]
 
 BLOCKS_8B = ["--model.preset", "llama-3.1-8b", "--model.num_layers", "2", "--data.tokenizer",
              "byte", "--train.seq_len", "8192", "--train.gbs", "1", "--parallel.mbs", "1"]

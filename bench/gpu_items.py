@@ -184,7 +184,7 @@ def _gemm_row(ctx: Context, tokens: int, k: int, n: int) -> dict:
 
 
 def _block_stack(ctx: Context, variant: str):
-    """bench/fp8_speed.py's stack of Llama blocks, built on the device, bf16 or FP8."""
+    """bench/fp8/fp8_speed.py's stack of Llama blocks, built on the device, bf16 or FP8."""
     from fivefold.lowp.convert import convert_to_fp8
     from fivefold.models.llama import Block
     from fivefold.models.presets import preset
@@ -204,9 +204,9 @@ def _block_stack(ctx: Context, variant: str):
 
 
 def fp8_block_stack(ctx: Context) -> dict:
-    """bf16 and each recipe on a stack of Llama blocks, forward + backward (bench/fp8_speed.py's
+    """bf16 and each recipe on a stack of Llama blocks, forward + backward (bench/fp8/fp8_speed.py's
     timing), the variants taking turns so that drift hits them alike."""
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "bench" / "fp8"))
     import fp8_speed
 
     tokens, steps = ctx.shape("stack_tokens"), ctx.shape("stack_steps")
@@ -281,7 +281,7 @@ CP_TOL = 1e-2
 
 
 def cp_ring_vs_sdpa(ctx: Context) -> dict:
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "bench" / "parallel"))
     import cp_kernel
 
     seq, heads, kv_heads, head_dim = ctx.shape("cp")

@@ -3,7 +3,7 @@
 `make_world(root)` builds the inputs once (broken Hugging Face directories, a token file, a
 damaged copy of a run); `cases(world)` lists (name, argv, exit code, text the line must hold).
 tests/test_safety.py runs them in-process after a completed run and checks that run's files
-byte for byte; bench/bad_inputs.py runs them as real processes and prints the table.
+byte for byte; bench/runs/bad_inputs.py runs them as real processes and prints the table.
 """
 
 from __future__ import annotations
@@ -72,9 +72,13 @@ def make_world(root: Path, finished_run: Path) -> dict[str, Path]:
     unvouched = root / "incomplete" / (root / "incomplete" / "latest").read_text().strip()
     (unvouched / "manifest.json").unlink()
     w["incomplete_step"] = unvouched
+    from fivefold.quant.cli import main as quantize
+
+    assert quantize(["--checkpoint", str(finished_run / "ck"), "--method", "int8", "--out",
+                     str(root / "q_int8")]) == 0
     w.update({k: root / k for k in ("hf_good", "hf_heads0", "hf_hidden_str", "hf_vocab_null",
                                      "hf_truncated", "damaged", "tokens.bin", "tasks.jsonl",
-                                     "tasks_noref.jsonl")})
+                                     "tasks_noref.jsonl", "q_int8")})
     return w
 
 
@@ -105,6 +109,10 @@ def cases(w: dict[str, Path]) -> list[tuple[str, list[str], int, str]]:
         ("unknown section", [*t, "--trian.lr", "1"], 2, "did you mean 'train'"),
         ("override no value", [*t, "--train.lr"], 2, "has no value"),
         ("stray word", [*t, "oops"], 2, "unexpected argument 'oops'"),
+        ("misspelt option", [*t, "--overwite"], 2,
+         "unknown option --overwite (did you mean '--overwrite'?)"),
+        ("schedule without pp", [*t, "--parallel.schedule", "zb"], 2,
+         "parallel.schedule = 'zb' needs parallel.pp > 1"),
         ("gbs vs mbs", [*t, "--train.gbs", "6", "--parallel.mbs", "4"], 2, "train.gbs = 6"),
         ("bad precision", [*t, "--train.precision", "fp64"], 2, "train.precision"),
         ("seq_len too long", [*t, "--train.seq_len", "4096"], 2, "max_seq_len"),
@@ -215,6 +223,18 @@ def cases(w: dict[str, Path]) -> list[tuple[str, list[str], int, str]]:
         # launch
         ("launch nproc 0", ["launch", "--nproc", "0", "train", *SMALL, *new], 2,
          "--nproc-per-node 0 must be >= 1"),
+        ("launch nproc vs layout", ["launch", "--nproc-per-node", "3", *t, "--parallel.dp",
+                                    "2"], 2, "starts 3 rank(s) but parallel.dp·tp·pp·cp = 2"),
+        ("launch misspelt option", ["launch", "--nproc-per-node", "2", *t, "--overwite",
+                                    "--parallel.dp", "2"], 2,
+         "unknown option --overwite (did you mean '--overwrite'?)"),
+        ("launch auto no layout", ["launch", "--nproc-per-node", "3", *t, "--parallel.layout",
+                                   "auto"], 2, "no layout of 3 rank(s)"),
+        ("launch serve vs tp", ["launch", "--nproc-per-node", "2", "serve", "--hf",
+                                str(w["hf_good"]), "--tp", "1"], 2,
+         "starts 2 rank(s) but serve --tp 1"),
+        ("convert int8", ["convert", "--checkpoint", str(w["q_int8"]), "--to-hf",
+                          str(r / "c_int8")], 2, "holds int8 weights written by fivefold"),
         # quantize: options the method would ignore
         ("quantize symmetric nf4", ["quantize", "--checkpoint", ck, "--method", "nf4",
                                     "--symmetric", "--out", str(r / "q1")], 2,

@@ -4,7 +4,7 @@ gap at 4 and at 3 bits, as the paper reports for pretrained models (arXiv 2306.0
 Table 4: LLaMA-7B INT4-g128 64%).
 
 The model is small and briefly trained (2 layers of width 64, 60 steps on the bundled
-corpus in bytes) so that the test is cheap; bench/awq_outliers.py measures the default model
+corpus in bytes) so that the test is cheap; bench/quant/awq_outliers.py measures the default model
 trained 1000 steps at s = 10, 30, 100 with ~1% of the channels and group size 128. At width
 64, 1% is under one channel; this test injects 5% (4 channels per norm) so that the RTN gap
 (~0.03% at int4, ~0.07% at int3) is far above float rounding (~1e-7 relative) and its

@@ -290,8 +290,8 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_do(tmp_path, capsys):
 
 
 def test_the_start_banner_prints_the_whole_layout_and_says_what_is_ignored(tmp_path):
-    """Before: dp, tp, pp, cp and zero only (no ep, schedule, sp), and a pipeline schedule
-    with pp 1 accepted without a word."""
+    """Before: dp, tp, pp, cp and zero only (no ep, schedule, sp). (A pipeline schedule with
+    pp 1 is refused: tests/test_one_line.py.)"""
     from fivefold.config import load
     from fivefold.train.loop import layout_line, layout_notes
 
@@ -306,10 +306,7 @@ def test_the_start_banner_prints_the_whole_layout_and_says_what_is_ignored(tmp_p
                       "--data.tokenizer", "byte"])
     assert "ep=2" in layout_line(moe), layout_line(moe)
     assert layout_notes(cfg) == []
-    one = load(None, ["--parallel.schedule", "zb"])
-    assert "schedule=" not in layout_line(one)
-    (note,) = layout_notes(one)
-    assert "parallel.schedule = zb has no effect with parallel.pp = 1" in note, note
+    assert "schedule=" not in layout_line(load(None, []))
 
 
 def test_the_default_model_is_counted_the_same_everywhere(capsys):

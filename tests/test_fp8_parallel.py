@@ -121,7 +121,10 @@ def zero3_tensorwise(rank, world, tmp, fp8_allgather, extra=()):
     the padding of the FP8 gather's messages (each rank's to the largest rank's count)."""
     cfg = small_config(pathlib.Path(tmp), *BASE, "--train.fp8_recipe", "tensorwise",
                        "--parallel.dp", "2", "--parallel.zero", "3",
-                       "--parallel.fp8_allgather", str(fp8_allgather).lower(), *extra)
+                       "--parallel.fp8_allgather", str(fp8_allgather).lower(),
+                       # one gradient sync for both runs: `auto` weighs each run's own
+                       # predicted step time, and the FP8 gather's extra calls can tip it
+                       "--parallel.grad_sync", "step", *extra)
     dims = ParallelDims.from_config(cfg.parallel)
     trainer = Trainer(cfg, dims, quiet=True)
     quantized = [0]  # weights the GEMMs quantise themselves (none with the FP8 gather)

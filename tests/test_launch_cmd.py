@@ -47,6 +47,18 @@ def test_bad_launches_are_one_line_before_any_rank_starts(tmp_path, capsys):
     assert not any(tmp_path.iterdir())
 
 
+def test_the_launcher_accepts_the_rank_counts_a_layout_takes():
+    """--nproc-per-node given is checked against the layout once, in the launcher; the counts
+    a layout takes pass (the refusals: tests/safety_cases.py's launch cases)."""
+    from fivefold.launch import layout_world_size
+
+    assert layout_world_size("train", [*SMALL, "--parallel.dp", "2"], 2, 1) == 2
+    assert layout_world_size("train", [*SMALL, "--parallel.dp", "4"], 4, 2) == 4
+    assert layout_world_size("train", [*SMALL, "--parallel.layout", "auto"], 2, 2) == 2
+    assert layout_world_size("train", [*SMALL, "--parallel.layout", "auto"], 4, 2) == 4
+    assert layout_world_size("serve", ["--hf", "x", "--tp", "2"], 2, 2) == 2
+
+
 def test_the_launch_is_torchruns_documented_one():
     one = build_parser().parse_args(["--max-restarts", "3", "train", "--parallel.dp", "2"])
     assert torchrun_argv(one, 2) == [

@@ -88,16 +88,43 @@ def test_lora_starts_from_the_checkpoint_with_a_fresh_optimizer(life, capsys):
     assert not (life / "bad").exists()
 
 
-def test_peft_export_names_the_checkpoint_it_started_from(life, capsys):
-    """The adapters sit on the base run's weights, so adapter_config.json names that step
-    (what model.init_from resolved to), not nothing."""
-    out = life / "peft"
-    run(capsys, "convert", "--checkpoint", str(life / "lora" / "checkpoints"), "--out",
-        str(out), "--peft")
+@pytest.mark.parametrize("base", ["none", "nf4"])
+def test_a_peft_export_of_a_run_from_a_checkpoint_loads_by_itself(life, capsys, base):
+    """model.init_from names a fivefold checkpoint, which transformers cannot load (before:
+    "Should have a model_type key in its config.json"): convert --peft writes the base the
+    adapters sit on beside the adapter (OUT-base; a QLoRA base dequantised from its NF4) and
+    names it, so AutoPeftModelForCausalLM loads the adapter alone and gives fivefold's logits.
+    Bound: the norm-wise float32 error of logits computed in another order (tolerances.py,
+    item 1-2: 7 GEMMs of length <= 64 from the embedding to the logits, two runs)."""
+    from tolerances import sum_rtol
+
+    from fivefold.finetune.attach import load_for_inference
+
+    peft = pytest.importorskip("peft")
+    name = "lora" if base == "none" else "qlora"
+    if base != "none":
+        assert main(train_argv(life, name, "--model.init_from",
+                               str(life / "base" / "checkpoints"), "--lora.rank", "4",
+                               "--lora.alpha", "8", "--lora.base", base)) == 0
+    checkpoint, out = life / name / "checkpoints", life / f"peft-{name}"
+    printed = run(capsys, "convert", "--checkpoint", str(checkpoint), "--out", str(out),
+                  "--peft")
+    assert f"wrote {out}-base" in printed, printed
     config = json.loads((out / "adapter_config.json").read_text())
-    base_step = life / "base" / "checkpoints" / "step_00000003"
-    assert config["base_model_name_or_path"] == str(base_step)
+    assert config["base_model_name_or_path"] == str(life.resolve() / f"peft-{name}-base")
     assert config["r"] == 4 and config["lora_alpha"] == 8
+    theirs = peft.AutoPeftModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours = load_for_inference(str(checkpoint))[0]
+    x = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = ours(x), theirs(input_ids=x).logits
+    err = ((got - want).norm() / want.norm()).item()
+    assert err <= 2**0.5 * sum_rtol(64, 64**0.5) * 7**0.5, err
+    # the adapters act: the base alone is far from it
+    plain = transformers.AutoModelForCausalLM.from_pretrained(f"{out}-base",
+                                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert ((plain(input_ids=x).logits - want).norm() / want.norm()).item() > 1e-3
 
 
 def test_full_fine_tune_starts_from_the_weights(life):

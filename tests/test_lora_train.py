@@ -218,3 +218,32 @@ def test_adapter_of_another_architecture_is_refused(tmp_path, hf_dir, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "another architecture" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_convert_peft_names_a_base_transformers_loads(tmp_path, hf_dir, capsys):
+    """A LoRA run of a preset (its base drawn from the seed: no directory to name) writes its
+    base beside the adapter; --base-hf names one instead, checked; bad uses are one line."""
+    assert main(["train", *small_config_args(tmp_path), "--lora.rank", "4",
+                 "--train.steps", "1"]) == 0
+    ckpt = str(tmp_path / "ckpt")
+    assert main(["convert", "--checkpoint", ckpt, "--out", str(tmp_path / "a"), "--peft"]) == 0
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "a-base").resolve())
+    assert (tmp_path / "a-base" / "config.json").is_file()
+    assert main(["convert", "--checkpoint", ckpt, "--out", str(tmp_path / "b"), "--peft",
+                 "--base-hf", str(hf_dir)]) == 0
+    config = json.loads((tmp_path / "b" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(hf_dir)
+    assert not (tmp_path / "b-base").exists()
+    capsys.readouterr()
+    for extra, words in ((["--peft", "--base-hf", str(tmp_path / "ckpt")],
+                          "is not a Hugging Face model directory"),
+                         (["--base-hf", str(hf_dir)], "add --peft or drop --base-hf"),
+                         (["--peft"], "c-base, which already exists")):
+        if extra == ["--peft"]:
+            (tmp_path / "c-base").mkdir()
+            (tmp_path / "c-base" / "x").write_text("taken")
+        code = main(["convert", "--checkpoint", ckpt, "--out", str(tmp_path / "c"), *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "c").exists()

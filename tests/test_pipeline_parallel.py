@@ -247,7 +247,7 @@ def test_stage_splits_match_single_process(tmp_path):
 
 
 def _bench_module():
-    path = Path(__file__).resolve().parents[1] / "bench" / "pp_vs_torch.py"
+    path = Path(__file__).resolve().parents[1] / "bench" / "parallel" / "pp_vs_torch.py"
     spec = importlib.util.spec_from_file_location("pp_vs_torch", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,6 +1,6 @@
 """The planner against other engines' published runs: torchtitan's per-operator selective
 checkpointing (`recompute=op`) and materialised fp32 loss, and the validation table's
-standing (bench/plan_validation.py, docs/planner-validation.md)."""
+standing (bench/plan/plan_validation.py, docs/planner-validation.md)."""
 
 import sys
 from pathlib import Path
@@ -14,7 +14,7 @@ from fivefold.plan.activations import (
     op_sac_recomputed_matmul_share,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "plan"))
 
 
 def test_torchtitan_op_policy_keeps_the_odd_matmuls_and_the_attention_kernel():

@@ -49,7 +49,7 @@ def test_search_layouts_meet_constraints_and_fit():
 def test_405b_on_16384_gpus_is_searched_by_its_bound():
     """A full search for Llama 3.1 405B on 16,384 H100s plans a small part of what it
     considers (the bound, not the machine, makes it fast). Its time is the benchmark's
-    business (bench/plan_search.py: about 0.3 s on a 2-core machine); here only a bound no
+    business (bench/plan/plan_search.py: about 0.3 s on a 2-core machine); here only a bound no
     loaded machine reaches unless the pruning broke (planning every layout takes minutes)."""
     hw, assume = get_hardware("h100")
     work = Workload(preset("llama-3.1-405b"), seq_len=8192, gbs=2048)

@@ -1,4 +1,4 @@
-"""The nanotron convention against the Ultra-Scale Playbook's runs (bench/usp_calibration.py,
+"""The nanotron convention against the Ultra-Scale Playbook's runs (bench/plan/usp_calibration.py,
 bench/data/usp-calibration.csv): the scorer on runs made up here, nanotron's stage cut and
 loss buffers by hand, and the convention's standing on a fixed fifth of the file."""
 
@@ -11,7 +11,7 @@ from fivefold.plan.activations import activation_bytes_per_microbatch
 from fivefold.plan.conventions import get_convention
 from fivefold.plan.split import stage_layer_counts
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "plan"))
 import usp_calibration as usp  # noqa: E402
 
 
@@ -204,5 +204,23 @@ def test_memory_factors_by_least_absolute_deviations():
     """Five runs, one column: four say the factor is 1, one says 10. The fit takes the
     median's side (1, to 1e-3), where least squares would give the mean, 2.8."""
     columns, target = [[1.0]] * 5, [1.0, 1.0, 1.0, 1.0, 10.0]
-    assert usp._nonnegative_lad(columns, target)[0] == pytest.approx(1.0, abs=1e-3)
-    assert usp._nonnegative_lstsq(columns, target)[0] == pytest.approx(2.8)
+    import usp_fit
+
+    assert usp_fit._nonnegative_lad(columns, target)[0] == pytest.approx(1.0, abs=1e-3)
+    assert usp_fit._nonnegative_lstsq(columns, target)[0] == pytest.approx(2.8)
+
+
+def test_the_conventions_time_factors_are_the_files_fit():
+    """The nanotron convention's time factors are what `fit` gave on the whole file (the
+    committed bench/results/usp_calibration.json), and the factor fitted on either half
+    alone for nanotron's blocking TP latency is the same: it carries from 16 GPUs to 128."""
+    import json
+
+    from usp_fit import TIME_FITTED
+
+    results = json.loads(usp.OUT.read_text())
+    conv = get_convention("nanotron").assumptions
+    for k in TIME_FITTED:
+        assert conv[k] == pytest.approx(results["fitted"]["all"][k]), k
+    halves = {results["fitted"][g]["pp_blocking_latency_us"] for g in ("16", "128")}
+    assert halves == {conv["pp_blocking_latency_us"]}

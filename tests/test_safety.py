@@ -328,6 +328,33 @@ def test_help_version_and_usage(capsys):
     assert code == 0 and out.strip().startswith("fivefold 0.")
     code, out, err = cli(capsys)
     assert code == 2 and not out and err.startswith("usage: fivefold COMMAND")
+    code, out, _ = cli(capsys, "help")
+    assert code == 0 and out.startswith("usage: fivefold COMMAND") and "help COMMAND" in out
+
+
+def test_every_option_says_what_it_does(capsys):
+    """`fivefold help COMMAND` is COMMAND --help, and every option of these commands has help
+    text (before: serve --port, generate --prompt, --max-new-tokens, --seed, plan --seq-len,
+    quantize --calib-samples had none); plan --serve names the KV cache's dtype as serve does."""
+    import argparse
+
+    from fivefold.models.convert import build_parser as convert
+    from fivefold.plan.cli_entry import build_parser as plan
+    from fivefold.plan.serve import build_parser as plan_serve
+    from fivefold.quant.cli import build_parser as quantize
+    from fivefold.serve.openai.api_server import build_parser as serve
+    from fivefold.train.generate import build_parser as generate
+
+    for name, build in (("serve", serve), ("generate", generate), ("plan", plan),
+                        ("quantize", quantize), ("convert", convert)):
+        bare = [a.option_strings[0] for a in build()._actions if a.option_strings
+                and a.help in (None, "") and a.help != argparse.SUPPRESS]
+        assert not bare, (name, bare)
+    code, out, _ = cli(capsys, "help", "generate")
+    assert code == 0 and "--max-new-tokens" in out and "the text to continue" in out
+    parser = plan_serve()
+    assert parser.parse_args(["--model", "tiny", "--kv-cache-dtype", "fp8"]).kv_dtype == "fp8"
+    assert parser.parse_args(["--model", "tiny", "--kv-dtype", "fp8"]).kv_dtype == "fp8"
 
 
 def test_fresh_resume_memory_warning_and_prepare_overwrite(tmp_path, capsys, monkeypatch):

@@ -33,6 +33,7 @@ from fivefold.models.hf import save_hf  # noqa: E402
 from fivefold.models.init import build_model  # noqa: E402
 from fivefold.models.presets import ModelConfig  # noqa: E402
 from fivefold.serve.engine import Engine  # noqa: E402
+from fivefold.serve.sampling_params import SamplingParams  # noqa: E402
 
 CFG = ModelConfig(name="fuzzed", vocab_size=256, hidden_size=32, intermediate_size=64,
                   num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=256, init_std=0.1,
@@ -288,3 +289,67 @@ def test_a_bad_body_limit_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--max-request-bytes 0" in lines[0], proc.stderr
+
+
+def test_a_tp_step_that_fails_after_reaching_the_workers_ends_the_server(monkeypatch):
+    """serve --tp: a step failing on rank 0 before its message goes out fails its requests
+    alone (no rank saw it); one failing after (the workers may wait in a collective rank 0
+    never joins) is RanksOutOfStep: the loop dies, /health answers 503, serve exits 1
+    (test_serve_exits_1_when_the_engine_loop_dies), and no further message is sent."""
+    from fastapi.testclient import TestClient
+
+    from fivefold.serve import tp_worker
+    from fivefold.serve.openai.api_server import build_app, plain_chat_prompt
+    from fivefold.serve.openai.serving import EngineLoop, OpenAIServing
+    from fivefold.serve.request import Request
+    from fivefold.serve.runner import ModelRunner
+    from fivefold.serve.scheduler import SchedulerOutput
+
+    sent = []
+    monkeypatch.setattr(tp_worker, "send_object", lambda obj, group: sent.append(obj))
+    monkeypatch.setattr(ModelRunner, "execute", lambda self, out: (_ for _ in ()).throw(
+        RuntimeError("connection closed by peer")))
+
+    class Kv:
+        tables = {"a": [3]}
+
+        def block_ids(self, rid):
+            return self.tables[rid]
+
+    a = Request("a", [1, 2], SamplingParams())
+    driver = tp_worker.TPDriverRunner.__new__(tp_worker.TPDriverRunner)
+    driver.kv, driver.scheduler, driver._sent, driver.control = Kv(), None, {}, None
+    driver.broken = None
+    driver.scheduler = type("S", (), {"requests": {"a": a}})()
+    Kv.tables = {}  # encoding fails before anything is sent: an ordinary error
+    with pytest.raises(KeyError):
+        driver.execute(SchedulerOutput([(a, 2)]))
+    assert sent == [] and driver.broken is None and driver._sent == {}
+    Kv.tables = {"a": [3]}
+    with pytest.raises(tp_worker.RanksOutOfStep, match="out of step.*connection closed"):
+        driver.execute(SchedulerOutput([(a, 2)]))
+    assert len(sent) == 1 and not issubclass(tp_worker.RanksOutOfStep, Exception)
+    with pytest.raises(tp_worker.RanksOutOfStep):
+        driver.execute(SchedulerOutput([(a, 1)]))
+    driver.close()
+    assert len(sent) == 1  # nothing more once out of step, not even the stop message
+
+    engine = Engine(build_model(CFG, seed=3).eval(), num_blocks=32)
+
+    def out_of_step(_out):
+        raise tp_worker.RanksOutOfStep("the ranks are out of step")
+
+    monkeypatch.setattr(engine.runner, "execute", out_of_step)
+    fatal = threading.Event()
+    loop = EngineLoop(engine, on_fatal=fatal.set)
+    serving = OpenAIServing(loop, MODEL, lambda s: list(s.encode()), plain_chat_prompt, 256)
+    loop.start()
+    try:
+        with TestClient(build_app(serving, loop)) as http:
+            r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 500 and "out of step" in r.json()["error"]["message"]
+            assert fatal.wait(5) and not loop.alive
+            assert http.get("/health").status_code == 503
+    finally:
+        loop.stop()
+        loop.thread.join(timeout=5)

@@ -1,7 +1,7 @@
 """The FP8 (e4m3) KV cache: half the bytes of bf16, so twice the blocks, as the planner's
 `--kv-dtype fp8` plans; what it stores is each key and value rounded to e4m3 under its
 layer's and head's scale; with calibrated scales a batch gives what each request gives alone.
-Quality on trained models: bench/kv_fp8.py."""
+Quality on trained models: bench/serve/kv_fp8.py."""
 
 import pytest
 import torch

@@ -229,14 +229,17 @@ def test_sigterm_stops_the_server_with_exit_code_0(server):
     while metrics(base)["fivefold_requests_running"] < 1:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    code = proc.wait(timeout=20)
-    took = time.monotonic() - start
-    reader.join(timeout=10)
+    code = proc.wait(timeout=120)  # a hang guard: the drain's own bound is --shutdown-grace
+    reader.join(timeout=30)
     assert code == 0, proc.stderr.read()[-2000:]
-    assert took < 10
-    assert not reader.is_alive() and events  # the stream ended, finished or aborted
+    # What the drain promises: the running stream was ended by the server, not cut off — its
+    # last chunk carries a finish reason and [DONE] follows (finished, or aborted once the
+    # grace ran out).
+    lines = [e for e in events if e]
+    assert not reader.is_alive() and lines[-1] == "data: [DONE]", lines[-3:]
+    chunks = [json.loads(e[len("data: "):]) for e in lines if e.startswith("data: {")]
+    assert chunks and chunks[-1]["choices"][0]["finish_reason"] is not None, lines[-3:]
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{base}/health", timeout=2)
 

@@ -134,7 +134,7 @@ def test_a_killed_rank_is_named_and_nothing_hangs():
         assert "lost rank 2" in errors[r], errors[r][-2000:]
         assert not any(f"lost rank {o}" in errors[r] for o in (0, 1, 3)), errors[r][-2000:]
     # Far below gloo's own 120 s: the watchdog ended it. How far below is a benchmark's
-    # business (bench/lost_rank.py: about timeout_s + a heartbeat on an idle machine).
+    # business (bench/runs/lost_rank.py: about timeout_s + a heartbeat on an idle machine).
     assert took < 30.0, f"survivors took {took:.1f} s"
 
 
@@ -147,5 +147,5 @@ def test_a_frozen_rank_is_named_within_the_timeout():
         assert "lost rank 2" in errors[r], errors[r][-2000:]
         assert not any(f"lost rank {o}" in errors[r] for o in (0, 1, 3)), errors[r][-2000:]
     # Far below gloo's own 120 s: the watchdog ended it. How far below is a benchmark's
-    # business (bench/lost_rank.py: about timeout_s + a heartbeat on an idle machine).
+    # business (bench/runs/lost_rank.py: about timeout_s + a heartbeat on an idle machine).
     assert took < 30.0, f"survivors took {took:.1f} s"

@@ -40,7 +40,7 @@ path is 2^-9 ≈ 2e-3 per entry; each is ≥ 10× the loosest bound the tests us
 256 tokens through 24 GEMMs after AdamW steps).
 
 Set FIVEFOLD_PARITY_LOG to a file path and every check appends its error/bound ratio
-there (bench/parity_kernels.py reads it to report each kernel's worst margin).
+there (bench/parallel/parity_kernels.py reads it to report each kernel's worst margin).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""fivefold train | plan | prepare | generate | convert | schedule | bench
+"""fivefold train | plan | prepare | generate | convert | schedule | bench | trace
 
 Every subcommand turns a bad input into one line on stderr and exit code 2, before anything
 is written; any other failure is one line too, with the exit codes `main` lists.
@@ -26,11 +26,14 @@ commands:
   convert    export a checkpoint to Hugging Face format
   schedule   draw the timeline of a pipeline schedule as a PNG
   bench      measure tokens/s, MFU and peak memory (--peer hf: beside transformers)
+  trace      count a step's kernels, bytes and syncs here; predict its time on a GPU
   eval       perplexity of a model, or BLEU/ROUGE of its continuations of a task file
   quantize   int8/int4/AWQ/NF4/MXFP4 weight-only quantisation of a checkpoint
   serve      an OpenAI-compatible HTTP server (paged KV cache, continuous batching)
+  help       a command's options: fivefold help COMMAND
 
-Run `fivefold COMMAND --help` for a command's options; `fivefold --version` for the version.
+Run `fivefold help COMMAND` (or `fivefold COMMAND --help`) for a command's options;
+`fivefold --version` for the version.
 Add --debug to any command to see a failure's traceback."""
 
 
@@ -56,6 +59,8 @@ def train_main(argv: list[str]) -> int:
                              "this machine, whose measured speeds rank the layouts")
     args, overrides = parser.parse_known_args(argv)
     from fivefold import config
+
+    config.check_options(overrides, parser)
 
     if args.run_name is not None:
         overrides = [*config.run_name_overrides(args.run_name), *overrides]
@@ -133,6 +138,8 @@ def _subcommand(name: str):
         from fivefold.parallel.pipeline.draw import main
     elif name == "bench":
         from fivefold.train.bench import main
+    elif name == "trace":
+        from fivefold.trace.cli import main
     elif name == "eval":
         from fivefold.evaluate.cli import main
     elif name == "quantize":
@@ -166,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print(USAGE, file=sys.stderr)
         return EXIT_BAD_INPUT
-    if argv[0] in ("-h", "--help"):
+    if argv[0] in ("-h", "--help") or argv == ["help"]:
         print(USAGE)
         return 0
+    if argv[0] == "help":  # `fivefold help COMMAND` is `fivefold COMMAND --help`
+        argv = [argv[1], "--help"]
     if argv[0] in ("-V", "--version"):
         from fivefold import __version__
 
@@ -177,8 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     command = _subcommand(argv[0])
     if command is None:
         print(f"error: unknown command '{argv[0]}'; commands: train, plan, calibrate, prepare, "
-              f"generate, convert, schedule, bench, eval, quantize, serve, launch", file=sys.stderr)
+              f"generate, convert, schedule, bench, trace, eval, quantize, serve, launch, "
+              f"help",
+              file=sys.stderr)
         return EXIT_BAD_INPUT
+
     def leave_if_distributed(code: int) -> int:
         # Only a command that imported torch can have a process group up; `plan` never
         # imports torch (tests/test_plan_search.py), so it must not be imported here.

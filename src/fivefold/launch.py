@@ -14,8 +14,9 @@ torchrun itself is), with what a fivefold run needs set for it:
 - one node without a rendezvous endpoint is `--standalone` (a local c10d store on a free
   port), several nodes use a c10d rendezvous at `--rdzv-endpoint`;
 - `--nproc-per-node` defaults to the layout's world size (parallel.dp·tp·pp·cp of the
-  train config given after COMMAND, or serve's --tp) divided by the number of nodes, so a
-  bad config is one line before any rank starts.
+  train config given after COMMAND, or serve's --tp) divided by the number of nodes; given,
+  it is checked against the layout (with parallel.layout = auto: that a layout of that many
+  ranks exists), so a bad config is one line before any rank starts.
 
 The launcher's exit code is the first failed rank's (2 for a bad input, 3 for a lost rank,
 …), or 0. Stopped by SIGTERM or Ctrl-C, it passes the signal on to every rank, waits for them
@@ -62,30 +63,58 @@ def build_parser() -> ArgumentParser:
     return p
 
 
-def layout_world_size(command: str, args: list[str]) -> int:
+def layout_world_size(command: str, args: list[str], launched: int | None = None,
+                      per_node: int = 1) -> int:
     """parallel.dp·tp·pp·cp of the config `fivefold train ARGS` would run (validated);
-    for serve, its --tp (rank 0 serves HTTP, the others hold the other shards)."""
+    for serve, its --tp (rank 0 serves HTTP, the others hold the other shards). With
+    `launched` (--nproc-per-node × --nnodes) the layout must take that many ranks: checked
+    here, once, rather than by every rank after it has started."""
     from fivefold import config
 
     if command == "serve":
         serve = argparse.ArgumentParser(add_help=False)
         serve.add_argument("--tp", type=int, default=1)
-        return serve.parse_known_args(args)[0].tp
+        tp = serve.parse_known_args(args)[0].tp
+        if launched is not None and launched != tp:
+            raise ConfigError(f"fivefold launch starts {launched} rank(s) but serve --tp {tp}"
+                              f" uses {tp}; give --nproc-per-node {tp} or change --tp")
+        return tp
 
     known = argparse.ArgumentParser(add_help=False)
     known.add_argument("--config")
     known.add_argument("--hw-profile")
     known.add_argument("--run-name")
+    known.add_argument("--overwrite", action="store_true")
     if command == "bench":
         known.add_argument("--preset")
     opts, overrides = known.parse_known_args(args)
-    overrides = [a for a in overrides if a not in ("--overwrite", "--debug")]
+    overrides = [a for a in overrides if a != "--debug"]
+    if command == "train":  # a misspelt option, as train itself names it
+        config.check_options(overrides, known)
     if opts.run_name is not None:
         overrides = [*config.run_name_overrides(opts.run_name), *overrides]
     cfg = config.load(opts.config, overrides)
     if cfg.parallel.layout == "auto":  # the planner picks the layout for the ranks started
-        raise ConfigError("parallel.layout = 'auto' picks the layout for the ranks launched: "
-                          "give fivefold launch --nproc-per-node N")
+        if launched is None:
+            raise ConfigError("parallel.layout = 'auto' picks the layout for the ranks "
+                              "launched: give fivefold launch --nproc-per-node N")
+        import torch
+
+        from fivefold.plan.auto_layout import check_ranks
+
+        cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto"
+                                              and torch.cuda.is_available())
+        precision = cfg.train.precision
+        if precision == "auto":  # memory aside, the shapes a layout may take do not hang on it
+            precision = "bf16" if cuda else "fp32"
+        check_ranks(cfg, launched, per_node, not cuda, precision)
+        return launched
+    if launched is not None and launched != cfg.parallel.world_size:
+        nodes = launched // per_node
+        raise ConfigError(f"fivefold launch starts {launched} rank(s) but parallel.dp·tp·pp·cp"
+                          f" = {cfg.parallel.world_size}; give --nproc-per-node "
+                          f"{cfg.parallel.world_size / nodes:g}" + (f" on each of {nodes} nodes"
+                          if nodes > 1 else "") + " or change the layout")
     return cfg.parallel.world_size
 
 
@@ -131,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"the layout's {world} ranks do not split evenly over --nnodes "
                               f"{opts.nnodes}; give --nproc-per-node or change the layout")
         nproc = world // opts.nnodes
+    else:
+        layout_world_size(opts.command, opts.args, nproc * opts.nnodes, nproc)
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

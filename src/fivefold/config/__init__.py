@@ -11,6 +11,7 @@ This package imports no torch.
 from fivefold.config.data import CORPUS_BPE_VOCAB, CORPUS_TOKENIZERS, DataSection, corpus_tokenizer
 from fivefold.config.load import (
     apply_overrides,
+    check_options,
     coerce,
     from_dict,
     load,
@@ -30,8 +31,9 @@ from fivefold.errors import ArgumentParser, ConfigError, RunError
 __all__ = [
     "AUTO_MBS_TOKENS", "CORPUS_BPE_VOCAB", "CORPUS_TOKENIZERS", "RESUME_MODES", "SECTIONS",
     "ArgumentParser", "CheckpointSection", "Config", "ConfigError", "DataSection", "LogSection",
-    "ModelSection", "ParallelSection", "RunError", "TrainSection", "apply_overrides", "choice",
-    "coerce", "corpus_tokenizer", "engine_refusal", "from_dict", "given_keys", "load",
+    "ModelSection", "ParallelSection", "RunError", "TrainSection", "apply_overrides",
+    "check_options", "choice", "coerce", "corpus_tokenizer", "engine_refusal", "from_dict",
+    "given_keys", "load",
     "positive", "read", "resolve_mbs", "run_name_overrides", "section_class", "set_value",
     "suggest", "validate", "validate_layout", "writable_dir", "writable_file",
 ]

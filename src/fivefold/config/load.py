@@ -107,6 +107,10 @@ def set_value(cfg: Config, dotted: str, value) -> None:
                           f"{section} takes: {', '.join(names)}")
     if dotted == "parallel.offload":  # a tier name that also takes its old booleans
         value = offload_value(value)
+    if dotted == "train.compile":  # auto, or its old booleans
+        from fivefold.config.train import compile_value
+
+        value = compile_value(value)
     setattr(obj, key, coerce(dotted, value, fields[key].type))
     given_keys(cfg).add(dotted)
 
@@ -177,6 +181,20 @@ def cap_steps(cfg: Config) -> None:
         print(f"note: {STEPS_CAP_ENV} = {cap} shortens train.steps from {cfg.train.steps}",
               file=sys.stderr)
         cfg.train.steps = int(cap)
+
+
+def check_options(args: list[str], parser) -> None:
+    """The arguments a command's parser left over are --section.key overrides: one without a
+    dot is an option the parser does not know (`--overwite`), named with the closest one,
+    not taken for an override that lacks its value."""
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    i = 0
+    while i < len(args):
+        name = args[i].split("=", 1)[0]
+        if name.startswith("--") and "." not in name:
+            raise ConfigError(f"unknown option {name}{suggest(name, options)}; options: "
+                              f"{', '.join(options)}, or --section.key VALUE")
+        i += 1 if "=" in args[i] or not name.startswith("--") else 2
 
 
 def apply_overrides(cfg: Config, args: list[str]) -> None:

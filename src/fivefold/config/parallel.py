@@ -25,8 +25,8 @@ class ParallelSection:
     offload: str = "none"  # where the fp32 master and Adam's moments live: none | cpu | nvme
     offload_dir: str = ""  # offload = "nvme": the directory (a fast local disk) for them
     sp: bool = False  # sequence parallelism (needs tp > 1)
-    # full | shard: what SP column linears keep for backward. full by default: measured on
-    # CPU/gloo, shard saved 9% of saved bytes for a 12% slower step (bench/sp_saved_input.py)
+    # full | shard: what SP column linears keep for backward. full by default: measured on CPU/
+    # gloo, shard saved 9% of saved bytes for a 12% slower step (bench/parallel/sp_saved_input.py)
     sp_saved_input: str = "full"
     cp_comm: str = "ring"  # context parallelism's K/V exchange: ring | allgather
     cp_layout: str = "zigzag"  # sequence split over cp ranks: zigzag | contiguous
@@ -214,6 +214,10 @@ def check_pipeline(par: ParallelSection, num_layers: int, num_micro: int) -> Non
         if par.virtual_stages > 1:
             raise ConfigError(f"parallel.virtual_stages = {par.virtual_stages} needs "
                               f"parallel.pp > 1 and parallel.schedule = 'interleaved'")
+        # (under layout = auto the planner may pick pp = 1 for a schedule it was given)
+        if par.schedule != "1f1b" and par.layout == "manual":
+            raise ConfigError(f"parallel.schedule = '{par.schedule}' needs parallel.pp > 1 (a "
+                              f"schedule orders pipeline stages); set parallel.pp or drop it")
         return
     from fivefold.parallel.pipeline.schedules import build_schedule
 

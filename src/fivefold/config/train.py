@@ -34,7 +34,7 @@ class TrainSection:
     fp8_kernel: str = "auto"  # blockwise GEMMs: auto | scaled_mm | emulated (config/fp8.py)
     recompute: str = "none"  # none | selective | full | auto (per layer, under memory_budget_gib)
     memory_budget_gib: float = 0.0  # recompute = auto: the peak allocated GiB per rank to fit
-    compile: bool = False  # torch.compile each transformer block (inductor)
+    compile: str = "auto"  # auto (on CUDA each block compiled, on a CPU eager) | true | false
     seed: int = 1234
     deterministic: bool = False
     max_bad_steps: int = 3  # non-finite loss/gradient: skip the step; stop after this many in a row
@@ -117,3 +117,25 @@ def check_memory_budget(cfg, mc) -> None:
         raise ConfigError(f"train.recompute = 'auto' runs without tensor, context or expert "
                           f"parallelism and on dense models; {others[0]}: use selective or "
                           f"full")
+
+
+def compile_value(value) -> str:
+    """train.compile as given (a TOML boolean, or true/false/auto in any of the spellings a
+    boolean key takes) → "auto" | "true" | "false"."""
+    text = str(value).lower()
+    if value is True or text in ("true", "1", "yes", "on"):
+        return "true"
+    if value is False or text in ("false", "0", "no", "off"):
+        return "false"
+    if text == "auto":
+        return "auto"
+    raise ConfigError(f"train.compile = {value!r}: use auto (compiled on CUDA, eager on a "
+                      f"CPU), true or false")
+
+
+def resolve_compile(value, device_type: str) -> bool:
+    """Whether the blocks compile on a device of `device_type`: auto compiles on CUDA (each
+    block on its own, as torchtitan does), not on a CPU, where a compile costs minutes of
+    the system C++ compiler for a small model's seconds of training."""
+    choice = compile_value(value)
+    return choice == "true" or (choice == "auto" and device_type == "cuda")

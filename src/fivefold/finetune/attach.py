@@ -216,26 +216,29 @@ def _load_lora(p: Path, meta: dict, model_cfg, lora: dict):
     return model.eval(), model_cfg, meta.get("tokenizer", "byte")
 
 
-def export_peft(checkpoint_dir: str, outdir: str) -> Path:
-    """`fivefold convert --checkpoint C --out DIR --peft`: the adapters of a LoRA checkpoint
-    as a PEFT directory; its base_model_name_or_path is the run's base: model.hf_path, or
-    the fivefold step directory model.init_from resolved to (the weights the adapters sit
-    on, merged if that run trained adapters too: `convert --to-hf` of it gives a directory
-    transformers loads)."""
-    from fivefold.finetune.io import adapter_config, save_peft
+def lora_settings_of(checkpoint_dir: str) -> dict:
+    """The [lora] section of a LoRA checkpoint; one line for any other checkpoint."""
     from fivefold.train.checkpoint import read_meta
 
     p = _step_dir(Path(checkpoint_dir))
-    meta = read_meta(p, fix="--checkpoint")
+    read_meta(p, fix="--checkpoint")
     lora = _lora_settings(p)
     if lora is None:
         raise ConfigError(f"--checkpoint {checkpoint_dir} is not a LoRA run (lora.rank = 0): "
                           f"there are no adapters; drop --peft to export the whole model")
-    model, _, _, _ = load_for_inference(str(p))
-    model_section = (meta.get("config") or {}).get("model") or {}
-    base = model_section.get("hf_path") or model_section.get("init_from") or ""
+    return lora
+
+
+def export_peft(checkpoint_dir: str, outdir: str, base_model: str) -> Path:
+    """`fivefold convert --checkpoint C --out DIR --peft`: the adapters of a LoRA checkpoint
+    as a PEFT directory whose base_model_name_or_path is `base_model`, a Hugging Face
+    directory (models/convert.py chooses it: PEFT's AutoPeftModel loads the base from it)."""
+    from fivefold.finetune.io import adapter_config, save_peft
+
+    lora = lora_settings_of(checkpoint_dir)
+    model, _, _, _ = load_for_inference(str(_step_dir(Path(checkpoint_dir))))
     config = adapter_config(lora["rank"], lora["alpha"], lora["targets"], lora["dropout"],
-                            lora["rslora"], base_model=base)
+                            lora["rslora"], base_model=base_model)
     return save_peft(outdir, adapters_of(model), config)
 
 
@@ -245,4 +248,4 @@ def adapters_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 __all__ = ["LoraLinear", "add_adapters", "adapters_of", "base_tensors", "check_resume",
            "describe", "export_peft", "finish_adapters", "frozen_state", "load_for_inference",
-           "lora_enabled", "quantize_bases"]
+           "lora_enabled", "lora_settings_of", "quantize_bases"]

@@ -161,6 +161,17 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
     return model
 
 
+def unload(model: nn.Module) -> nn.Module:
+    """Replace every `LoraLinear` by its base alone as a plain `nn.Linear` (a quantised base
+    dequantised: the weights the adapters were trained on). Returns the model, changed in
+    place."""
+    for name, module in list(lora_modules(model).items()):
+        base = _as_linear(module.base_layer)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, base)
+    return model
+
+
 def _as_linear(base: nn.Module) -> nn.Linear:
     if isinstance(base, nn.Linear):
         return base

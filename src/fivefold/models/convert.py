@@ -4,6 +4,12 @@
         re-write a Hugging Face model (reshard, change dtype); tokenizer files come along
     fivefold convert --checkpoint DIR --to-hf OUT
         export a fivefold training checkpoint for transformers, vLLM, llama.cpp ...
+    fivefold convert --checkpoint DIR --to-hf OUT --peft [--base-hf HF_DIR]
+        a LoRA run's adapters as a PEFT directory; its base_model_name_or_path is a directory
+        transformers loads: --base-hf, else the run's model.hf_path, else the base the
+        adapters sit on written beside it as OUT-base (a run started from model.init_from,
+        or from a preset; a QLoRA base dequantised), so that
+        `AutoPeftModelForCausalLM.from_pretrained(OUT)` gives fivefold's logits
 
 To train from Hugging Face weights, no conversion is needed: `fivefold train
 --model.hf_path DIR` reads them directly, under any layout.
@@ -69,20 +75,22 @@ def hf_to_hf(src: str | Path, outdir: str | Path, max_shard_bytes: int,
 
 
 def export_checkpoint_to_hf(checkpoint_dir: str | Path, outdir: str | Path,
-                            max_shard_bytes: int | None = None, dtype: str = "keep") -> Path:
+                            max_shard_bytes: int | None = None, dtype: str = "keep",
+                            adapters: str = "merge") -> Path:
     """Write a fivefold training checkpoint as a Hugging Face model directory, with the
     tokenizer files transformers loads (models/hf_tokenizer.py): the run's tokenizer, or
-    the files of the Hugging Face base whose tokenizer the run used."""
+    the files of the Hugging Face base whose tokenizer the run used. A LoRA run's adapters
+    are merged in (`adapters` "merge") or left out ("drop": the base they sit on)."""
     import tempfile
 
     from fivefold.finetune.attach import load_for_inference
-    from fivefold.finetune.inject import merge_and_unload
+    from fivefold.finetune.inject import merge_and_unload, unload
     from fivefold.models.hf import DEFAULT_MAX_SHARD_BYTES, save_hf
     from fivefold.models.hf_tokenizer import base_tokenizer_dir, write_tokenizer_files
 
     model, model_cfg, tokenizer_spec, lora = load_for_inference(str(checkpoint_dir))
-    if lora:  # a LoRA run: the base with W + scaling · B A folded in
-        model = merge_and_unload(model)
+    if lora:  # a LoRA run: the base with W + scaling · B A folded in, or the base alone
+        model = merge_and_unload(model) if adapters == "merge" else unload(model)
     if _torch_dtype(dtype) is not None:
         model = model.to(_torch_dtype(dtype))
     base = base_tokenizer_dir(tokenizer_spec, _run_hf_path(Path(checkpoint_dir)))
@@ -99,6 +107,34 @@ def export_checkpoint_to_hf(checkpoint_dir: str | Path, outdir: str | Path,
                        max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
 
 
+def _export_peft(args, shard: int) -> Path:
+    """The adapters, naming a base PEFT loads: --base-hf, the run's model.hf_path, or the
+    base the adapters sit on, written first as OUT-base (module docstring)."""
+    from fivefold.finetune.attach import export_peft, lora_settings_of
+
+    lora_settings_of(args.checkpoint)  # a LoRA run, or one line before anything is written
+    base = args.base_hf or _run_hf_path(Path(args.checkpoint))
+    if args.base_hf:
+        try:
+            model_type = json.loads((Path(args.base_hf) / "config.json").read_text())[
+                "model_type"]
+        except (OSError, ValueError, KeyError, TypeError):
+            model_type = None
+        if not model_type:
+            raise ConfigError(f"--base-hf {args.base_hf} is not a Hugging Face model directory"
+                              f" (no config.json with a model_type); give the directory of "
+                              f"`convert --to-hf` or transformers' save_pretrained")
+    if not base:  # model.init_from or a preset: no directory transformers loads exists yet
+        written = Path(args.to_hf).with_name(Path(args.to_hf).name + "-base")
+        if written.exists() and (not written.is_dir() or any(written.iterdir())):
+            raise ConfigError(f"the adapter's base goes to {written}, which already exists; "
+                              f"remove it, or name a base with --base-hf HF_DIR")
+        base = str(export_checkpoint_to_hf(args.checkpoint, written, shard, args.dtype,
+                                           adapters="drop").resolve())
+        print(f"wrote {written} (the base the adapters sit on)")
+    return export_peft(args.checkpoint, args.to_hf, base_model=base)
+
+
 def _run_hf_path(checkpoint: Path) -> str:
     """The model.hf_path a checkpoint's run trained from ('' if none), from its meta.json
     (already checked by the loader)."""
@@ -109,6 +145,21 @@ def _run_hf_path(checkpoint: Path) -> str:
     except (OSError, ValueError):
         return ""
     return ((meta.get("config") or {}).get("model") or {}).get("hf_path") or ""
+
+
+def _quantized_refusal(checkpoint: Path) -> str:
+    """One line for convert --checkpoint of a `fivefold quantize` directory, naming its
+    method and the float model it came from (its quantized.json says both)."""
+    try:
+        manifest = json.loads((checkpoint / QUANTIZED_MARKER).read_text())
+    except (OSError, ValueError):
+        manifest = {}
+    method = (manifest.get("quant") or {}).get("method") or "quantised"
+    came = next(iter((manifest.get("source") or {}).values()), "")
+    came = f" ({came})" if isinstance(came, str) and came else ""
+    return (f"--checkpoint {checkpoint} holds {method} weights written by fivefold quantize; "
+            f"convert exports float models only: convert the checkpoint or Hugging Face "
+            f"directory it was quantised from{came}, or serve/generate/eval this one directly")
 
 
 def build_parser() -> ArgumentParser:
@@ -122,8 +173,13 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--peft", action="store_true",
                    help="with --checkpoint of a LoRA run: write only the adapters, as a PEFT "
                         "directory (adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("--base-hf", metavar="HF_DIR",
+                   help="with --peft: the Hugging Face directory the adapter names as its base "
+                        "(default: the run's model.hf_path; a run without one gets the base "
+                        "its adapters sit on written beside OUT, as OUT-base)")
     p.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
-    p.add_argument("--dtype", default="keep", choices=DTYPES)
+    p.add_argument("--dtype", default="keep", choices=DTYPES,
+                   help="the written weights' dtype (default keep: as stored)")
     return p
 
 
@@ -136,24 +192,24 @@ def main(argv: list[str] | None = None) -> int:
         if not args.to_hf:
             raise ConfigError("give --to-hf OUTDIR: the Hugging Face directory to write")
         if args.checkpoint and (Path(args.checkpoint) / QUANTIZED_MARKER).is_file():
-            # transformers reads AWQ/int4 weights only through the gptqmodel kernels, which
-            # do not install here, so a layout written for them could not be checked.
-            raise ConfigError(f"--checkpoint {args.checkpoint} is quantised (fivefold quantize),"
-                              f" and exporting int4/AWQ in transformers' AWQ layout is not "
-                              f"supported; convert the float checkpoint it came from instead")
+            # transformers reads int4/AWQ weights only through the gptqmodel kernels, which do
+            # not install here, and int8/nf4/mxfp4 in layouts of bitsandbytes or torchao's
+            # own: a directory written for any of them could not be checked here.
+            raise ConfigError(_quantized_refusal(Path(args.checkpoint)))
         target = Path(args.to_hf)
         writable_dir("--to-hf", args.to_hf)
         if target.is_dir() and any(target.iterdir()):  # before the (slow) load, not after
             raise ConfigError(f"--to-hf {target} already exists and is not empty; choose a new "
                               f"directory or remove this one")
         shard = parse_size(args.max_shard_size)
+        if args.base_hf and not args.peft:
+            raise ConfigError("--base-hf names the base of a --peft adapter; add --peft or "
+                              "drop --base-hf")
         if args.peft:
             if not args.checkpoint:
                 raise ConfigError("--peft exports a LoRA checkpoint's adapters; give "
                                   "--checkpoint DIR")
-            from fivefold.finetune.attach import export_peft
-
-            out = export_peft(args.checkpoint, args.to_hf)
+            out = _export_peft(args, shard)
         elif args.hf:
             out = hf_to_hf(args.hf, args.to_hf, shard, args.dtype)
         else:

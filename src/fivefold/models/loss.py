@@ -25,12 +25,26 @@ from collections.abc import Callable
 
 import torch
 
-# Logits per chunk: 2^24 fp32 values = 64 MiB (the exponentials overwrite them in place; in
-# bf16 a compute-dtype cast beside them). Rows per chunk = this / local vocabulary: 512 at a
-# 32k vocabulary, 130 at Llama 3's 128k. Smaller chunks cost time on a CPU, where the fp32
-# weight gradient is read and rewritten once per chunk and short matmuls run below peak:
+from fivefold.models import loss_chunks
+from fivefold.models.loss_kernel import _identity, _rows_loss, cross_entropy_rows_
+
+# Logits per chunk on a CPU: 2^24 fp32 values = 64 MiB (the exponentials overwrite them in
+# place; in bf16 a compute-dtype cast beside them). Rows per chunk = this / local vocabulary:
+# 512 at a 32k vocabulary, 130 at Llama 3's 128k. Smaller chunks cost time on a CPU, where the
+# fp32 weight gradient is read and rewritten once per chunk and short matmuls run below peak:
 # 128-row chunks made the 25M benchmark model's head and loss 6% slower than 512-row ones.
-LOGITS_CHUNK_ELEMENTS = 1 << 24
+# On a GPU the chunk follows the device's memory (models/loss_chunks.py, shared with the
+# planner).
+LOGITS_CHUNK_ELEMENTS = loss_chunks.LOGITS_CHUNK_ELEMENTS
+
+# The fused path on a GPU (one kernel per chunk for the loss and the logits' gradient, chunks
+# sized by memory). False gives the chunked path everywhere, as before it existed: the GPU
+# benchmark's "before" (bench/gpu_step.py).
+FUSED_ON_DEVICE = True
+
+# The memory the meta device stands for (a trace of a GPU's step, fivefold.trace, sets its
+# GPU's); a CUDA device reports its own.
+META_DEVICE_MEMORY = 80 * 2**30
 
 
 # Called as (point, tensors) where the loss holds large tensors it does not save (a chunk's
@@ -50,34 +64,25 @@ def _observe(point: str, tensors: list[torch.Tensor]) -> None:
 
 
 def chunk_rows(num_tokens: int, vocab_local: int) -> int:
+    """A CPU's rows per chunk (and the chunked path's on any device)."""
     return max(1, min(num_tokens, LOGITS_CHUNK_ELEMENTS // max(vocab_local, 1)))
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
+def device_memory(device: torch.device) -> float:
+    """The bytes a GPU chunk is sized by (models/loss_chunks.py); 0 on a CPU."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "meta":
+        return float(META_DEVICE_MEMORY)
+    return 0.0
 
 
-def _rows_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, num_valid: int,
-               reduce_max: Callable, reduce_sum: Callable, with_grads: bool):
-    """Per-token losses of fp32 logits rows (overwritten), and with `with_grads` the logits'
-    gradient softmax − one-hot(target) for kept tokens (in the same storage)."""
-    if num_valid < logits.shape[-1]:  # padding rows of a split head are not words
-        logits[:, num_valid:] = float("-inf")
-    row_max = reduce_max(logits.max(dim=-1).values)
-    logits -= row_max.unsqueeze(-1)
-    local = targets - vocab_start
-    mine = (local >= 0) & (local < num_valid)
-    local = torch.where(mine, local, torch.zeros_like(local))
-    target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
-    exp = logits.exp_()
-    sum_exp, target_logit = reduce_sum(torch.stack((exp.sum(dim=-1), target_logit)))
-    keep = targets != -100
-    token_loss = (sum_exp.log() - target_logit) * keep
-    if not with_grads:
-        return token_loss, None
-    exp.mul_((keep / sum_exp).unsqueeze(-1))
-    exp.scatter_add_(-1, local.unsqueeze(-1), -(mine & keep).unsqueeze(-1).float())
-    return token_loss, exp
+def fused_path(device: torch.device, reduce_max: Callable, reduce_sum: Callable) -> bool:
+    """Whether the loss takes the fused path: on a GPU (not a CPU), with the whole vocabulary
+    on this rank (a vocabulary-parallel loss completes each row's max and sum across ranks
+    between the two passes the kernel makes in one)."""
+    return (FUSED_ON_DEVICE and device.type != "cpu" and reduce_max is _identity
+            and reduce_sum is _identity)
 
 
 # Rows per block of `_add_wider_`: 2^20 fp32 values (4 MiB) of cast operand at a time.
@@ -102,12 +107,59 @@ def _add_wider_(out: torch.Tensor, part: torch.Tensor) -> None:
         out[i:i + step] += part[i:i + step]
 
 
+def _fused(x, t, weight, vocab_start: int, num_valid: int, with_grads: bool):
+    """The GPU path: chunks as large as the device's memory allows (one at 8192 tokens and a
+    128k vocabulary on an 80 GiB card), each chunk's logits made by one GEMM in the compute
+    dtype, turned into their gradient in place by one kernel (models/loss_kernel.py), then
+    multiplied out into the input's and the weight's gradients. With one chunk the weight's
+    gradient is one GEMM in the compute dtype (fp32 accumulation inside it); with several,
+    the chunks' parts add into fp32 and round once at the end, as on the CPU.
+
+    W is read twice a chunk and its gradient written once: a fixed number of passes over the
+    head's largest tensors, not one per 64 MiB of logits."""
+    rows = loss_chunks.chunk_rows(x.shape[0], weight.shape[0], device_memory(x.device),
+                                  weight.element_size())
+    chunks = -(-x.shape[0] // rows)
+    logits = torch.empty((min(rows, x.shape[0]), weight.shape[0]), dtype=weight.dtype,
+                         device=x.device)
+    losses, grad_x, grad_w = [], None, None
+    if with_grads:
+        grad_x = torch.empty_like(x)
+    for start in range(0, x.shape[0], rows):
+        xc, tc = x[start:start + rows], t[start:start + rows]
+        chunk = logits[:xc.shape[0]]
+        torch.mm(xc, weight.t(), out=chunk)
+        losses.append(cross_entropy_rows_(chunk, tc, vocab_start, num_valid, with_grads))
+        if not with_grads:
+            continue
+        _observe("loss chunk", [chunk, grad_x])
+        torch.mm(chunk, weight, out=grad_x[start:start + rows])
+        if grad_w is None:  # the first chunk writes it: no pass to zero V·h values first
+            grad_w = torch.mm(chunk.t(), xc)
+            if chunks > 1:
+                grad_w = grad_w.float()
+        elif weight.dtype == torch.float32:
+            grad_w.addmm_(chunk.t(), xc)  # accumulated inside the GEMM (beta = 1)
+        else:
+            grad_w += torch.mm(chunk.t(), xc)
+    token_loss = losses[0] if len(losses) == 1 else torch.cat(losses)
+    if grad_w is not None and grad_w.dtype != weight.dtype:
+        grad_w = grad_w.to(weight.dtype)
+    # One sum over all tokens, in the same order as an unchunked loss would take it.
+    return token_loss.sum(), grad_x, grad_w
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_start: int, num_valid: int,
                 reduce_max: Callable, reduce_sum: Callable, with_grads: bool):
         x = hidden.reshape(-1, hidden.shape[-1])
         t = targets.reshape(-1)
+        if fused_path(x.device, reduce_max, reduce_sum):
+            loss, grad_x, grad_w = _fused(x, t, weight, vocab_start, num_valid, with_grads)
+            if with_grads:
+                ctx.save_for_backward(grad_x.view_as(hidden), grad_w)
+            return loss
         token_loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         if with_grads:
             grad_x = torch.empty_like(x)

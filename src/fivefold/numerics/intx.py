@@ -147,7 +147,7 @@ def fake_quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
                        symmetric: bool = False, levels: int = INT4_LEVELS) -> torch.Tensor:
     """Quantise and dequantise in one step (fp32), without packing: what AWQ's search
     evaluates for every candidate scale. `levels` < 15 emulates fewer bits (asymmetric
-    only; bench/awq_bits.py measures 3 bits, levels = 7)."""
+    only; bench/quant/awq_bits.py measures 3 bits, levels = 7)."""
     if symmetric and levels != INT4_LEVELS:
         raise ValueError("fewer levels than int4's are emulated asymmetrically only")
     scale, zero = int4_scale_zero(w, group_size, symmetric, levels)

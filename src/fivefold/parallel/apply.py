@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fivefold.config.train import resolve_compile
 from fivefold.models.init import materialize
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.parallel.recompute import apply_recompute
@@ -86,7 +87,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
         from fivefold.parallel.pipeline.stages import tag_replicas
 
         tag_replicas(chunks)
-    if cfg.train.compile:
+    if resolve_compile(cfg.train.compile, device.type):  # auto: on CUDA
         compile_blocks(chunks)
     return ParallelModel(chunks, dims, fp8_line)
 

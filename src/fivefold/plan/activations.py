@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fivefold.models.loss_chunks import LOGITS_CHUNK_ELEMENTS, chunk_rows  # the engine's rule
 from fivefold.models.presets import ModelConfig
 from fivefold.plan.fp8 import apply_fp8_terms
 
 INDEX_BYTES = 8  # int64 token ids and targets
 STAT_BYTES = 4  # fp32 norm statistics and softmax log-sum-exp
-LOGITS_CHUNK_ELEMENTS = 1 << 24  # logits per chunk of the engine's loss (models/loss.py)
 
 
 @dataclass
@@ -82,6 +82,7 @@ def activation_bytes_per_microbatch(
     fp8_recipe: str = "",
     loss_parallel: bool = False,
     softmax_loss: bool = False,
+    loss_device_memory: float = 0.0,
 ) -> ActivationBytes:
     """Bytes one micro-batch leaves saved for backward on one rank, per layer and outside.
 
@@ -165,7 +166,7 @@ def activation_bytes_per_microbatch(
         terms["layer_input"] = seq_tensor
         terms.update({f"kept_{op}": outputs[op] for op in op_sac_kept(model)})
         return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq_len / cp,
-                   chunked_loss, loss_parallel, softmax_loss)
+                   chunked_loss, loss_parallel, softmax_loss, loss_device_memory)
     if recompute == "full":
         terms["layer_input"] = seq_tensor
         if ep > 1 and model.num_experts:
@@ -175,7 +176,7 @@ def activation_bytes_per_microbatch(
             replay = 2 * tokens * model.experts_top_k * h * B
             terms["ep_replay"] = replay * model.num_moe_layers / model.num_layers
         return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq_len / cp,
-                   chunked_loss, loss_parallel, softmax_loss)
+                   chunked_loss, loss_parallel, softmax_loss, loss_device_memory)
 
     terms["attn_norm_input"] = seq_tensor
     terms["norm_stats"] = 2 * tokens * stats / seq_div
@@ -221,7 +222,7 @@ def activation_bytes_per_microbatch(
                         f=model.intermediate_size / tp, dtype_bytes=B,
                         swiglu=model.mlp == "swiglu", qkv_tokens=col_input / (h * B))
     return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq_len / cp,
-                   chunked_loss, loss_parallel, softmax_loss)
+                   chunked_loss, loss_parallel, softmax_loss, loss_device_memory)
 
 
 # The per-operator model of a dense block, shared with train.recompute = auto
@@ -299,7 +300,7 @@ def moe_layer_terms(model: ModelConfig, tokens: float, B: int) -> dict[str, floa
 
 def _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq: float,
             chunked_loss: bool = True, loss_parallel: bool = False,
-            softmax_loss: bool = False) -> ActivationBytes:
+            softmax_loss: bool = False, loss_device_memory: float = 0.0) -> ActivationBytes:
     h = model.hidden_size
     vocab_local = -(-model.vocab_size // tp)  # padded to tp pieces
     stats = STAT_BYTES * (2 if model.norm == "layernorm" else 1)
@@ -311,12 +312,21 @@ def _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq: float
         "logits": vocab_local * h * B,
         "loss": 0.0,
     }
-    rows = min(tokens, max(1, LOGITS_CHUNK_ELEMENTS // vocab_local))
-    # Forward, per chunk: fp32 logits, their cast to the compute dtype (none in fp32), and
-    # the weight's gradient accumulating in fp32 (saved in the compute dtype: 4 − B more).
-    # Backward: both saved gradients scaled by the loss's, beside the saved ones.
-    cast = B if B < 4 else 0
-    forward = rows * vocab_local * (4 + cast) + (4 - B) * vocab_local * h
+    if loss_device_memory > 0 and tp == 1:
+        # A GPU's fused loss (models/loss.py `_fused`): a chunk of compute-dtype logits sized
+        # by the device's memory, their gradient written over them; the weight's gradient in
+        # the compute dtype from one chunk, or accumulating in fp32 beside each chunk's part.
+        rows = chunk_rows(int(tokens), vocab_local, loss_device_memory, B)
+        multi = rows < tokens
+        forward = rows * vocab_local * B + (4 * vocab_local * h + B * vocab_local * h
+                                            if multi else 0)
+    else:
+        rows = min(tokens, max(1, LOGITS_CHUNK_ELEMENTS // vocab_local))
+        # Forward, per chunk: fp32 logits, their cast to the compute dtype (none in fp32), and
+        # the weight's gradient accumulating in fp32 (saved in the compute dtype: 4 − B more).
+        # Backward: both saved gradients scaled by the loss's, beside the saved ones.
+        cast = B if B < 4 else 0
+        forward = rows * vocab_local * (4 + cast) + (4 - B) * vocab_local * h
     if not chunked_loss:
         # Materialised logits, cast to fp32 for the loss (torchtitan: F.cross_entropy(pred
         # .float(), ...), the compute-dtype logits deleted before backward): log-softmax keeps

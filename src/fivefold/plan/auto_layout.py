@@ -43,9 +43,10 @@ from fivefold.plan.evaluate import LayoutPlan, plan_layout
 from fivefold.plan.hardware import CATALOG, GIB, Assumptions, Hardware, measured_disk, with_profile
 from fivefold.plan.inputs import DEFAULT_GPU, layout_config, training_plan_inputs
 from fivefold.plan.layout import Layout, Workload, critical_ranks
+from fivefold.plan.network import call_time
 from fivefold.plan.nvme import layout_offload, tier
 from fivefold.plan.search import SearchSpace, enumerate_layouts, search
-from fivefold.plan.timing import call_time
+from fivefold.plan.validated import validated_range
 
 # The recomputation the search tries when train.recompute is not set.
 RECOMPUTE_CHOICES = ("none", "selective", "full", "auto")
@@ -172,7 +173,9 @@ def search_space(cfg, keep: dict, on_cpu: bool, accepts, nvme: bool = False) -> 
     """The SearchSpace of an auto config: one value for every kept key; NVMe offload among
     the tiers when `nvme` (nvme_note found nothing against it)."""
     tiers = ((False,) if on_cpu else (False, True)) + (("nvme",) if nvme else ())
-    space = SearchSpace(recompute=RECOMPUTE_CHOICES, sp=(True, False), offload=tiers)
+    # layouts inside the engine's validated range rank first when within validated.CLOSE
+    space = SearchSpace(recompute=RECOMPUTE_CHOICES, sp=(True, False), offload=tiers,
+                        validated=validated_range("fivefold"))
     checks = []
     for dotted, value in keep.items():
         section, key = dotted.split(".", 1)
@@ -306,6 +309,17 @@ def _no_layout(cfg, work, world, hw, keep, on_cpu, judged) -> str:
     return (f"parallel.layout = 'auto': no layout of {world} rank(s) runs this model and batch"
             + (f" ({reason})" if reason else "") + "; change train.gbs, the model or the "
             "number of ranks")
+
+
+def check_ranks(cfg, world: int, ranks_per_node: int, on_cpu: bool, precision: str) -> None:
+    """Memory aside, whether a layout of `world` ranks runs cfg, else choose()'s one line:
+    `fivefold launch` asks it once, before any rank starts (each rank measures its budget
+    and chooses on its own; a budget no layout fits stays theirs to say)."""
+    hw, _ = auto_hardware(None, ranks_per_node, 2.0**40, None, on_cpu)
+    work, judged = workload(cfg, precision, hw.memory_gib)
+    keep = constraints(cfg)
+    if not _exists(work, world, hw, search_space(cfg, keep, on_cpu, _accepts(judged)))[0]:
+        raise ConfigError(_no_layout(cfg, work, world, hw, keep, on_cpu, judged))
 
 
 def apply(cfg, plan: LayoutPlan, budget_gib: float):

@@ -30,6 +30,7 @@ from fivefold.plan.hardware import (
     get_hardware,
     load_profile,
     parse_overrides,
+    runs_on_host,
     with_profile,
 )
 from fivefold.plan.inputs import (
@@ -52,6 +53,9 @@ from fivefold.plan.report import (
 )
 from fivefold.plan.run_cost import model_from_params, run_cost
 from fivefold.plan.search import SearchSpace, search, suggest_fix
+from fivefold.plan.validated import describe as describe_validated
+from fivefold.plan.validated import to_dict as validated_to_dict
+from fivefold.plan.validated import validated_range
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,12 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "measured matmul, attention and collective speeds replace the peaks")
     hw.add_argument("--list-gpus", action="store_true", help="print the catalog and exit")
     tr = ap.add_argument_group("training shape")
-    tr.add_argument("--seq-len", type=int, default=4096)
+    tr.add_argument("--seq-len", type=int, default=4096,
+                    help="tokens per training sequence (default 4096)")
     batch = tr.add_mutually_exclusive_group()
     batch.add_argument("--gbs", type=int, help="global batch in sequences (default: about "
                        "4M tokens, rounded to GPUs × a power of two so every dp divides it)")
     batch.add_argument("--gbs-tokens", type=float, help="global batch in tokens (e.g. 4e6)")
-    tr.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"))
+    tr.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"),
+                    help="the training precision (default bf16; fp8: bf16 with FP8 GEMMs)")
     tr.add_argument("--optimizer", default="adamw", choices=(
         "adamw", "adam", "sgd", "adamw8bit", "adamw4bit", "adafactor", "muon"),
         help="the optimizer whose states and update are planned (train.optimizer)")
@@ -282,6 +288,8 @@ def run(argv: list[str]) -> int:
         args.gbs_note = (f"gbs = {gbs} sequences, the default: about 4M tokens rounded to "
                          f"{args.gpus} GPUs × {gbs // args.gpus} so every dp divides it "
                          f"(--gbs or --gbs-tokens sets another)")
+    if not runs_on_host(hw):  # a GPU's fused loss sizes its chunks by its memory
+        options = {"loss_device_memory": hw.memory_gib * 2**30, **options}
     work = Workload(model=model, seq_len=args.seq_len, gbs=gbs, precision=args.precision,
                     **{"grad_sync": "auto", **options})
     convention = get_convention(args.convention)
@@ -313,7 +321,9 @@ def run(argv: list[str]) -> int:
             _emit_json(args, {"workload": workload_to_dict(work), "layouts": [plan.to_dict()],
                               "warnings": layout_warnings(plan, work, hw),
                               "run": cost.to_dict() if cost else None,
-                              "convention": convention_to_dict(convention, plan)})
+                              "convention": convention_to_dict(convention, plan),
+                              "validated": validated_to_dict(convention.name, layout,
+                                                             hw.gpus_per_node)})
         if args.json != "-":
             print(describe_workload(work, hw, args.gpus))
             if getattr(args, "gbs_note", None):
@@ -321,6 +331,8 @@ def run(argv: list[str]) -> int:
             print(_explain(plan, work, hw))
             if convention.name != "fivefold":
                 print("\n" + describe_convention(convention, plan))
+            print("\n" + "\n".join(describe_validated(convention.name, layout,
+                                                        hw.gpus_per_node)))
             if cost:
                 print("\n" + cost.describe())
         if args.plot:
@@ -352,6 +364,7 @@ def _search(args, work, num_gpus, hw, assume, allowed=None) -> int:
     if convention is not None:  # its layout settings, but the search still explores ZeRO
         space.fixed = {k: v for k, v in convention.layout.items() if k != "zero"}
         space.schedule = tuple(s for s in space.schedule if s in convention.schedules)
+    space.validated = validated_range(convention.name if convention else "fivefold")
     result = search(work, num_gpus, hw, assume, space, top=max(args.top, 1),
                     progress=lambda line: print(line, file=sys.stderr, flush=True))
     if getattr(args, "gbs_note", None):
@@ -361,9 +374,16 @@ def _search(args, work, num_gpus, hw, assume, allowed=None) -> int:
         payload = search_to_dict(result, work, hw, assume)
         payload["run"] = cost.to_dict() if cost else None
         payload["convention"] = convention.name if convention else "fivefold"
+        if result.top:
+            payload["validated"] = validated_to_dict(payload["convention"],
+                                                     result.top[0].layout, hw.gpus_per_node)
         _emit_json(args, payload)
     if args.json != "-":
         print(format_search(result, work, hw, args.top))
+        if result.top:
+            print("\n" + "\n".join(describe_validated(
+                convention.name if convention else "fivefold", result.top[0].layout,
+                hw.gpus_per_node)))
         if cost:
             print(f"\nwith the fastest layout, {result.top[0].layout.short()}:")
             print(cost.describe())

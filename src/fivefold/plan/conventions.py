@@ -108,17 +108,22 @@ CONVENTIONS: dict[str, Convention] = {
          "(asserts nb_microbatches >= pp - 1); models/base.py build_model (the cut moves "
          "on one rank per block: ranks after the loss get none; such runs crashed)",
          "fitted on the Ultra-Scale Playbook's 1,130 nanotron runs (bench/data/"
-         "usp-calibration.csv, bench/usp_calibration.py; max_memory_reserved of rank 0)"),
+         "usp-calibration.csv, bench/plan/usp_calibration.py; max_memory_reserved of rank 0)"),
         ("afab", "1f1b"),
-        # Fitted on bench/data/usp-calibration.csv alone (bench/usp_calibration.py `fit`,
+        # Fitted on bench/data/usp-calibration.csv alone (bench/plan/usp_calibration.py `fit`,
         # rounded; docs/planner-validation.md gives them fitted on 16 GPUs and judged on 128,
         # and the other way): reserved per byte of saved activations and of loss buffers
         # beyond the allocator model, bytes per token per hidden unit on the head's rank
         # (least absolute deviations), the host time per layer per micro-batch, the fixed
         # time per pipeline message, the share of a node's NICs a group across nodes uses
         # beyond one per GPU, and the GiB the most loaded rank must leave free to fit.
+        # The time factors (bench/plan/usp_fit.py, by coordinate descent on the capped mean log
+        # error): host ms per layer and micro-batch, ms per pipeline message, the NICs'
+        # share, the latency per ring step a TP call waits while nanotron's pipeline blocks
+        # the host on its messages, and the spread of a rank's time (stragglers).
         {"activation_reserve": 0.25, "loss_reserve": 0.0, "head_token_bytes": 82.0,
-         "host_layer_ms": 4.0, "pp_message_ms": 10.0, "inter_node_rails": 0.5,
+         "host_layer_ms": 4.0, "pp_message_ms": 2.0, "inter_node_rails": 0.25,
+         "pp_blocking_latency_us": 150.0, "straggler_sigma": 0.02,
          "memory_headroom_gib": 4.5}),
     "torchtitan": Convention(
         "torchtitan",

@@ -32,6 +32,10 @@ class Hardware:
     intra_node_gbps: float  # NVLink / xGMI per GPU, one direction
     inter_node_gbps: float  # NIC bandwidth per GPU, one direction (8×400 Gb/s → 50)
     gpus_per_node: int = 8
+    # Nodes under one leaf switch (one rail group): a group spread over more crosses the
+    # spine (plan/network.py). DGX SuperPOD's scalable unit: 32 nodes per leaf group
+    # (NVIDIA DGX SuperPOD reference architecture, H100). 0: a single switch tier.
+    leaf_nodes: int = 32
     host_link_gbps: float = 32.0  # PCIe to the host, one direction (offload traffic)
     # NVMe per GPU (offload = "nvme"): one PCIe Gen4 x4 drive per GPU, its slower sequential
     # rate (writes): e.g. Samsung PM1733 data sheet, 7.0 GB/s read, 3.8 GB/s write. Override
@@ -76,8 +80,12 @@ class Assumptions:
     compute_overhead: float = 0.10
     bandwidth_efficiency: float = 0.80  # NCCL bus bandwidth / link bandwidth
     hbm_efficiency: float = 0.80  # elementwise kernels and the optimizer step vs. HBM peak
-    intra_latency_us: float = 10.0  # per collective step inside a node
-    inter_latency_us: float = 25.0  # per collective step across nodes
+    # Latency of a collective (plan/network.py), NCCL's own model's figures for large
+    # messages (its Simple protocol; NVIDIA/nccl src/graph/tuning.cc baseLat, hwLat): a
+    # fixed time per call, and per ring step over NVLink and over the network.
+    base_latency_us: float = 8.4  # per call
+    intra_latency_us: float = 3.4  # per collective step inside a node
+    inter_latency_us: float = 9.6  # per collective step across nodes
     cpu_adam_gbps: float = 100.0  # host memory bandwidth per node for an offloaded step
     tp_overlap: float = 0.0  # share of TP/SP communication hidden behind GEMMs (async TP)
     context_gib: float = 1.5  # CUDA context, cuBLAS workspace, NCCL buffers
@@ -103,6 +111,21 @@ class Assumptions:
     # engine: what the planner does not trace, e.g. NCCL's lazily created communicators and
     # point-to-point buffers, the spread of fragmentation between ranks). 0: the engine's own.
     memory_headroom_gib: float = 0.0
+    # Uplinks of a leaf switch per downlink, inverted: a group crossing the spine gets
+    # 1/spine_oversubscription of its nodes' NIC bandwidth (1: non-blocking fat tree, as
+    # DGX SuperPOD's; plan/network.py spine_share).
+    spine_oversubscription: float = 1.0
+    # Latency a ring step adds when it crosses the spine (µs): two more switch hops, and the
+    # queues of every group crossing at once.
+    spine_latency_us: float = 0.0
+    # Latency per ring step of a TP collective while the pipeline engine holds the host on
+    # its point-to-point messages (pp > 1; fitted per engine, 0 for the engine itself, whose
+    # pipeline posts its messages without waiting on them).
+    pp_blocking_latency_us: float = 0.0
+    # Spread of a rank's step time (its relative standard deviation): the step waits for
+    # the slowest of N ranks, E[max] ≈ mean·(1 + σ·√(2 ln N)) for N normal times (the
+    # extreme value of N Gaussians; e.g. Cramér 1946 §28.6). 0: every rank alike.
+    straggler_sigma: float = 0.0
     price_per_gpu_hour: float = 0.0  # for the whole-run cost (--tokens); 0: not priced
 
 
@@ -148,9 +171,11 @@ def _coerce(key: str, value, typ):
 
 # --hw values that may be 0 (a device without fp8, no latency, no overhead), and shares.
 _MAY_BE_ZERO = ("fp8_tflops", "compute_overhead", "intra_latency_us", "inter_latency_us",
+                "base_latency_us",
                 "context_gib", "tp_overlap", "fragmentation", "price_per_gpu_hour",
                 "activation_reserve", "loss_reserve", "head_token_bytes", "host_layer_ms",
-                "pp_message_ms", "host_memory_gib", "inter_node_rails", "memory_headroom_gib")
+                "pp_message_ms", "host_memory_gib", "inter_node_rails", "memory_headroom_gib",
+                "leaf_nodes", "spine_latency_us", "straggler_sigma", "pp_blocking_latency_us")
 _AT_MOST_ONE = ("tp_overlap", "inter_node_rails")
 
 
@@ -166,6 +191,8 @@ def _check_range(key: str, value: float) -> None:
         ok, want = 0 <= value < 1, "in [0, 1)"
     elif key == "gpus_per_node":
         ok, want = value >= 1, ">= 1"
+    elif key == "spine_oversubscription":
+        ok, want = value >= 1, ">= 1 (uplinks never exceed downlinks' share)"
     else:
         ok, want = low_ok, ">= 0" if key in _MAY_BE_ZERO else "> 0"
     if not (math.isfinite(value) and ok):

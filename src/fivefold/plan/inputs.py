@@ -18,7 +18,7 @@ from fivefold.errors import ConfigError
 from fivefold.models.hf_config import check_shape
 from fivefold.models.presets import MODEL_FIELDS, ModelConfig, preset
 from fivefold.plan.grad_sync import resolve_grad_sync
-from fivefold.plan.hardware import get_hardware, hardware_for_device_name
+from fivefold.plan.hardware import get_hardware, hardware_for_device_name, runs_on_host
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.nvme import layout_offload, tier
 
@@ -181,6 +181,8 @@ def training_plan_inputs(cfg: fconfig.Config, hw=None, assume=None,
     workload_options.setdefault("memory_budget_gib", getattr(tr, "memory_budget_gib", 0.0))
     workload_options.setdefault("fp8_recipe", getattr(tr, "fp8_recipe", "blockwise"))
     workload_options.setdefault("fp8_allgather", getattr(par, "fp8_allgather", False))
+    if hw is not None and not runs_on_host(hw):  # a GPU's fused loss: chunks by its memory
+        workload_options.setdefault("loss_device_memory", hw.memory_gib * 2**30)
     lora = getattr(cfg, "lora", None)
     if lora is not None and lora.rank > 0:  # a frozen base with adapters (plan/lora.py)
         workload_options.setdefault("lora_rank", lora.rank)

@@ -131,6 +131,9 @@ class Workload:
     # The head and loss in chunks, nothing T×V kept (models/loss.py), or materialised logits
     # cast to fp32 for the loss (torchtitan and most engines; plan/activations.py).
     chunked_loss: bool = True
+    # > 0: the GPU's bytes the engine's fused loss sizes its chunks by (models/loss_chunks.py);
+    # 0: a CPU's fixed chunk.
+    loss_device_memory: float = 0.0
     lora_rank: int = 0  # > 0: a frozen base with LoRA adapters of this rank (plan/lora.py)
     lora_base: str = "none"  # the frozen base's storage: none (compute dtype) | nf4 | int8
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"

@@ -423,7 +423,7 @@ def _act_kwargs(work: Workload, layout: Layout) -> dict:
             "sp_saves_gathered": layout.sp_saved != "shard", "cp_comm": layout.cp_comm,
             "ep": layout.ep, "fp8_recipe": work.fp8_recipe if work.precision == "fp8" else "",
             "chunked_loss": work.chunked_loss, "loss_parallel": work.loss_parallel,
-            "softmax_loss": work.softmax_loss}
+            "softmax_loss": work.softmax_loss, "loss_device_memory": work.loss_device_memory}
 
 
 def _activations(work: Workload, layout: Layout) -> ActivationBytes:

@@ -19,7 +19,7 @@ COLORS = {"params": "#4e79a7", "grads": "#a0cbe8", "master": "#f28e2b", "optimiz
           "overhead": "#bab0ac",
           "compute": "#4e79a7", "tp_comm": "#f28e2b", "cp_comm": "#ffbe7d",
           "ep_comm": "#8cd17d", "pp_comm": "#b6992d", "bubble": "#e15759",
-          "dp_comm": "#76b7b2", "optimizer_t": "#bab0ac"}
+          "dp_comm": "#76b7b2", "optimizer_t": "#bab0ac", "straggler": "#9c755f"}
 
 
 def _pyplot():

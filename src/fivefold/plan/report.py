@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from fivefold.plan import validated
 from fivefold.plan.evaluate import LayoutPlan
 from fivefold.plan.hardware import GIB, Assumptions, Hardware
 from fivefold.plan.layout import Workload, bubble_ratio
@@ -14,7 +15,7 @@ from fivefold.text import count, params
 
 TIME_LABELS = {"compute": "compute", "tp_comm": "TP comm", "cp_comm": "CP comm",
                "ep_comm": "EP comm", "pp_comm": "PP comm", "bubble": "bubble",
-               "dp_comm": "DP comm", "optimizer": "optimizer"}
+               "dp_comm": "DP comm", "optimizer": "optimizer", "straggler": "stragglers"}
 MEMORY_LABELS = {"params": "parameters", "grads": "gradients", "master": "master weights",
                  "optimizer": "optimizer states", "grad_accum": "fp32 grad accumulation",
                  "grad_buffer": "unsharded grads (step sync)", "activations": "activations",
@@ -173,7 +174,12 @@ def explain_losses(result: SearchResult, count: int = 4) -> list[str]:
         lines.append(f"{p.layout.short()}: {gain:.1%} faster, but {p.why}")
     for p in result.top[1:1 + count]:
         slower = p.time.total / best.time.total - 1
-        if slower < 1e-9:
+        outside = result.validated.layout_outside(p.layout) if result.validated else []
+        if slower < -1e-9 and outside:  # ranked below by the validated range's preference
+            lines.append(f"{p.layout.short()}: {-slower:.1%} faster, but outside the "
+                         f"validated range ({', '.join(outside)}), so not preferred within "
+                         f"{validated.CLOSE:.0%}")
+        elif slower < 1e-9:
             lines.append(f"{p.layout.short()}: ties ({_gib(p.memory_total)} GiB)")
         else:
             lines.append(f"{p.layout.short()}: {slower:.1%} slower — {_time_deltas(p, best)}")

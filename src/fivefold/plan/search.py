@@ -26,14 +26,12 @@ from fivefold.plan.layout import (
     SCHEDULES,
     Layout,
     Workload,
-    bubble_ratio,
     check_layout,
-    critical_ranks,
-    stage,
 )
 from fivefold.plan.memory import memory_items, peak_memory
 from fivefold.plan.nvme import host_fits, tier_memory
-from fivefold.plan.timing import rank_compute
+from fivefold.plan.timing import step_lower_bound
+from fivefold.plan.validated import ValidatedRange, rank_key
 
 SPACE_KEYS = ("tp", "pp", "cp", "ep", "zero", "mbs", "recompute", "schedule",
               "virtual_stages", "sp", "offload", "cp_comm", "sp_saved")
@@ -64,6 +62,9 @@ class SearchSpace:
     # Layouts to rank, e.g. only what the engine runs today (plan --config); None: all.
     # Asked only of the layouts the search reaches, not of every one enumerated.
     allowed: Callable[[Layout], bool] | None = None
+    # The convention's validated range (plan/validated.py): layouts inside it rank first
+    # when predicted times are within validated.CLOSE; None: time alone.
+    validated: ValidatedRange | None = None
 
     @classmethod
     def parse(cls, text: str) -> SearchSpace:
@@ -102,7 +103,8 @@ class SearchSpace:
 
 @dataclass
 class SearchResult:
-    top: list[LayoutPlan]  # fitting layouts, fastest first
+    top: list[LayoutPlan]  # fitting layouts, fastest first (inside the validated range first
+    #                        when within validated.CLOSE: `validated.rank_key`)
     faster_but_too_big: list[LayoutPlan]  # layouts faster than the best that do not fit
     num_gpus: int
     considered: int  # layouts meeting every constraint
@@ -114,6 +116,7 @@ class SearchResult:
     # which constraint removed how many layouts: {kind: [count, first example]}
     removed: dict[str, list] = field(default_factory=dict)
     smallest: tuple[float, Layout] | None = None  # when none fits: the least memory needed
+    validated: ValidatedRange | None = None  # the range the ranking preferred
 
 
 def _note(removed: dict | None, problem: str, count: int = 1) -> None:
@@ -226,31 +229,12 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
     compute_cache: dict[tuple, float] = {}
 
     def lower_bound(lay: Layout) -> float:
-        m = work.num_microbatches(lay)
         # auto's recomputation costs ≥ 0 s, so none's compute bounds it from below without
         # solving its per-layer plan, which follows the whole layout (its budget is what the
         # states leave) and is solved only for the layouts the search reaches.
         if lay.recompute == "auto":
             lay = dataclasses.replace(lay, recompute="none")
-        key = (lay.tp, lay.cp, lay.pp, lay.mbs, lay.schedule, lay.virtual_stages,
-               lay.recompute, lay.sp)
-        cached = compute_cache.get(key)
-        if cached is None:
-            def rank_mb(rank):
-                rkey = (lay.tp, lay.cp, lay.mbs, lay.recompute, lay.sp,
-                        stage(work.model, lay, rank))
-                rc = compute_cache.get(rkey)
-                if rc is None:
-                    one = rank_compute(work, lay, hw, assume, rank)
-                    rc = compute_cache[rkey] = one.forward + one.backward
-                return rc
-            # the slowest stage's micro-batches; the bubble is the other stages' fill and
-            # drain (plan/timing.py), at least the quickest stage's time each
-            cached = compute_cache[key] = (
-                max(rank_mb(r) for r in critical_ranks(work.model, lay)),
-                min(rank_mb(r) for r in range(lay.pp)) if lay.pp > 1 else 0.0)
-        per_mb, quickest = cached
-        return m * per_mb + bubble_ratio(lay, m) * m * quickest
+        return step_lower_bound(work, lay, hw, assume, compute_cache)
 
     bounds = []
     for i, lay in enumerate(layouts):
@@ -302,23 +286,24 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
         if twin in seen:
             continue
         seen.add(twin)
-        entry = (-plan.time.total, -i, plan)
+        key = rank_key(plan.time.total, lay, space.validated)  # ≥ the time ≥ its bound
+        entry = (-key, -i, plan)
         if len(best) < top:
             heapq.heappush(best, entry)
-        elif plan.time.total < -best[0][0]:
+        elif key < -best[0][0]:
             heapq.heapreplace(best, entry)
     ranked = [p for _, _, p in sorted(best, key=lambda e: (-e[0], -e[1]))]
     notes = [note for note in [gbs_note(work.gbs, num_gpus, removed)] if note]
     if not ranked:  # memory binds: would a lighter optimizer's states fit? (plan/optimizer.py)
         notes += lighter_optimizer_note(work, num_gpus, hw, assume, space, top)
-    fastest = ranked[0].time.total if ranked else float("inf")
+    fastest = min((p.time.total for p in ranked), default=float("inf"))
     too_big_plans = [plan_layout(work, lay, hw, assume) for _, lay in too_big]
     too_big_plans = [p for p in too_big_plans if p.time.total < fastest]
     return SearchResult(
         top=ranked, faster_but_too_big=too_big_plans, num_gpus=num_gpus,
         considered=len(layouts), planned=planned + len(too_big_plans), dropped=dropped,
         bounded_out=bounded, elapsed_s=time.perf_counter() - start, removed=removed,
-        smallest=None if ranked else smallest, notes=notes)
+        smallest=None if ranked else smallest, notes=notes, validated=space.validated)
 
 
 def gbs_note(gbs: int, num_gpus: int, removed: dict) -> str:

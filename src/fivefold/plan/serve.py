@@ -54,16 +54,58 @@ def kv_heads_per_rank(model: ModelConfig, tp: int = 1) -> int:
     return max(model.num_kv_heads // tp, 1)
 
 
-def kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "bf16", tp: int = 1) -> int:
-    """2 · layers · kv_heads · head_dim · bytes, on one of tp ranks."""
-    return (2 * model.num_layers * kv_heads_per_rank(model, tp) * model.dim_per_head
+def pp_stage_bounds(model: ModelConfig, pp: int) -> list[tuple[int, int]]:
+    """(first, end) layers of each of pp pipeline stages (fivefold serve --pp, serve/
+    pp_worker.py): consecutive runs, none empty, that minimise the largest stage's weights
+    read a decode step (each layer's active parameters; the last stage also the head,
+    vocab · hidden, which on a small model outweighs several layers). Ties: the earlier
+    split. Exact by dynamic programming over the split points."""
+    n = model.num_layers
+    if not 1 <= pp <= n:
+        raise ConfigError(f"--pp {pp} must lie in 1..{n} (the model's layers)")
+    cost = [model.layer_params(i, active=True) for i in range(n)]
+    prefix = [0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    head = model.vocab_size * model.hidden_size
+    inf = float("inf")
+    # best[s][e]: the least largest cost of layers 0..e-1 in s stages (the last not yet
+    # carrying the head); cut[s][e]: where its last stage starts
+    best = [[inf] * (n + 1) for _ in range(pp + 1)]
+    cut = [[0] * (n + 1) for _ in range(pp + 1)]
+    best[0][0] = 0
+    for s in range(1, pp + 1):
+        for e in range(s, n + 1):
+            extra = head if (s == pp and e == n) else 0
+            for f in range(s - 1, e):
+                value = max(best[s - 1][f], prefix[e] - prefix[f] + extra)
+                if value < best[s][e]:
+                    best[s][e], cut[s][e] = value, f
+    bounds, end = [], n
+    for s in range(pp, 0, -1):
+        first = cut[s][end]
+        bounds.append((first, end))
+        end = first
+    return bounds[::-1]
+
+
+def layers_per_rank(model: ModelConfig, pp: int = 1) -> int:
+    """The layers of the largest of pp pipeline stages, whose pool sizes every stage's."""
+    return max(end - first for first, end in pp_stage_bounds(model, pp))
+
+
+def kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "bf16", tp: int = 1,
+                       pp: int = 1) -> int:
+    """2 · layers · kv_heads · head_dim · bytes, on one of tp ranks (of the largest of pp
+    stages)."""
+    return (2 * layers_per_rank(model, pp) * kv_heads_per_rank(model, tp) * model.dim_per_head
             * KV_BYTES[kv_dtype])
 
 
 def num_blocks(budget_bytes: float, model: ModelConfig, block_size: int,
-               kv_dtype: str = "bf16", tp: int = 1) -> int:
-    """Blocks a per-rank budget holds; every rank of tp holds the same block ids."""
-    return int(budget_bytes // (block_size * kv_bytes_per_token(model, kv_dtype, tp)))
+               kv_dtype: str = "bf16", tp: int = 1, pp: int = 1) -> int:
+    """Blocks a per-rank budget holds; every rank of tp (and pp) holds the same block ids."""
+    return int(budget_bytes // (block_size * kv_bytes_per_token(model, kv_dtype, tp, pp)))
 
 
 def blocks_per_sequence(tokens: int, block_size: int) -> int:
@@ -101,12 +143,15 @@ class ServePlan:
     bytes_read_per_step: float
     roofline_tokens_per_s: float
     tp: int = 1
+    pp: int = 1
 
     def describe(self) -> str:
         return "\n".join([
             f"serving {self.model} on "
             + (f"one {self.gpu}" if self.tp == 1 else
                f"{self.tp} x {self.gpu}, tensor parallel (figures per GPU)")
+            + (f", {self.pp} pipeline stages (figures for the largest)" if self.pp > 1
+               else "")
             + f": weights {self.weights} ({self.weight_bytes / GIB:.2f} GiB), KV cache "
             f"{self.kv_dtype}",
             f"KV bytes per token: {self.kv_bytes_per_token:,} (2 · layers · kv_heads · "
@@ -125,36 +170,40 @@ def plan_serving(model: ModelConfig, hbm_bytes_per_s: float, memory_bytes: float
                  kv_dtype: str = "bf16", context: int = 2048, output: int = 256,
                  block_size: int = 16, kv_budget_bytes: float | None = None,
                  utilization: float = 0.9, batch: int | None = None,
-                 tp: int = 1) -> ServePlan:
+                 tp: int = 1, pp: int = 1) -> ServePlan:
     """One GPU, or each of `tp` tensor-parallel GPUs: 1/tp of the weights (the split
     linears, embedding and head; norms are replicated but negligible), max(1, kv_heads/tp)
     kv heads per block, the same number of blocks on every rank."""
     if weights not in WEIGHT_BYTES:
         raise ConfigError(f"--weights {weights}: choose one of {', '.join(WEIGHT_BYTES)}")
     if kv_dtype not in KV_BYTES:
-        raise ConfigError(f"--kv-dtype {kv_dtype}: choose one of {', '.join(KV_BYTES)}")
+        raise ConfigError(f"--kv-cache-dtype {kv_dtype}: choose one of {', '.join(KV_BYTES)}")
     if context < 1 or output < 1 or block_size < 1:
         raise ConfigError("--context, --output and --block-size must be >= 1")
     if not 0 < utilization <= 1:
         raise ConfigError(f"--gpu-memory-utilization {utilization} must lie in (0, 1]")
-    if tp < 1:
-        raise ConfigError(f"--tp {tp} must be >= 1")
-    weight_bytes = model.num_params() * WEIGHT_BYTES[weights] / tp
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"--tp {tp} and --pp {pp} must be >= 1")
+    if pp > model.num_layers:
+        raise ConfigError(f"--pp {pp} is more stages than the model's {model.num_layers} "
+                          f"layers; use --pp {model.num_layers} or fewer")
+    stage = layers_per_rank(model, pp) / model.num_layers  # the largest stage's share
+    weight_bytes = model.num_params() * WEIGHT_BYTES[weights] / tp * stage
     if kv_budget_bytes is None:
         kv_budget_bytes = utilization * (memory_bytes - context_bytes - weight_bytes)
         if kv_budget_bytes <= 0:
             raise ConfigError(f"the weights ({weight_bytes / GIB:.1f} GiB) leave no memory "
                               f"for a KV cache on {gpu}; use smaller --weights or a larger GPU")
-    per_token = kv_bytes_per_token(model, kv_dtype, tp)
-    blocks = num_blocks(kv_budget_bytes, model, block_size, kv_dtype, tp)
+    per_token = kv_bytes_per_token(model, kv_dtype, tp, pp)
+    blocks = num_blocks(kv_budget_bytes, model, block_size, kv_dtype, tp, pp)
     per_seq = blocks_per_sequence(context + output, block_size)
     concurrent = blocks // per_seq
     batch = batch or max(concurrent, 1)
-    read = (weight_bytes_read(model, weights, batch) / tp
+    read = (weight_bytes_read(model, weights, batch) / tp * stage
             + batch * (context + output / 2) * per_token)
     return ServePlan(model.name, gpu, weights, kv_dtype, block_size, context, output,
                      weight_bytes, kv_budget_bytes, per_token, blocks, per_seq, concurrent,
-                     batch, read, batch * hbm_bytes_per_s / read, tp)
+                     batch, read, batch * hbm_bytes_per_s / read, tp, pp)
 
 
 def build_parser() -> ArgumentParser:
@@ -167,18 +216,26 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
                    help="override a hardware figure, e.g. memory_gib=94 hbm_tbps=4.8")
     p.add_argument("--weights", default="bf16", help=", ".join(WEIGHT_BYTES))
-    p.add_argument("--kv-dtype", default="bf16", help=", ".join(KV_BYTES))
+    p.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default="bf16",
+                   help="what the KV cache stores, as `fivefold serve --kv-cache-dtype` "
+                        f"(--kv-dtype: the older name): {', '.join(KV_BYTES)}")
     p.add_argument("--context", type=int, default=2048, help="prompt tokens per request")
     p.add_argument("--output", type=int, default=256, help="output tokens per request")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV block, as serve's --block-size (default 16)")
     p.add_argument("--kv-cache-gib", type=float, help="the KV budget (default: 0.9 of what "
                    "the weights and the CUDA context leave)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU left after the weights and context that the KV "
+                        "cache takes, unless --kv-cache-gib gives it (default 0.9)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (fivefold serve "
                    "--tp): each holds 1/tp of the weights and its kv heads' share of blocks")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (fivefold serve --pp): "
+                   "each holds its layers and their share of every block")
     p.add_argument("--batch", type=int, help="decode batch for the roofline (default: the "
                    "concurrent sequences the budget holds)")
-    p.add_argument("--json", nargs="?", const="-", metavar="PATH")
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                   help="every number as JSON, to PATH or (no PATH) stdout")
     return p
 
 
@@ -196,7 +253,7 @@ def run(argv: list[str]) -> int:
         model, hw.hbm_tbps * 1e12, hw.memory_bytes, assume.context_gib * GIB, hw.name,
         args.weights, args.kv_dtype, args.context, args.output, args.block_size,
         None if args.kv_cache_gib is None else args.kv_cache_gib * GIB,
-        args.gpu_memory_utilization, args.batch, args.tp)
+        args.gpu_memory_utilization, args.batch, args.tp, args.pp)
     if args.json:
         text = json.dumps(asdict(plan), indent=2)
         if args.json == "-":

@@ -12,20 +12,17 @@ bucketed overlap does (Ultra-Scale Playbook, appendix A3); EP all-to-all is expo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from fivefold.plan.activations import op_sac_recomputed_matmul_share
-from fivefold.plan.comm import REGATHER, Collective, collectives
+from fivefold.plan.comm import REGATHER, collectives
 from fivefold.plan.flops import forward_flops_per_token
 from fivefold.plan.hardware import (
     Assumptions,
     Hardware,
-    group_bandwidth,
     profile_attention_rate,
-    profile_bus_gbps,
-    profile_call_s,
     profile_host_layer_ms,
-    profile_latency_s,
     profile_matmul_rate,
     runs_on_host,
 )
@@ -34,7 +31,6 @@ from fivefold.plan.layout import (
     Workload,
     bubble_ratio,
     critical_ranks,
-    log2_ceil,
     moe_layers_on_rank,
     stage,
 )
@@ -43,6 +39,13 @@ from fivefold.plan.memory import (
     rank_param_counts,
     shard_model_states,
     work_bytes_per_param,
+)
+from fivefold.plan.network import (  # noqa: F401 (re-exported: timing's names before)
+    DP_GROUPS,
+    call_time,
+    collective_time,
+    group_link,
+    rail_gbps,
 )
 from fivefold.plan.nvme import NvmeTime, nvme_states, nvme_time
 from fivefold.plan.recompute_plan import recompute_seconds
@@ -62,12 +65,13 @@ class StepTime:
     bubble: float
     dp_comm: float
     optimizer: float
+    straggler: float = 0.0  # waiting for the slowest of the ranks (`straggler_time`)
     recompute: float = 0.0  # the share of `compute` spent recomputing (not added to total)
 
     @property
     def total(self) -> float:
         return (self.compute + self.tp_comm + self.cp_comm + self.ep_comm + self.pp_comm
-                + self.bubble + self.dp_comm + self.optimizer)
+                + self.bubble + self.dp_comm + self.optimizer + self.straggler)
 
     def parts(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "recompute"}
@@ -80,92 +84,6 @@ class RankCompute:
     recompute: float
     attention_fwd: float  # one micro-batch, all layers on the rank
     gemm_fwd: float = 0.0  # the layers' forward GEMMs, one micro-batch
-
-
-def group_link(hw: Hardware, layout: Layout, group: str,
-               assume: Assumptions | None = None) -> tuple[float, bool]:
-    """(bytes/s per GPU, crosses nodes) for a group, ranks placed in `layout.rank_order`
-    (tp fastest, then cp, dp, pp for the engine; Layout.stride). EP groups are carved from cp
-    first, then dp. A group that crosses nodes gets its members' NICs in a node as
-    `assume.inter_node_rails` says (`rail_gbps`)."""
-    lay, node = layout, hw.gpus_per_node
-    if group == "tp":
-        size, stride = lay.tp, lay.stride("tp")
-    elif group == "cp":
-        size, stride = lay.cp, lay.stride("cp")
-    elif group == "pp":  # neighbours one pp step apart
-        size, stride = 2, lay.stride("pp")
-    elif group == "pp_embed":
-        size, stride = lay.pp, lay.stride("pp")
-    elif group == "ep" and lay.ep <= lay.cp:
-        size, stride = lay.ep, lay.stride("cp")
-    else:
-        # dp × cp (and the expert-data group inside it): spans the farther of the two
-        # dimensions; its members sit the nearer one's stride apart
-        span = max(lay.stride("dp") * lay.dp if lay.dp > 1 else 1,
-                   lay.stride("cp") * lay.cp if lay.cp > 1 else 1)
-        size = lay.dp * lay.cp
-        stride = min([lay.stride(d) for d in ("dp", "cp") if getattr(lay, d) > 1] or [1])
-        if span <= node:
-            return hw.intra_node_gbps * 1e9, False
-        return rail_gbps(hw, assume, size, stride) * 1e9, True
-    bw, inter = group_bandwidth(hw, size, stride)
-    if inter:
-        bw = rail_gbps(hw, assume, size, stride) * 1e9
-    return bw, inter
-
-
-def rail_gbps(hw: Hardware, assume: Assumptions | None, size: int, stride: int) -> float:
-    """GB/s per GPU of a group of `size` ranks `stride` apart that crosses nodes. With one NIC
-    per GPU (DGX H100: 8×400 Gb/s), NCCL spreads a collective's channels over the NICs of
-    the group's members, and a ring that spans nodes sends only its node-crossing hops
-    over them: the traffic between two nodes can use the NICs of every member a node
-    holds, not one. How much of that a run gets is `inter_node_rails` (fitted per engine:
-    1 every member's NIC, 0 one NIC per GPU, the planner's default); never above the
-    NVLink bandwidth inside the node."""
-    node = hw.gpus_per_node
-    members = max(1, min(size, node // stride)) if stride < node else 1
-    rails = assume.inter_node_rails if assume is not None else 0.0
-    return min(hw.intra_node_gbps, (1 + rails * (members - 1)) * hw.inter_node_gbps)
-
-
-def collective_time(c: Collective, hw: Hardware, assume: Assumptions, layout: Layout,
-                    bucket_bytes: float = 0.0) -> float:
-    """Seconds for all of a collective's calls in a step: wire bytes at the group's bus
-    bandwidth, plus a latency per call (2·log2 n steps; per bucket when bucketed), or the
-    call's latency as calibrate measured it inside a node. Inside a node, a profile that
-    swept message sizes (`call_us`) gives each call's time at its size instead."""
-    bw, inter = group_link(hw, layout, c.group, assume)
-    calls = c.calls
-    if bucket_bytes:
-        calls = max(c.calls, c.bytes / bucket_bytes)
-    swept = None if inter or not calls else profile_call_s(hw, c.op, c.group_size,
-                                                            c.bytes / calls)
-    if swept is not None:  # calibrate timed calls of this size: latency and bytes in one
-        return calls * swept
-    alpha = (assume.inter_latency_us if inter else assume.intra_latency_us) * 1e-6
-    measured = None if inter else profile_bus_gbps(hw, c.op, c.group_size)
-    if measured:  # bus bandwidth as calibrate measured it inside a node: efficiency included
-        bw = measured * 1e9 / assume.bandwidth_efficiency
-    steps = 1 if c.op in ("send", "recv") else 2 * log2_ceil(c.group_size)
-    per_call = steps * alpha
-    if not inter and c.op not in ("send", "recv"):  # measured (calibrate), where it was
-        per_call = profile_latency_s(hw, c.group_size) or per_call
-    return c.wire_bytes / (bw * assume.bandwidth_efficiency) + calls * per_call
-
-
-DP_GROUPS = ("dp", "dp_cp", "edp", "pp_embed")  # bucketed: reduced in bucket-sized calls
-
-
-def call_time(c: Collective, hw: Hardware, assume: Assumptions, layout: Layout,
-              bucket_bytes: float) -> float:
-    """`collective_time` of one of a rank's collectives as a step pays it: the gradient
-    groups' in buckets; a pipeline message duplex (send ∥ recv), each with its fixed
-    overhead (`assume.pp_message_ms`)."""
-    if c.group == "pp":
-        return (collective_time(c, hw, assume, layout)
-                + c.calls * assume.pp_message_ms * 1e-3) / 2
-    return collective_time(c, hw, assume, layout, bucket_bytes if c.group in DP_GROUPS else 0.0)
 
 
 def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
@@ -304,11 +222,28 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
             worst = entry
     mb_time, rc, tp, cp, ep, pp, exposed_dp, slowest = worst
     compute = m * (rc.forward + rc.backward)
+    # Each fill and drain step of the pipeline also waits for its stage's messages: the
+    # other stages' micro-batches carry the slowest rank's point-to-point time per
+    # micro-batch (a cross-node hop when pp neighbours sit on other nodes).
     bubble = bubble_ratio(lay, m) * m * _others_microbatch(
-        work, lay, hw, assume, slowest, mb_time, mb_time - (rc.forward + rc.backward))
+        work, lay, hw, assume, slowest, mb_time,
+        mb_time - (rc.forward + rc.backward) + pp / m)
     return StepTime(compute=compute, tp_comm=tp, cp_comm=cp, ep_comm=ep, pp_comm=pp,
                     bubble=bubble, dp_comm=exposed_dp,
-                    optimizer=optimizer_time(work, lay, hw, assume), recompute=m * rc.recompute)
+                    optimizer=optimizer_time(work, lay, hw, assume),
+                    straggler=straggler_time(lay, assume, compute + bubble),
+                    recompute=m * rc.recompute)
+
+
+def straggler_time(layout: Layout, assume: Assumptions, busy: float) -> float:
+    """The step ends when the slowest rank does: with every rank's busy time spread by
+    `straggler_sigma` (relative), the slowest of N ranks takes σ·√(2 ln N) longer on
+    average (the expected maximum of N normal variables), N the world size (every step
+    ends in a collective over all of it). 0 on one rank or with σ = 0."""
+    n = layout.world_size
+    if n < 2 or not assume.straggler_sigma:
+        return 0.0
+    return busy * assume.straggler_sigma * math.sqrt(2 * math.log(n))
 
 
 def _others_microbatch(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
@@ -334,6 +269,35 @@ def _others_microbatch(work: Workload, layout: Layout, hw: Hardware, assume: Ass
             seen[key] = rc.forward + rc.backward + comm * key[0][0] / layers
         times.append(seen[key])
     return sum(times) / len(times)
+
+
+def step_lower_bound(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
+                     cache: dict | None = None) -> float:
+    """Seconds a step takes at least: the slowest pipeline rank's micro-batches and the
+    bubble at the quickest stage's pace, no communication (`step_time` adds only to it).
+    `cache` keeps each rank's compute between calls of one search (by the layout fields
+    compute depends on)."""
+    lay, cache = layout, {} if cache is None else cache
+    m = work.num_microbatches(lay)
+    key = (lay.tp, lay.cp, lay.pp, lay.mbs, lay.schedule, lay.virtual_stages, lay.recompute,
+           lay.sp)
+    cached = cache.get(key)
+    if cached is None:
+        def rank_mb(rank):
+            rkey = (lay.tp, lay.cp, lay.mbs, lay.recompute, lay.sp,
+                    stage(work.model, lay, rank))
+            rc = cache.get(rkey)
+            if rc is None:
+                one = rank_compute(work, lay, hw, assume, rank)
+                rc = cache[rkey] = one.forward + one.backward
+            return rc
+        # the slowest stage's micro-batches; the bubble is the other stages' fill and
+        # drain (`_others_microbatch`), at least the quickest stage's time each
+        cached = cache[key] = (
+            max(rank_mb(r) for r in critical_ranks(work.model, lay)),
+            min(rank_mb(r) for r in range(lay.pp)) if lay.pp > 1 else 0.0)
+    per_mb, quickest = cached
+    return m * per_mb + bubble_ratio(lay, m) * m * quickest
 
 
 def _one_bucket(work, layout, hw, assume, bucket: float) -> float:

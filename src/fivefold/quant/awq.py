@@ -309,7 +309,7 @@ def apply_awq(model: nn.Module, tokens: torch.Tensor, group_size: int = 128,
     `duo` uses AutoAWQ's duo scaling (see `scale_for`). `loss` is where a group's error is
     measured: "module" (llm-awq/AutoAWQ: the attention, the MLP, or the linear itself) or
     "layer" (the whole decoder layer's output, residuals included). `levels` < 15 searches
-    with a grid of fewer bits (asymmetric; bench/awq_bits.py). `clip_mode` (see
+    with a grid of fewer bits (asymmetric; bench/quant/awq_bits.py). `clip_mode` (see
     `search_clip`) defaults to the range the grid spans: "absmax" for a symmetric grid,
     "range" for an asymmetric one."""
     if loss not in LOSSES:

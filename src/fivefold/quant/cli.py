@@ -47,7 +47,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--symmetric", action="store_true",
                    help="int4/awq: symmetric codes (-8..7) instead of a zero point")
     p.add_argument("--calib", help="awq: a token file (fivefold prepare) to calibrate on")
-    p.add_argument("--calib-samples", type=int, default=DEFAULT_CALIB_SAMPLES)
+    p.add_argument("--calib-samples", type=int, default=DEFAULT_CALIB_SAMPLES,
+                   help=f"awq: calibration sequences, evenly spaced over --calib (default "
+                        f"{DEFAULT_CALIB_SAMPLES})")
     p.add_argument("--calib-seq-len", type=int, default=None,
                    help=f"tokens per calibration sequence (default {DEFAULT_CALIB_SEQ_LEN}, at "
                         f"most the model's max_seq_len; from a fivefold checkpoint without "

@@ -23,7 +23,7 @@ activation-aware scales (which look at mean |x| per channel) can find and restor
 
 It is a stand-in, not a pretrained model: real outliers come from training, sit in the
 same few channels across layers and show in the residual stream too; here they are placed
-at random per layer, and only at the norms' outputs. bench/awq_outliers.py measures AWQ
+at random per layer, and only at the norms' outputs. bench/quant/awq_outliers.py measures AWQ
 against round-to-nearest on models so injected.
 """
 

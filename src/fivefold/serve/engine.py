@@ -28,6 +28,8 @@ from torch import nn
 
 from fivefold.errors import ConfigError
 from fivefold.models.sampling import sample_token
+from fivefold.serve import paged_attention
+from fivefold.serve.cuda_graphs import StaticDecode
 from fivefold.serve.kv_cache import PagedKVCache, kv_bytes_per_token
 from fivefold.serve.kv_cache_manager import KVCacheManager, cdiv
 from fivefold.serve.prepack import can_prepack, prepack_linears, probe_linears
@@ -68,7 +70,8 @@ class Engine:
                  detokenize: Callable[[list[int]], str] | None = None, seed: int = 0,
                  prepack: bool | str = False, kv_cache_dtype: str = "auto",
                  kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 num_kv_heads: int | None = None):
+                 num_kv_heads: int | None = None, fuse: bool = True,
+                 num_layers: int | None = None, cuda_graphs: bool | str = True):
         cfg = model.cfg  # the ModelConfig every fivefold model carries
         param = next(model.parameters())
         self.model, self.cfg, self.device = model.eval(), cfg, param.device
@@ -77,8 +80,11 @@ class Engine:
             raise ConfigError(f"block_size = {block_size} must be >= 1 (16 is usual)")
         self.max_model_len = min(max_model_len or cfg.max_seq_len, cfg.max_seq_len)
         # num_kv_heads: the kv heads this rank holds (its share under tensor parallelism,
-        # serve/tp_worker.py); by default all of the model's
-        shape = (cfg.num_layers, num_kv_heads or cfg.num_kv_heads, cfg.dim_per_head)
+        # serve/tp_worker.py); num_layers: the layers whose K/V it holds (its stage's under
+        # pipeline parallelism, the largest stage's when sizing, serve/pp_worker.py); by
+        # default all of the model's
+        shape = (num_layers or cfg.num_layers, num_kv_heads or cfg.num_kv_heads,
+                 cfg.dim_per_head)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype = {kv_cache_dtype!r}: choose one of "
                               f"{', '.join(KV_CACHE_DTYPES)}")
@@ -110,7 +116,17 @@ class Engine:
                 prepack = self.linear_probe.prepack
             if prepack:
                 model, self.num_prepacked = prepack_linears(model)
-        self.runner = ModelRunner(model, self.cache, self.kv)
+        self.runner = ModelRunner(model, self.cache, self.kv, fuse)
+        # decode at fixed batch sizes from static buffers: captured as CUDA graphs on CUDA
+        # (where the fused forward and the paged kernel run); "static": the same path run
+        # without capture (how the tests check it on CPU); False: --enforce-eager
+        static = cuda_graphs == "static" or (cuda_graphs and self.device.type == "cuda"
+                                             and paged_attention.available(self.device))
+        if static and self.runner.fused is not None and not self.cache.fp8:
+            self.cache.decode_group_bytes = None  # one group: the full-width tables
+            self.runner.static = StaticDecode(self.runner.fused, self.cache,
+                                              self.max_model_len, max_num_seqs,
+                                              capture=cuda_graphs != "static")
         self.detokenize = detokenize
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(seed)

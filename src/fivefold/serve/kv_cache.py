@@ -25,7 +25,7 @@ shared prefix block another sequence fills in the same step), then:
   within about an L2 cache (`DECODE_GROUP_BYTES_CPU`), so SDPA reads them while they are
   still there: one padded call over every sequence gathers more than the caches hold, and
   made a decode step of llama-25m (8 KV heads) 1.2x slower than one call per sequence
-  (bench/serve.py --step-only). A long context goes alone, unpadded and unmasked (for a
+  (bench/serve/serve.py --step-only). A long context goes alone, unpadded and unmasked (for a
   model without GQA, the dense cache's very call). Otherwise the result is not the dense
   cache's bit for bit: SDPA reduces over the padded length and the folded queries in
   another order, which moves the output by a few fp32 ulps (reordering a softmax-weighted
@@ -150,9 +150,13 @@ class PagedKVCache:
         """`dtype`: the model's; `kv_cache_dtype`: what the pools hold (default `dtype`;
         FP8 for the e4m3 cache); `kv_scales`: calibrated (k, v) scales (layers, kv_heads)."""
         store = kv_cache_dtype or dtype
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=store, device=device)
-        self.v = torch.zeros(shape, dtype=store, device=device)
+        # one slot past the pool in every layer: where the padding rows of a CUDA graph's
+        # fixed-size batch write their K/V (serve/cuda_graphs.py); not part of the pool
+        shape = (num_layers, num_blocks * block_size + 1, num_kv_heads, head_dim)
+        self.k_ext = torch.zeros(shape, dtype=store, device=device)
+        self.v_ext = torch.zeros(shape, dtype=store, device=device)
+        self.trash_slot = num_blocks * block_size
+        self.k, self.v = self.k_ext[:, :-1], self.v_ext[:, :-1]
         self.num_blocks, self.block_size = num_blocks, block_size
         # decoding sequences per SDPA call: on CPU as many as leave their gathered K/V in
         # the L2 cache, so SDPA reads it from there (contexts of 0.5 MiB and up go alone); on
@@ -270,17 +274,27 @@ class PagedKVCache:
             raw = self._raw(pool)
             raw.view(*raw.shape[:2], -1).index_fill_(1, slots, 0)
 
+    @staticmethod
+    def decode_bias(group: DecodeGroup, kb: torch.Tensor) -> torch.Tensor | None:
+        """The additive mask (g, 1, 1, L) of a group's padded keys `kb` (g, kv_heads, L, d):
+        None when the lengths are equal (the keys are cut instead); built by the first layer
+        of a step, reused by the others."""
+        if group.uniform:
+            return None
+        if group.bias is None or group.bias.dtype != kb.dtype:
+            past = torch.arange(kb.shape[2], device=kb.device)[None, :] >= group.lens[:, None]
+            bias = torch.zeros(past.shape, dtype=kb.dtype, device=kb.device)
+            group.bias = bias.masked_fill_(past, float("-inf"))[:, None, None]
+        return group.bias
+
     def _decode(self, layer: int, q: torch.Tensor, out: torch.Tensor,
                 group: DecodeGroup) -> None:
         """A group of one-token sequences attends, each to its own context, in one call."""
         num_seqs, heads, d = group.tables.shape[0], q.shape[1], q.shape[3]
         kb, vb = self.gather_blocks(layer, group.tables, q.dtype)  # (g, kv_heads, L, d)
+        self.decode_bias(group, kb)
         if group.uniform:  # every context as long: cut there, nothing to mask
             kb, vb = kb[:, :, :group.length], vb[:, :, :group.length]
-        elif group.bias is None or group.bias.dtype != q.dtype:
-            past = torch.arange(kb.shape[2], device=q.device)[None, :] >= group.lens[:, None]
-            bias = torch.zeros(past.shape, dtype=q.dtype, device=q.device)
-            group.bias = bias.masked_fill_(past, float("-inf"))[:, None, None]
         span = group.span
         rows = q[0, :, span[0]:span[1]] if span else q[0].index_select(1, group.rows)
         # query head h reads KV head h // rep: a KV head's rep query heads become rep queries

@@ -8,7 +8,7 @@ CPU inference engines prepack their GEMM weights in the same way (vLLM's CPU bac
 IPEX through oneDNN). On this project's 2-core AMD EPYC test machine, one thread, the fp32
 GEMMs of llama-25m run 2.3-2.8x faster so (16 tokens x 512 -> 32000: 8.7 ms -> 3.1 ms;
 512 -> 1376: 0.25 -> 0.10 ms; at 1024 tokens 2.3x too), with results within ~1e-5 of
-sgemm's (another summation order, not another arithmetic): `bench/serve.py` reports the
+sgemm's (another summation order, not another arithmetic): `bench/serve/serve.py` reports the
 engine with and without it.
 
 `prepack_linears(model)` returns a copy of the model for the engine to run: every plain

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fivefold.serve.fused import FusedLlama, fusable
 from fivefold.serve.kv_cache import DecodeGroup, PagedBatch, PagedKVCache, Prefill
 from fivefold.serve.kv_cache_manager import KVCacheManager
 from fivefold.serve.scheduler import SchedulerOutput
@@ -57,10 +58,15 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, cache: PagedKVCache, kv: KVCacheManager):
+    def __init__(self, model: nn.Module, cache: PagedKVCache, kv: KVCacheManager,
+                 fuse: bool = False):
         self.model, self.cache, self.kv = model, cache, kv
         self.device = cache.k.device
         self.adapters = None  # many LoRA adapters in one batch (serve/lora_batch.py)
+        # fuse: the lean forward of serve/fused.py where the model allows it (not while
+        # LoRA adapters wrap its linears: those steps run the model itself)
+        self.fused = FusedLlama(model) if fuse and fusable(model) is None else None
+        self.static = None  # decode at fixed sizes, CUDA graphs (serve/cuda_graphs.py)
 
     def _upload(self, parts: list[list[int]]) -> list[torch.Tensor]:
         """Integer lists as tensors on the device: one host tensor, one copy."""
@@ -78,7 +84,12 @@ class ModelRunner:
             begin, start = len(tokens), request.num_computed_tokens
             end = start + num_new
             table = self.kv.block_ids(request.request_id)
-            tokens.extend(request.all_token_ids[start:end])
+            prompt = len(getattr(request, "prompt_token_ids", ()))
+            if prompt and start >= prompt:  # a decode: no copy of the whole sequence (a
+                # tensor-parallel worker's mirror has all_token_ids alone)
+                tokens.extend(request.output_token_ids[start - prompt:end - prompt])
+            else:
+                tokens.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if num_new == 1:
@@ -131,9 +142,18 @@ class ModelRunner:
         step = self.prepare(out)
         if step.batch.stale_slots is not None:
             self.cache.clear_slots(step.batch.stale_slots)
+        static = self.static
+        if static is not None and self.adapters is None and not step.batch.prefills and \
+                len(step.batch.decodes) == 1 and len(step.sample_ids) == len(out.scheduled) \
+                and static.size_for(len(out.scheduled)) is not None:
+            group = step.batch.decodes[0]  # every row decodes and samples, in order
+            rows = static.run(step.tokens[0], step.positions, step.batch.slot_mapping,
+                              group.tables, group.lens)
+            return StepLogits(step.sample_ids, rows)
         self.cache.batch = step.batch
+        forward = self.fused if self.fused is not None and self.adapters is None else self.model
         try:
-            logits = self.model(step.tokens, cache=self.cache, positions=step.positions,
+            logits = forward(step.tokens, cache=self.cache, positions=step.positions,
                                 logits_index=step.sample_rows)
         finally:
             self.cache.batch = None

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from fivefold.config import ArgumentParser, ConfigError
+from fivefold.config import ArgumentParser, ConfigError, check_options
 from fivefold.host import cpu_label, cpu_model
 from fivefold.train.step_record import StepRecord, sync
 
@@ -373,7 +373,9 @@ def report(record: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, overrides = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    args, overrides = parser.parse_known_args(argv)
+    check_options(overrides, parser)
     _check(args)
     threads = torch.get_num_threads()
     if args.threads:

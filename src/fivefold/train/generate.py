@@ -176,8 +176,9 @@ def build_parser() -> ArgumentParser:
     source.add_argument("--checkpoint", help="a fivefold checkpoint directory")
     source.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
     p.add_argument("--tokenizer", help=HF_TOKENIZER_HELP)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate after the prompt (default 64)")
     # The command's sampling defaults are llama.cpp's (temperature 0.8, top-k 40, top-p 0.95,
     # common/common.h): the unlikely tail a small model spreads its mass over is cut off.
     # The library functions keep the neutral 1.0 / off / off.
@@ -185,9 +186,12 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--top-k", type=int, default=40, help="0: off")
     p.add_argument("--top-p", type=float, default=0.95, help="1: off")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"))
+    p.add_argument("--seed", type=int, default=0,
+                   help="the sampling's random seed: the same seed, the same text (default 0)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: the GPU when torch sees one, else the CPU")
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                   help="the weights' dtype; auto: bf16 on a GPU, fp32 on a CPU")
     return p
 
 

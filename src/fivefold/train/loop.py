@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fivefold.config import Config
 from fivefold.config.parallel import offload_value
+from fivefold.config.train import resolve_compile
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.parallel.watchdog import is_comm_failure
 from fivefold.text import count
@@ -188,10 +189,6 @@ def layout_notes(cfg: Config) -> list[str]:
         notes.append(f"note: parallel.zero = {par.zero} shards over the data-parallel ranks, "
                      f"and parallel.dp × cp = 1: nothing is sharded (it runs as zero = 0 "
                      f"would); raise parallel.dp to shard")
-    if par.pp == 1 and par.schedule != "1f1b":
-        notes.append(f"note: parallel.schedule = {par.schedule} has no effect with "
-                     f"parallel.pp = 1 (a schedule orders pipeline stages); set parallel.pp > 1"
-                     f" to use it")
     return notes
 
 
@@ -224,7 +221,8 @@ def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
                          f"{layout_line(cfg)}")
         mc = trainer.model_cfg
         progress.message(f"attention: SDPA {attention_backend(trainer)} kernel"
-                         + (", blocks compiled (train.compile)" if cfg.train.compile else ""))
+                         + (", blocks compiled (train.compile)"
+                            if resolve_compile(cfg.train.compile, trainer.device.type) else ""))
         if mc.num_experts:
             progress.message(f"mixture of experts: {mc.num_moe_layers} MoE layers of "
                              f"{mc.num_experts} experts, top-{mc.experts_top_k}; "

@@ -18,6 +18,7 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 
 from fivefold.config import Config, ConfigError, RunError, corpus_tokenizer, resolve_mbs
+from fivefold.config.train import resolve_compile
 from fivefold.finetune.attach import (
     add_adapters,
     base_tensors,
@@ -84,6 +85,7 @@ class Trainer:
         resolve_mbs(cfg)  # a config built in code (not through validate) may still say auto
         tr = cfg.train
         self.device = pick_device(tr.device)
+        tr.compile = resolve_compile(tr.compile, self.device.type)  # from here on a bool
         check_budget_fits(cfg, self.device)
         self.precision = resolve_precision(tr.precision, self.device)
         self.dtype = DTYPES[self.precision]

@@ -212,7 +212,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--tokenizer", help="with --hf: the tokenizer the model was trained with, "
                    "when the directory has no tokenizer.json: byte, corpus-bpe or a file")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000,
+                   help="TCP port to listen on (default 8000)")
     p.add_argument("--served-model-name", help="the model id clients name (default: the "
                    "directory's name)")
     p.add_argument("--kv-cache-gib", type=float, help="memory for the KV cache (default: 90%% "
@@ -223,7 +224,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     p.add_argument("--chunked-prefill", action="store_true",
                    help="split long prompts into chunks of --max-num-batched-tokens")
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt in full: no reuse of KV blocks that an earlier "
+                        "request's identical prefix filled")
     p.add_argument("--no-prepack", action="store_true",
                    help="fp32 on a CPU: keep torch's sgemm linears; by default a probe at "
                         "start-up picks oneDNN with weights reordered once (holding a second "
@@ -240,13 +243,19 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: each holds 1/tp "
                    "of every linear and its kv heads' share of the cache (serve starts them, or "
                    "`fivefold launch --nproc-per-node N serve ...` does)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode "
+                   "(by default captured on CUDA for batch sizes 1, 2, 4, 8, 16, ...)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages, one rank each, each "
+                   "holding its layers and their KV blocks (serve/pp_worker.py)")
     p.add_argument("--dp", type=int, default=1, help="engine replicas behind this endpoint, "
                    "each request to the least loaded (on CUDA one per GPU)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="serve a LoRA adapter (a PEFT directory or a fivefold LoRA checkpoint) "
                         "as model NAME; repeatable; requests for any of them share batches")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: the GPU when torch sees one, else the CPU")
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                   help="the weights' dtype; auto: bf16 on a GPU, fp32 on a CPU")
     return p
 
 
@@ -319,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     loop.start()
     for line in backend.notes:
         print(f"fivefold serve: {line}", file=sys.stderr, flush=True)
-    layout = "".join(f", {k} {v}" for k, v in (("tp", args.tp), ("dp", args.dp)) if v > 1)
+    layout = "".join(f", {k} {v}" for k, v in (("tp", args.tp), ("pp", args.pp),
+                                                        ("dp", args.dp)) if v > 1)
     print(f"fivefold serve: {name} on http://{args.host}:{args.port}/v1 "
           f"({backend.num_blocks} KV blocks of {args.block_size} tokens "
           f"({backend.kv_dtype}), context {backend.max_model_len}{layout}"

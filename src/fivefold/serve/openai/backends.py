@@ -55,8 +55,16 @@ def check_parallel_args(args) -> None:
         if not name or not directory:
             raise ConfigError(f"--lora {spec}: write name=DIR (a PEFT adapter directory or a "
                               f"fivefold LoRA checkpoint)")
+    pp = getattr(args, "pp", 1)
+    if pp != 1:  # the model's layer count is checked once it is loaded (serve/pp_worker.py)
+        from fivefold.serve.pp_worker import check_pp
+
+        check_pp(pp, args.tp, args.dp, args.lora)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched > 1 and launched != args.tp:
+    if launched > 1 and pp > 1 and launched != pp:
+        raise ConfigError(f"launched {launched} processes but --pp {pp}; serve under "
+                          f"`fivefold launch --nproc-per-node {pp}` or change --pp")
+    if launched > 1 and pp == 1 and launched != args.tp:
         raise ConfigError(f"launched {launched} processes but --tp {args.tp}; serve under "
                           f"`fivefold launch --nproc-per-node {args.tp}` or change --tp")
 
@@ -72,7 +80,8 @@ def engine_kwargs(args, codec) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching, eos_token_ids=eos_ids,
                 max_model_len=args.max_model_len, detokenize=codec.decode,
                 prepack=False if args.no_prepack else "auto",
-                kv_cache_dtype=args.kv_cache_dtype)
+                kv_cache_dtype=args.kv_cache_dtype,
+                cuda_graphs=not getattr(args, "enforce_eager", False))
 
 
 def _backend_name(args) -> str:
@@ -151,8 +160,52 @@ def _start_tp(args) -> Backend | None:
                    close=close, kv_dtype=str(engine.cache.k.dtype), notes=_notes(engine))
 
 
+def _start_pp(args):
+    """`fivefold serve --pp N`: rank 0's Backend (the others spawned here), or None on a
+    worker rank under `fivefold launch`."""
+    import torch.distributed as dist
+
+    from fivefold.serve.openai.serving import EngineLoop
+    from fivefold.serve.pp_worker import _worker, check_pp, driver_engine, pp_groups, send_object
+    from fivefold.serve.tp_worker import start_world, threads_per_rank
+    from fivefold.train.generate import load_for_generation
+
+    procs = []
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under fivefold launch / torchrun
+        from fivefold.parallel.mesh import init_distributed
+
+        rank, _ = init_distributed(_backend_name(args))
+        if rank != 0:
+            _worker(rank, args)
+            dist.destroy_process_group()
+            return None
+        model, codec = load_for_generation(args)
+        check_pp(args.pp, num_layers=model.cfg.num_layers)
+    else:  # load and check here first: a bad input is one line before any rank starts
+        model, codec = load_for_generation(args)
+        check_pp(args.pp, args.tp, args.dp, args.lora, model.cfg.num_layers)
+        procs = start_world(args.pp, _backend_name(args), _worker, (args,))
+    torch.set_num_threads(threads_per_rank(args.pp))
+    groups = pp_groups(args.pp)
+    engine = driver_engine(model.eval(), args.pp, groups, **engine_kwargs(args, codec))
+
+    def close():
+        try:
+            send_object(None, groups[1])
+        except RuntimeError:  # a worker is gone already
+            pass
+        for proc in procs:
+            proc.join(timeout=10)
+        dist.destroy_process_group()
+
+    return Backend(EngineLoop(engine), codec, engine.num_blocks, engine.max_model_len,
+                   close=close, kv_dtype=str(engine.cache.k.dtype), notes=_notes(engine))
+
+
 def start(args) -> Backend | None:
     check_parallel_args(args)
+    if getattr(args, "pp", 1) > 1:  # pipeline stages (serve/pp_worker.py)
+        return _start_pp(args)
     if args.tp > 1:
         return _start_tp(args)
     from fivefold.serve.engine import Engine

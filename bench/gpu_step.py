@@ -1,0 +1,148 @@
+"""bench/gpu.py's items for the training step at GPU speed (issue: training at GPU speed):
+
+  step_before_after   the 8B-shaped 2-block step (train_8b_blocks' shape) with the chunked
+                      loss (before), the fused loss (after), and the fused loss with each
+                      block compiled (train.compile = true, what auto picks on CUDA): tokens/s,
+                      MFU, the planner's MFU and the trace's predicted step beside each
+  hf_peer_compiled    transformers' LlamaForCausalLM of the same shape, bf16, compiled
+                      (torch.compile of the model on CUDA; eager in a dry run), fused AdamW:
+                      its step time and tokens/s against the fastest fivefold variant
+  step_profile        torch.profiler's table of one fused-loss step (device time by kernel on
+                      CUDA, CPU time in a dry run), top 15 rows
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from gpu_items import Context, NotRun, load_config, median_time, train_steps, world_of_one
+
+VARIANTS = (("chunked_loss_eager", False, "false"), ("fused_loss_eager", True, "false"),
+            ("fused_loss_compiled", True, "true"))
+
+
+@contextlib.contextmanager
+def loss_path(fused: bool):
+    from fivefold.models import loss
+
+    before = loss.FUSED_ON_DEVICE
+    loss.FUSED_ON_DEVICE = fused
+    try:
+        yield
+    finally:
+        loss.FUSED_ON_DEVICE = before
+
+
+def _predicted(overrides: list[str], device: torch.device, fused: bool) -> float | None:
+    """The trace's predicted step on this GPU (None off the catalog or in a dry run)."""
+    if device.type != "cuda":
+        return None
+    from fivefold.plan.hardware import hardware_for_device_name
+    from fivefold.trace import trace_step
+
+    hw = hardware_for_device_name(torch.cuda.get_device_name(device))
+    if hw is None:
+        return None
+    with loss_path(fused):
+        return trace_step(list(overrides), gpu=hw.name, planner=False).timeline.step_s
+
+
+def step_before_after(ctx: Context) -> dict:
+    overrides = ctx.shape("blocks_overrides")
+    out = {}
+    for name, fused, compiled in VARIANTS:
+        if compiled == "true" and ctx.dry:
+            out[name] = {"status": "not run", "reason": "compiling on a CPU takes minutes; "
+                                                        "the GPU run measures it"}
+            continue
+        with loss_path(fused):
+            run = train_steps(ctx, f"step-{name}", [*overrides, "--train.compile", compiled])
+        out[name] = {k: run[k] for k in ("tokens_per_s", "step_time_s", "mfu", "planned_mfu",
+                                         "losses")}
+        try:
+            out[name]["trace_predicted_step_s"] = _predicted(overrides, ctx.device, fused)
+        except Exception as e:  # noqa: BLE001  the measurement stands without the prediction
+            out[name]["trace_predicted_step_s"] = None
+            out[name]["trace_note"] = str(e).splitlines()[0][:200]
+    base = out["chunked_loss_eager"]["tokens_per_s"]
+    out["ratio_vs_chunked"] = {k: v["tokens_per_s"] / base for k, v in out.items()
+                               if isinstance(v, dict) and "tokens_per_s" in v}
+    return out
+
+
+def _hf_model(ctx: Context):
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        raise NotRun(f"transformers is not installed: {e}") from None
+    cfg = load_config(ctx, "hf-peer", ctx.shape("blocks_overrides"))
+    mc = cfg.model.resolve()
+    hf_cfg = LlamaConfig(vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
+                         intermediate_size=mc.intermediate_size,
+                         num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads,
+                         num_key_value_heads=mc.num_kv_heads, max_position_embeddings=max(
+                             mc.max_seq_len, cfg.train.seq_len), rms_norm_eps=mc.norm_eps,
+                         rope_theta=mc.rope_theta, tie_word_embeddings=mc.tie_embeddings,
+                         attn_implementation="sdpa")
+    return cfg, LlamaForCausalLM(hf_cfg)
+
+
+def hf_peer_compiled(ctx: Context) -> dict:
+    cfg, model = _hf_model(ctx)
+    model = model.to(ctx.device, torch.bfloat16)
+    compiled = ctx.device.type == "cuda"
+    fwd = torch.compile(model) if compiled else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5,
+                            fused=ctx.device.type in ("cuda", "cpu"))
+    seq = cfg.train.seq_len
+    ids = torch.randint(0, model.config.vocab_size, (cfg.train.gbs, seq), device=ctx.device)
+
+    def step():
+        loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    steps, warmup = ctx.shape("train_steps")
+    began = time.perf_counter()
+    step_s = median_time(ctx, step, steps, warmup + (1 if compiled else 0))
+    tokens = cfg.train.gbs * seq
+    out = {"compiled": compiled, "step_time_s": step_s, "tokens_per_s": tokens / step_s,
+           "seconds_with_compile": time.perf_counter() - began}
+    mine = ctx.results.get("step_before_after", {})
+    best = max((v["tokens_per_s"] for v in mine.values()
+                if isinstance(v, dict) and "tokens_per_s" in v), default=None)
+    if best:
+        out["fivefold_best_over_hf"] = best / out["tokens_per_s"]
+    return out
+
+
+def step_profile(ctx: Context) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from fivefold.parallel.mesh import ParallelDims
+    from fivefold.train.bench import FivefoldRunner
+
+    cfg = load_config(ctx, "profile", [*ctx.shape("blocks_overrides"), "--train.steps", "3",
+                                       "--train.precision", "bf16", "--train.compile", "false"])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if ctx.device.type == "cuda" else [])
+    with world_of_one(ctx, "profile"):
+        runner = FivefoldRunner(cfg, ParallelDims.from_config(cfg.parallel))
+        try:
+            runner.step()  # warm-up: the optimizer's states exist from here on
+            ctx.sync()
+            with profile(activities=activities) as prof:
+                runner.step()
+                ctx.sync()
+        finally:
+            runner.trainer.close()
+    key = "cuda_time_total" if ctx.device.type == "cuda" else "cpu_time_total"
+    events = prof.key_averages()
+    table = events.table(sort_by=key, row_limit=15)
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel"))
+    print(table)
+    return {"sort_by": key, "table": table, "kernel_launches": launches,
+            "ops": len(events)}

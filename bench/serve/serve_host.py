@@ -1,0 +1,140 @@
+"""Host time of a decode step, on the CPU, as a proxy for the GPU: fivefold's engine against
+transformers' `generate` on a model so narrow that its arithmetic is small.
+
+    python bench/serve/serve_host.py [--prompt 16 128] [--steps 32] [--rounds 3]
+
+The model: Llama-shaped, hidden 64, 30 layers, 4 heads (2 KV heads), vocabulary 256, fp32,
+one thread; 16 greedy sequences, each prompt `--prompt` tokens. For each prompt length:
+
+- the engine, fused forward (serve/fused.py, the default) and the model's own forward
+  (`fuse=False`): CPU milliseconds of each decode step (`engine.step()`: scheduling, the
+  inputs, the forward, sampling; median over `--steps` steps after the prefill);
+- transformers: CPU milliseconds of `generate` for `--steps` + 1 new tokens minus that for
+  1 new token, over `--steps` (the prefill and the set-up cancel): its time per decode step.
+
+Rounds alternate the three, the medians of the rounds are printed with the ratios to
+transformers (goal: <= 0.5x), and whether the greedy tokens of all three agree. JSON:
+bench/results/serve_host.json with the machine, versions and git revision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+
+from fivefold.models.hf import save_hf  # noqa: E402
+from fivefold.models.init import build_model  # noqa: E402
+from fivefold.models.presets import ModelConfig  # noqa: E402
+from fivefold.serve.engine import Engine  # noqa: E402
+from fivefold.serve.sampling_params import SamplingParams  # noqa: E402
+from fivefold.train.bench import cpu_model, git_revision, machine  # noqa: E402
+
+CFG = ModelConfig(name="narrow-64x30", vocab_size=256, hidden_size=64, intermediate_size=128,
+                  num_layers=30, num_heads=4, num_kv_heads=2, max_seq_len=1024,
+                  tie_embeddings=True)
+SEQUENCES = 16
+
+
+def engine_step_ms(model, prompts, steps: int, fuse: bool) -> tuple[float, list[list[int]]]:
+    """Median CPU ms of a decode step, and every sequence's first `steps` + 1 tokens."""
+    engine = Engine(model, max_num_seqs=len(prompts), max_model_len=CFG.max_seq_len,
+                    num_blocks=len(prompts) * (CFG.max_seq_len // 16) + 8, fuse=fuse)
+    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    final = {}
+    engine.step()  # the prefills (and every first token)
+    cpu = []
+    while engine.has_unfinished():
+        start = time.process_time()
+        outputs = engine.step()
+        cpu.append((time.process_time() - start) * 1e3)
+        final.update({o.request_id: o.token_ids for o in outputs if o.finished})
+    return statistics.median(cpu), [final[i] for i in ids]
+
+
+def transformers_step_ms(hf, prompts, steps: int) -> tuple[float, list[list[int]]]:
+    ids = torch.tensor(prompts)
+
+    def generate(n):
+        start = time.process_time()
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              do_sample=False, pad_token_id=0)
+        return time.process_time() - start, out
+
+    one = statistics.median(generate(1)[0] for _ in range(3))
+    many, out = generate(steps + 1)
+    return (many - one) / steps * 1e3, out[:, ids.shape[1]:].tolist()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompt", type=int, nargs="+", default=[16, 128])
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_host.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    import transformers
+
+    model = build_model(CFG, seed=0).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf(model, CFG, Path(tmp))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    transformers_step_ms(hf, [[3] * 8] * 2, 2)  # warm-up
+    cases = []
+    for length in args.prompt:
+        g = torch.Generator().manual_seed(length)
+        prompts = [torch.randint(3, CFG.vocab_size, (length,), generator=g).tolist()
+                   for _ in range(SEQUENCES)]
+        times = {"fused": [], "modules": [], "transformers": []}
+        tokens = {}
+        for _ in range(args.rounds):  # alternating: load drifts hit all three alike
+            for fuse, name in ((True, "fused"), (False, "modules")):
+                ms, tokens[name] = engine_step_ms(model, prompts, args.steps, fuse)
+                times[name].append(ms)
+            ms, tokens["transformers"] = transformers_step_ms(hf, prompts, args.steps)
+            times["transformers"].append(ms)
+        ms = {name: statistics.median(t) for name, t in times.items()}
+        case = {"prompt_tokens": length, "sequences": SEQUENCES, "decode_steps": args.steps,
+                "step_cpu_ms": ms, "step_cpu_ms_rounds": times,
+                "fused_over_transformers": ms["fused"] / ms["transformers"],
+                "modules_over_transformers": ms["modules"] / ms["transformers"],
+                "identical_greedy_fused_vs_transformers": sum(
+                    a == b for a, b in zip(tokens["fused"], tokens["transformers"])),
+                "identical_greedy_fused_vs_modules": sum(
+                    a == b for a, b in zip(tokens["fused"], tokens["modules"]))}
+        cases.append(case)
+        print(f"prompts of {length} tokens, {SEQUENCES} sequences, CPU ms a decode step: "
+              f"fused {ms['fused']:.2f}, modules {ms['modules']:.2f}, transformers "
+              f"{ms['transformers']:.2f}; fused / transformers "
+              f"{case['fused_over_transformers']:.2f}x (modules "
+              f"{case['modules_over_transformers']:.2f}x); identical greedy tokens: fused vs "
+              f"transformers {case['identical_greedy_fused_vs_transformers']}/{SEQUENCES}, "
+              f"fused vs modules {case['identical_greedy_fused_vs_modules']}/{SEQUENCES}")
+    info = machine(torch.device("cpu"))
+    info["cpu_model"] = cpu_model()
+    result = {"benchmark": "serve_host", "model": vars(CFG) if hasattr(CFG, "__dict__") else
+              str(CFG), "threads": 1, "rounds": args.rounds, "cases": cases,
+              "transformers": transformers.__version__, "machine": info,
+              "git": git_revision(),
+              "command": "python bench/serve/serve_host.py " + " ".join(argv or sys.argv[1:])}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""Pipeline-parallel serving: the layers in stages on pp ranks, each holding its layers' K/V.
+
+    fivefold serve --checkpoint runs/default/checkpoints --pp 2
+
+Rank 0 runs HTTP, the scheduler and the first stage (the embedding and its layers); rank s
+runs layers `stage_bounds(cfg, pp)[s]` (runs of layers balanced by the weights a decode step
+reads), the last one also the final norm and the head. Every rank keeps a paged pool of
+the same block ids for its own layers only, sized from the budget for the largest stage
+(what `fivefold plan --serve --pp` counts, plan/serve.py).
+
+Each step goes to the workers once, as under tensor parallelism (serve/tp_worker.py: the
+same diff of tokens and block tables, on a gloo group of its own), with how the step's
+sequences are cut into micro-batches: up to pp runs of consecutive sequences, balanced by
+tokens. Then each rank runs its stage on micro-batch 0, 1, ... in turn, receiving each
+micro-batch's hidden states from the rank before and sending them on (isend: it goes on to
+the next micro-batch at once), so while stage 1 runs micro-batch 0, stage 0 already runs
+micro-batch 1: the stages overlap within a step, as vLLM's virtual engines overlap theirs.
+The last stage sends the sampling positions' fp32 logits to rank 0, which samples exactly
+as a single device does. Layer by layer the arithmetic is a single device's on a smaller
+batch; greedy tokens equal `--pp 1`'s (tests/test_serve_pp.py, through the HTTP server).
+
+Not (yet) with --tp, --dp or --lora: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fivefold.errors import ConfigError
+from fivefold.parallel.comm import Group
+from fivefold.plan.serve import pp_stage_bounds
+from fivefold.serve.fused import FusedLlama, fusable
+from fivefold.serve.kv_cache import PagedKVCache
+from fivefold.serve.runner import ModelRunner, StepLogits
+from fivefold.serve.scheduler import SchedulerOutput
+from fivefold.serve.tp_worker import (
+    IDLE_TIMEOUT,
+    MirrorTables,
+    TPDriverRunner,
+    TPWorker,
+    receive_object,
+    send_object,
+)
+
+
+def stage_bounds(cfg, pp: int) -> list[tuple[int, int]]:
+    """(first, end) layers of each stage: balanced by the weights a decode step reads, the
+    head counted on the last stage (plan/serve.py's `pp_stage_bounds`, which the planner's
+    block count uses too)."""
+    return pp_stage_bounds(cfg, pp)
+
+
+def check_pp(pp: int, tp: int = 1, dp: int = 1, lora=(), num_layers: int | None = None
+             ) -> None:
+    """--pp against the other options, and (once the model is loaded) its layers."""
+    if pp < 1:
+        raise ConfigError(f"--pp {pp} must be >= 1")
+    if num_layers is not None and pp > num_layers:
+        raise ConfigError(f"--pp {pp} is more stages than the model's {num_layers} layers; "
+                          f"use --pp {num_layers} or fewer")
+    if pp > 1 and (tp > 1 or dp > 1):
+        raise ConfigError("--pp with --tp or --dp is not supported yet; use one of them")
+    if pp > 1 and lora:
+        raise ConfigError("--lora with --pp is not supported yet (adapters are not staged); "
+                          "serve adapters with --pp 1")
+
+
+def micro_batches(num_tokens: list[int], pp: int) -> list[int]:
+    """Sizes (in sequences) of up to pp runs of consecutive sequences, each about an equal
+    share of the tokens, none empty."""
+    n = len(num_tokens)
+    parts = min(pp, n)
+    if parts <= 1:
+        return [n] if n else []
+    total, sizes, count, acc = sum(num_tokens), [], 0, 0
+    for i, t in enumerate(num_tokens):
+        count, acc = count + 1, acc + t
+        left = n - i - 1  # sequences after this one
+        need = parts - len(sizes) - 1  # runs still to open after this one
+        if need and (acc * parts >= total * (len(sizes) + 1) or left == need):
+            sizes.append(count)
+            count = 0
+    sizes.append(count) if count else None
+    return sizes
+
+
+class StageForward:
+    """One stage of the model: the fused forward's layers where the model fuses (serve/
+    fused.py), else the modules'."""
+
+    def __init__(self, model: nn.Module, first: int, end: int, stage: int, stages: int):
+        self.model, self.first, self.end = model, first, end
+        self.is_first, self.is_last = stage == 0, stage == stages - 1
+        self.fused = FusedLlama(model) if fusable(model) is None else None
+
+    @torch.inference_mode()
+    def __call__(self, x: torch.Tensor, cache, positions, logits_index) -> torch.Tensor:
+        """x: (1, T) ids on the first stage, else (T, hidden) from the stage before; returns
+        (T, hidden), or on the last stage the (n, V) logits of `logits_index`."""
+        m, f = self.model, self.fused
+        if f is not None:
+            h = f.embed_tokens(x) if self.is_first else x
+            h = f.layers_forward(h, positions, cache, self.first, self.end)
+            return f.logits(h, logits_index)[0] if self.is_last else h
+        h = m.embed_tokens(x) if self.is_first else x[None]
+        cos, sin = m.rotary(positions, h.dtype)
+        for j, i in enumerate(range(self.first, self.end)):
+            h = m.layers[i](h, cos, sin, cache, j, 0)
+        return m.logits(h[:, logits_index])[0] if self.is_last else h[0]
+
+
+class PPStageRunner(ModelRunner):
+    """Any rank's stage over a step's micro-batches: receive, run, send on."""
+
+    def __init__(self, model: nn.Module, cache: PagedKVCache, kv, group: Group, stage: int,
+                 bounds: list[tuple[int, int]]):
+        super().__init__(model, cache, kv)
+        self.group, self.stage, self.stages = group, stage, len(bounds)
+        self.forward = StageForward(model, *bounds[stage], stage, len(bounds))
+        self.hidden, self.dtype = model.cfg.hidden_size, next(model.parameters()).dtype
+        self.vocab_size = model.cfg.vocab_size
+
+    def run_stage(self, out: SchedulerOutput, sizes: list[int]) -> list[tuple[list[str],
+                                                                              torch.Tensor]]:
+        """This stage on each micro-batch; on the last stage, each one's logits."""
+        if out.copies:
+            self.cache.copy_blocks(out.copies)
+        results, sends, first = [], [], 0
+        prev, nxt = self.group.global_rank(self.stage - 1), None
+        if self.stage + 1 < self.stages:
+            nxt = self.group.global_rank(self.stage + 1)
+        for size in sizes:
+            part = SchedulerOutput(scheduled=out.scheduled[first:first + size])
+            first += size
+            step = self.prepare(part)
+            if step.batch.stale_slots is not None:
+                self.cache.clear_slots(step.batch.stale_slots)
+            if self.forward.is_first:
+                x = step.tokens
+            else:
+                x = torch.empty(step.positions.shape[0], self.hidden, dtype=self.dtype,
+                                device=self.device)
+                dist.recv(x, prev, group=self.group.pg)
+            self.cache.batch = step.batch
+            try:
+                y = self.forward(x, self.cache, step.positions, step.sample_rows)
+            finally:
+                self.cache.batch = None
+            if nxt is not None:
+                sends.append((dist.isend(y.contiguous(), nxt, group=self.group.pg), y))
+            else:
+                results.append((step.sample_ids, y.float()))
+        for handle, _ in sends:
+            handle.wait()
+        return results
+
+
+class PPDriverRunner(TPDriverRunner):
+    """Rank 0: sends the step (and its micro-batches) to the workers, runs stage 0, and
+    receives every micro-batch's logits from the last stage."""
+
+    def __init__(self, stage: PPStageRunner, control: Group, scheduler):
+        ModelRunner.__init__(self, stage.model, stage.cache, stage.kv)
+        self.stage_runner, self.control, self.scheduler = stage, control, scheduler
+        self._sent = {}
+
+    def execute(self, out: SchedulerOutput) -> StepLogits:
+        sizes = micro_batches([n for _, n in out.scheduled], self.stage_runner.stages)
+        send_object((self.encode(out), sizes), self.control)
+        self.stage_runner.run_stage(out, sizes)
+        ids, rows, first = [], [], 0
+        last = self.stage_runner.group.global_rank(self.stage_runner.stages - 1)
+        for size in sizes:  # the last stage's logits, micro-batch by micro-batch
+            part = out.scheduled[first:first + size]
+            first += size
+            sample = [r.request_id for r, n in part if r.num_computed_tokens + n ==
+                      r.num_tokens]
+            if sample:
+                x = torch.empty(len(sample), self.stage_runner.vocab_size,
+                                device=self.device)
+                dist.recv(x, last, group=self.stage_runner.group.pg)
+                ids += sample
+                rows.append(x)
+        return StepLogits(ids, torch.cat(rows) if rows else
+                          torch.zeros(0, self.stage_runner.vocab_size, device=self.device))
+
+
+class PPWorker:
+    """Ranks 1..pp-1: mirror each step (as a tensor-parallel worker does) and run the
+    stage; the last stage sends the logits to rank 0."""
+
+    apply = TPWorker.apply
+
+    def __init__(self, stage: PPStageRunner, control: Group):
+        self.tables, self.requests = stage.kv, {}
+        self.stage, self.control, self.num_steps = stage, control, 0
+
+    def run(self) -> None:
+        while (msg := receive_object(self.control)) is not None:
+            step, sizes = msg
+            results = self.stage.run_stage(self.apply(step), sizes)
+            for ids, logits in results:
+                if ids:
+                    dist.send(logits.contiguous(), 0, group=self.stage.group.pg)
+            self.num_steps += 1
+
+
+def pp_groups(pp: int) -> tuple[Group, Group]:
+    """(data, control): the world for the hidden states and logits, and a gloo group for
+    the step messages (call on every rank of an initialised world)."""
+    from fivefold.parallel.comm import Ledger
+
+    ranks = list(range(pp))
+    ledger = Ledger()
+    data = Group("pp", ranks, dist.group.WORLD, ledger)
+    control = Group("pp_control", ranks, dist.new_group(ranks, backend="gloo",
+                                                         timeout=IDLE_TIMEOUT), ledger)
+    return data, control
+
+
+def driver_engine(model: nn.Module, pp: int, groups: tuple[Group, Group], **engine_kwargs):
+    """Rank 0's Engine: blocks counted for the largest stage, then its own stage's pool;
+    the block count goes to the workers first (None if the engine cannot be built)."""
+    from fivefold.serve.engine import Engine
+
+    data, control = groups
+    bounds = stage_bounds(model.cfg, pp)
+    largest = max(end - first for first, end in bounds)
+    try:
+        engine = Engine(model, num_layers=largest, **{**engine_kwargs, "prepack": False,
+                                                                "fuse": False})
+    except BaseException:
+        send_object(None, control)
+        raise
+    cache = engine.cache
+    first, end = bounds[0]
+    if end - first != largest:
+        cache = engine.cache = PagedKVCache(
+            end - first, cache.k.shape[2], cache.k.shape[3], engine.num_blocks,
+            cache.block_size, next(model.parameters()).dtype, engine.device, cache.k.dtype)
+    send_object((engine.num_blocks, cache.block_size, cache.k.dtype), control)
+    stage = PPStageRunner(model, cache, engine.kv, data, 0, bounds)
+    engine.runner = PPDriverRunner(stage, control, engine.scheduler)
+    return engine
+
+
+def run_worker(model: nn.Module, pp: int, groups: tuple[Group, Group]) -> int:
+    data, control = groups
+    setup = receive_object(control)
+    if setup is None:
+        return 0
+    num_blocks, block_size, store = setup
+    rank = dist.get_rank()
+    bounds = stage_bounds(model.cfg, pp)
+    first, end = bounds[rank]
+    cfg, param = model.cfg, next(model.parameters())
+    cache = PagedKVCache(end - first, cfg.num_kv_heads, cfg.dim_per_head, num_blocks,
+                         block_size, param.dtype, param.device, store)
+    tables = MirrorTables()
+    worker = PPWorker(PPStageRunner(model, cache, tables, data, rank, bounds), control)
+    worker.run()
+    return worker.num_steps
+
+
+# --- a worker rank of the server (serve/openai/backends.py `_start_pp` starts them) -----
+def _worker(rank: int, args) -> None:
+    import signal
+
+    from fivefold.serve.tp_worker import threads_per_rank
+    from fivefold.train.generate import load_for_generation
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.set_num_threads(threads_per_rank(args.pp))
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    try:
+        model, _ = load_for_generation(args)
+        check_pp(args.pp, num_layers=model.cfg.num_layers)
+    except ConfigError:
+        raise SystemExit(2) from None  # rank 0 checks the same and says it in one line
+    groups = pp_groups(args.pp)
+    run_worker(model.eval(), args.pp, groups)

@@ -1,0 +1,206 @@
+"""The time terms that grow with scale (plan/network.py, plan/timing.py), the validated
+ranges (plan/validated.py) and their bad inputs."""
+
+import dataclasses
+import math
+
+import pytest
+
+from fivefold.models.presets import preset
+from fivefold.plan.cli_entry import main
+from fivefold.plan.comm import Collective
+from fivefold.plan.hardware import CATALOG, Assumptions, get_hardware
+from fivefold.plan.layout import Layout, Workload, bubble_ratio
+from fivefold.plan.network import (
+    call_latency_s,
+    collective_time,
+    group_link,
+    nccl_algorithms,
+    ring_steps,
+    tree_steps,
+)
+from fivefold.plan.report import explain_losses
+from fivefold.plan.search import SearchSpace, search
+from fivefold.plan.timing import step_time
+from fivefold.plan.validated import CLOSE, RANGES, describe, rank_key
+
+H100 = CATALOG["h100-sxm"]
+US = 1e-6
+
+
+def test_ring_latency_grows_with_ranks_and_pays_the_network_per_crossing_step():
+    """A ring all-gather over n ranks takes n − 1 steps, nodes − 1 of them over the network
+    (NCCL's tuning model); an all-reduce twice as many. tp 32 over 4 nodes: 31 steps, 3 at
+    the network's latency, 28 at NVLink's, plus the call's own."""
+    a = Assumptions()
+    assert ring_steps("all_gather", 32, 4) == (31, 3)
+    assert ring_steps("all_reduce", 32, 4) == (62, 6)
+    assert ring_steps("send", 2, 2) == (1, 1)
+    lay = Layout(tp=32)
+    call = Collective("tp", "all_gather", 2, 1.0, 1, 32, "fwd")
+    want = (a.base_latency_us + 28 * a.intra_latency_us + 3 * a.inter_latency_us) * US
+    assert call_latency_s(call, H100, a, lay, True) == pytest.approx(want, rel=1e-12)
+    # inside a node every step is NVLink's
+    lay8 = Layout(tp=8)
+    call8 = Collective("tp", "all_gather", 2, 1.0, 1, 8, "fwd")
+    assert call_latency_s(call8, H100, a, lay8, False) == pytest.approx(
+        (a.base_latency_us + 7 * a.intra_latency_us) * US, rel=1e-12)
+
+
+def test_nccl_takes_the_tree_for_a_small_all_reduce_over_many_nodes():
+    """dp 128 over 128 nodes: a one-element all-reduce's ring pays 254 network steps, the
+    tree 2·log2(128) = 14 at 0.9 of the ring's bandwidth (NCCL's model), so a small call
+    takes the tree and a large one the ring. Inside a node NCCL weighs the ring alone."""
+    a = Assumptions()
+    assert nccl_algorithms("all_reduce", True) == ("ring", "tree")
+    assert nccl_algorithms("all_reduce", False) == ("ring",)
+    assert nccl_algorithms("all_gather", True) == ("ring",)
+    assert tree_steps(128, 128) == (14, 14)
+    lay = Layout(dp=128, tp=8)
+    tiny = Collective("dp_cp", "all_reduce", 4, 1.0, 1, 128, "step")
+    tree = call_latency_s(tiny, H100, a, lay, True, "tree")
+    ring = call_latency_s(tiny, H100, a, lay, True, "ring")
+    assert tree < ring / 10
+    bw, inter = group_link(H100, lay, "dp_cp", a)
+    assert inter
+    assert collective_time(tiny, H100, a, lay) == pytest.approx(
+        tiny.wire_bytes / (0.9 * bw * a.bandwidth_efficiency) + tree, rel=1e-12)
+    # 1 GB: the ring's latency is small beside the tree's 10% less bandwidth
+    big = Collective("dp_cp", "all_reduce", 4, 2.5e8, 1, 128, "grad")
+    assert collective_time(big, H100, a, lay) == pytest.approx(
+        big.wire_bytes / (bw * a.bandwidth_efficiency) + ring, rel=1e-12)
+
+
+def test_spine_contention_only_past_a_leaf_group():
+    """A dp group over 16 nodes under leaves of 8 nodes crosses the spine: its NIC share
+    falls by the oversubscription, and each step waits the spine's latency; under leaves of
+    32 (the default) nothing changes."""
+    lay = Layout(dp=16, tp=8)
+    hw32, a = H100, Assumptions(spine_oversubscription=2.0, spine_latency_us=5.0)
+    hw8 = dataclasses.replace(H100, leaf_nodes=8)
+    inside, _ = group_link(hw32, lay, "dp_cp", a)
+    crossing, _ = group_link(hw8, lay, "dp_cp", a)
+    assert crossing == pytest.approx(inside / 2, rel=1e-12)
+    call = Collective("dp_cp", "all_gather", 2, 1.0, 1, 16, "step")
+    extra = call_latency_s(call, hw8, a, lay, True) - call_latency_s(call, hw32, a, lay, True)
+    assert extra == pytest.approx(15 * 5.0 * US, rel=1e-9)  # 15 network steps, 5 µs each
+
+
+def test_stragglers_add_the_expected_maximum_of_n_ranks():
+    """σ·√(2 ln N) of compute + bubble, N the world size; nothing with σ = 0."""
+    work = Workload(preset("llama-3.2-1b"), seq_len=2048, gbs=64)
+    lay = Layout(dp=16, tp=2)
+    hw, a = get_hardware("h100")
+    plain = step_time(work, lay, hw, a)
+    assert plain.straggler == 0.0
+    t = step_time(work, lay, hw, dataclasses.replace(a, straggler_sigma=0.03))
+    assert t.straggler == pytest.approx(
+        (plain.compute + plain.bubble) * 0.03 * math.sqrt(2 * math.log(32)), rel=1e-12)
+    assert t.total == pytest.approx(plain.total + t.straggler, rel=1e-12)
+
+
+def test_pipeline_messages_wait_in_the_bubble():
+    """A fixed time per pipeline message adds to the exposed pp time and, through the fill
+    and drain, (p − 1)/m of it again in the bubble (even 1F1B stages)."""
+    work = Workload(preset("llama-3.2-1b"), seq_len=2048, gbs=32)
+    lay = Layout(dp=2, pp=4, schedule="1f1b")
+    hw, a = get_hardware("h100")
+    m = work.num_microbatches(lay)
+    base = step_time(work, lay, hw, a)
+    slow = step_time(work, lay, hw, dataclasses.replace(a, pp_message_ms=5.0))
+    d_pp = slow.pp_comm - base.pp_comm
+    assert d_pp > 0
+    assert slow.bubble - base.bubble == pytest.approx(bubble_ratio(lay, m) * d_pp, rel=1e-6)
+
+
+def test_tp_latency_under_a_blocking_pipeline():
+    """pp_blocking_latency_us: every ring step of a TP call waits it under pp > 1, never
+    at pp = 1 and never for another group."""
+    a = Assumptions(pp_blocking_latency_us=100.0)
+    call = Collective("tp", "all_gather", 2, 1.0, 1, 8, "fwd")
+    free = call_latency_s(call, H100, Assumptions(), Layout(tp=8, pp=2), False)
+    assert call_latency_s(call, H100, a, Layout(tp=8, pp=2), False) - free == pytest.approx(
+        7 * 100 * US, rel=1e-9)
+    assert call_latency_s(call, H100, a, Layout(tp=8), False) == pytest.approx(free)
+    dp = Collective("dp_cp", "all_gather", 2, 1.0, 1, 8, "fwd")
+    assert call_latency_s(dp, H100, a, Layout(dp=8, pp=2), False) == pytest.approx(
+        call_latency_s(dp, H100, Assumptions(), Layout(dp=8, pp=2), False))
+
+
+def test_validated_range_of_the_usp_file():
+    """The nanotron range is what the ok runs of bench/data/usp-calibration.csv cover (GPU
+    counts, nodes, largest tp and pp, no cp): the runs whose throughput was scored."""
+    import csv
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "data" / "usp-calibration.csv"
+    rows = [r for r in csv.DictReader(open(path)) if r["status"] == "ok"]
+    rng = RANGES["nanotron"]
+    gpus = sorted({int(r["n_gpus"]) for r in rows})
+    assert rng.gpus == (gpus[0], gpus[-1])
+    assert rng.nodes == (min(int(r["nodes"]) for r in rows), max(int(r["nodes"]) for r in rows))
+    assert rng.tp == max(int(r["tp"]) for r in rows)
+    assert rng.pp == max(int(r["pp"]) for r in rows)
+
+
+def test_plan_at_512_gpus_says_where_it_lies_outside(capsys):
+    """`fivefold plan` of an 8B model on 512 H100s (nanotron's convention) prints the range
+    its runs covered and that 512 GPUs on 64 nodes lie beyond it."""
+    code = main(["--model", "llama-3.1-8b", "--gpus", "512", "--gpu", "h100", "--convention",
+                 "nanotron", "--layout", "dp=64,tp=8,pp=1,mbs=1,zero=1", "--seq-len", "4096",
+                 "--gbs", "256"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "validated range (nanotron convention): 16-128 GPUs (2-16 nodes)" in out
+    assert "outside it: 512 GPUs above the 16-128 GPUs validated; 64 nodes above 2-16" in out
+    import json
+
+    main(["--model", "llama-3.1-8b", "--gpus", "512", "--gpu", "h100", "--convention",
+          "nanotron", "--layout", "dp=64,tp=8,pp=1,mbs=1,zero=1", "--seq-len", "4096",
+          "--gbs", "256", "--json", "-"])
+    got = json.loads(capsys.readouterr().out)["validated"]
+    assert got["outside"] == ["512 GPUs above the 16-128 GPUs validated", "64 nodes above 2-16"]
+    lines = describe("nanotron", Layout(dp=8, tp=16), 8)
+    assert lines[1] == "this plan lies inside it"
+
+
+def test_search_prefers_the_validated_range_when_close(monkeypatch):
+    """rank_key raises a layout outside the range by CLOSE. An 8B model on 16 H100s of
+    40 GiB: the fastest layouts use cp 2; with a range of cp ≤ 1 the best layout without
+    cp ranks first when it is within CLOSE of the fastest (here 5.5% slower: within 10%,
+    not within 5%), and otherwise the fastest stays first."""
+    import fivefold.plan.validated as validated
+
+    rng = dataclasses.replace(RANGES["torchtitan"], cp=1)
+    assert rank_key(1.0, Layout(cp=2), rng) == pytest.approx(1 + CLOSE)
+    assert rank_key(1.0, Layout(tp=8), rng) == 1.0
+    hw, a = get_hardware("h100", {"memory_gib": 40})
+    work = Workload(preset("llama-3.1-8b"), seq_len=4096, gbs=64)
+    free = search(work, 16, hw, a, SearchSpace(zero=(1,), max_mbs=4), top=3).top[0]
+    inside = search(work, 16, hw, a, SearchSpace(zero=(1,), max_mbs=4, cp=(1,)), top=3).top[0]
+    assert free.layout.cp > 1 and inside.layout.cp == 1
+    ratio = inside.time.total / free.time.total
+    assert 1.05 < ratio < 1.10
+    for close, want in ((0.05, free), (0.10, inside)):
+        monkeypatch.setattr(validated, "CLOSE", close)
+        result = search(work, 16, hw, a, SearchSpace(zero=(1,), max_mbs=4, validated=rng),
+                        top=20)
+        assert result.top[0].layout == want.layout, close
+    # the report says why a faster layout ranks below the chosen one
+    lines = explain_losses(result, count=len(result.top))
+    assert any(line.startswith(free.layout.short()) and "faster, but outside the validated "
+               "range (cp 2 > 1), so not preferred within 10%" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--convention", "nemo"], "--convention 'nemo' is unknown"),
+    (["--hw", "spine_oversubscription=0.5"], "spine_oversubscription=0.5 must be"),
+    (["--hw", "inter_latency_us=-1"], "inter_latency_us=-1 must be"),
+    (["--hw", "straggler_sigma=-0.1"], "straggler_sigma=-0.1 must be"),
+    (["--hw", "leaf_nodes=2.5"], "leaf_nodes='2.5' is not a number"),
+])
+def test_bad_convention_or_negative_term_is_one_line_exit_2(args, says, capsys):
+    code = main(["--model", "llama-3.2-1b", "--gpus", "8", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and says in err[0], err

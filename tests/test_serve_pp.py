@@ -1,0 +1,106 @@
+"""Pipeline-parallel serving (serve/pp_worker.py) against one device: the same greedy tokens
+for a mix of requests (a shared prefix, n = 2 with copy-on-write, seeded sampling, a cache
+small enough to preempt), fused and module stages, 2 and 3 stages; the planner's `--serve
+--pp` block count equal to the engine's; the stage and micro-batch splits; bad input."""
+
+import pytest
+from harness import run_ranks
+
+from fivefold.errors import ConfigError
+from fivefold.models.init import build_model
+from fivefold.models.presets import ModelConfig, preset
+from fivefold.plan.serve import num_blocks
+from fivefold.serve.engine import Engine
+from fivefold.serve.pp_worker import check_pp, micro_batches, stage_bounds
+from tests.test_serve_tp import workload
+
+CFG = ModelConfig(name="serve-pp", vocab_size=250, hidden_size=64, intermediate_size=128,
+                  num_layers=5, num_heads=4, num_kv_heads=2, max_seq_len=256, init_std=0.1)
+BUDGET = 20 * 16 * 2 * 3 * 2 * 16 * 4  # 20 blocks of the largest stage (3 of 5 layers), fp32
+
+
+def _pp_run(rank, world, prompts, params, fuse):
+    from fivefold.serve import pp_worker
+
+    model = build_model(CFG, seed=5).eval()
+    if not fuse:  # the module path: a model the fused forward does not take
+        pp_worker.fusable = lambda m: "test"
+    groups = pp_worker.pp_groups(world)
+    if rank != 0:
+        return pp_worker.run_worker(model, world, groups)
+    engine = pp_worker.driver_engine(model, world, groups, block_size=16,
+                                     kv_cache_bytes=BUDGET)
+    tokens = [o.token_ids for o in engine.generate(prompts, params)]
+    pp_worker.send_object(None, groups[1])
+    return {"tokens": tokens, "blocks": engine.num_blocks, "steps": engine.num_steps,
+            "preemptions": engine.scheduler.num_preemptions,
+            "layers": engine.cache.k.shape[0]}
+
+
+@pytest.mark.parametrize("world, fuse", [(2, True), (2, False), (3, True)])
+def test_pp_equals_pp1(world, fuse, one_thread):
+    prompts, params = workload(18, seed=2)
+    model = build_model(CFG, seed=5).eval()
+    largest = max(e - f for f, e in stage_bounds(CFG, world))
+    blocks = BUDGET // (16 * 2 * largest * 2 * 16 * 4)
+    expected = [o.token_ids for o in Engine(model, block_size=16, num_blocks=blocks)
+                .generate(prompts, params)]
+    out, *steps = run_ranks(_pp_run, world, prompts, params, fuse)
+    assert out["tokens"] == expected
+    assert out["blocks"] == blocks and out["layers"] == stage_bounds(CFG, world)[0][1]
+    assert all(s == out["steps"] for s in steps)  # every stage ran every step
+    if world == 2 and fuse:
+        assert out["preemptions"] > 0  # the small pool preempted, and still the same
+
+
+def test_stage_and_micro_batch_splits():
+    # a layer of CFG reads 36,992 weights a token, its head 16,000: 3 + 2 layers is the
+    # least largest stage (110,976 against 89,984 with the head)
+    assert stage_bounds(CFG, 2) == [(0, 3), (3, 5)]
+    assert stage_bounds(CFG, 3) == [(0, 2), (2, 4), (4, 5)]
+    assert stage_bounds(CFG, 5) == [(i, i + 1) for i in range(5)]
+    # llama-25m's head (32000 x 512) outweighs five of its layers: the last stage gets one
+    assert stage_bounds(preset("llama-25m"), 2) == [(0, 7), (7, 8)]
+    for cfg, pp in ((preset("llama-3.1-8b"), 4), (CFG, 2), (preset("llama-25m"), 3)):
+        bounds = stage_bounds(cfg, pp)
+        assert bounds[0][0] == 0 and bounds[-1][1] == cfg.num_layers
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(bounds, bounds[1:]))
+    assert micro_batches([1] * 8, 2) == [4, 4]
+    assert micro_batches([100, 1, 1, 1], 2) == [1, 3]
+    assert micro_batches([1, 1, 1, 100], 2) == [3, 1]
+    assert micro_batches([5], 3) == [1]
+    assert micro_batches([], 2) == []
+    for tokens in ([3, 1, 4, 1, 5, 9, 2, 6], [1, 1], [7, 7, 7]):
+        for pp in (2, 3, 4):
+            sizes = micro_batches(tokens, pp)
+            assert sum(sizes) == len(tokens) and min(sizes) >= 1
+            assert len(sizes) == min(pp, len(tokens))
+
+
+def test_plan_serve_pp_counts_the_largest_stage(capsys):
+    from fivefold.plan.cli_entry import main as plan_main
+
+    model = build_model(CFG, seed=1).eval()
+    budget = 3 * 2**20 + 999
+    largest = max(e - f for f, e in stage_bounds(CFG, 2))
+    engine = Engine(model, kv_cache_bytes=budget, num_layers=largest)
+    assert engine.num_blocks == num_blocks(budget, CFG, 16, "fp32", pp=2)
+    assert num_blocks(budget, CFG, 16, "fp32", pp=2) > num_blocks(budget, CFG, 16, "fp32")
+    assert plan_main(["--serve", "--model", "llama-3.1-8b", "--pp", "4", "--json"]) == 0
+    import json
+
+    plan = json.loads(capsys.readouterr().out)
+    # llama-3.1-8b in 4 stages: 8, 9, 9 and 6 layers (the head on the last); the pools are
+    # sized for 9 of the 32 layers' 128 KiB a token
+    assert plan["pp"] == 4 and plan["kv_bytes_per_token"] == 131072 * 9 // 32
+
+
+def test_bad_pp_is_one_line():
+    with pytest.raises(ConfigError, match="more stages than the model's 5 layers"):
+        check_pp(6, num_layers=5)
+    with pytest.raises(ConfigError, match="--lora with --pp"):
+        check_pp(2, lora=["a=b"])
+    with pytest.raises(ConfigError, match="--pp with --tp"):
+        check_pp(2, tp=2)
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        check_pp(0)

@@ -1,0 +1,73 @@
+"""`fivefold serve --pp 2` as a real process (rank 1 spawned by serve itself), driven by the
+openai client: concurrent greedy requests of mixed lengths get the text of the one-device
+engine (`--pp 1`), the server exits 0 after SIGTERM; `--pp` beyond the layers and `--pp`
+with `--lora` are one line and exit 2 before anything starts."""
+
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from test_serve_parallel_http import greedy_text  # noqa: E402
+from test_serve_server import free_port, start_server  # noqa: E402
+
+from fivefold.models.hf import save_hf  # noqa: E402
+from fivefold.models.init import build_model  # noqa: E402
+from fivefold.models.presets import ModelConfig  # noqa: E402
+
+CFG = ModelConfig(name="served-pp", vocab_size=256, hidden_size=64, intermediate_size=128,
+                  num_layers=3, num_heads=4, num_kv_heads=2, max_seq_len=256, init_std=0.1,
+                  tie_embeddings=True)
+PROMPTS = ["Hello", "ROMEO:", "To be, or not to be, that is the question", "a",
+           "The quick brown fox jumps over the lazy dog", "JULIET: O", "Once upon", "xyz"]
+
+
+def test_pp2_server_answers_as_one_device(tmp_path):
+    model = build_model(CFG, seed=9).eval()
+    save_hf(model, CFG, tmp_path / "m")
+    port = free_port()
+    proc, base = start_server(["--hf", str(tmp_path / "m"), "--tokenizer", "byte", "--port",
+                               str(port), "--served-model-name", "m", "--kv-cache-gib",
+                               "0.01", "--pp", "2"], start_s=120)
+    try:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
+                               timeout=60)
+
+        def ask(job):
+            prompt, max_tokens = job
+            return client.completions.create(model="m", prompt=prompt, max_tokens=max_tokens,
+                                             temperature=0).choices[0].text
+
+        jobs = [(p, 4 + 3 * i) for i, p in enumerate(PROMPTS)]
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(ask, jobs))
+        assert texts == [greedy_text(model, p, m) for p, m in jobs]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert "pp 2" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--pp", "4"], "--pp 4 is more stages than the model's 3 layers"),
+    (["--pp", "2", "--lora", "a=b"], "--lora with --pp is not supported"),
+])
+def test_bad_pp_is_one_line_and_exit_2(tmp_path, extra, message):
+    model = build_model(CFG, seed=9).eval()
+    save_hf(model, CFG, tmp_path / "m")
+    proc = subprocess.run([sys.executable, "-m", "fivefold.cli", "serve", "--hf",
+                           str(tmp_path / "m"), "--tokenizer", "byte", "--port",
+                           str(free_port()), *extra], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
