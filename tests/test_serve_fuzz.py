@@ -265,7 +265,7 @@ def test_tokenising_runs_off_the_event_loop():
 
 
 def test_codecs_encode_through_the_batch_form_with_encodes_ids():
-    """gil_free_ids: the batch form lets go of the GIL (bench/serve_stall.py measures the
+    """gil_free_ids: the batch form lets go of the GIL (bench/serve/serve_stall.py measures the
     event loop's waits) and gives encode's ids, for the bundled BPE (no special tokens) and
     a tokenizer.json served with --hf (the model's BOS)."""
     pytest.importorskip("tokenizers")
