@@ -152,8 +152,7 @@ def bad_inputs(work):
                                      "already quantised"),
         "convert a quantised one": (["convert", "--checkpoint", str(work / "q-int8"),
                                      "--to-hf", str(work / "x8")],
-                                    "exporting int4/AWQ in transformers' AWQ layout is not "
-                                    "supported"),
+                                    "holds int8 weights written by fivefold quantize"),
     }
 
 
