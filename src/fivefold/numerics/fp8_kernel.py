@@ -190,14 +190,6 @@ def call_scaled_mm(ops: dict, out_dtype: torch.dtype = torch.bfloat16) -> torch.
     raise RuntimeError(f"torch {torch.__version__} has no blockwise scaled matmul")
 
 
-def blockwise_scaled_mm(a: ScaledOperand, b: ScaledOperand,
-                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """a · bᵀ on cuBLASLt (bf16 out, cast to `out_dtype`): the kernel path of fp8_mm."""
-    ops = kernel_operands(a, b)
-    out = call_scaled_mm(ops, torch.bfloat16)  # bf16 out, as torchao asks for it
-    return out[: ops["rows"]].to(out_dtype)
-
-
 def reference_scaled_mm(ops: dict) -> torch.Tensor:
     """What the kernel computes with these operands, in float64 on any device, reading each
     scale from its storage the way cuBLASLt does (by its leading dimension, not by the
