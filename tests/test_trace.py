@@ -58,12 +58,11 @@ def test_fp8_linear_is_traceable():
     assert t.syncs == 0 and t.kernels > 3  # the casts and scales around them
 
 
-@pytest.mark.parametrize("gpu,gemm", [("h100", "aten._scaled_mm_v2"), ("b200", "aten.mm")])
+@pytest.mark.parametrize("gpu,gemm", [("h100", "fivefold.fp8_blockwise_scaled_mm"),
+                                      ("b200", "aten.mm")])
 def test_fp8_step_takes_the_gpus_blockwise_kernel(gpu, gemm):
     """An sm90 GPU runs blockwise FP8 on cuBLASLt's `_scaled_mm`; a B200 (10.0) the
     emulated GEMMs, as the engine's kernel_support decides on each."""
-    if not hasattr(torch.ops.aten, "_scaled_mm_v2") and gpu == "h100":
-        gemm = "aten._scaled_mm"
     t = trace_step(["--model.preset", "llama-3.1-8b", "--model.num_layers", "1",
                     "--data.tokenizer", "byte", "--train.seq_len", "128", "--train.gbs", "1",
                     "--parallel.mbs", "1", "--train.precision", "fp8"], gpu=gpu, steps=1,
