@@ -28,10 +28,10 @@ def same(got, ref):
 
 def cases(dtype):
     torch.manual_seed(0)
-    # 130 x 200: partial 128-tiles both ways; columns over six decades (FP8 subnormals)
-    x = torch.randn(130, 200) * torch.logspace(-4, 2, 200)
+    # 130 x 136: partial 128-tiles both ways; columns over six decades (FP8 subnormals)
+    x = torch.randn(130, 136) * torch.logspace(-4, 2, 136)
     x[5] = 0.0                      # an all-zero row: amax 0, the EPS multiplier
-    x[7, 3], x[9, 150] = float("nan"), float("inf")  # non-finite groups quantise to NaN
+    x[7, 3], x[9, 130] = float("nan"), float("inf")  # non-finite groups quantise to NaN
     out = {"random": x.to(dtype)}
     for fmt in (E4M3, E5M2):        # every midpoint of the format at multiplier 1: ties
         v = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
@@ -71,18 +71,18 @@ for dtype in (torch.float32, torch.float16):
             report[key] = r
 
 # the fake implementations: shapes, dtypes and strides of the real outputs
-x = torch.randn(130, 200)
-fakes = {}
+x = torch.randn(130, 136)
 m = x.to("meta")
-for name, call in {"tensorwise": lambda t: C.fp8_cast_tensorwise(t, C.fp8_amax_partials(t),
-                                                                 "e5m2", True, True),
-                   "partials": lambda t: (C.fp8_amax_partials(t),),
-                   "rows": lambda t: C.fp8_cast_rows(t, "e4m3", True, True),
-                   "cols": lambda t: C.fp8_cast_cols(t, C.fp8_cast_rows(t, "e4m3", True,
-                                                                        True)[2], "e4m3", True),
-                   "tiles": lambda t: C.fp8_cast_tiles(t, "e4m3", True),
-                   "blocks": lambda t: C.fp8_cast_blocks(t.t(), "e4m3")}.items():
-    real, fake = call(x), call(m)
+calls = {"tensorwise": lambda t, p: C.fp8_cast_tensorwise(t, p, "e5m2", True, True),
+         "rows": lambda t, p: C.fp8_cast_rows(t, "e4m3", True, True),
+         "cols": lambda t, p: C.fp8_cast_cols(t, C.fp8_cast_rows(t, "e4m3", True, True)[2],
+                                              "e4m3", True),
+         "tiles": lambda t, p: C.fp8_cast_tiles(t, "e4m3", True),
+         "blocks": lambda t, p: C.fp8_cast_blocks(t.t(), "e4m3")}
+parts = {x: C.fp8_amax_partials(x), m: C.fp8_amax_partials(m)}
+fakes = {"partials": parts[x].shape == parts[m].shape}
+for name, call in calls.items():
+    real, fake = call(x, parts[x]), call(m, parts[m])
     fakes[name] = all(a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
                       for a, b in zip(real, fake))
 report["fakes"] = fakes
@@ -96,20 +96,20 @@ def run(recipe, use_fused):
     fused.fused = (lambda t: True) if use_fused else (lambda t: False)
     linear._LAST[0] = None
     torch.manual_seed(1)
-    x = (torch.randn(2, 80, 256) * torch.logspace(-2, 1, 256)).requires_grad_()
-    w = (torch.randn(384, 256) / 16).requires_grad_()
-    b = torch.randn(384).requires_grad_()
-    g = torch.randn(2, 80, 384)
+    x = (torch.randn(2, 40, 136) * torch.logspace(-2, 1, 136)).requires_grad_()
+    w = (torch.randn(144, 136) / 16).requires_grad_()
+    b = torch.randn(144).requires_grad_()
+    g = torch.randn(2, 40, 144)
     y = fp8_linear(x, w, b, recipe)
     y.backward(g)
     return [y.detach(), x.grad, w.grad, b.grad]
 
 linears = {}
-for name in ("tensorwise", "rowwise", "blockwise"):
-    for grad_format in ("e4m3", "e5m2"):
-        recipe = FP8Recipe.from_name(name, grad_format)
-        ref, got = run(recipe, False), run(recipe, True)
-        linears[f"{name}/{grad_format}"] = [bool(torch.equal(a, b)) for a, b in zip(ref, got)]
+for name, grad_format in (("tensorwise", "e5m2"), ("rowwise", "e4m3"), ("blockwise", "e4m3"),
+                          ("rowwise", "e5m2")):
+    recipe = FP8Recipe.from_name(name, grad_format)
+    ref, got = run(recipe, False), run(recipe, True)
+    linears[f"{name}/{grad_format}"] = [bool(torch.equal(a, b)) for a, b in zip(ref, got)]
 report["linear"] = linears
 print(json.dumps(report))
 """
@@ -121,7 +121,8 @@ def test_fused_casts_in_the_interpreter_are_byte_equal_to_the_reference():
     (their groups NaN), values over six decades (FP8 subnormals), every midpoint between
     two FP8 values (round half to even), blocks of a transposed view; the fakes' shapes and
     strides; and the FP8 linear's output and three gradients on the fused casts bit-equal
-    to its step-by-step path, for each recipe and gradient format. No tolerance: the same
+    to its step-by-step path, for each recipe (and e5m2 gradients, rowwise: a gradient
+    format on the row and column kernels; tensorwise's default). No tolerance: the same
     operations on the same float32 values (numerics/fp8_triton.py's docstring)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -135,7 +136,7 @@ def test_fused_casts_in_the_interpreter_are_byte_equal_to_the_reference():
            for op, flags in ops.items() if not all(flags)}
     assert not bad, bad
     assert all(fakes.values()) and len(fakes) == 6, fakes
-    assert len(linear) == 6 and all(all(v) for v in linear.values()), linear
+    assert len(linear) == 4 and all(all(v) for v in linear.values()), linear
 
 
 def test_fused_path_is_the_gpus_and_not_the_cpus():
