@@ -36,10 +36,14 @@ beside the planner's count in plan/fp8.py, to save one amax pass over the weight
 Passes over the operands (lowp/quantize.py quantises in three: amax, scale, cast, each byte
 equal to numerics.fp8.quantize's): tensorwise casts ∂y once, and its wgrad operand ∂yᵀ is
 that FP8 tensor transposed (one scale for both, as for x); the blockwise re-quantisation
-dequantises without a full-size scale tensor.
+dequantises without a full-size scale tensor. That is the CPU's path; on a GPU (and in a
+trace of one) each operand is cast by one or two fused kernels instead, which also write
+the transposed copy the backward needs (lowp/fused.py, numerics/fp8_cast.py), byte for byte
+the same FP8 tensors.
 
 Kernels: tensorwise and rowwise call `torch._scaled_mm` (cuBLASLt on CUDA, torch's CPU
-kernel on CPU). Blockwise takes `FP8Recipe.kernel`: "scaled_mm" (cuBLASLt's blockwise mode,
+kernel on CPU) through a custom op that torch.compile keeps as it is (numerics/fp8_ops.py).
+Blockwise takes `FP8Recipe.kernel`: "scaled_mm" (cuBLASLt's blockwise mode,
 numerics/fp8_kernel.py: CUDA, compute capability 9.x, weights in whole 128-blocks) or
 "emulated" (128-wide K slices in fp32, any device; the reference). lowp/convert.py picks it.
 """

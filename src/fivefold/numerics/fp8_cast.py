@@ -71,8 +71,8 @@ def _bytes_view(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_per_partial(m: int) -> int:
-    """Rows per partial amax: a power of two, so that there are <= MAX_PARTIALS of them."""
-    return 1 << max(0, (_cdiv(m, MAX_PARTIALS) - 1).bit_length())
+    """Rows per partial amax: a power of two >= 16, so that there are <= MAX_PARTIALS."""
+    return max(16, 1 << max(0, (_cdiv(m, MAX_PARTIALS) - 1).bit_length()))
 
 
 def _num_partials(m: int) -> int:
@@ -97,7 +97,7 @@ def fp8_amax_partials(x: torch.Tensor) -> torch.Tensor:
     if triton_usable(x.device):
         rows = _rows_per_partial(m)
         kernels.amax_partials_kernel[(out.numel(),)](x, x.stride(0), x.stride(1), out, m, k,
-                                                    ROWS=rows, BK=max(16, 2048 // rows))
+                                                    ROWS=rows, BK=max(16, 4096 // rows))
         return out
     a = x.detach().float().abs().nan_to_num(nan=float("inf"))
     out.fill_(0.0)
