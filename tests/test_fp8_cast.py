@@ -141,6 +141,7 @@ def test_fused_casts_in_the_interpreter_are_byte_equal_to_the_reference():
     assert not bad, bad
 
 
+@pytest.mark.slow
 def test_fp8_linear_on_the_fused_casts_in_the_interpreter():
     """The fakes' shapes, dtypes and strides equal the real outputs'; the FP8 linear's
     output and three gradients on the fused casts bit-equal to its step-by-step path, for
