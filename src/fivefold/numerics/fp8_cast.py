@@ -128,8 +128,11 @@ def fp8_cast_tensorwise(x: torch.Tensor, partials: torch.Tensor, fmt: str, write
     if triton_usable(x.device):
         grid = (_cdiv(m, 64), _cdiv(k, 64))
         kernels.tensorwise_cast_kernel[grid](
-            x, x.stride(0), x.stride(1), partials, partials.numel(), _bytes_view(codes),
-            _bytes_view(codes_t), scale, m, k, **_constants(fmt), WRITE=write,
+            # an output not written passes another tensor's pointer (an empty tensor may
+            # have none); the WRITE flags remove its stores at compile time
+            x, x.stride(0), x.stride(1), partials, partials.numel(),
+            _bytes_view(codes) if write else scale, _bytes_view(codes_t) if write_t else scale,
+            scale, m, k, **_constants(fmt), WRITE=write,
             WRITE_T=write_t, PB=triton.next_power_of_2(partials.numel()), BLOCK=64)
         return codes, codes_t, scale
     q = quantize(x, FP8_FORMATS[fmt], "tensorwise")
@@ -165,7 +168,8 @@ def fp8_cast_rows(x: torch.Tensor, fmt: str, pow2: bool,
     colpart = torch.empty(_rows_shapes(x, cols), dtype=torch.float32, device=x.device)
     if triton_usable(x.device):
         kernels.rows_cast_kernel[(_cdiv(m, ROWS),)](
-            x, x.stride(0), x.stride(1), _bytes_view(codes), scale, colpart, m, k,
+            x, x.stride(0), x.stride(1), _bytes_view(codes), scale,
+            colpart if cols else scale, m, k,
             **_constants(fmt), POW2=pow2, COLS=cols, ROWS=ROWS, BK=64)
         return codes, scale, colpart
     q = quantize(x, FP8_FORMATS[fmt], "rowwise", pow2)
