@@ -74,6 +74,17 @@ def test_fp8_step_takes_the_gpus_blockwise_kernel(gpu, gemm):
     assert (scaled and "aten.mm" not in mlp) if gpu == "h100" else not scaled
 
 
+def test_a_gather_reads_the_rows_it_picks():
+    """An embedding's forward reads the rows its ids pick (and the ids), not the table:
+    8 ids of a 1,000-row table read 8 rows."""
+    emb = torch.nn.Embedding(1000, 64, device="meta", dtype=torch.bfloat16)
+    ids = torch.zeros(8, dtype=torch.long, device="meta")
+    t = trace_callable(lambda: emb(ids), gpu=None)
+    (e,) = [e for e in t.events if e.kind == "kernel"]
+    assert e.bytes_written == 8 * 64 * 2
+    assert e.bytes_read == 8 * 64 * 2 + 8 * 8  # rows + int64 ids
+
+
 def test_gemm_roofline_on_h100():
     tokens, d = 8192, 4096
     step, _ = _linear_step(tokens, d, d)
