@@ -1,6 +1,7 @@
 """The single-device fast path: gradient-norm precision, fused AdamW, the SDPA kernel check
 and per-block compilation (parity with eager)."""
 
+import collections
 import os
 
 import pytest
@@ -46,19 +47,41 @@ def test_compiled_blocks_match_eager(tmp_path):
     3 steps from the same seed: losses within loss_rtol, gradient norms and final weights
     within trained_rtol (tests/tolerances.py: inductor fuses and reorders the same float32
     sums; 4 sequences of 32 tokens per step, 2 blocks of 3 GEMMs). The first step compiles
-    (tens of seconds on 2 cores)."""
+    (tens of seconds on 2 cores). The third step of each is profiled: the compiled block's
+    kernels per layer stay within the fusion budget below, with the same GEMMs as eager."""
+    import torch._inductor.config as inductor_config
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a loaded 2-core machine: no OpenMP threads spinning
-    runs = {}
+    runs, launched = {}, {}
     try:
-        for flag in ("false", "true"):
-            trainer = Trainer(small_config(tmp_path, "--train.compile", flag), quiet=True)
-            records = [trainer.train_step() for _ in range(3)]
-            weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-            runs[flag] = (records, weights)
+        # Each generated C++ kernel records itself in the profiler (part of the generated
+        # code, so a kernel cache warmed by another run cannot hide it).
+        with inductor_config.patch("cpp.enable_kernel_profile", True):
+            for flag in ("false", "true"):
+                trainer = Trainer(small_config(tmp_path, "--train.compile", flag), quiet=True)
+                records = [trainer.train_step() for _ in range(2)]
+                cpu = [torch.profiler.ProfilerActivity.CPU]
+                with torch.profiler.profile(activities=cpu) as prof:
+                    records.append(trainer.train_step())
+                launched[flag] = collections.Counter(e.name for e in prof.events())
+                weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+                runs[flag] = (records, weights)
     finally:
         torch.set_num_threads(threads)
     (eager, w_eager), (compiled, w_compiled) = runs["false"], runs["true"]
+    # The compiled block's budget (kernels per layer and micro-batch, forward + backward, beside
+    # its 21 GEMMs and 2 attention kernels, which stay library calls): what fusion can reach.
+    # Forward 5: norm, RoPE on q and k, residual add + second norm, SiLU·up, residual add.
+    # Backward 7: SiLU·up's, second norm's two reductions (input, weight) with the residual's
+    # gradient, RoPE's, the attention backward's input layout, first norm's two reductions.
+    # Eager, the same layer is 41 kernels on the GPU's paths (tests/test_trace.py).
+    blocks_run = 2 * 4  # small_config: 2 blocks, 4 micro-batches of 1 sequence
+    fused = sum(n for name, n in launched["true"].items() if "cpp_fused_" in name)
+    assert 0 < fused <= 12 * blocks_run, (fused, launched["true"])
+    assert not any("cpp_fused_" in name for name in launched["false"])
+    # no GEMM added or lost by compiling
+    assert launched["true"]["aten::mm"] == launched["false"]["aten::mm"] > 21 * blocks_run
     loss_tol, trained_tol = loss_rtol(4 * 32, 3 * 2), trained_rtol(4 * 32, 3 * 2)
     for a, b in zip(eager, compiled):
         assert within(abs(a["loss"] - b["loss"]) / a["loss"], loss_tol, "compile loss")

@@ -73,6 +73,17 @@ def test_fp8_step_takes_the_gpus_blockwise_kernel(gpu, gemm):
     assert (scaled and "aten.mm" not in mlp) if gpu == "h100" else not scaled
 
 
+def test_a_gather_reads_the_rows_it_picks():
+    """An embedding's forward reads the rows its ids pick (and the ids), not the table:
+    8 ids of a 1,000-row table read 8 rows."""
+    emb = torch.nn.Embedding(1000, 64, device="meta", dtype=torch.bfloat16)
+    ids = torch.zeros(8, dtype=torch.long, device="meta")
+    t = trace_callable(lambda: emb(ids), gpu=None)
+    (e,) = [e for e in t.events if e.kind == "kernel"]
+    assert e.bytes_written == 8 * 64 * 2
+    assert e.bytes_read == 8 * 64 * 2 + 8 * 8  # rows + int64 ids
+
+
 def test_gemm_roofline_on_h100():
     tokens, d = 8192, 4096
     step, _ = _linear_step(tokens, d, d)
@@ -141,6 +152,28 @@ def test_step_parts_forward_and_backward():
     assert t.matching("layers.0").kernels == sum(
         p.kernels for n, p in t.parts.items() if n.startswith("layers.0"))
     assert t.kernels == sum(1 for e in t.events if e.kind == "kernel")
+
+
+def test_kernels_per_layer_budget():
+    """Eager, on the GPU's paths, one block is 41 kernels per micro-batch, forward +
+    backward; every block the same. The budget per part (each a ceiling the engine holds):
+    attention 18 = 12 GEMMs (q, k, v, o: 4 forward, 8 backward) + flash forward and
+    backward + RoPE of q and k, one kernel each way (models/block_kernels.py) + 2 adds of the
+    input's gradient; MLP 15 = 9 GEMMs + SiLU and its backward + 3 products + 1 add; norms
+    6 = one kernel each way for each of the two (models/block_kernels.py) + the residual
+    gradient's 2 adds; the block's 2 residual adds. Written in torch ops the norms were 50
+    (25 each: fp32 casts, pow, mean, rsqrt, scale, backward's reductions) and RoPE 20: 105 a
+    block. Compiled, the same block is 12 fused kernels beside its 23 library calls
+    (tests/test_speed_paths.py)."""
+    t = trace_step([*TINY[:-6], "--model.num_layers", "2", "--train.seq_len", "64",
+                    "--train.gbs", "1", "--parallel.mbs", "1"], steps=1, planner=False)
+    budget = {"attention": 18, "mlp": 15, "norms": 6, "": 2}
+    for layer in (0, 1):
+        for part, most in budget.items():
+            name = f"layers.{layer}" + (f".{part}" if part else "")
+            assert 0 < t.part(name).kernels <= most, (name, t.part(name).kernels)
+        assert t.matching(f"layers.{layer}").kernels <= sum(budget.values()) == 41
+    assert t.part("layers.0.attention").ops["aten.mm"] == 12  # nothing lost to the budget
 
 
 def test_moe_step_traces_with_its_syncs():
