@@ -224,3 +224,33 @@ def test_the_conventions_time_factors_are_the_files_fit():
         assert conv[k] == pytest.approx(results["fitted"]["all"][k]), k
     halves = {results["fitted"][g]["pp_blocking_latency_us"] for g in ("16", "128")}
     assert halves == {conv["pp_blocking_latency_us"]}
+
+
+def test_memory_breakdown_groups_made_up_runs():
+    """bench/plan/usp_memory.py: two ok runs at tp 1 (errors +5% and -20%) and one at tp 2
+    (+5%), one a single micro-batch per step; the verdict misses are the crashed run planned
+    as fitting and the ok run the planner refuses, which counts in no memory group."""
+    import usp_memory
+
+    rows = [_run("m", 16, "ok", "10", "1", grad_acc=4),
+            _run("m", 16, "ok", "10", "1", grad_acc=1, mbs=4),
+            _run("m", 16, "ok", "20", "1", tp=2, grad_acc=4),
+            _run("m", 16, "crashed_or_oom", tp=4, grad_acc=4),
+            _run("m", 16, "ok", "5", "1", pp=2, grad_acc=4)]
+    preds = [{"plannable": True, "fits": True, "rank0_reserved_gib": 10.5},
+             {"plannable": True, "fits": True, "rank0_reserved_gib": 8.0},
+             {"plannable": True, "fits": True, "rank0_reserved_gib": 21.0},
+             {"plannable": True, "fits": True, "rank0_reserved_gib": 1.0,
+              "most_loaded_total_gib": 2.0},
+             {"plannable": False, "fits": False, "why": "no block"}]
+    table = usp_memory.breakdown(rows, preds)
+    assert table["tp"]["1"]["runs"] == 2 and table["tp"]["2"]["runs"] == 1
+    assert table["tp"]["1"]["median_abs_error"] == pytest.approx(0.125)
+    assert table["tp"]["1"]["median_signed_error"] == pytest.approx(-0.075)
+    assert table["tp"]["1"]["within_10pct"] == 0.5
+    assert table["microbatches"]["1"]["median_signed_error"] == pytest.approx(-0.2)
+    assert table["microbatches"][">1"]["runs"] == 2
+    assert "2" not in table["pp"]  # the refused run is not scored for memory
+    misses = usp_memory.verdict_misses(rows, preds)
+    assert [m["status"] for m in misses] == ["crashed_or_oom", "ok"]
+    assert misses[0]["planned_most_loaded_gib"] == 2.0 and misses[1]["refused"] == "no block"

@@ -1,0 +1,114 @@
+"""Where the planner's memory model misses on the Ultra-Scale Playbook's runs.
+
+    python bench/plan/usp_memory.py            # prints the tables, writes
+                                               # bench/results/usp_memory.json
+    python bench/plan/usp_memory.py --out PATH
+
+Ok runs the planner plans (`--convention nanotron`), rank 0's planned peak reserved GiB
+against what nanotron logged (bench/plan/usp_calibration.py says why rank 0), grouped by each
+of n_gpus, model, tp, pp, ZeRO stage, micro-batch size and micro-batches per step (1 or
+more): runs, median absolute error, median signed error (predicted / measured - 1) and the
+share within 10%. Three factor sets: the convention's (fitted on the whole file), and the
+ones `bench/plan/usp_calibration.py` fitted on one half of the file, judged on the other
+(read from bench/results/usp_calibration.json, so this runs in seconds). Then the runs the
+fits-or-not verdict gets wrong, ok runs planned as not fitting and crashed runs planned as
+fitting, with the planned total of the most loaded rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+from usp_calibration import HW, ROOT, _cpu_model, halves, load, run
+from usp_calibration import OUT as CALIBRATION
+
+OUT = ROOT / "bench" / "results" / "usp_memory.json"
+DIMENSIONS = ("n_gpus", "model", "tp", "pp", "zero", "mbs", "microbatches")
+
+
+def _key(row: dict, dim: str):
+    if dim == "microbatches":
+        return "1" if int(row["grad_acc"]) == 1 else ">1"
+    return row[dim] if dim == "model" else int(row[dim])
+
+
+def breakdown(rows: list[dict], preds: list[dict]) -> dict:
+    """{dimension: {value: {runs, median_abs_error, median_signed_error, within_10pct}}}."""
+    out: dict = {}
+    for dim in DIMENSIONS:
+        groups: dict = defaultdict(list)
+        for row, p in zip(rows, preds):
+            if row["status"] == "ok" and p["plannable"]:
+                groups[_key(row, dim)].append(p["rank0_reserved_gib"]
+                                              / float(row["gpu_memory_GB"]) - 1)
+        out[dim] = {str(v): {"runs": len(e),
+                             "median_abs_error": statistics.median(abs(x) for x in e),
+                             "median_signed_error": statistics.median(e),
+                             "within_10pct": sum(abs(x) <= 0.10 for x in e) / len(e)}
+                    for v, e in sorted(groups.items(), key=lambda kv: (len(str(kv[0])),
+                                                                       str(kv[0])))}
+    return out
+
+
+def verdict_misses(rows: list[dict], preds: list[dict]) -> list[dict]:
+    """The runs whose fits-or-not verdict is wrong."""
+    misses = []
+    for row, p in zip(rows, preds):
+        ok = row["status"] == "ok"
+        if p["fits"] == ok:
+            continue
+        misses.append({"run": "{model}/{n_gpus} dp{dp} tp{tp} pp{pp} z{zero} mbs{mbs} "
+                              "ga{grad_acc}".format(**row), "status": row["status"],
+                       "measured_gib": float(row["gpu_memory_GB"]) if ok else None,
+                       "planned_most_loaded_gib": p.get("most_loaded_total_gib"),
+                       "planned_rank0_gib": p.get("rank0_reserved_gib"),
+                       "refused": None if p["plannable"] else p["why"]})
+    return misses
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    rows = load()
+    split = halves(rows)
+    fitted = json.loads(CALIBRATION.read_text())["fitted"]
+    sets = {"convention": (rows, run(rows, hw_overrides=HW))}
+    for train, test in (("16", "128"), ("128", "16")):
+        sets[f"fit_{train}_judge_{test}"] = (split[test], run(split[test], hw_overrides={
+            **HW, **fitted[train]}))
+    result = {name: breakdown(r, p) for name, (r, p) in sets.items()}
+    misses = verdict_misses(*sets["convention"])
+    for name, table in result.items():
+        print(f"\n{name}: runs, median |error|, median signed error, within 10%")
+        for dim, groups in table.items():
+            print(f"  {dim:<12} " + "  ".join(
+                f"{v}: {g['runs']} {g['median_abs_error']:.1%} "
+                f"{g['median_signed_error']:+.1%} {g['within_10pct']:.0%}"
+                for v, g in groups.items()))
+    print(f"\nfits-or-not wrong on {len(misses)} of {len(rows)} runs (the convention's factors):")
+    for m in misses:
+        planned = ("refused: " + m["refused"][:60] if m["refused"] else
+                   f"planned most loaded {m['planned_most_loaded_gib']:.1f} GiB, rank 0 "
+                   f"{m['planned_rank0_gib']:.1f}")
+        got = f"measured {m['measured_gib']:.1f}" if m["measured_gib"] is not None else ""
+        print(f"  {m['run']:<40} {m['status']:<15} {got:<15} {planned}")
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True, cwd=ROOT).stdout.strip()
+    out = {"machine": {"host": platform.node(), "cpu": _cpu_model(),
+                       "python": platform.python_version()},
+           "git": rev, "data": "bench/data/usp-calibration.csv",
+           "fitted_from": str(CALIBRATION.relative_to(ROOT)), "breakdown": result,
+           "verdict_misses": misses}
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()
