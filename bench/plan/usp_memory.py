@@ -5,14 +5,15 @@
     python bench/plan/usp_memory.py --out PATH
 
 Ok runs the planner plans (`--convention nanotron`), rank 0's planned peak reserved GiB
-against what nanotron logged (bench/plan/usp_calibration.py says why rank 0), grouped by each
-of n_gpus, model, tp, pp, ZeRO stage, micro-batch size and micro-batches per step (1 or
-more): runs, median absolute error, median signed error (predicted / measured - 1) and the
-share within 10%. Three factor sets: the convention's (fitted on the whole file), and the
-ones `bench/plan/usp_calibration.py` fitted on one half of the file, judged on the other
-(read from bench/results/usp_calibration.json, so this runs in seconds). Then the runs the
-fits-or-not verdict gets wrong, ok runs planned as not fitting and crashed runs planned as
-fitting, with the planned total of the most loaded rank.
+against what nanotron logged (bench/plan/usp_calibration.py says why rank 0), grouped by
+each of n_gpus, model, tp, pp, tp and pp together (`tp_pp`, e.g. 08x04), ZeRO stage, micro-
+batch size and micro-batches per step (1 or more): runs, median absolute error, median
+signed error (predicted / measured - 1) and the share within 10%. Three factor sets: the
+convention's (fitted on the whole file), and the ones `bench/plan/usp_calibration.py` fitted
+on one half of the file, judged on the other (read from bench/results/usp_calibration.json,
+so this runs in seconds). Then the runs the fits-or-not verdict gets wrong, ok runs planned
+as not fitting and crashed runs planned as fitting, with the planned total of the most
+loaded rank.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ from usp_calibration import HW, ROOT, _cpu_model, halves, load, run
 from usp_calibration import OUT as CALIBRATION
 
 OUT = ROOT / "bench" / "results" / "usp_memory.json"
-DIMENSIONS = ("n_gpus", "model", "tp", "pp", "zero", "mbs", "microbatches")
+DIMENSIONS = ("n_gpus", "model", "tp", "pp", "tp_pp", "zero", "mbs", "microbatches")
 
 
 def _key(row: dict, dim: str):
     if dim == "microbatches":
         return "1" if int(row["grad_acc"]) == 1 else ">1"
+    if dim == "tp_pp":
+        return f"{int(row['tp']):02d}x{int(row['pp']):02d}"
     return row[dim] if dim == "model" else int(row[dim])
 
 
