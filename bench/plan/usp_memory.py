@@ -6,8 +6,8 @@
 
 Ok runs the planner plans (`--convention nanotron`), rank 0's planned peak reserved GiB
 against what nanotron logged (bench/plan/usp_calibration.py says why rank 0), grouped by
-each of n_gpus, model, tp, pp, tp and pp together (`tp_pp`, e.g. 08x04), ZeRO stage, micro-
-batch size and micro-batches per step (1 or more): runs, median absolute error, median
+each of n_gpus, model, tp, pp, tp and pp together (`tp_pp`, e.g. 08x04), ZeRO stage,
+micro-batch size and micro-batches per step (1 or more): runs, median absolute error, median
 signed error (predicted / measured - 1) and the share within 10%. Three factor sets: the
 convention's (fitted on the whole file), and the ones `bench/plan/usp_calibration.py` fitted
 on one half of the file, judged on the other (read from bench/results/usp_calibration.json,
