@@ -75,6 +75,30 @@ def verdict_misses(rows: list[dict], preds: list[dict]) -> list[dict]:
     return misses
 
 
+def twins(rows: list[dict]) -> dict:
+    """The file's own spread: ok ZeRO-0 runs whose first stage holds the same work (model, tp,
+    pp, micro-batch size and micro-batches in flight on pipeline rank 0 under 1F1B, min(pp,
+    grad_acc)) on 16 and on 128 GPUs, where nothing rank 0 holds depends on dp. Their logged
+    memory differs only by what no model of the work sees: the allocator's history, the number
+    of micro-batches per step, the run itself. Spread of a group = largest / smallest - 1."""
+    groups: dict[tuple, list] = defaultdict(list)
+    for row in rows:
+        if row["status"] == "ok" and row["zero"] == "0":
+            pp, m = int(row["pp"]), int(row["grad_acc"])
+            groups[(row["model"], row["tp"], row["pp"], row["mbs"], min(pp, m))].append(row)
+    spreads = []
+    for key, members in sorted(groups.items()):
+        if len(members) > 1:
+            logged = [float(r["gpu_memory_GB"]) for r in members]
+            spreads.append({"work": "{} tp{} pp{} mbs{} in flight {}".format(*key),
+                            "runs": [f"{r['n_gpus']} GPUs ga{r['grad_acc']}: "
+                                     f"{float(r['gpu_memory_GB']):.1f}" for r in members],
+                            "spread": max(logged) / min(logged) - 1})
+    values = [t["spread"] for t in spreads]
+    return {"groups": spreads, "median_spread": statistics.median(values) if values else None,
+            "share_over_10pct": sum(v > 0.10 for v in values) / len(values) if values else None}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=OUT)
@@ -88,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
             **HW, **fitted[train]}))
     result = {name: breakdown(r, p) for name, (r, p) in sets.items()}
     misses = verdict_misses(*sets["convention"])
+    same = twins(rows)
     for name, table in result.items():
         print(f"\n{name}: runs, median |error|, median signed error, within 10%")
         for dim, groups in table.items():
@@ -102,13 +127,18 @@ def main(argv: list[str] | None = None) -> dict:
                    f"{m['planned_rank0_gib']:.1f}")
         got = f"measured {m['measured_gib']:.1f}" if m["measured_gib"] is not None else ""
         print(f"  {m['run']:<40} {m['status']:<15} {got:<15} {planned}")
+    print(f"\nruns with the same work on rank 0 (ZeRO-0): {len(same['groups'])} groups, "
+          f"median spread {same['median_spread']:.1%}, {same['share_over_10pct']:.0%} over 10%")
+    for t in same["groups"]:
+        if t["spread"] > 0.10:
+            print(f"  {t['work']:<36} {'; '.join(t['runs'])}  ({t['spread']:+.0%})")
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True, cwd=ROOT).stdout.strip()
     out = {"machine": {"host": platform.node(), "cpu": _cpu_model(),
                        "python": platform.python_version()},
            "git": rev, "data": "bench/data/usp-calibration.csv",
            "fitted_from": str(CALIBRATION.relative_to(ROOT)), "breakdown": result,
-           "verdict_misses": misses}
+           "verdict_misses": misses, "same_work": same}
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     return out
 
