@@ -26,8 +26,13 @@ import subprocess
 from collections import defaultdict
 from pathlib import Path
 
-from usp_calibration import HW, ROOT, _cpu_model, halves, load, run
+from usp_calibration import HW, ROOT, _cpu_model, halves, load, run, workload_layout
 from usp_calibration import OUT as CALIBRATION
+from usp_fit import MEMORY_FITTED
+
+from fivefold.plan.hardware import GIB, get_hardware
+from fivefold.plan.layout import check_layout
+from fivefold.plan.memory import memory_items
 
 OUT = ROOT / "bench" / "results" / "usp_memory.json"
 DIMENSIONS = ("n_gpus", "model", "tp", "pp", "tp_pp", "zero", "mbs", "microbatches")
@@ -99,6 +104,44 @@ def twins(rows: list[dict]) -> dict:
             "share_over_10pct": sum(v > 0.10 for v in values) / len(values) if values else None}
 
 
+def residuals(rows: list[dict]) -> dict:
+    """What rank 0 logged beyond what the planner traces: ok runs planned with the memory
+    factors at 0 (`MEMORY_FITTED`), the residual in GiB, per token and hidden unit of one
+    micro-batch, and as a share of the planned activations. Summaries: pp 1 at tp >= 4 (the
+    head's rank) by micro-batches per step, and each layout with tp >= 8 and pp >= 4 across
+    its micro-batch sizes."""
+    zero = {**HW, **{k: 0.0 for k in MEMORY_FITTED}}
+    runs = []
+    for row in rows:
+        work, layout = workload_layout(row)
+        if row["status"] != "ok" or check_layout(work, layout):
+            continue
+        _, assume = get_hardware("h100-sxm", zero)
+        items, _ = memory_items(work, layout, assume, 0)
+        planned = (sum(items.values()) - assume.context_gib * GIB) / GIB
+        extra = float(row["gpu_memory_GB"]) - planned
+        tokens_h = layout.mbs * work.seq_len * work.model.hidden_size
+        runs.append({"row": row, "residual_gib": extra,
+                     "per_token_hidden": extra * GIB / tokens_h,
+                     "of_activations": extra * GIB / items["activations"]})
+    head: dict = defaultdict(list)
+    for r in runs:
+        row = r["row"]
+        if row["pp"] == "1" and int(row["tp"]) >= 4:
+            head["1" if row["grad_acc"] == "1" else ">1"].append(r["per_token_hidden"])
+    layouts: dict = defaultdict(list)
+    for r in runs:
+        row = r["row"]
+        if int(row["tp"]) >= 8 and int(row["pp"]) >= 4:
+            layouts["{model} dp{dp} tp{tp} pp{pp} z{zero}".format(**row)].append(
+                r["of_activations"])
+    return {"pp1_tp4plus_bytes_per_token_hidden": {
+                k: {"runs": len(v), "median": statistics.median(v)} for k, v in head.items()},
+            "tp8plus_pp4plus_share_of_activations": {
+                k: {"runs": len(v), "min": min(v), "max": max(v)}
+                for k, v in sorted(layouts.items()) if len(v) > 1}}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=OUT)
@@ -113,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {name: breakdown(r, p) for name, (r, p) in sets.items()}
     misses = verdict_misses(*sets["convention"])
     same = twins(rows)
+    extra = residuals(rows)
     for name, table in result.items():
         print(f"\n{name}: runs, median |error|, median signed error, within 10%")
         for dim, groups in table.items():
@@ -132,13 +176,21 @@ def main(argv: list[str] | None = None) -> dict:
     for t in same["groups"]:
         if t["spread"] > 0.10:
             print(f"  {t['work']:<36} {'; '.join(t['runs'])}  ({t['spread']:+.0%})")
+    print("\nrank 0 beyond the traced bytes (memory factors at 0):")
+    for k, v in extra["pp1_tp4plus_bytes_per_token_hidden"].items():
+        print(f"  pp 1, tp >= 4, micro-batches per step {k}: {v['runs']} runs, median "
+              f"{v['median']:.0f} bytes per token and hidden unit")
+    for k, v in extra["tp8plus_pp4plus_share_of_activations"].items():
+        print(f"  {k:<24} {v['runs']} micro-batch sizes: {v['min']:.2f} to {v['max']:.2f} of "
+              f"the planned activations")
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True, cwd=ROOT).stdout.strip()
     out = {"machine": {"host": platform.node(), "cpu": _cpu_model(),
                        "python": platform.python_version()},
            "git": rev, "data": "bench/data/usp-calibration.csv",
            "fitted_from": str(CALIBRATION.relative_to(ROOT)), "breakdown": result,
-           "verdict_misses": misses, "same_work": same}
+           "verdict_misses": misses, "same_work": same,
+           "residuals": extra}
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     return out
 
