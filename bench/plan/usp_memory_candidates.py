@@ -10,7 +10,8 @@ convention; the time factors play no part in memory. A candidate is a change to 
 planned items, applied to the nanotron convention only (the engine's convention and its
 agreement tests see none of them):
 
-- `baseline`: the convention as it is;
+- `baseline`: the convention as it is (the head's reserve given back at the limit,
+  `allocator.released_cache`);
 - `sp_saved_full`: REDUCE_SCATTER linears save the all-gathered input, not the shard;
 - `grads_freed`: nanotron's FP32GradientAccumulator sets each bf16 `.grad` to None after
   accumulating it (optim/gradient_accumulator.py), so the bf16 gradients and the saved
@@ -23,9 +24,10 @@ agreement tests see none of them):
   one micro-batch (1F1B frees activations out of the order it allocated them);
 - `live_blocks`: a fitted number of MiB per live activation block (the caching allocator's
   segments pinned by a live block, as opposed to a share of the bytes);
-- `reserve_released`: the fitted reserves are cached blocks the allocator releases before it
-  fails (CUDACachingAllocator frees cached blocks and retries a failed cudaMalloc), so the
-  planned reserved peak never passes the usable memory and a run fits if the rest does.
+- `reserve_released`: all the fitted reserves (the activation reserve too, not only the
+  head's) are cached blocks the allocator releases before it fails (CUDACachingAllocator
+  frees cached blocks and retries a failed cudaMalloc), so the planned reserved peak never
+  passes the usable memory and a run fits if the rest does.
 """
 
 from __future__ import annotations
@@ -86,8 +88,8 @@ class Candidate:
     def __init__(self, name: str):
         self.name, self.coef = name, 0.0
 
-    def items(self, work, layout, assume, rank=0, act=None):
-        items, cpu = ORIGINAL(work, layout, assume, rank, act)
+    def items(self, work, layout, assume, rank=0, act=None, limit=None):
+        items, cpu = ORIGINAL(work, layout, assume, rank, act, limit)
         if not (work.fp32_grad_accum and work.softmax_loss):  # nanotron's alone
             return items, cpu
         items = dict(items)
