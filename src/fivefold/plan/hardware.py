@@ -95,7 +95,8 @@ class Assumptions:
     # loss's logits buffers (fitted per engine: plan/conventions.py; 0 for the engine itself).
     activation_reserve: float = 0.0
     loss_reserve: float = 0.0
-    # ... and bytes per token per hidden unit on the head's rank, whatever tp is.
+    # ... and bytes per token per hidden unit on the head's rank, whatever tp is: cache that
+    # holds no tensor, given back where it passes the rank's limit (allocator.released_cache).
     head_token_bytes: float = 0.0
     # Host time per layer per micro-batch (forward + backward, ms): an eager engine's Python
     # and kernel launches, which the GPU hides only when its own work takes longer.
