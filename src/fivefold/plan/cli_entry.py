@@ -27,6 +27,7 @@ from fivefold.plan.evaluate import plan_layout
 from fivefold.plan.hardware import (
     CATALOG,
     GIB,
+    check_memory_budget,
     get_hardware,
     load_profile,
     parse_overrides,
@@ -295,6 +296,7 @@ def run(argv: list[str]) -> int:
     convention = get_convention(args.convention)
     work = convention.apply_workload(work, _explicit_workload(args))
     assume = convention.apply_assumptions(assume, set(parse_overrides(args.hw)))
+    check_memory_budget(hw, assume)  # the convention's headroom counts too
     args.convention_obj = convention
     if args.layout:
         layout = parse_layout(args.layout, args.gpus)
