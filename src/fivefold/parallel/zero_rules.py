@@ -2,43 +2,110 @@
 
 `zero.DataParallelOptimizer` keeps AdamW's moments in two flat buffers; the other rules keep
 their states per piece, so for them it delegates here: building the rule over its master
-pieces, the assembler that gathers whole logical tensors (one all-gather over the ZeRO
-group of the flat shard, then tensor-parallel slices), and the checkpoint and accounting
-views. With quantised states the flat layout is aligned to the quantisation block
-(`FlatLayout(align=…)`), so every piece holds whole blocks.
+pieces, the assembler that gathers whole logical tensors one at a time (over the ZeRO
+group, then tensor-parallel slices), and the checkpoint and accounting views. With
+quantised states the flat layout is aligned to the quantisation block (`FlatLayout(align=…)`),
+so every piece holds whole blocks.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fivefold.parallel.optim_base import PieceInfo, made
+from fivefold.parallel import comm, peak
+from fivefold.parallel.optim_base import Assembler, PieceInfo, made
 from fivefold.parallel.shards import full_tensor, local_piece
 from fivefold.parallel.update import decays
 
 
-class ZeroAssembler:
-    """Whole logical tensors from this rank's pieces: the flat shard all-gathered over the
-    group (every rank calls it: it is a collective), then gathered over tp."""
+# Gather the whole flat shard at once, as before matrix-at-a-time gathering (a full fp32 copy
+# of the model on every rank): kept for bench/train/optimizer_gather.py's "before" and the
+# bit-equality test, not a setting.
+WHOLE_MODEL_GATHER = False
+
+
+class ZeroAssembler(Assembler):
+    """Whole logical tensors from this rank's pieces, one parameter at a time: every rank of
+    the ZeRO group walks the layout's wanted parameters in layout order (each is a
+    collective), gathers one into a buffer of its local size (each owner of a part
+    broadcasts it: the parts are uneven, so not one all-gather), then over tp, hands it to
+    the rule and frees it before the next. A rank holds one gathered parameter at a time
+    (`live`, sampled by the peak tracker), not a copy of the model: Moonlight's distributed
+    Muon (Liu et al. 2025, arXiv 2502.16982, §2.3) does the same per matrix."""
 
     def __init__(self, owner):
         self.owner = owner
+        self.live: list[torch.Tensor] = []
 
-    def full(self, values: dict[int, torch.Tensor], infos) -> dict[int, torch.Tensor]:
+    def each(self, values, infos, wanted=None):
+        owner = self.owner
+        layout = owner.layout
+        if WHOLE_MODEL_GATHER:
+            yield from self._whole_model(values)
+            return
+        by_slot = {owner.pieces[i].slot: i for i in values}
+        for s, slot in enumerate(layout.params):
+            i = by_slot.get(s)
+            if layout.shards == 1:  # the piece is the whole local tensor: nothing moves
+                if i is None:
+                    continue
+                local = made(values[i]).view(slot.shape)
+            else:
+                if wanted is not None and not wanted(slot.name, slot.param):
+                    continue
+                local = self._gather(s, values[i] if i is not None else None)
+                if i is None:  # the rank holds no part of it: received, and dropped
+                    self.live = [local]
+                    peak.sample("optimizer gather")
+                    del local
+                    self.live = []
+                    continue
+            # the same pieces on every tp peer: the tp gathers pair up
+            whole = full_tensor(slot.param, local, owner.dims)
+            if whole is not local or layout.shards > 1:
+                self.live = [whole]
+                del local
+                peak.sample("optimizer gather")
+            yield i, whole
+            del whole
+            self.live = []
+
+    def _gather(self, s: int, value) -> torch.Tensor:
+        """Parameter `s` (its local tensor, flat fp32) from the parts its owners hold."""
+        owner, layout = self.owner, self.owner.layout
+        slot = layout.params[s]
+        seg = layout.segments[slot.segment]
+        full = torch.empty(slot.numel, dtype=torch.float32, device=owner.device)
+        handles = []
+        for r in range(layout.shards):
+            lo, hi = seg.owned(r, layout.shards)
+            a, b = max(lo, slot.start), min(hi, slot.start + slot.numel)
+            if a >= b:
+                continue
+            part = full[a - slot.start:b - slot.start]
+            if r == owner.rank:
+                part.copy_(made(value))  # a made one dropped now
+            handles.append(comm.broadcast(part, r, owner.group, async_op=True))
+        for h in handles:
+            owner.watchdog.wait(h, "optimizer parameter gather")
+        return full.view(slot.shape)
+
+    def _whole_model(self, values):
         owner = self.owner
         layout = owner.layout
         shard = torch.zeros(layout.total // layout.shards, dtype=torch.float32,
                             device=owner.state_device)
         for i, v in values.items():
             pc = owner.pieces[i]
-            shard[pc.shard:pc.shard + pc.hi - pc.lo] = made(v)  # a made one dropped now
+            shard[pc.shard:pc.shard + pc.hi - pc.lo] = made(v)
         flat = owner._full_flat(shard)
-        out = {}
-        for i in values:  # the same pieces on every tp peer: the tp gathers pair up
+        self.live = [flat]
+        peak.sample("optimizer gather")
+        for i in values:
             slot = layout.params[owner.pieces[i].slot]
-            out[i] = full_tensor(slot.param, layout.view(flat, owner.pieces[i].slot),
+            yield i, full_tensor(slot.param, layout.view(flat, owner.pieces[i].slot),
                                  owner.dims)
-        return out
+        self.live = []
 
     def own(self, info: PieceInfo, full: torch.Tensor) -> torch.Tensor:
         return local_piece(info.param, full).reshape(-1)[info.lo:info.hi]
