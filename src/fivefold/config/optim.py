@@ -11,6 +11,7 @@ would be silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from fivefold.config.rules import choice, positive
@@ -42,9 +43,9 @@ def ns_coefficients(text: str) -> tuple[float, float, float]:
         values = tuple(float(v) for v in text.split(","))
     except ValueError:
         values = ()
-    if len(values) != 3:
-        raise ConfigError(f"optim.muon_ns_coefficients = '{text}' must be three numbers "
-                          f"a,b,c; e.g. 3.4445,-4.7750,2.0315")
+    if len(values) != 3 or not all(math.isfinite(v) for v in values):
+        raise ConfigError(f"optim.muon_ns_coefficients = '{text}' must be three finite "
+                          f"numbers a,b,c; e.g. 3.4445,-4.7750,2.0315")
     return values  # type: ignore[return-value]
 
 

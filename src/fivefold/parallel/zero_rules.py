@@ -17,7 +17,6 @@ from fivefold.parallel.optim_base import Assembler, PieceInfo, made
 from fivefold.parallel.shards import full_tensor, local_piece
 from fivefold.parallel.update import decays
 
-
 # Gather the whole flat shard at once, as before matrix-at-a-time gathering (a full fp32 copy
 # of the model on every rank): kept for bench/train/optimizer_gather.py's "before" and the
 # bit-equality test, not a setting.
