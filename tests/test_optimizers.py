@@ -109,9 +109,13 @@ def test_lowbit_adamw_is_torchaos_bit_for_bit(name, monkeypatch):
     assert len(quantised) == 2  # the two big matrices; norm and c keep fp32 states
 
 
+# torch's Adafactor takes the relative step only (fivefold's default is the absolute one)
+RELATIVE = OptimSection(adafactor_relative_step=True)
+
+
 def test_adafactor_is_torchs_bit_for_bit():
     weights, grads = _setup(1)
-    ours, _ = _ours("adafactor", weights, grads)
+    ours, _ = _ours("adafactor", weights, grads, oc=RELATIVE)
     theirs_w = {n: w.clone() for n, w in weights.items()}
     oracle = torch.optim.Adafactor(list(theirs_w.values()), lr=1e-2, weight_decay=0.1)
     for a, b in zip(ours, _theirs(oracle, theirs_w, grads)):
@@ -126,7 +130,7 @@ def test_stacked_experts_adafactor_is_torchs_on_each_expert_bit_for_bit():
     weights = torch.randn(4, 16, 24, generator=g)
     scales = torch.tensor([1.0, 10.0, 0.1, 3.0]).view(-1, 1, 1)
     grads = [{"experts.w": torch.randn(4, 16, 24, generator=g) * scales} for _ in range(STEPS)]
-    (ours,), _ = _ours("adafactor", {"experts.w": weights}, grads)
+    (ours,), _ = _ours("adafactor", {"experts.w": weights}, grads, oc=RELATIVE)
     theirs = {f"e{j}": weights[j].clone() for j in range(4)}
     oracle = torch.optim.Adafactor(list(theirs.values()), lr=1e-2, weight_decay=0.1)
     per_expert = [{f"e{j}": step["experts.w"][j] for j in range(4)} for step in grads]
