@@ -157,6 +157,17 @@ def test_muon_is_torchs_muon_plus_adamw_bit_for_bit():
     assert opt.adamw is not None and len(opt.masters) == 3
 
 
+def test_muon_without_nesterov_leaves_its_momentum_alone():
+    """Without Nesterov the update is the momentum itself; Newton-Schulz in fp32 once
+    normalised it in place (to norm 1), so one device and a gathering layout differed."""
+    weights, grads = _setup(4)
+    oc = OptimSection(muon_nesterov=False, muon_ns_dtype="fp32", muon_exclude="norm")
+    _, opt = _ours("muon", weights, grads[:1], oc=oc)
+    for m, name in zip(opt.masters, [n for n in weights if "norm" not in n]):
+        momentum = opt.state[m]["momentum"].view(grads[0][name].shape)
+        assert torch.equal(momentum, torch.zeros_like(momentum).lerp_(grads[0][name], 0.05))
+
+
 # --- bad input: one line, exit 2 ------------------------------------------------------------
 @pytest.mark.parametrize("overrides, words", [
     (["--train.optimizer", "adam8bit"], "train.optimizer = 'adam8bit' is not one of"),

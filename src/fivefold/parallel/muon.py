@@ -65,7 +65,7 @@ def newton_schulz(update: torch.Tensor, coefficients, steps: int, eps: float = 1
     tall = update.size(0) > update.size(1)
     if tall:
         x = x.T
-    x.div_(x.norm().clamp(min=eps))
+    x = x / x.norm().clamp(min=eps)  # not in place: x may be the momentum itself (fp32)
     for _ in range(steps):
         gram = x @ x.T
         gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
