@@ -6,8 +6,9 @@ ZeroAssembler), not a copy of the model.
   weights, losses, gradient norms and states are bit-equal after 3 steps at dp2 ZeRO-0/1/2/3
   (no tolerance: gathering copies values, it rounds nothing).
 - The most a rank holds gathered during the step is the largest tensor the rule gathers,
-  in fp32, to the byte: the planner's `gathered_bytes` (plan/optimizer.py); the old gather
-  held the whole padded flat buffer.
+  in fp32, to the byte: the planner's `gathered_bytes` (plan/optimizer.py), though the next
+  tensor's gather is in flight beside the current one where both fit in that; the old
+  gather held the whole padded flat buffer.
 - Through the trainer, the comm_buffers item of the peak tracker equals the planner's, to
   the byte (tests/test_plan_agreement.py's tolerance for that item), under ZeRO-1/3, tp and
   pp. (Under dp x tp, a rank holding no part of a tensor drops it before the tp gather and
@@ -51,7 +52,13 @@ def _run(rank, world, zeros):
                 zero_rules.WHOLE_MODEL_GATHER = whole
                 cfg = _cfg(world, zero, optimizer, options)
                 model, _, opt = build(cfg, torch.float32)
-                tracker = PeakTracker({"gathered": opt._optimizer_gathered})
+                held = []  # how many tensors each sample finds gathered
+
+                def gathered(opt=opt, held=held):
+                    held.append(len(opt._optimizer_gathered()))
+                    return opt._optimizer_gathered()
+
+                tracker = PeakTracker({"gathered": gathered})
                 with tracker:
                     losses, norms = train(model, opt, rank, world, STEPS)
                 params = final_params(opt)
@@ -65,6 +72,7 @@ def _run(rank, world, zeros):
                 runs[whole] = {"losses": losses, "norms": norms, "params": params,
                                "states": states, "own": own,
                                "gathered": tracker.item_peaks["gathered"],
+                               "most_at_once": max(held),
                                "largest": 4 * max(s.numel for s in wanted),
                                "flat": 4 * opt.layout.total}
                 opt.close()
@@ -87,8 +95,11 @@ def test_matrix_at_a_time_is_bit_equal_to_the_whole_model_gather_and_holds_one_t
                     assert torch.equal(new["states"][name][key], value), (label, name, key)
             assert len(new["own"]) == len(old["own"])
             assert all(torch.equal(a, b) for a, b in zip(new["own"], old["own"])), label
-            # ZeRO-0 reads each whole piece where it lies: nothing gathered
+            # ZeRO-0 reads each whole piece where it lies: nothing gathered. Under ZeRO the
+            # next tensor's gather is in flight beside the current one when both fit in the
+            # largest's bytes: two at once, never more bytes than the largest
             assert new["gathered"] == (new["largest"] if zero else 0), (label, new)
+            assert new["most_at_once"] == (2 if zero else 0), (label, new)
             assert old["gathered"] >= old["flat"] > 4 * new["largest"], (label, old)
             plan = gathered_bytes(
                 Workload(model=_cfg(2, zero, *CASES[k]).model.resolve(), seq_len=16, gbs=16,

@@ -10,6 +10,8 @@ so every piece holds whole blocks.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fivefold.parallel import comm, peak
@@ -28,9 +30,12 @@ class ZeroAssembler(Assembler):
     the ZeRO group walks the layout's wanted parameters in layout order (each is a
     collective), gathers one into a buffer of its local size (each owner of a part
     broadcasts it: the parts are uneven, so not one all-gather), then over tp, hands it to
-    the rule and frees it before the next. A rank holds one gathered parameter at a time
-    (`live`, sampled by the peak tracker), not a copy of the model: Moonlight's distributed
-    Muon (Liu et al. 2025, arXiv 2502.16982, §2.3) does the same per matrix."""
+    the rule and frees it before the next: Moonlight's distributed Muon (Liu et al. 2025,
+    arXiv 2502.16982, §2.3) does the same per matrix. A rank holds one gathered parameter at
+    a time (`live`, sampled by the peak tracker), not a copy of the model, and the next one's
+    broadcasts, when both fit in the largest one's bytes: they are in flight while the rule
+    works on this one, and the most held at once stays the largest wanted tensor
+    (plan/optimizer.py `gathered_bytes`)."""
 
     def __init__(self, owner):
         self.owner = owner
@@ -42,38 +47,56 @@ class ZeroAssembler(Assembler):
         if WHOLE_MODEL_GATHER:
             yield from self._whole_model(values)
             return
-        by_slot = {owner.pieces[i].slot: i for i in values}
-        for s, slot in enumerate(layout.params):
-            i = by_slot.get(s)
-            if layout.shards == 1:  # the piece is the whole local tensor: nothing moves
-                if i is None:
-                    continue
-                local = made(values[i]).view(slot.shape)
-            else:
-                if wanted is not None and not wanted(slot.name, slot.param):
-                    continue
-                local = self._gather(s, values[i] if i is not None else None)
-                if i is None:  # the rank holds no part of it: received, and dropped
-                    self.live = [local]
+        if layout.shards == 1:  # each piece is the whole local tensor: nothing moves
+            for i, v in values.items():
+                slot = layout.params[owner.pieces[i].slot]
+                # the same pieces on every tp peer: the tp gathers pair up
+                whole = full_tensor(slot.param, made(v).view(slot.shape), owner.dims)
+                if whole.shape != slot.shape:  # gathered over tp
+                    self.live = [whole]
                     peak.sample("optimizer gather")
-                    del local
-                    self.live = []
-                    continue
-            # the same pieces on every tp peer: the tp gathers pair up
-            whole = full_tensor(slot.param, local, owner.dims)
-            if whole is not local or layout.shards > 1:
-                self.live = [whole]
-                del local
-                peak.sample("optimizer gather")
-            yield i, whole
+                yield i, whole
+                del whole
+                self.live = []
+            return
+        by_slot = {owner.pieces[i].slot: i for i in values}
+        slots = [s for s, slot in enumerate(layout.params)
+                 if wanted is None or wanted(slot.name, slot.param)]
+        budget = max((self._bytes(s) for s in slots), default=0)  # the same on every rank
+        ahead = None
+        for k, s in enumerate(slots):
+            slot = layout.params[s]
+            local, handles = ahead or self._launch(s, values, by_slot)
+            for h in handles:
+                owner.watchdog.wait(h, "optimizer parameter gather")
+            i = by_slot.get(s)
+            # a rank holding no part of it drops it here; the tp peers hold the same pieces
+            whole = full_tensor(slot.param, local.view(slot.shape), owner.dims) if (
+                i is not None) else local
+            del local
+            ahead = None
+            if k + 1 < len(slots) and self._bytes(s) + self._bytes(slots[k + 1]) <= budget:
+                ahead = self._launch(slots[k + 1], values, by_slot)  # in flight meanwhile
+            self.live = [whole, *(ahead[:1] if ahead else [])]
+            peak.sample("optimizer gather")
+            if i is not None:
+                yield i, whole
             del whole
             self.live = []
 
-    def _gather(self, s: int, value) -> torch.Tensor:
-        """Parameter `s` (its local tensor, flat fp32) from the parts its owners hold."""
+    def _bytes(self, s: int) -> int:
+        """What parameter `s` gathered whole takes (fp32; its logical size if tp slices it)."""
+        param = self.owner.layout.params[s].param
+        return 4 * math.prod(getattr(param, "_full_shape", param.shape)) if getattr(
+            param, "_tp_slice", None) is not None else 4 * param.numel()
+
+    def _launch(self, s: int, values: dict, by_slot: dict) -> tuple[torch.Tensor, list]:
+        """Parameter `s` (its local tensor, flat fp32) from the parts its owners hold: the
+        buffer and the broadcasts filling it, in flight."""
         owner, layout = self.owner, self.owner.layout
         slot = layout.params[s]
         seg = layout.segments[slot.segment]
+        i = by_slot.get(s)
         full = torch.empty(slot.numel, dtype=torch.float32, device=owner.device)
         handles = []
         for r in range(layout.shards):
@@ -83,11 +106,9 @@ class ZeroAssembler(Assembler):
                 continue
             part = full[a - slot.start:b - slot.start]
             if r == owner.rank:
-                part.copy_(made(value))  # a made one dropped now
+                part.copy_(made(values[i]))  # a made one dropped now
             handles.append(comm.broadcast(part, r, owner.group, async_op=True))
-        for h in handles:
-            owner.watchdog.wait(h, "optimizer parameter gather")
-        return full.view(slot.shape)
+        return full, handles
 
     def _whole_model(self, values):
         owner = self.owner
