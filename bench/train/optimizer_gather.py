@@ -15,7 +15,8 @@ point a peak can occur). Printed and saved, per run and rank 0 (the ranks agree)
   plan/optimizer.py `gathered_bytes`);
 - `gathered`: the most comm_buffers holds at the optimizer step's gathers (the tracker's
   `optimizer gather` points; nothing else is in flight then), against `gathered_bytes`;
-- the whole tracked peak, and the total at the optimizer step's gather.
+- the whole tracked peak, and the total at the optimizer step's gather;
+- the wall time of a third step, untracked (on shared cores: a rough ratio only).
 
 `before` runs the same step with `parallel.zero_rules.WHOLE_MODEL_GATHER` (the whole flat
 shard all-gathered at once, as before: a full fp32 copy of the model on every rank). Writes
@@ -29,6 +30,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -70,7 +72,7 @@ def _run(optimizer: str, zero: int, whole: bool, tmp: Path) -> dict:
     run = tmp / f"{optimizer}-z{zero}-{'before' if whole else 'after'}"
     cfg = config.load(str(EXAMPLE), [
         "--parallel.dp", "2", "--parallel.zero", str(zero), "--parallel.mbs", "4",
-        "--train.optimizer", optimizer, "--train.steps", "2", "--train.eval_every", "0",
+        "--train.optimizer", optimizer, "--train.steps", "3", "--train.eval_every", "0",
         "--checkpoint.dir", str(run / "ck"), "--checkpoint.every", "0",
         "--log.dir", str(run), "--log.progress", "false", "--log.tensorboard", "false"])
     dims = ParallelDims.from_config(cfg.parallel)
@@ -78,6 +80,9 @@ def _run(optimizer: str, zero: int, whole: bool, tmp: Path) -> dict:
         trainer.train_step()  # the states exist from here on, as in any later step
         with GatherTracker(trainer.peak_sources()) as tracker:
             trainer.train_step()
+        start = time.perf_counter()
+        trainer.train_step()  # a third, untracked: its time
+        seconds = time.perf_counter() - start
         work, layout = training_plan_inputs(trainer.cfg)
         planned = planned_peak_bytes(trainer)
         out = {"peak": tracker.peak, "at": tracker.at, "items_at_peak": tracker.items_at_peak,
@@ -86,7 +91,8 @@ def _run(optimizer: str, zero: int, whole: bool, tmp: Path) -> dict:
                "at_gather": tracker.points.get("optimizer gather", 0),
                "planned_comm_buffers": dp_comm_buffer_bytes(work, layout, dims.pp_rank),
                "planned_gathered": gathered_bytes(work, layout, dims.pp_rank),
-               "planned_items": planned, "model_fp32_bytes": 4 * trainer.optimizer.layout.total}
+               "planned_items": planned, "model_fp32_bytes": 4 * trainer.optimizer.layout.total,
+               "step_s": seconds}
     zero_rules.WHOLE_MODEL_GATHER = False
     return out
 
@@ -140,7 +146,8 @@ def main(argv=None) -> None:
               f"{after['gathered'] / mib:.2f} MiB (the model in fp32: "
               f"{after['model_fp32_bytes'] / mib:.2f}); total at the gather "
               f"{before['at_gather'] / mib:.1f} -> {after['at_gather'] / mib:.1f} MiB; "
-              f"peak {before['peak'] / mib:.1f} -> {after['peak'] / mib:.1f} MiB")
+              f"peak {before['peak'] / mib:.1f} -> {after['peak'] / mib:.1f} MiB; step "
+              f"{before['step_s']:.2f} -> {after['step_s']:.2f} s (shared cores: rough)")
     record = {"machine": machine(torch.device("cpu")), "git_revision": git_revision(),
               "config": "examples/bench-25m.toml", "dp": 2,
               "command": "python bench/train/optimizer_gather.py " + " ".join(
