@@ -106,6 +106,9 @@ class ZeroAssembler(Assembler):
                 continue
             part = full[a - slot.start:b - slot.start]
             if r == owner.rank:
+                if i is None:  # `wanted` and the rule's pieces must agree on every rank
+                    raise RuntimeError(f"internal: {slot.name} is gathered but its piece on "
+                                       f"this rank was not passed")
                 part.copy_(made(values[i]))  # a made one dropped now
             handles.append(comm.broadcast(part, r, owner.group, async_op=True))
         return full, handles
