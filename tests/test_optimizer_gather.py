@@ -81,7 +81,7 @@ def _run(rank, world, zeros):
     return out
 
 
-def test_matrix_at_a_time_is_bit_equal_to_the_whole_model_gather_and_holds_one_tensor():
+def test_matrix_at_a_time_is_bit_equal_to_the_whole_model_gather_and_holds_the_largest():
     got = run_ranks(_run, 2, (0, 1, 2, 3))
     for rank_out in got:
         for (zero, k), runs in rank_out.items():
