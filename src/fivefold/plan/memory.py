@@ -117,7 +117,8 @@ def work_bytes_per_param(work: Workload) -> BytesPerParam:
     per_shape = work.optimizer in ("adamw8bit", "adamw4bit", "adafactor", "muon")
     return bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes,
                            work.fp32_grad_accum, work.fp32_params,
-                           state_bytes_per_param(work.model, work.optimizer) if per_shape
+                           state_bytes_per_param(work.model, work.optimizer, work.muon_exclude,
+                                                 work.adafactor_factored) if per_shape
                            else None)
 
 
@@ -216,6 +217,15 @@ def model_state_bytes(model: ModelConfig, *, tp: int = 1, pp: int = 1, dp: int =
 
 
 def dp_comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
+    """The most pipeline rank `rank` holds in DP/ZeRO's buffers: in backward, its gradient
+    buckets and gathered ZeRO-3 units (`_dp_bucket_bytes`); in Muon's or Adafactor's step,
+    after them, the one whole tensor gathered (plan/optimizer.py `gathered_bytes`)."""
+    from fivefold.plan.optimizer import gathered_bytes
+
+    return max(_dp_bucket_bytes(work, layout, rank), gathered_bytes(work, layout, rank))
+
+
+def _dp_bucket_bytes(work: Workload, layout: Layout, rank: int) -> float:
     """The gradient buckets and gathered ZeRO-3 units pipeline rank `rank` holds at its peak,
     as parallel/data.py and parallel/zero3.py run them (checked against the engine's peak
     tracker, parallel/peak.py).
