@@ -4,6 +4,7 @@ small enough to preempt), fused and module stages, 2 and 3 stages; the planner's
 --pp` block count equal to the engine's; the stage and micro-batch splits; bad input."""
 
 import pytest
+import torch
 from harness import run_ranks
 
 from fivefold.errors import ConfigError
@@ -12,6 +13,7 @@ from fivefold.models.presets import ModelConfig, preset
 from fivefold.plan.serve import num_blocks
 from fivefold.serve.engine import Engine
 from fivefold.serve.pp_worker import check_pp, micro_batches, stage_bounds
+from fivefold.serve.sampling_params import SamplingParams
 from tests.test_serve_tp import workload
 
 CFG = ModelConfig(name="serve-pp", vocab_size=250, hidden_size=64, intermediate_size=128,
@@ -19,22 +21,32 @@ CFG = ModelConfig(name="serve-pp", vocab_size=250, hidden_size=64, intermediate_
 BUDGET = 20 * 16 * 2 * 3 * 2 * 16 * 4  # 20 blocks of the largest stage (3 of 5 layers), fp32
 
 
-def _pp_run(rank, world, prompts, params, fuse):
+def _pp_run(rank, world, prompts, params, fuse, tp=1, probe=None):
     from fivefold.serve import pp_worker
+    from fivefold.serve.tp_worker import shard_model
 
+    pp = world // tp
     model = build_model(CFG, seed=5).eval()
     if not fuse:  # the module path: a model the fused forward does not take
         pp_worker.fusable = lambda m: "test"
-    groups = pp_worker.pp_groups(world)
+    groups = pp_worker.pp_groups(pp, tp)
+    if tp > 1:
+        model = shard_model(model, groups)
     if rank != 0:
-        return pp_worker.run_worker(model, world, groups)
-    engine = pp_worker.driver_engine(model, world, groups, block_size=16,
+        return pp_worker.run_worker(model, pp, groups)
+    engine = pp_worker.driver_engine(model, pp, groups, block_size=16,
                                      kv_cache_bytes=BUDGET)
+    logits = None
+    if probe is not None:  # the logits of one prompt's first step, from the last stage
+        engine.add_request(probe, SamplingParams(max_tokens=1, temperature=0), "probe")
+        logits = engine.runner.execute(engine.scheduler.schedule())["probe"].clone()
+        engine.abort_request("probe")
     tokens = [o.token_ids for o in engine.generate(prompts, params)]
-    pp_worker.send_object(None, groups[1])
+    pp_worker.send_object(None, groups.control)
     return {"tokens": tokens, "blocks": engine.num_blocks, "steps": engine.num_steps,
             "preemptions": engine.scheduler.num_preemptions,
-            "layers": engine.cache.k.shape[0]}
+            "layers": engine.cache.k.shape[0], "kv_heads": engine.cache.k.shape[2],
+            "logits": logits}
 
 
 @pytest.mark.parametrize("world, fuse", [(2, True), (2, False), (3, True)])
@@ -51,6 +63,30 @@ def test_pp_equals_pp1(world, fuse, one_thread):
     assert all(s == out["steps"] for s in steps)  # every stage ran every step
     if world == 2 and fuse:
         assert out["preemptions"] > 0  # the small pool preempted, and still the same
+
+
+def test_pp2_tp2_equals_pp1(one_thread):
+    """Two stages of two tensor-parallel ranks each: stage s on ranks 2s, 2s + 1, each
+    holding half of its layers' linears and one of the two kv heads of their blocks."""
+    prompts, params = workload(12, seed=3)
+    probe = prompts[1]
+    model = build_model(CFG, seed=5).eval()
+    largest = max(e - f for f, e in stage_bounds(CFG, 2))
+    blocks = BUDGET // (16 * 2 * largest * 1 * 16 * 4)  # one kv head a rank: 2x the blocks
+    expected = [o.token_ids for o in Engine(model, block_size=16, num_blocks=blocks)
+                .generate(prompts, params)]
+    with torch.inference_mode():
+        full = model(torch.tensor([probe]))[0, -1].float()
+    out, *steps = run_ranks(_pp_run, 4, prompts, params, True, tp=2, probe=probe)
+    assert out["tokens"] == expected
+    assert out["blocks"] == blocks == num_blocks(BUDGET, CFG, 16, "fp32", tp=2, pp=2)
+    assert out["layers"] == stage_bounds(CFG, 2)[0][1] and out["kv_heads"] == 1
+    assert all(s == out["steps"] + 1 for s in steps)  # every rank ran every step (+ probe)
+    # Not bit-equal: o_proj and down_proj sum two partial dot products of K/2 terms and
+    # all-reduce them, another summation order (as tests/test_serve_tp.py): each reordered
+    # fp32 sum of K <= 128 terms of order 1 is off by ~sqrt(K)·u ~ 7e-7, carried through 5
+    # layers into logits of magnitude ~3; 2e-5 allows about 10x that.
+    torch.testing.assert_close(out["logits"], full, rtol=0, atol=2e-5)
 
 
 def test_stage_and_micro_batch_splits():
@@ -77,7 +113,10 @@ def test_stage_and_micro_batch_splits():
             assert len(sizes) == min(pp, len(tokens))
 
 
-def test_plan_serve_pp_counts_the_largest_stage(capsys):
+def test_plan_serve_pp_counts_the_largest_stage(capsys, tmp_path):
+    import json
+
+    from fivefold.models.hf import save_hf
     from fivefold.plan.cli_entry import main as plan_main
 
     model = build_model(CFG, seed=1).eval()
@@ -86,8 +125,18 @@ def test_plan_serve_pp_counts_the_largest_stage(capsys):
     engine = Engine(model, kv_cache_bytes=budget, num_layers=largest)
     assert engine.num_blocks == num_blocks(budget, CFG, 16, "fp32", pp=2)
     assert num_blocks(budget, CFG, 16, "fp32", pp=2) > num_blocks(budget, CFG, 16, "fp32")
+    # stages of two tensor-parallel ranks: the largest stage's layers, one kv head a rank;
+    # `plan --serve --pp 2 --tp 2` on the same model and budget counts the engine's blocks
+    staged = Engine(model, kv_cache_bytes=budget, num_layers=largest, num_kv_heads=1)
+    save_hf(model, CFG, tmp_path / "m")
+    assert plan_main(["--serve", "--model", str(tmp_path / "m"), "--pp", "2", "--tp", "2",
+                      "--kv-cache-dtype", "fp32", "--kv-cache-gib", repr(budget / 2**30),
+                      "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["num_blocks"] == staged.num_blocks == num_blocks(budget, CFG, 16, "fp32",
+                                                                 tp=2, pp=2)
+    assert plan["kv_bytes_per_token"] == 2 * largest * 1 * 16 * 4
     assert plan_main(["--serve", "--model", "llama-3.1-8b", "--pp", "4", "--json"]) == 0
-    import json
 
     plan = json.loads(capsys.readouterr().out)
     # llama-3.1-8b in 4 stages: 8, 9, 9 and 6 layers (the head on the last); the pools are
@@ -100,7 +149,8 @@ def test_bad_pp_is_one_line():
         check_pp(6, num_layers=5)
     with pytest.raises(ConfigError, match="--lora with --pp"):
         check_pp(2, lora=["a=b"])
-    with pytest.raises(ConfigError, match="--pp with --tp"):
-        check_pp(2, tp=2)
+    with pytest.raises(ConfigError, match="--pp with --dp"):
+        check_pp(2, dp=2)
+    check_pp(2, tp=2, num_layers=5)  # stages of tensor-parallel ranks compose
     with pytest.raises(ConfigError, match="must be >= 1"):
         check_pp(0)

@@ -1,7 +1,7 @@
-"""`fivefold serve --pp 2` as a real process (rank 1 spawned by serve itself), driven by the
-openai client: concurrent greedy requests of mixed lengths get the text of the one-device
-engine (`--pp 1`), the server exits 0 after SIGTERM; `--pp` beyond the layers and `--pp`
-with `--lora` are one line and exit 2 before anything starts."""
+"""`fivefold serve --pp 2` (and `--pp 2 --tp 2`) as a real process (the other ranks spawned
+by serve itself), driven by the openai client: concurrent greedy requests of mixed lengths
+get the text of the one-device engine (`--pp 1`), the server exits 0 after SIGTERM; `--pp`
+beyond the layers and `--pp` with `--lora` are one line and exit 2 before anything starts."""
 
 import signal
 import subprocess
@@ -28,13 +28,18 @@ PROMPTS = ["Hello", "ROMEO:", "To be, or not to be, that is the question", "a",
            "The quick brown fox jumps over the lazy dog", "JULIET: O", "Once upon", "xyz"]
 
 
-def test_pp2_server_answers_as_one_device(tmp_path):
+@pytest.mark.parametrize("layout, says", [
+    (["--pp", "2"], ", pp 2)"),
+    # four ranks spawned (stages of two tensor-parallel ranks): ~20 s on two shared cores
+    pytest.param(["--pp", "2", "--tp", "2"], ", tp 2, pp 2)", marks=pytest.mark.slow),
+], ids=["pp2", "pp2-tp2"])
+def test_pp_server_answers_as_one_device(tmp_path, layout, says):
     model = build_model(CFG, seed=9).eval()
     save_hf(model, CFG, tmp_path / "m")
     port = free_port()
     proc, base = start_server(["--hf", str(tmp_path / "m"), "--tokenizer", "byte", "--port",
                                str(port), "--served-model-name", "m", "--kv-cache-gib",
-                               "0.01", "--pp", "2"], start_s=120)
+                               "0.01", *layout], start_s=120)
     try:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
                                timeout=60)
@@ -50,7 +55,7 @@ def test_pp2_server_answers_as_one_device(tmp_path):
         assert texts == [greedy_text(model, p, m) for p, m in jobs]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-        assert "pp 2" in proc.stderr.read()
+        assert says in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -19,10 +19,20 @@ The last stage sends the sampling positions' fp32 logits to rank 0, which sample
 as a single device does. Layer by layer the arithmetic is a single device's on a smaller
 batch; greedy tokens equal `--pp 1`'s (tests/test_serve_pp.py, through the HTTP server).
 
-Not (yet) with --tp, --dp or --lora: one line, exit 2.
+With --tp M each stage is a tensor-parallel group of M ranks (pp · M in all, laid out as
+training lays them, parallel/mesh.py: tp fastest, stage s on ranks s·M .. s·M + M − 1):
+every rank of a stage holds 1/M of its layers' linears (parallel/tensor.py, as --tp alone)
+and its kv heads' share of its layers' blocks. Rank t of stage s sends its hidden states to
+rank t of stage s + 1 (after a row-parallel linear every rank of a stage has them whole);
+the last stage gathers the vocabulary shards of the logits and its first rank sends them
+to rank 0.
+
+Not (yet) with --dp or --lora: one line, exit 2.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,6 +50,8 @@ from fivefold.serve.tp_worker import (
     MirrorTables,
     TPDriverRunner,
     TPWorker,
+    gather_vocab,
+    kv_heads_per_rank,
     receive_object,
     send_object,
 )
@@ -60,8 +72,8 @@ def check_pp(pp: int, tp: int = 1, dp: int = 1, lora=(), num_layers: int | None 
     if num_layers is not None and pp > num_layers:
         raise ConfigError(f"--pp {pp} is more stages than the model's {num_layers} layers; "
                           f"use --pp {num_layers} or fewer")
-    if pp > 1 and (tp > 1 or dp > 1):
-        raise ConfigError("--pp with --tp or --dp is not supported yet; use one of them")
+    if pp > 1 and dp > 1:
+        raise ConfigError("--pp with --dp is not supported yet; use one of them")
     if pp > 1 and lora:
         raise ConfigError("--lora with --pp is not supported yet (adapters are not staged); "
                           "serve adapters with --pp 1")
@@ -114,13 +126,16 @@ class StageForward:
 class PPStageRunner(ModelRunner):
     """Any rank's stage over a step's micro-batches: receive, run, send on."""
 
-    def __init__(self, model: nn.Module, cache: PagedKVCache, kv, group: Group, stage: int,
+    def __init__(self, model: nn.Module, cache: PagedKVCache, kv, groups: PPGroups,
                  bounds: list[tuple[int, int]]):
         super().__init__(model, cache, kv)
-        self.group, self.stage, self.stages = group, stage, len(bounds)
+        stage = groups.stage
+        self.group, self.tp, self.stage, self.stages = groups.pipe, groups.tp, stage, len(bounds)
         self.forward = StageForward(model, *bounds[stage], stage, len(bounds))
         self.hidden, self.dtype = model.cfg.hidden_size, next(model.parameters()).dtype
         self.vocab_size = model.cfg.vocab_size
+        # the rank that sends the logits to rank 0: the last stage's first tp rank
+        self.sends_logits = self.forward.is_last and groups.tp_rank == 0
 
     def run_stage(self, out: SchedulerOutput, sizes: list[int]) -> list[tuple[list[str],
                                                                               torch.Tensor]]:
@@ -150,7 +165,9 @@ class PPStageRunner(ModelRunner):
                 self.cache.batch = None
             if nxt is not None:
                 sends.append((dist.isend(y.contiguous(), nxt, group=self.group.pg), y))
-            else:
+            else:  # the vocabulary shards gathered in the stage's tp group
+                if self.tp is not None:
+                    y = gather_vocab(y, self.tp, self.vocab_size)
                 results.append((step.sample_ids, y.float()))
         for handle, _ in sends:
             handle.wait()
@@ -202,35 +219,56 @@ class PPWorker:
             step, sizes = msg
             results = self.stage.run_stage(self.apply(step), sizes)
             for ids, logits in results:
-                if ids:
+                if ids and self.stage.sends_logits:
                     dist.send(logits.contiguous(), 0, group=self.stage.group.pg)
             self.num_steps += 1
 
 
-def pp_groups(pp: int) -> tuple[Group, Group]:
-    """(data, control): the world for the hidden states and logits, and a gloo group for
-    the step messages (call on every rank of an initialised world)."""
-    from fivefold.parallel.comm import Ledger
+@dataclass
+class PPGroups:
+    pipe: Group  # this rank's pipeline: one rank of each stage (hidden states, logits)
+    control: Group  # gloo, every rank: the step messages
+    tp: Group | None  # this rank's stage as a tensor-parallel group (None without --tp)
+    dims: object  # the ParallelDims of the world (tp_worker.shard_model shards by it)
+    stage: int
+    tp_rank: int
 
-    ranks = list(range(pp))
-    ledger = Ledger()
-    data = Group("pp", ranks, dist.group.WORLD, ledger)
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+
+def pp_groups(pp: int, tp: int = 1) -> PPGroups:
+    """The groups of a pp · tp serving world (call on every rank of an initialised world,
+    in the same order): ranks laid out as training lays them (parallel/mesh.py)."""
+    from fivefold.parallel.mesh import ParallelDims
+
+    dims = ParallelDims(tp=tp, pp=pp, rank=dist.get_rank())
+    dims.build_groups()
+    ranks = list(range(pp * tp))
     control = Group("pp_control", ranks, dist.new_group(ranks, backend="gloo",
-                                                         timeout=IDLE_TIMEOUT), ledger)
-    return data, control
+                                                        timeout=IDLE_TIMEOUT), dims.ledger)
+    return PPGroups(dims["pp"], control, dims["tp"] if tp > 1 else None, dims,
+                    dims.pp_rank, dims.tp_rank)
 
 
-def driver_engine(model: nn.Module, pp: int, groups: tuple[Group, Group], **engine_kwargs):
-    """Rank 0's Engine: blocks counted for the largest stage, then its own stage's pool;
-    the block count goes to the workers first (None if the engine cannot be built)."""
+def _tp_size(groups: PPGroups) -> int:
+    return 1 if groups.tp is None else groups.tp.size
+
+
+def driver_engine(model: nn.Module, pp: int, groups: PPGroups, **engine_kwargs):
+    """Rank 0's Engine: blocks counted for the largest stage (this rank's kv heads' share
+    of them under --tp), then its own stage's pool; the block count goes to the workers
+    first (None if the engine cannot be built)."""
     from fivefold.serve.engine import Engine
 
-    data, control = groups
+    control = groups.control
     bounds = stage_bounds(model.cfg, pp)
     largest = max(end - first for first, end in bounds)
+    heads = kv_heads_per_rank(model.cfg.num_kv_heads, _tp_size(groups))
     try:
-        engine = Engine(model, num_layers=largest, **{**engine_kwargs, "prepack": False,
-                                                                "fuse": False})
+        engine = Engine(model, num_layers=largest, num_kv_heads=heads,
+                        **{**engine_kwargs, "prepack": False, "fuse": False})
     except BaseException:
         send_object(None, control)
         raise
@@ -241,45 +279,57 @@ def driver_engine(model: nn.Module, pp: int, groups: tuple[Group, Group], **engi
             end - first, cache.k.shape[2], cache.k.shape[3], engine.num_blocks,
             cache.block_size, next(model.parameters()).dtype, engine.device, cache.k.dtype)
     send_object((engine.num_blocks, cache.block_size, cache.k.dtype), control)
-    stage = PPStageRunner(model, cache, engine.kv, data, 0, bounds)
+    stage = PPStageRunner(model, cache, engine.kv, groups, bounds)
     engine.runner = PPDriverRunner(stage, control, engine.scheduler)
     return engine
 
 
-def run_worker(model: nn.Module, pp: int, groups: tuple[Group, Group]) -> int:
-    data, control = groups
-    setup = receive_object(control)
+def run_worker(model: nn.Module, pp: int, groups: PPGroups) -> int:
+    """Every rank but 0: serve steps until rank 0 says stop; returns the steps run."""
+    setup = receive_object(groups.control)
     if setup is None:
         return 0
     num_blocks, block_size, store = setup
-    rank = dist.get_rank()
     bounds = stage_bounds(model.cfg, pp)
-    first, end = bounds[rank]
+    first, end = bounds[groups.stage]
     cfg, param = model.cfg, next(model.parameters())
-    cache = PagedKVCache(end - first, cfg.num_kv_heads, cfg.dim_per_head, num_blocks,
-                         block_size, param.dtype, param.device, store)
+    cache = PagedKVCache(end - first, kv_heads_per_rank(cfg.num_kv_heads, _tp_size(groups)),
+                         cfg.dim_per_head, num_blocks, block_size, param.dtype, param.device,
+                         store)
     tables = MirrorTables()
-    worker = PPWorker(PPStageRunner(model, cache, tables, data, rank, bounds), control)
+    worker = PPWorker(PPStageRunner(model, cache, tables, groups, bounds), groups.control)
     worker.run()
     return worker.num_steps
 
 
 # --- a worker rank of the server (serve/openai/backends.py `_start_pp` starts them) -----
+def stage_model(args, loaded=None):
+    """(this rank's model: the whole one, or its tp shard under --tp; codec; groups), after
+    the checks rank 0 makes too (a ConfigError here is one line on rank 0)."""
+    from fivefold.serve.tp_worker import check_tp, shard_model
+    from fivefold.train.generate import load_for_generation
+
+    model, codec = loaded or load_for_generation(args)
+    check_pp(args.pp, args.tp, args.dp, args.lora, model.cfg.num_layers)
+    if args.tp > 1:
+        check_tp(model.cfg, args.tp)
+    groups = pp_groups(args.pp, args.tp)
+    model = shard_model(model, groups) if args.tp > 1 else model.eval()
+    return model, codec, groups
+
+
 def _worker(rank: int, args) -> None:
     import signal
 
     from fivefold.serve.tp_worker import threads_per_rank
-    from fivefold.train.generate import load_for_generation
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    torch.set_num_threads(threads_per_rank(args.pp))
+    torch.set_num_threads(threads_per_rank(args.pp * args.tp))
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         torch.cuda.set_device(rank % torch.cuda.device_count())
     try:
-        model, _ = load_for_generation(args)
-        check_pp(args.pp, num_layers=model.cfg.num_layers)
+        model, _, groups = stage_model(args)
     except ConfigError:
         raise SystemExit(2) from None  # rank 0 checks the same and says it in one line
-    groups = pp_groups(args.pp)
-    run_worker(model.eval(), args.pp, groups)
+    run_worker(model, args.pp, groups)

@@ -111,13 +111,18 @@ class TPModelRunner(ModelRunner):
         self.group, self.vocab_size = group, model.cfg.vocab_size
 
     def finish_logits(self, local: torch.Tensor) -> torch.Tensor:
-        rows, width = local.shape
-        if rows == 0:  # a step of prefill chunks only (the same on every rank)
-            return local.new_zeros(0, self.vocab_size)
-        pieces = local.new_empty(self.group.size * rows * width)
-        comm.all_gather(pieces, local.contiguous().view(-1), self.group)
-        full = pieces.view(self.group.size, rows, width).transpose(0, 1).reshape(rows, -1)
-        return full[:, :self.vocab_size]  # padding rows of the vocabulary split dropped
+        return gather_vocab(local, self.group, self.vocab_size)
+
+
+def gather_vocab(local: torch.Tensor, group: Group, vocab_size: int) -> torch.Tensor:
+    """The full (n, V) logits from every rank's (n, V/tp) vocabulary shard."""
+    rows, width = local.shape
+    if rows == 0:  # a step of prefill chunks only (the same on every rank)
+        return local.new_zeros(0, vocab_size)
+    pieces = local.new_empty(group.size * rows * width)
+    comm.all_gather(pieces, local.contiguous().view(-1), group)
+    full = pieces.view(group.size, rows, width).transpose(0, 1).reshape(rows, -1)
+    return full[:, :vocab_size]  # padding rows of the vocabulary split dropped
 
 
 class TPDriverRunner(TPModelRunner):

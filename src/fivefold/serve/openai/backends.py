@@ -4,6 +4,8 @@
               shards (serve/tp_worker.py). serve spawns them, or, under `fivefold launch
               --nproc-per-node N serve ...`, torchrun started them and each rank runs this
               same command: rank 0 serves, the others work.
+    --pp N    pipeline stages, each a run of layers (serve/pp_worker.py); with --tp M each
+              stage is M tensor-parallel ranks, N·M in all
     --dp N    N engine replicas behind one endpoint (serve/dp_router.py)
     --lora name=DIR (repeatable)  adapters on the base, chosen per request by its `model`
               (serve/lora_batch.py)
@@ -61,9 +63,11 @@ def check_parallel_args(args) -> None:
 
         check_pp(pp, args.tp, args.dp, args.lora)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched > 1 and pp > 1 and launched != pp:
-        raise ConfigError(f"launched {launched} processes but --pp {pp}; serve under "
-                          f"`fivefold launch --nproc-per-node {pp}` or change --pp")
+    if launched > 1 and pp > 1 and launched != pp * args.tp:
+        layout = f"--pp {pp}" + (f" --tp {args.tp}" if args.tp > 1 else "")
+        raise ConfigError(f"launched {launched} processes but {layout} needs {pp * args.tp}; "
+                          f"serve under `fivefold launch --nproc-per-node {pp * args.tp}` or "
+                          f"change {layout}")
     if launched > 1 and pp == 1 and launched != args.tp:
         raise ConfigError(f"launched {launched} processes but --tp {args.tp}; serve under "
                           f"`fivefold launch --nproc-per-node {args.tp}` or change --tp")
@@ -161,16 +165,16 @@ def _start_tp(args) -> Backend | None:
 
 
 def _start_pp(args):
-    """`fivefold serve --pp N`: rank 0's Backend (the others spawned here), or None on a
-    worker rank under `fivefold launch`."""
+    """`fivefold serve --pp N [--tp M]`: rank 0's Backend (the other N·M − 1 ranks spawned
+    here), or None on a worker rank under `fivefold launch`."""
     import torch.distributed as dist
 
     from fivefold.serve.openai.serving import EngineLoop
-    from fivefold.serve.pp_worker import _worker, check_pp, driver_engine, pp_groups, send_object
-    from fivefold.serve.tp_worker import start_world, threads_per_rank
+    from fivefold.serve.pp_worker import _worker, check_pp, driver_engine, send_object, stage_model
+    from fivefold.serve.tp_worker import check_tp, start_world, threads_per_rank
     from fivefold.train.generate import load_for_generation
 
-    procs = []
+    procs, loaded, world = [], None, args.pp * args.tp
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under fivefold launch / torchrun
         from fivefold.parallel.mesh import init_distributed
 
@@ -179,19 +183,19 @@ def _start_pp(args):
             _worker(rank, args)
             dist.destroy_process_group()
             return None
-        model, codec = load_for_generation(args)
-        check_pp(args.pp, num_layers=model.cfg.num_layers)
     else:  # load and check here first: a bad input is one line before any rank starts
-        model, codec = load_for_generation(args)
-        check_pp(args.pp, args.tp, args.dp, args.lora, model.cfg.num_layers)
-        procs = start_world(args.pp, _backend_name(args), _worker, (args,))
-    torch.set_num_threads(threads_per_rank(args.pp))
-    groups = pp_groups(args.pp)
-    engine = driver_engine(model.eval(), args.pp, groups, **engine_kwargs(args, codec))
+        loaded = load_for_generation(args)
+        check_pp(args.pp, args.tp, args.dp, args.lora, loaded[0].cfg.num_layers)
+        if args.tp > 1:
+            check_tp(loaded[0].cfg, args.tp)
+        procs = start_world(world, _backend_name(args), _worker, (args,))
+    torch.set_num_threads(threads_per_rank(world))
+    model, codec, groups = stage_model(args, loaded)
+    engine = driver_engine(model, args.pp, groups, **engine_kwargs(args, codec))
 
     def close():
         try:
-            send_object(None, groups[1])
+            send_object(None, groups.control)
         except RuntimeError:  # a worker is gone already
             pass
         for proc in procs:
