@@ -21,7 +21,7 @@ CFG = ModelConfig(name="serve-pp", vocab_size=250, hidden_size=64, intermediate_
 BUDGET = 20 * 16 * 2 * 3 * 2 * 16 * 4  # 20 blocks of the largest stage (3 of 5 layers), fp32
 
 
-def _pp_run(rank, world, prompts, params, fuse, tp=1, probe=None):
+def _pp_run(rank, world, prompts, params, fuse, tp=1, probe=None, **engine_kw):
     from fivefold.serve import pp_worker
     from fivefold.serve.tp_worker import shard_model
 
@@ -35,7 +35,7 @@ def _pp_run(rank, world, prompts, params, fuse, tp=1, probe=None):
     if rank != 0:
         return pp_worker.run_worker(model, pp, groups)
     engine = pp_worker.driver_engine(model, pp, groups, block_size=16,
-                                     kv_cache_bytes=BUDGET)
+                                     **(engine_kw or {"kv_cache_bytes": BUDGET}))
     logits = None
     if probe is not None:  # the logits of one prompt's first step, from the last stage
         engine.add_request(probe, SamplingParams(max_tokens=1, temperature=0), "probe")
@@ -46,7 +46,7 @@ def _pp_run(rank, world, prompts, params, fuse, tp=1, probe=None):
     return {"tokens": tokens, "blocks": engine.num_blocks, "steps": engine.num_steps,
             "preemptions": engine.scheduler.num_preemptions,
             "layers": engine.cache.k.shape[0], "kv_heads": engine.cache.k.shape[2],
-            "logits": logits}
+            "logits": logits, "kv_dtype": str(engine.cache.k.dtype)}
 
 
 @pytest.mark.parametrize("world, fuse", [(2, True), (2, False), (3, True)])
@@ -87,6 +87,19 @@ def test_pp2_tp2_equals_pp1(one_thread):
     # fp32 sum of K <= 128 terms of order 1 is off by ~sqrt(K)·u ~ 7e-7, carried through 5
     # layers into logits of magnitude ~3; 2e-5 allows about 10x that.
     torch.testing.assert_close(out["logits"], full, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pp_fp8_kv_equals_pp1(tp, one_thread):
+    """An FP8 KV cache whose scales are set on the fly by each layer's first write: the
+    first step runs as one micro-batch, so the scales (and every token) are one device's."""
+    prompts, params = workload(12, seed=3)
+    model = build_model(CFG, seed=5).eval()
+    expected = [o.token_ids for o in Engine(model, block_size=16, num_blocks=60,
+                                            kv_cache_dtype="fp8").generate(prompts, params)]
+    out, *_ = run_ranks(_pp_run, 2 * tp, prompts, params, True, tp=tp, num_blocks=60,
+                        kv_cache_dtype="fp8")
+    assert out["tokens"] == expected and out["kv_dtype"] == "torch.float8_e4m3fn"
 
 
 def test_stage_and_micro_batch_splits():

@@ -185,6 +185,12 @@ class PPDriverRunner(TPDriverRunner):
 
     def execute(self, out: SchedulerOutput) -> StepLogits:
         sizes = micro_batches([n for _, n in out.scheduled], self.stage_runner.stages)
+        cache = self.stage_runner.cache
+        if cache.fp8 and not all(cache.scale_set["k"]):
+            # FP8 scales set on the fly by a layer's first write (serve/kv_cache.py): on one
+            # device from the whole first step's tokens, so here too (every stage writes
+            # all its layers in every step: one step sets them all)
+            sizes = [len(out.scheduled)]
         send_object((self.encode(out), sizes), self.control)
         self.stage_runner.run_stage(out, sizes)
         ids, rows, first = [], [], 0
