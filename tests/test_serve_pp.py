@@ -102,6 +102,73 @@ def test_pp_fp8_kv_equals_pp1(tp, one_thread):
     assert out["tokens"] == expected and out["kv_dtype"] == "torch.float8_e4m3fn"
 
 
+def _pp_lora_run(rank, world, adapter_dirs, prompts, order):
+    from fivefold.serve import pp_worker
+    from fivefold.serve.lora_batch import MultiLoraLinear, load_adapter
+
+    model = build_model(CFG, seed=5).eval()
+    groups = pp_worker.pp_groups(world)
+    staged = pp_worker.stage_adapters(model, world, groups,
+                                      [load_adapter(n, d) for n, d in adapter_dirs])
+    wrapped = {n for n, m in model.named_modules() if isinstance(m, MultiLoraLinear)}
+    if rank != 0:
+        return {"wrapped": wrapped, "steps": pp_worker.run_worker(model, world, groups, staged)}
+    engine = pp_worker.driver_engine(model, world, groups, staged, block_size=16,
+                                     num_blocks=128)
+    tokens = _mixed(engine, prompts, order)
+    pp_worker.send_object(None, groups.control)
+    return {"tokens": tokens, "wrapped": wrapped, "steps": engine.num_steps}
+
+
+def _mixed(engine, prompts, order):
+    """Requests round robin over the adapters and the base (rows interleave in each step)."""
+    ids = [engine.add_request(prompts[i], SamplingParams(max_tokens=12, temperature=0,
+                                                         adapter=name)) for name, i in order]
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+    return [done[rid] for rid in ids]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pp_lora_equals_pp1(tmp_path, world, one_thread):
+    """--lora with --pp: each stage holds its own layers' factors (the head's on the last);
+    requests for three adapters and the base, mixed in every step and cut into micro-batches
+    across them, give the tokens of one engine serving the same adapters."""
+    from test_serve_lora import ADAPTERS, make_adapter
+
+    from fivefold.serve.lora_batch import apply_adapters, attach, load_adapter
+
+    base = build_model(CFG, seed=5).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 250, (int(n),), generator=g).tolist()
+               for n in torch.randint(3, 40, (5,), generator=g)]
+    dirs = [(name, str(tmp_path / name)) for name, *_ in ADAPTERS]
+    for seed, (name, *spec) in enumerate(ADAPTERS):
+        make_adapter(base, tmp_path / name, seed, *spec)
+    order = [(name, i) for i in range(len(prompts)) for name in (None, "alpha", "beta",
+                                                                    "gamma")]
+    one = build_model(CFG, seed=5).eval()
+    adapter_set = apply_adapters(one, [load_adapter(n, d) for n, d in dirs])
+    engine = Engine(one, block_size=16, num_blocks=128)
+    attach(engine, adapter_set)
+    expected = _mixed(engine, prompts, order)
+    assert len({str(expected[k::4]) for k in range(4)}) == 4  # each adapter changes tokens
+    out, *workers = run_ranks(_pp_lora_run, world, dirs, prompts, order)
+    assert out["tokens"] == expected
+    assert all(w["steps"] == out["steps"] for w in workers)
+    # each stage wrapped the linears of its own layers alone: the stages' sets partition the
+    # whole model's (beta targets all linears: every layer has some)
+    bounds = stage_bounds(CFG, world)
+    for (first, end), stage in zip(bounds, [out, *workers], strict=True):
+        layers = {int(n.split(".")[1]) for n in stage["wrapped"]}
+        assert layers == set(range(first, end))
+    assert set().union(*(w["wrapped"] for w in [out, *workers])) == {
+        n for n, m in one.named_modules() if type(m).__name__ == "MultiLoraLinear"}
+
+
 def test_stage_and_micro_batch_splits():
     # a layer of CFG reads 36,992 weights a token, its head 16,000: 3 + 2 layers is the
     # least largest stage (110,976 against 89,984 with the head)
@@ -160,8 +227,6 @@ def test_plan_serve_pp_counts_the_largest_stage(capsys, tmp_path):
 def test_bad_pp_is_one_line():
     with pytest.raises(ConfigError, match="more stages than the model's 5 layers"):
         check_pp(6, num_layers=5)
-    with pytest.raises(ConfigError, match="--lora with --pp"):
-        check_pp(2, lora=["a=b"])
     with pytest.raises(ConfigError, match="--pp with --dp"):
         check_pp(2, dp=2)
     check_pp(2, tp=2, num_layers=5)  # stages of tensor-parallel ranks compose

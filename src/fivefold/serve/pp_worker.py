@@ -27,7 +27,12 @@ rank t of stage s + 1 (after a row-parallel linear every rank of a stage has the
 the last stage gathers the vocabulary shards of the logits and its first rank sends them
 to rank 0.
 
-Not (yet) with --dp or --lora: one line, exit 2.
+With --lora each stage holds its own layers' adapter factors (the head's on the last
+stage): rank 0 puts each step's sequences in adapter order (as serve/lora_batch.py does),
+the step message carries each one's adapter, and every stage groups the rows of each
+micro-batch by adapter for its layers. Not with --tp as well (adapters are not sharded).
+
+Not (yet) with --dp: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -64,8 +69,7 @@ def stage_bounds(cfg, pp: int) -> list[tuple[int, int]]:
     return pp_stage_bounds(cfg, pp)
 
 
-def check_pp(pp: int, tp: int = 1, dp: int = 1, lora=(), num_layers: int | None = None
-             ) -> None:
+def check_pp(pp: int, tp: int = 1, dp: int = 1, num_layers: int | None = None) -> None:
     """--pp against the other options, and (once the model is loaded) its layers."""
     if pp < 1:
         raise ConfigError(f"--pp {pp} must be >= 1")
@@ -74,9 +78,6 @@ def check_pp(pp: int, tp: int = 1, dp: int = 1, lora=(), num_layers: int | None 
                           f"use --pp {num_layers} or fewer")
     if pp > 1 and dp > 1:
         raise ConfigError("--pp with --dp is not supported yet; use one of them")
-    if pp > 1 and lora:
-        raise ConfigError("--lora with --pp is not supported yet (adapters are not staged); "
-                          "serve adapters with --pp 1")
 
 
 def micro_batches(num_tokens: list[int], pp: int) -> list[int]:
@@ -136,6 +137,9 @@ class PPStageRunner(ModelRunner):
         self.vocab_size = model.cfg.vocab_size
         # the rank that sends the logits to rank 0: the last stage's first tp rank
         self.sends_logits = self.forward.is_last and groups.tp_rank == 0
+        # LoRA (serve/lora_batch.py): this stage's adapters, and each scheduled item's
+        # adapter index (a worker's mirror carries it; rank 0 sets its own from the name)
+        self.adapter_of = lambda item: item[0].adapter
 
     def run_stage(self, out: SchedulerOutput, sizes: list[int]) -> list[tuple[list[str],
                                                                               torch.Tensor]]:
@@ -159,10 +163,14 @@ class PPStageRunner(ModelRunner):
                                 device=self.device)
                 dist.recv(x, prev, group=self.group.pg)
             self.cache.batch = step.batch
+            if self.adapters is not None:  # each adapter's rows in this micro-batch
+                self.adapters.group_rows(part.scheduled, self.adapter_of)
             try:
                 y = self.forward(x, self.cache, step.positions, step.sample_rows)
             finally:
                 self.cache.batch = None
+                if self.adapters is not None:
+                    self.adapters.end_step()
             if nxt is not None:
                 sends.append((dist.isend(y.contiguous(), nxt, group=self.group.pg), y))
             else:  # the vocabulary shards gathered in the stage's tp group
@@ -184,6 +192,11 @@ class PPDriverRunner(TPDriverRunner):
         self._sent = {}
 
     def execute(self, out: SchedulerOutput) -> StepLogits:
+        adapters = self.stage_runner.adapters
+        if adapters is not None:  # each adapter's sequences one run (a stable sort, as
+            # lora_batch.py's begin_step): in every micro-batch its rows are one slice
+            out = SchedulerOutput(sorted(out.scheduled, key=adapters.key), out.preempted,
+                                  out.copies)
         sizes = micro_batches([n for _, n in out.scheduled], self.stage_runner.stages)
         cache = self.stage_runner.cache
         if cache.fp8 and not all(cache.scale_set["k"]):
@@ -191,7 +204,11 @@ class PPDriverRunner(TPDriverRunner):
             # device from the whole first step's tokens, so here too (every stage writes
             # all its layers in every step: one step sets them all)
             sizes = [len(out.scheduled)]
-        send_object((self.encode(out), sizes), self.control)
+        msg = self.encode(out)
+        if adapters is not None:
+            for item, scheduled in zip(msg.requests, out.scheduled, strict=True):
+                item.adapter = adapters.key(scheduled)
+        send_object((msg, sizes), self.control)
         self.stage_runner.run_stage(out, sizes)
         ids, rows, first = [], [], 0
         last = self.stage_runner.group.global_rank(self.stage_runner.stages - 1)
@@ -262,10 +279,12 @@ def _tp_size(groups: PPGroups) -> int:
     return 1 if groups.tp is None else groups.tp.size
 
 
-def driver_engine(model: nn.Module, pp: int, groups: PPGroups, **engine_kwargs):
+def driver_engine(model: nn.Module, pp: int, groups: PPGroups, adapters=None,
+                  **engine_kwargs):
     """Rank 0's Engine: blocks counted for the largest stage (this rank's kv heads' share
     of them under --tp), then its own stage's pool; the block count goes to the workers
-    first (None if the engine cannot be built)."""
+    first (None if the engine cannot be built). `adapters`: the AdapterSet of stage 0's
+    LoRA factors (`stage_model`), whose names requests may give."""
     from fivefold.serve.engine import Engine
 
     control = groups.control
@@ -286,11 +305,14 @@ def driver_engine(model: nn.Module, pp: int, groups: PPGroups, **engine_kwargs):
             cache.block_size, next(model.parameters()).dtype, engine.device, cache.k.dtype)
     send_object((engine.num_blocks, cache.block_size, cache.k.dtype), control)
     stage = PPStageRunner(model, cache, engine.kv, groups, bounds)
+    if adapters is not None:
+        engine.adapters = stage.adapters = adapters
+        stage.adapter_of = adapters.key
     engine.runner = PPDriverRunner(stage, control, engine.scheduler)
     return engine
 
 
-def run_worker(model: nn.Module, pp: int, groups: PPGroups) -> int:
+def run_worker(model: nn.Module, pp: int, groups: PPGroups, adapters=None) -> int:
     """Every rank but 0: serve steps until rank 0 says stop; returns the steps run."""
     setup = receive_object(groups.control)
     if setup is None:
@@ -303,25 +325,48 @@ def run_worker(model: nn.Module, pp: int, groups: PPGroups) -> int:
                          cfg.dim_per_head, num_blocks, block_size, param.dtype, param.device,
                          store)
     tables = MirrorTables()
-    worker = PPWorker(PPStageRunner(model, cache, tables, groups, bounds), groups.control)
+    stage = PPStageRunner(model, cache, tables, groups, bounds)
+    stage.adapters = adapters
+    worker = PPWorker(stage, groups.control)
     worker.run()
     return worker.num_steps
 
 
 # --- a worker rank of the server (serve/openai/backends.py `_start_pp` starts them) -----
-def stage_model(args, loaded=None):
-    """(this rank's model: the whole one, or its tp shard under --tp; codec; groups), after
-    the checks rank 0 makes too (a ConfigError here is one line on rank 0)."""
+def stage_adapters(model: nn.Module, pp: int, groups: PPGroups, adapters):
+    """Wrap this stage's linears with its share of the adapters (lora_batch.py
+    `stage_adapter`: its layers' factors, the head's on the last stage); their AdapterSet."""
+    from fivefold.serve.lora_batch import apply_adapters, check_adapters, stage_adapter
+
+    check_adapters(model, adapters)  # the whole model's fit, on every rank alike
+    first, end = stage_bounds(model.cfg, pp)[groups.stage]
+    last = groups.stage == pp - 1
+    return apply_adapters(model, [stage_adapter(a, first, end, last) for a in adapters])
+
+
+def load_adapters(args) -> list:
+    from fivefold.serve.lora_batch import load_adapter
+
+    return [load_adapter(*spec.split("=", 1)) for spec in args.lora]
+
+
+def stage_model(args, loaded=None, adapters=None):
+    """(this rank's model: the whole one, or its tp shard under --tp; codec; groups; its
+    stage's AdapterSet or None), after the checks rank 0 makes too (a ConfigError here is
+    one line on rank 0)."""
     from fivefold.serve.tp_worker import check_tp, shard_model
     from fivefold.train.generate import load_for_generation
 
     model, codec = loaded or load_for_generation(args)
-    check_pp(args.pp, args.tp, args.dp, args.lora, model.cfg.num_layers)
+    check_pp(args.pp, args.tp, args.dp, model.cfg.num_layers)
     if args.tp > 1:
         check_tp(model.cfg, args.tp)
+    if args.lora and adapters is None:
+        adapters = load_adapters(args)
     groups = pp_groups(args.pp, args.tp)
     model = shard_model(model, groups) if args.tp > 1 else model.eval()
-    return model, codec, groups
+    staged = stage_adapters(model, args.pp, groups, adapters) if adapters else None
+    return model, codec, groups, staged
 
 
 def _worker(rank: int, args) -> None:
@@ -335,7 +380,7 @@ def _worker(rank: int, args) -> None:
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         torch.cuda.set_device(rank % torch.cuda.device_count())
     try:
-        model, _, groups = stage_model(args)
+        model, _, groups, adapters = stage_model(args)
     except ConfigError:
         raise SystemExit(2) from None  # rank 0 checks the same and says it in one line
-    run_worker(model, args.pp, groups)
+    run_worker(model, args.pp, groups, adapters)

@@ -58,6 +58,7 @@ class StepRequest:
     replace: bool
     num_computed_tokens: int
     num_new: int
+    adapter: int = -1  # the LoRA adapter's index (serve/lora_batch.py), -1: the base
 
 
 @dataclass
@@ -74,6 +75,7 @@ class MirrorRequest:
     request_id: str
     all_token_ids: list[int]
     num_computed_tokens: int = 0
+    adapter: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -223,6 +225,7 @@ class TPWorker:
                 request = self.requests[item.request_id] = MirrorRequest(item.request_id, [])
             request.all_token_ids.extend(item.new_token_ids)
             request.num_computed_tokens = item.num_computed_tokens
+            request.adapter = item.adapter
             if item.replace:
                 self.tables.tables[item.request_id] = list(item.block_ids)
             else:

@@ -61,7 +61,7 @@ def check_parallel_args(args) -> None:
     if pp != 1:  # the model's layer count is checked once it is loaded (serve/pp_worker.py)
         from fivefold.serve.pp_worker import check_pp
 
-        check_pp(pp, args.tp, args.dp, args.lora)
+        check_pp(pp, args.tp, args.dp)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and pp > 1 and launched != pp * args.tp:
         layout = f"--pp {pp}" + (f" --tp {args.tp}" if args.tp > 1 else "")
@@ -169,12 +169,20 @@ def _start_pp(args):
     here), or None on a worker rank under `fivefold launch`."""
     import torch.distributed as dist
 
+    from fivefold.serve.lora_batch import check_adapters
     from fivefold.serve.openai.serving import EngineLoop
-    from fivefold.serve.pp_worker import _worker, check_pp, driver_engine, send_object, stage_model
+    from fivefold.serve.pp_worker import (
+        _worker,
+        check_pp,
+        driver_engine,
+        load_adapters,
+        send_object,
+        stage_model,
+    )
     from fivefold.serve.tp_worker import check_tp, start_world, threads_per_rank
     from fivefold.train.generate import load_for_generation
 
-    procs, loaded, world = [], None, args.pp * args.tp
+    procs, loaded, adapters, world = [], None, None, args.pp * args.tp
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under fivefold launch / torchrun
         from fivefold.parallel.mesh import init_distributed
 
@@ -185,13 +193,16 @@ def _start_pp(args):
             return None
     else:  # load and check here first: a bad input is one line before any rank starts
         loaded = load_for_generation(args)
-        check_pp(args.pp, args.tp, args.dp, args.lora, loaded[0].cfg.num_layers)
+        check_pp(args.pp, args.tp, args.dp, loaded[0].cfg.num_layers)
         if args.tp > 1:
             check_tp(loaded[0].cfg, args.tp)
+        if args.lora:  # each adapter read and fitted to the model before any rank starts
+            adapters = load_adapters(args)
+            check_adapters(loaded[0], adapters)
         procs = start_world(world, _backend_name(args), _worker, (args,))
     torch.set_num_threads(threads_per_rank(world))
-    model, codec, groups = stage_model(args, loaded)
-    engine = driver_engine(model, args.pp, groups, **engine_kwargs(args, codec))
+    model, codec, groups, staged = stage_model(args, loaded, adapters)
+    engine = driver_engine(model, args.pp, groups, staged, **engine_kwargs(args, codec))
 
     def close():
         try:
@@ -203,7 +214,8 @@ def _start_pp(args):
         dist.destroy_process_group()
 
     return Backend(EngineLoop(engine), codec, engine.num_blocks, engine.max_model_len,
-                   close=close, kv_dtype=str(engine.cache.k.dtype), notes=_notes(engine))
+                   adapters=list(staged.names) if staged else [], close=close,
+                   kv_dtype=str(engine.cache.k.dtype), notes=_notes(engine))
 
 
 def start(args) -> Backend | None:
