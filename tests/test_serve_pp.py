@@ -33,7 +33,8 @@ def _pp_run(rank, world, prompts, params, fuse, tp=1, probe=None, **engine_kw):
     if tp > 1:
         model = shard_model(model, groups)
     if rank != 0:
-        return pp_worker.run_worker(model, pp, groups)
+        steps = pp_worker.run_worker(model, pp, groups)
+        return {"steps": steps, "params": sum(p.numel() for p in model.parameters())}
     engine = pp_worker.driver_engine(model, pp, groups, block_size=16,
                                      **(engine_kw or {"kv_cache_bytes": BUDGET}))
     logits = None
@@ -44,6 +45,7 @@ def _pp_run(rank, world, prompts, params, fuse, tp=1, probe=None, **engine_kw):
     tokens = [o.token_ids for o in engine.generate(prompts, params)]
     pp_worker.send_object(None, groups.control)
     return {"tokens": tokens, "blocks": engine.num_blocks, "steps": engine.num_steps,
+            "params": sum(p.numel() for p in model.parameters()),
             "preemptions": engine.scheduler.num_preemptions,
             "layers": engine.cache.k.shape[0], "kv_heads": engine.cache.k.shape[2],
             "logits": logits, "kv_dtype": str(engine.cache.k.dtype)}
@@ -57,10 +59,17 @@ def test_pp_equals_pp1(world, fuse, one_thread):
     blocks = BUDGET // (16 * 2 * largest * 2 * 16 * 4)
     expected = [o.token_ids for o in Engine(model, block_size=16, num_blocks=blocks)
                 .generate(prompts, params)]
-    out, *steps = run_ranks(_pp_run, world, prompts, params, fuse)
+    out, *workers = run_ranks(_pp_run, world, prompts, params, fuse)
     assert out["tokens"] == expected
     assert out["blocks"] == blocks and out["layers"] == stage_bounds(CFG, world)[0][1]
-    assert all(s == out["steps"] for s in steps)  # every stage ran every step
+    assert all(w["steps"] == out["steps"] for w in workers)  # every stage ran every step
+    # each rank kept the weights of its stage alone: its layers, the embedding on the
+    # first, the final norm and the (untied) head on the last
+    held = [sum(p.numel() for i in range(first, end) for p in model.layers[i].parameters())
+            for first, end in stage_bounds(CFG, world)]
+    held[0] += model.embed_tokens.weight.numel()
+    held[-1] += model.norm.weight.numel() + model.lm_head.weight.numel()
+    assert [out["params"]] + [w["params"] for w in workers] == held
     if world == 2 and fuse:
         assert out["preemptions"] > 0  # the small pool preempted, and still the same
 
@@ -77,11 +86,17 @@ def test_pp2_tp2_equals_pp1(one_thread):
                 .generate(prompts, params)]
     with torch.inference_mode():
         full = model(torch.tensor([probe]))[0, -1].float()
-    out, *steps = run_ranks(_pp_run, 4, prompts, params, True, tp=2, probe=probe)
+    out, *workers = run_ranks(_pp_run, 4, prompts, params, True, tp=2, probe=probe)
     assert out["tokens"] == expected
     assert out["blocks"] == blocks == num_blocks(BUDGET, CFG, 16, "fp32", tp=2, pp=2)
     assert out["layers"] == stage_bounds(CFG, 2)[0][1] and out["kv_heads"] == 1
-    assert all(s == out["steps"] + 1 for s in steps)  # every rank ran every step (+ probe)
+    # every rank ran every step (and the probe's); each holds half of its stage's weights
+    assert all(w["steps"] == out["steps"] + 1 for w in workers)
+    whole = [r["params"] for r in (out, *workers)]
+    total = sum(p.numel() for p in model.parameters())
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)  # replicated
+    assert whole[0] == whole[1] and whole[2] == whole[3]
+    assert whole[0] + whole[2] == (total - norms) // 2 + norms
     # Not bit-equal: o_proj and down_proj sum two partial dot products of K/2 terms and
     # all-reduce them, another summation order (as tests/test_serve_tp.py): each reordered
     # fp32 sum of K <= 128 terms of order 1 is off by ~sqrt(K)·u ~ 7e-7, carried through 5

@@ -69,8 +69,9 @@ def run_layout(model, name: str, pp: int, tp: int, prompts, output: int):
 
     procs = start_world(pp * tp, "gloo", _worker, (name, pp, tp))
     groups = pp_worker.pp_groups(pp, tp)
-    if tp > 1:  # rank 0's shard of a fresh copy: the pp1 engine keeps the whole model
-        model = shard_model(build_model(model.cfg, seed=0).eval(), groups)
+    model = build_model(model.cfg, seed=0).eval()  # a fresh copy: the stage frees the rest
+    if tp > 1:
+        model = shard_model(model, groups)
     engine = pp_worker.driver_engine(model, pp, groups, kv_cache_bytes=BLOCKS_BUDGET,
                                      max_model_len=256)
     result, tokens = run(engine, prompts, output)

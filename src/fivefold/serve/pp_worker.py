@@ -32,6 +32,10 @@ stage): rank 0 puts each step's sequences in adapter order (as serve/lora_batch.
 the step message carries each one's adapter, and every stage groups the rows of each
 micro-batch by adapter for its layers. Not with --tp as well (adapters are not sharded).
 
+Each rank loads the whole model (or its tp shard), then frees the weights its stage never
+runs (`release_others`): it holds its layers, the first stage the embedding, the last the
+final norm and the head.
+
 Not (yet) with --dp: one line, exit 2.
 """
 
@@ -124,6 +128,30 @@ class StageForward:
         return m.logits(h[:, logits_index])[0] if self.is_last else h[0]
 
 
+def release_others(model: nn.Module, forward: StageForward) -> int:
+    """Free the weights this stage never runs (other stages' layers, the embedding off the
+    first stage, the final norm and the head off the last; a tied embedding stays where
+    either runs): each keeps a zero-size tensor of its dtype. Returns the bytes freed."""
+    keep = {id(p) for i in range(forward.first, forward.end)
+            for p in model.layers[i].parameters()}
+    if forward.is_first:
+        keep.update(id(p) for p in model.embed_tokens.parameters())
+    if forward.is_last:
+        keep.update(id(p) for p in model.norm.parameters())
+        keep.add(id(model.output_weight()))
+    freed = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) not in keep and p.numel():
+                freed += p.numel() * p.element_size()
+                p.data = p.data.new_empty(0)
+    f = forward.fused
+    if f is not None:  # its fused q/k/v and gate/up tensors go with the layers
+        f.layers = [layer if forward.first <= i < forward.end else None
+                    for i, layer in enumerate(f.layers)]
+    return freed
+
+
 class PPStageRunner(ModelRunner):
     """Any rank's stage over a step's micro-batches: receive, run, send on."""
 
@@ -133,6 +161,7 @@ class PPStageRunner(ModelRunner):
         stage = groups.stage
         self.group, self.tp, self.stage, self.stages = groups.pipe, groups.tp, stage, len(bounds)
         self.forward = StageForward(model, *bounds[stage], stage, len(bounds))
+        self.freed_bytes = release_others(model, self.forward)
         self.hidden, self.dtype = model.cfg.hidden_size, next(model.parameters()).dtype
         self.vocab_size = model.cfg.vocab_size
         # the rank that sends the logits to rank 0: the last stage's first tp rank
@@ -283,8 +312,9 @@ def driver_engine(model: nn.Module, pp: int, groups: PPGroups, adapters=None,
                   **engine_kwargs):
     """Rank 0's Engine: blocks counted for the largest stage (this rank's kv heads' share
     of them under --tp), then its own stage's pool; the block count goes to the workers
-    first (None if the engine cannot be built). `adapters`: the AdapterSet of stage 0's
-    LoRA factors (`stage_model`), whose names requests may give."""
+    first (None if the engine cannot be built). Afterwards `model` holds the first stage's
+    weights alone (`release_others`), as each worker's holds its stage's. `adapters`: the
+    AdapterSet of stage 0's LoRA factors (`stage_model`), whose names requests may give."""
     from fivefold.serve.engine import Engine
 
     control = groups.control
