@@ -2,10 +2,11 @@
 pp_worker.py, N gloo ranks of one thread each), of `--pp N --tp M` (N stages of M
 tensor-parallel ranks) and of one engine (one thread), same requests, same weights.
 
-    python bench/serve/serve_pp.py [--pp 2] [--tp 2] [--requests 32] [--preset llama-25m]
+    python bench/serve/serve_pp.py [--pp 2] [--tp 2] [--rounds 3] [--requests 32]
 
-Greedy requests, prompts of 16-128 tokens and 32 output tokens each, all at t = 0. Prints
-each rate, its ratio to pp 1 and whether the greedy tokens agree; JSON in
+Greedy requests, prompts of 16-128 tokens and 32 output tokens each, all at t = 0; each
+layout runs once a round, in turn, and the medians count. Prints each rate, its ratio to
+pp 1 and whether the greedy tokens agree; JSON in
 bench/results/serve_pp.json with the machine, versions and git revision. With one thread a
 rank, N·M ranks use N·M cores where pp 1 uses one: the ratio is what the layout buys on
 this machine, not a per-core figure.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -88,6 +90,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=2, help="also pp x tp ranks (1: pp alone)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--output", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3, help="each layout once a round, in turn; "
+                    "the medians are reported (a shared machine's load drifts)")
     ap.add_argument("--preset", default="llama-25m")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_pp.json"))
     args = ap.parse_args(argv)
@@ -95,23 +99,38 @@ def main(argv=None) -> int:
     cfg = preset(args.preset)
     model = build_model(cfg, seed=0).eval()
     prompts = workload(args.requests, cfg.vocab_size)
-    one, one_tokens = run(Engine(model, kv_cache_bytes=BLOCKS_BUDGET, max_model_len=256),
-                          prompts, args.output)
+    layouts = [(1, 1), (args.pp, 1)] + ([(args.pp, args.tp)] if args.tp > 1 else [])
+    runs = {layout: [] for layout in layouts}
+    same = {layout: [] for layout in layouts}
     print(f"{cfg.name} fp32, {args.requests} requests (prompts 16-128, {args.output} output "
-          f"tokens), one thread a rank: pp 1 {one['tokens_per_s']:.1f} tokens/s")
+          f"tokens), one thread a rank, {args.rounds} rounds")
+    for r in range(args.rounds):
+        for pp, tp in layouts:
+            if pp == 1:
+                engine = Engine(model, kv_cache_bytes=BLOCKS_BUDGET, max_model_len=256)
+                result, tokens = run(engine, prompts, args.output)
+                reference = tokens
+            else:
+                result, tokens = run_layout(model, args.preset, pp, tp, prompts, args.output)
+            runs[(pp, tp)].append(result)
+            same[(pp, tp)].append(sum(a == b for a, b in zip(reference, tokens)))
+        print(f"round {r + 1}: " + ", ".join(
+            f"{_label(pp, tp)} {runs[(pp, tp)][-1]['tokens_per_s']:.1f}"
+            for pp, tp in layouts) + f" tokens/s (load average {os.getloadavg()[0]:.1f})")
+    median = {k: statistics.median(x["tokens_per_s"] for x in v) for k, v in runs.items()}
     result = {"benchmark": "serve_pp", "model": cfg.name, "requests": args.requests,
-              "output_tokens": args.output, "threads_per_rank": 1, "pp1": one, "layouts": []}
-    layouts = [(args.pp, 1)] + ([(args.pp, args.tp)] if args.tp > 1 else [])
+              "output_tokens": args.output, "threads_per_rank": 1, "rounds": args.rounds,
+              "layouts": []}
     for pp, tp in layouts:
-        many, tokens = run_layout(model, args.preset, pp, tp, prompts, args.output)
-        same = sum(a == b for a, b in zip(one_tokens, tokens))
-        ratio = many["tokens_per_s"] / one["tokens_per_s"]
-        label = f"pp {pp}" + (f" x tp {tp}" if tp > 1 else "")
-        print(f"{label} ({pp * tp} ranks): {many['tokens_per_s']:.1f} tokens/s, {ratio:.2f}x "
-              f"pp 1; identical greedy outputs {same}/{args.requests}")
-        result["layouts"].append({"pp": pp, "tp": tp, "ranks": pp * tp, **many,
-                                  "tokens_per_s_ratio": ratio,
-                                  "identical_greedy_outputs": same})
+        ratio = median[(pp, tp)] / median[(1, 1)]
+        if pp > 1:
+            print(f"{_label(pp, tp)} ({pp * tp} ranks): median {median[(pp, tp)]:.1f} "
+                  f"tokens/s, {ratio:.2f}x pp 1 ({median[(1, 1)]:.1f}); identical greedy "
+                  f"outputs {min(same[(pp, tp)])}/{args.requests} in every round")
+        result["layouts"].append({
+            "pp": pp, "tp": tp, "ranks": pp * tp, "median_tokens_per_s": median[(pp, tp)],
+            "tokens_per_s_ratio": ratio, "runs": runs[(pp, tp)],
+            "identical_greedy_outputs": min(same[(pp, tp)])})
     info = machine(torch.device("cpu"))
     info["cpu_model"] = cpu_model()
     info["load_average"] = list(os.getloadavg())
@@ -121,6 +140,10 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {os.path.relpath(args.out, ROOT)}")
     return 0
+
+
+def _label(pp: int, tp: int) -> str:
+    return f"pp {pp}" + (f" x tp {tp}" if tp > 1 else "")
 
 
 if __name__ == "__main__":
