@@ -105,3 +105,29 @@ def test_bad_pp_options_are_one_line_before_any_rank_starts(tmp_path, monkeypatc
                  str(free_port()), *extra]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_more_ranks_than_gpus_is_one_line(tmp_path, monkeypatch, capsys):
+    """On CUDA every rank serve spawns takes a GPU (NCCL refuses two ranks on one): --pp 2
+    --tp 2 where one GPU is visible is one line before any rank starts (the GPU stood in
+    for: this machine may have none)."""
+    import torch
+
+    from fivefold.cli import main
+    from fivefold.serve import tp_worker
+    from fivefold.serve.openai import backends
+
+    def started(*a, **k):
+        raise AssertionError("ranks started")
+
+    monkeypatch.setattr(tp_worker, "start_world", started)
+    monkeypatch.setattr(backends, "_backend_name", lambda args: "nccl")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    save_hf(build_model(CFG, seed=9).eval(), CFG, tmp_path / "m")
+    for layout, says in ((["--pp", "2", "--tp", "2"], "--pp 2 --tp 2 runs 4 ranks"),
+                         (["--tp", "2"], "--tp 2 runs 2 ranks")):
+        assert main(["serve", "--hf", str(tmp_path / "m"), "--tokenizer", "byte", "--device",
+                     "cpu", "--port", str(free_port()), *layout]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0] and "1 is visible" in lines[0], lines
+

@@ -95,6 +95,17 @@ def _backend_name(args) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
+def _check_gpus(args, ranks: int) -> None:
+    """The ranks serve spawns on CUDA take a GPU each (NCCL refuses two ranks on one)."""
+    visible = torch.cuda.device_count() if _backend_name(args) == "nccl" else ranks
+    if ranks > visible:
+        layout = " ".join(f"--{k} {getattr(args, k)}" for k in ("pp", "tp")
+                          if getattr(args, k, 1) > 1)
+        raise ConfigError(f"{layout} runs {ranks} ranks, one on each GPU, and {visible} "
+                          f"{'is' if visible == 1 else 'are'} visible; lower it, or serve on "
+                          f"the CPU with --device cpu")
+
+
 def _tp_rank_model(args, rank: int, loaded=None):
     """Load the model on one rank (unless `loaded` gives it) and keep this rank's shard."""
     from fivefold.serve.tp_worker import check_tp, shard_model, threads_per_rank, tp_groups
@@ -144,6 +155,7 @@ def _start_tp(args) -> Backend | None:
     else:  # load and check here first: a bad input is one line before any rank starts
         loaded = load_for_generation(args)
         check_tp(loaded[0].cfg, args.tp)
+        _check_gpus(args, args.tp)
         procs = start_world(args.tp, _backend_name(args), _tp_worker, (args,))
     model, codec, groups = _tp_rank_model(args, 0, loaded)
     engine = driver_engine(model, groups, **engine_kwargs(args, codec))
@@ -199,6 +211,7 @@ def _start_pp(args):
         if args.lora:  # each adapter read and fitted to the model before any rank starts
             adapters = load_adapters(args)
             check_adapters(loaded[0], adapters)
+        _check_gpus(args, world)
         procs = start_world(world, _backend_name(args), _worker, (args,))
     torch.set_num_threads(threads_per_rank(world))
     model, codec, groups, staged = stage_model(args, loaded, adapters)
