@@ -247,3 +247,47 @@ def test_bad_pp_is_one_line():
     check_pp(2, tp=2, num_layers=5)  # stages of tensor-parallel ranks compose
     with pytest.raises(ConfigError, match="must be >= 1"):
         check_pp(0)
+
+
+def test_a_pp_step_that_fails_after_reaching_the_workers_ends_the_server(monkeypatch):
+    """As under --tp (tests/test_serve_fuzz.py): a step failing on rank 0 before its message
+    goes out fails its requests alone; one failing after it (the workers may wait for hidden
+    states rank 0 never sends) is RanksOutOfStep, and no further message is sent, not even
+    the stop."""
+    from fivefold.serve import pp_worker, tp_worker
+    from fivefold.serve.request import Request
+    from fivefold.serve.scheduler import SchedulerOutput
+
+    sent = []
+    monkeypatch.setattr(pp_worker, "send_object", lambda obj, group: sent.append(obj))
+    monkeypatch.setattr(tp_worker, "send_object", lambda obj, group: sent.append(obj))
+
+    class Kv:
+        tables = {}
+
+        def block_ids(self, rid):
+            return self.tables[rid]
+
+    class Stage:  # a first stage whose forward fails (a worker gone, say)
+        adapters, stages = None, 2
+        cache = type("Cache", (), {"fp8": False})()
+
+        def run_stage(self, out, sizes):
+            raise RuntimeError("connection closed by peer")
+
+    a = Request("a", [1, 2], SamplingParams())
+    driver = pp_worker.PPDriverRunner.__new__(pp_worker.PPDriverRunner)
+    driver.kv, driver._sent, driver.control, driver.broken = Kv(), {}, None, None
+    driver.stage_runner = Stage()
+    driver.scheduler = type("S", (), {"requests": {"a": a}})()
+    with pytest.raises(KeyError):  # encoding fails before anything is sent
+        driver.execute(SchedulerOutput([(a, 2)]))
+    assert sent == [] and driver.broken is None and driver._sent == {}
+    Kv.tables = {"a": [3]}
+    with pytest.raises(tp_worker.RanksOutOfStep, match="out of step.*connection closed"):
+        driver.execute(SchedulerOutput([(a, 2)]))
+    assert len(sent) == 1
+    with pytest.raises(tp_worker.RanksOutOfStep):
+        driver.execute(SchedulerOutput([(a, 1)]))
+    driver.close()
+    assert len(sent) == 1

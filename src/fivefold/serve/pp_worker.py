@@ -57,6 +57,7 @@ from fivefold.serve.scheduler import SchedulerOutput
 from fivefold.serve.tp_worker import (
     IDLE_TIMEOUT,
     MirrorTables,
+    RanksOutOfStep,
     TPDriverRunner,
     TPWorker,
     gather_vocab,
@@ -219,8 +220,15 @@ class PPDriverRunner(TPDriverRunner):
         ModelRunner.__init__(self, stage.model, stage.cache, stage.kv)
         self.stage_runner, self.control, self.scheduler = stage, control, scheduler
         self._sent = {}
+        self.broken: str | None = None  # why the ranks are out of step (as under --tp)
 
     def execute(self, out: SchedulerOutput) -> StepLogits:
+        """As under --tp: a failure before the message goes out fails the step's requests
+        (no rank has seen it); one after it (this stage, a worker gone, the logits not
+        coming) may leave the workers waiting for hidden states rank 0 never sends:
+        `RanksOutOfStep` then ends the server."""
+        if self.broken is not None:
+            raise RanksOutOfStep(self.broken)
         adapters = self.stage_runner.adapters
         if adapters is not None:  # each adapter's sequences one run (a stable sort, as
             # lora_batch.py's begin_step): in every micro-batch its rows are one slice
@@ -237,7 +245,15 @@ class PPDriverRunner(TPDriverRunner):
         if adapters is not None:
             for item, scheduled in zip(msg.requests, out.scheduled, strict=True):
                 item.adapter = adapters.key(scheduled)
-        send_object((msg, sizes), self.control)
+        try:
+            send_object((msg, sizes), self.control)
+            return self._run(out, sizes)
+        except Exception as e:
+            self.broken = (f"a pipeline-parallel step failed after it reached the workers, "
+                           f"so the ranks are out of step ({type(e).__name__}: {e})")
+            raise RanksOutOfStep(self.broken) from e
+
+    def _run(self, out: SchedulerOutput, sizes: list[int]) -> StepLogits:
         self.stage_runner.run_stage(out, sizes)
         ids, rows, first = [], [], 0
         last = self.stage_runner.group.global_rank(self.stage_runner.stages - 1)

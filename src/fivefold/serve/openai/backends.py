@@ -188,7 +188,6 @@ def _start_pp(args):
         check_pp,
         driver_engine,
         load_adapters,
-        send_object,
         stage_model,
     )
     from fivefold.serve.tp_worker import check_tp, start_world, threads_per_rank
@@ -219,11 +218,14 @@ def _start_pp(args):
 
     def close():
         try:
-            send_object(None, groups.control)
+            engine.runner.close()  # the stop message, unless the ranks are out of step
         except RuntimeError:  # a worker is gone already
             pass
         for proc in procs:
             proc.join(timeout=10)
+            if proc.is_alive():  # out of step: waiting for what rank 0 never sends
+                proc.kill()
+                proc.join(timeout=5)
         dist.destroy_process_group()
 
     return Backend(EngineLoop(engine), codec, engine.num_blocks, engine.max_model_len,
