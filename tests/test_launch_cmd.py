@@ -57,6 +57,14 @@ def test_the_launcher_accepts_the_rank_counts_a_layout_takes():
     assert layout_world_size("train", [*SMALL, "--parallel.layout", "auto"], 2, 2) == 2
     assert layout_world_size("train", [*SMALL, "--parallel.layout", "auto"], 4, 2) == 4
     assert layout_world_size("serve", ["--hf", "x", "--tp", "2"], 2, 2) == 2
+    # serve --pp N --tp M: N stages of M ranks
+    assert layout_world_size("serve", ["--hf", "x", "--pp", "2"], 2, 2) == 2
+    assert layout_world_size("serve", ["--hf", "x", "--pp", "2", "--tp", "2"], 4, 4) == 4
+    from fivefold.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="starts 2 rank.* --pp 2 --tp 2 uses 4; give "
+                                          "--nproc-per-node 4"):
+        layout_world_size("serve", ["--hf", "x", "--pp", "2", "--tp", "2"], 2, 2)
 
 
 def test_the_launch_is_torchruns_documented_one():

@@ -1,7 +1,8 @@
 """Decode at fixed batch sizes from static buffers (serve/cuda_graphs.py), run on CPU
 without capture ("static"): every decode step padded to the next size of the ladder, its
 padding rows writing to the trash slot; greedy tokens identical to the eager engine and
-the dense path; a ladder above the KV cache's capacity is one ConfigError."""
+the dense path; a ladder above the KV cache's capacity is one ConfigError, and through
+`fivefold serve` one line and exit 2 before anything is served."""
 
 import pytest
 import torch
@@ -69,3 +70,44 @@ def test_enforce_eager_reaches_the_engine():
     for argv, graphs in (([], True), (["--enforce-eager"], False)):
         args = build_parser().parse_args(["--checkpoint", "x", *argv])
         assert engine_kwargs(args, codec)["cuda_graphs"] is graphs
+
+
+def test_serve_with_a_ladder_above_the_cache_is_one_line_and_exit_2(tmp_path, monkeypatch,
+                                                                       capsys):
+    """`fivefold serve` where decode is captured (CUDA; here the same static path, run
+    without capture, as on CPU): --max-num-seqs 32 over a cache of 20 blocks is one line
+    and exit 2 before anything is served; with --enforce-eager the same settings start."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from test_serve_server import free_port
+
+    from fivefold.cli import main
+    from fivefold.models.hf import save_hf
+    from fivefold.serve.openai import api_server, backends
+
+    cfg = CFG.replace(max_seq_len=64)
+    save_hf(build_model(cfg, seed=3), cfg, tmp_path / "m")
+    real = backends.engine_kwargs
+
+    def static_where_captured(args, codec):
+        kw = real(args, codec)
+        return {**kw, "cuda_graphs": "static" if kw["cuda_graphs"] else False}
+
+    began = []
+
+    def served(*a, **k):  # stands in for the HTTP app: past every check, serving begins
+        began.append(True)
+        raise RuntimeError("serving began")
+
+    monkeypatch.setattr(backends, "engine_kwargs", static_where_captured)
+    monkeypatch.setattr(api_server, "build_app", served)
+    per_block = 16 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.dim_per_head * 4  # fp32
+    argv = ["serve", "--hf", str(tmp_path / "m"), "--tokenizer", "byte", "--port",
+            str(free_port()), "--kv-cache-gib", repr(20 * per_block / 2**30),
+            "--max-num-seqs", "32"]
+    assert main(argv) == 2 and not began
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "up to 32 sequences" in lines[0], lines
+    assert "holds 20 blocks" in lines[0] and "--enforce-eager" in lines[0]
+    capsys.readouterr()
+    assert main(argv + ["--enforce-eager"]) != 2 and began  # eager: no ladder to check

@@ -71,14 +71,19 @@ def layout_world_size(command: str, args: list[str], launched: int | None = None
     here, once, rather than by every rank after it has started."""
     from fivefold import config
 
-    if command == "serve":
+    if command == "serve":  # --pp stages of --tp ranks each (serve/pp_worker.py)
         serve = argparse.ArgumentParser(add_help=False)
         serve.add_argument("--tp", type=int, default=1)
-        tp = serve.parse_known_args(args)[0].tp
-        if launched is not None and launched != tp:
-            raise ConfigError(f"fivefold launch starts {launched} rank(s) but serve --tp {tp}"
-                              f" uses {tp}; give --nproc-per-node {tp} or change --tp")
-        return tp
+        serve.add_argument("--pp", type=int, default=1)
+        opts = serve.parse_known_args(args)[0]
+        ranks = opts.tp * opts.pp
+        layout = " ".join(f"--{k} {v}" for k, v in (("pp", opts.pp), ("tp", opts.tp))
+                          if v > 1 or k == "tp" and opts.pp == 1)
+        if launched is not None and launched != ranks:
+            raise ConfigError(f"fivefold launch starts {launched} rank(s) but serve {layout}"
+                              f" uses {ranks}; give --nproc-per-node {ranks} or change "
+                              f"{layout}")
+        return ranks
 
     known = argparse.ArgumentParser(add_help=False)
     known.add_argument("--config")

@@ -145,15 +145,21 @@ class ServePlan:
     tp: int = 1
     pp: int = 1
 
+    def _layout(self) -> str:
+        if self.tp == 1 and self.pp == 1:
+            return f"one {self.gpu}"
+        gpus = f"{self.tp * self.pp} x {self.gpu}, "
+        if self.pp == 1:
+            return gpus + "tensor parallel (figures per GPU)"
+        if self.tp == 1:
+            return gpus + f"{self.pp} pipeline stages (figures for the largest stage's GPU)"
+        return gpus + (f"{self.pp} pipeline stages of {self.tp} tensor-parallel GPUs "
+                       f"(figures per GPU of the largest stage)")
+
     def describe(self) -> str:
         return "\n".join([
-            f"serving {self.model} on "
-            + (f"one {self.gpu}" if self.tp == 1 else
-               f"{self.tp} x {self.gpu}, tensor parallel (figures per GPU)")
-            + (f", {self.pp} pipeline stages (figures for the largest)" if self.pp > 1
-               else "")
-            + f": weights {self.weights} ({self.weight_bytes / GIB:.2f} GiB), KV cache "
-            f"{self.kv_dtype}",
+            f"serving {self.model} on {self._layout()}: weights {self.weights} "
+            f"({self.weight_bytes / GIB:.2f} GiB), KV cache {self.kv_dtype}",
             f"KV bytes per token: {self.kv_bytes_per_token:,} (2 · layers · kv_heads · "
             f"head_dim · bytes)",
             f"KV budget: {self.kv_budget_bytes / GIB:.2f} GiB = {self.num_blocks:,} blocks of "

@@ -147,52 +147,87 @@ class AdapterSet:
         from fivefold.serve.scheduler import SchedulerOutput
 
         scheduled = sorted(out.scheduled, key=self.key)
+        self.group_rows(scheduled, self.key)
+        return SchedulerOutput(scheduled, out.preempted, [])
+
+    def group_rows(self, scheduled, key) -> None:
+        """The rows of each adapter's tokens in a batch of `scheduled` (in adapter order:
+        each adapter's sequences one run), `key(item)` its adapter index (-1: none)."""
         spans: dict[int, list[int]] = {}  # adapter index -> [first row, end row]
         begin = 0
         for item in scheduled:
             end = begin + item[1]
-            index = self.key(item)
+            index = key(item)
             if index >= 0:
                 spans.setdefault(index, [begin, end])[1] = end
             begin = end
         self.rows.groups = [(index, slice(lo, hi)) for index, (lo, hi) in spans.items()]
-        return SchedulerOutput(scheduled, out.preempted, [])
 
     def end_step(self) -> None:
         self.rows.groups = []
 
 
-def apply_adapters(model: nn.Module, adapters: list[Adapter]) -> AdapterSet:
-    """Wrap every linear some adapter targets in a MultiLoraLinear (in place)."""
-    rows = StepRows()
+def _target(model: nn.Module, adapter: Adapter, module_name: str) -> nn.Module:
+    """The linear an adapter's module names, its factors checked against it."""
+    try:
+        base = model.get_submodule(module_name)
+    except AttributeError:
+        base = None
+    if base is None or not hasattr(base, "in_features"):
+        raise ConfigError(f"--lora {adapter.name}: the adapter targets '{module_name}', which "
+                          f"this model has no linear for; it was made for another model")
+    a, b = adapter.factors[module_name]
+    if a.shape != (adapter.rank, base.in_features) or \
+            b.shape != (base.out_features, adapter.rank):
+        raise ConfigError(f"--lora {adapter.name}: '{module_name}' has factors "
+                          f"{tuple(a.shape)} and {tuple(b.shape)}, this model needs "
+                          f"({adapter.rank}, {base.in_features}) and "
+                          f"({base.out_features}, {adapter.rank}); it was made for "
+                          f"another model")
+    return base
+
+
+def check_adapters(model: nn.Module, adapters: list[Adapter]) -> None:
+    """Every adapter fits the model (a ConfigError naming the first that does not), without
+    changing the model."""
     names = [a.name for a in adapters]
     if len(set(names)) != len(names):
         raise ConfigError(f"--lora names must differ; got {', '.join(names)}")
+    for adapter in adapters:
+        for module_name in adapter.factors:
+            _target(model, adapter, module_name)
+
+
+def stage_adapter(adapter: Adapter, first: int, end: int, last: bool) -> Adapter:
+    """What a pipeline stage of layers [first, end) holds of an adapter (serve/pp_worker.py):
+    the factors of its layers' linears (`layers.<i>.`), and on the last stage the others
+    (the head's)."""
+    kept = {}
+    for name, factors in adapter.factors.items():
+        parts = name.split(".")
+        if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+            if first <= int(parts[1]) < end:
+                kept[name] = factors
+        elif last:
+            kept[name] = factors
+    return Adapter(adapter.name, adapter.rank, adapter.scaling, kept)
+
+
+def apply_adapters(model: nn.Module, adapters: list[Adapter]) -> AdapterSet:
+    """Wrap every linear some adapter targets in a MultiLoraLinear (in place)."""
+    check_adapters(model, adapters)
+    rows = StepRows()
     wrapped: dict[str, MultiLoraLinear] = {}
     for index, adapter in enumerate(adapters):
         for module_name, (a, b) in adapter.factors.items():
             layer = wrapped.get(module_name)
             if layer is None:
-                try:
-                    base = model.get_submodule(module_name)
-                except AttributeError:
-                    base = None
-                if base is None or not hasattr(base, "in_features"):
-                    raise ConfigError(f"--lora {adapter.name}: the adapter targets "
-                                      f"'{module_name}', which this model has no linear for; "
-                                      f"it was made for another model")
+                base = _target(model, adapter, module_name)
                 layer = wrapped[module_name] = MultiLoraLinear(base, rows, len(adapters))
                 parent, _, child = module_name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, layer)
-            if a.shape != (adapter.rank, layer.in_features) or \
-                    b.shape != (layer.out_features, adapter.rank):
-                raise ConfigError(f"--lora {adapter.name}: '{module_name}' has factors "
-                                  f"{tuple(a.shape)} and {tuple(b.shape)}, this model needs "
-                                  f"({adapter.rank}, {layer.in_features}) and "
-                                  f"({layer.out_features}, {adapter.rank}); it was made for "
-                                  f"another model")
             layer.add(index, a, b, adapter.scaling)
-    return AdapterSet(names, rows)
+    return AdapterSet([a.name for a in adapters], rows)
 
 
 def attach(engine, adapters: AdapterSet) -> None:

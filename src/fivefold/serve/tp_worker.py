@@ -58,6 +58,7 @@ class StepRequest:
     replace: bool
     num_computed_tokens: int
     num_new: int
+    adapter: int = -1  # the LoRA adapter's index (serve/lora_batch.py), -1: the base
 
 
 @dataclass
@@ -74,6 +75,7 @@ class MirrorRequest:
     request_id: str
     all_token_ids: list[int]
     num_computed_tokens: int = 0
+    adapter: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -111,13 +113,18 @@ class TPModelRunner(ModelRunner):
         self.group, self.vocab_size = group, model.cfg.vocab_size
 
     def finish_logits(self, local: torch.Tensor) -> torch.Tensor:
-        rows, width = local.shape
-        if rows == 0:  # a step of prefill chunks only (the same on every rank)
-            return local.new_zeros(0, self.vocab_size)
-        pieces = local.new_empty(self.group.size * rows * width)
-        comm.all_gather(pieces, local.contiguous().view(-1), self.group)
-        full = pieces.view(self.group.size, rows, width).transpose(0, 1).reshape(rows, -1)
-        return full[:, :self.vocab_size]  # padding rows of the vocabulary split dropped
+        return gather_vocab(local, self.group, self.vocab_size)
+
+
+def gather_vocab(local: torch.Tensor, group: Group, vocab_size: int) -> torch.Tensor:
+    """The full (n, V) logits from every rank's (n, V/tp) vocabulary shard."""
+    rows, width = local.shape
+    if rows == 0:  # a step of prefill chunks only (the same on every rank)
+        return local.new_zeros(0, vocab_size)
+    pieces = local.new_empty(group.size * rows * width)
+    comm.all_gather(pieces, local.contiguous().view(-1), group)
+    full = pieces.view(group.size, rows, width).transpose(0, 1).reshape(rows, -1)
+    return full[:, :vocab_size]  # padding rows of the vocabulary split dropped
 
 
 class TPDriverRunner(TPModelRunner):
@@ -218,6 +225,7 @@ class TPWorker:
                 request = self.requests[item.request_id] = MirrorRequest(item.request_id, [])
             request.all_token_ids.extend(item.new_token_ids)
             request.num_computed_tokens = item.num_computed_tokens
+            request.adapter = item.adapter
             if item.replace:
                 self.tables.tables[item.request_id] = list(item.block_ids)
             else:

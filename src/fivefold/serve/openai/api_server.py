@@ -250,8 +250,9 @@ def build_parser() -> ArgumentParser:
                    "`fivefold launch --nproc-per-node N serve ...` does)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode "
                    "(by default captured on CUDA for batch sizes 1, 2, 4, 8, 16, ...)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages, one rank each, each "
-                   "holding its layers and their KV blocks (serve/pp_worker.py)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages, each holding its "
+                   "layers and their KV blocks: one rank each, or --tp ranks each "
+                   "(serve/pp_worker.py)")
     p.add_argument("--dp", type=int, default=1, help="engine replicas behind this endpoint, "
                    "each request to the least loaded (on CUDA one per GPU)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",

@@ -4,6 +4,8 @@
               shards (serve/tp_worker.py). serve spawns them, or, under `fivefold launch
               --nproc-per-node N serve ...`, torchrun started them and each rank runs this
               same command: rank 0 serves, the others work.
+    --pp N    pipeline stages, each a run of layers (serve/pp_worker.py); with --tp M each
+              stage is M tensor-parallel ranks, N·M in all
     --dp N    N engine replicas behind one endpoint (serve/dp_router.py)
     --lora name=DIR (repeatable)  adapters on the base, chosen per request by its `model`
               (serve/lora_batch.py)
@@ -59,11 +61,13 @@ def check_parallel_args(args) -> None:
     if pp != 1:  # the model's layer count is checked once it is loaded (serve/pp_worker.py)
         from fivefold.serve.pp_worker import check_pp
 
-        check_pp(pp, args.tp, args.dp, args.lora)
+        check_pp(pp, args.tp, args.dp)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched > 1 and pp > 1 and launched != pp:
-        raise ConfigError(f"launched {launched} processes but --pp {pp}; serve under "
-                          f"`fivefold launch --nproc-per-node {pp}` or change --pp")
+    if launched > 1 and pp > 1 and launched != pp * args.tp:
+        layout = f"--pp {pp}" + (f" --tp {args.tp}" if args.tp > 1 else "")
+        raise ConfigError(f"launched {launched} processes but {layout} needs {pp * args.tp}; "
+                          f"serve under `fivefold launch --nproc-per-node {pp * args.tp}` or "
+                          f"change {layout}")
     if launched > 1 and pp == 1 and launched != args.tp:
         raise ConfigError(f"launched {launched} processes but --tp {args.tp}; serve under "
                           f"`fivefold launch --nproc-per-node {args.tp}` or change --tp")
@@ -89,6 +93,17 @@ def _backend_name(args) -> str:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return "nccl" if device == "cuda" else "gloo"
+
+
+def _check_gpus(args, ranks: int) -> None:
+    """The ranks serve spawns on CUDA take a GPU each (NCCL refuses two ranks on one)."""
+    visible = torch.cuda.device_count() if _backend_name(args) == "nccl" else ranks
+    if ranks > visible:
+        layout = " ".join(f"--{k} {getattr(args, k)}" for k in ("pp", "tp")
+                          if getattr(args, k, 1) > 1)
+        raise ConfigError(f"{layout} runs {ranks} ranks, one on each GPU, and {visible} "
+                          f"{'is' if visible == 1 else 'are'} visible; lower it, or serve on "
+                          f"the CPU with --device cpu")
 
 
 def _tp_rank_model(args, rank: int, loaded=None):
@@ -140,6 +155,7 @@ def _start_tp(args) -> Backend | None:
     else:  # load and check here first: a bad input is one line before any rank starts
         loaded = load_for_generation(args)
         check_tp(loaded[0].cfg, args.tp)
+        _check_gpus(args, args.tp)
         procs = start_world(args.tp, _backend_name(args), _tp_worker, (args,))
     model, codec, groups = _tp_rank_model(args, 0, loaded)
     engine = driver_engine(model, groups, **engine_kwargs(args, codec))
@@ -161,16 +177,23 @@ def _start_tp(args) -> Backend | None:
 
 
 def _start_pp(args):
-    """`fivefold serve --pp N`: rank 0's Backend (the others spawned here), or None on a
-    worker rank under `fivefold launch`."""
+    """`fivefold serve --pp N [--tp M]`: rank 0's Backend (the other N·M − 1 ranks spawned
+    here), or None on a worker rank under `fivefold launch`."""
     import torch.distributed as dist
 
+    from fivefold.serve.lora_batch import check_adapters
     from fivefold.serve.openai.serving import EngineLoop
-    from fivefold.serve.pp_worker import _worker, check_pp, driver_engine, pp_groups, send_object
-    from fivefold.serve.tp_worker import start_world, threads_per_rank
+    from fivefold.serve.pp_worker import (
+        _worker,
+        check_pp,
+        driver_engine,
+        load_adapters,
+        stage_model,
+    )
+    from fivefold.serve.tp_worker import check_tp, start_world, threads_per_rank
     from fivefold.train.generate import load_for_generation
 
-    procs = []
+    procs, loaded, adapters, world = [], None, None, args.pp * args.tp
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under fivefold launch / torchrun
         from fivefold.parallel.mesh import init_distributed
 
@@ -179,27 +202,35 @@ def _start_pp(args):
             _worker(rank, args)
             dist.destroy_process_group()
             return None
-        model, codec = load_for_generation(args)
-        check_pp(args.pp, num_layers=model.cfg.num_layers)
     else:  # load and check here first: a bad input is one line before any rank starts
-        model, codec = load_for_generation(args)
-        check_pp(args.pp, args.tp, args.dp, args.lora, model.cfg.num_layers)
-        procs = start_world(args.pp, _backend_name(args), _worker, (args,))
-    torch.set_num_threads(threads_per_rank(args.pp))
-    groups = pp_groups(args.pp)
-    engine = driver_engine(model.eval(), args.pp, groups, **engine_kwargs(args, codec))
+        loaded = load_for_generation(args)
+        check_pp(args.pp, args.tp, args.dp, loaded[0].cfg.num_layers)
+        if args.tp > 1:
+            check_tp(loaded[0].cfg, args.tp)
+        if args.lora:  # each adapter read and fitted to the model before any rank starts
+            adapters = load_adapters(args)
+            check_adapters(loaded[0], adapters)
+        _check_gpus(args, world)
+        procs = start_world(world, _backend_name(args), _worker, (args,))
+    torch.set_num_threads(threads_per_rank(world))
+    model, codec, groups, staged = stage_model(args, loaded, adapters)
+    engine = driver_engine(model, args.pp, groups, staged, **engine_kwargs(args, codec))
 
     def close():
         try:
-            send_object(None, groups[1])
+            engine.runner.close()  # the stop message, unless the ranks are out of step
         except RuntimeError:  # a worker is gone already
             pass
         for proc in procs:
             proc.join(timeout=10)
+            if proc.is_alive():  # out of step: waiting for what rank 0 never sends
+                proc.kill()
+                proc.join(timeout=5)
         dist.destroy_process_group()
 
     return Backend(EngineLoop(engine), codec, engine.num_blocks, engine.max_model_len,
-                   close=close, kv_dtype=str(engine.cache.k.dtype), notes=_notes(engine))
+                   adapters=list(staged.names) if staged else [], close=close,
+                   kv_dtype=str(engine.cache.k.dtype), notes=_notes(engine))
 
 
 def start(args) -> Backend | None:
