@@ -140,18 +140,19 @@ def zero3_tensorwise(rank, world, tmp, fp8_allgather, extra=()):
     padding = 0  # bytes per gather of every unit, beyond 1 per FP8 element and 2 per other
     for unit in trainer.optimizer.gatherer.fp8.values():
         fp8_in_unit = sum(slot.numel for _, slot in unit.views)
-        padding += (world * (unit.n8 + 2 * unit.n16)
-                    - (fp8_in_unit + 2 * (unit.seg.size - fp8_in_unit)))
+        padding += world * unit.message - (fp8_in_unit + 2 * (unit.seg.size - fp8_in_unit))
     dims.ledger.enabled = True
     records = [trainer.train_step() for _ in range(STEPS)]  # the ledger keeps the last step
-    ledger = sum(v["bytes"] for k, v in dims.ledger.totals().items() if k[1] == "all_gather")
+    totals = dims.ledger.totals()
+    ledger = {op: totals[("dp_cp", op)]["bytes"] for op in ("all_gather", "all_reduce")}
+    amax_calls = sum(1 for e in dims.ledger.entries if e.op == "all_reduce" and e.elements > 1)
     trainer.close()
     work, layout = training_plan_inputs(cfg)
-    planned = ledger_volume(work, layout)["dp_cp"]["all_gather"]
+    planned = ledger_volume(work, layout)["dp_cp"]
     gathers = 2 * work.num_microbatches(layout)  # forward and backward, per micro-batch
     FP8Recipe.quantize_weight = quantize_weight
     return ([(r["loss"], r["grad_norm"]) for r in records], ledger, planned, fp8_numel,
-            padding * gathers, quantized[0])
+            padding * gathers, quantized[0], amax_calls)
 
 
 def test_zero3_fp8_allgather_gives_the_same_run_at_half_the_weight_bytes(tmp_path):
@@ -163,17 +164,23 @@ def test_zero3_fp8_allgather_gives_the_same_run_at_half_the_weight_bytes(tmp_pat
     padding (stated exactly; under 2% here)."""
     off = run_ranks(zero3_tensorwise, 2, str(tmp_path / "off"), False)
     on = run_ranks(zero3_tensorwise, 2, str(tmp_path / "on"), True)
-    for (runs_off, ledger_off, planned_off, numel, pad_off, quantized_off), (
-            runs_on, ledger_on, planned_on, _, padding, quantized_on) in zip(off, on):
+    for (runs_off, ledger_off, planned_off, numel, pad_off, quantized_off, amax_off), (
+            runs_on, ledger_on, planned_on, _, padding, quantized_on, amax_on) in zip(off, on):
         assert runs_on == runs_off
         assert quantized_off > 0 and quantized_on == 0  # the GEMMs took the gathered FP8
         assert pad_off == 0 and numel > 0
         gathers = 2 * 2  # 2 micro-batches per rank (gbs 8, dp 2, mbs 2), forward and backward
-        assert ledger_off - ledger_on == numel * gathers - padding
-        assert 0 <= padding < 0.02 * ledger_on
-        assert planned_off == ledger_off
-        assert planned_on == ledger_on - padding
-        assert planned_off - planned_on == numel * gathers
+        assert ledger_off["all_gather"] - ledger_on["all_gather"] == numel * gathers - padding
+        assert 0 <= padding < 0.02 * ledger_on["all_gather"]
+        assert planned_off["all_gather"] == ledger_off["all_gather"]
+        assert planned_on["all_gather"] == ledger_on["all_gather"] - padding
+        assert planned_off["all_gather"] - planned_on["all_gather"] == numel * gathers
+        # The scales: one all_reduce(max) per step of 2 layers x 7 linears' fp32 amaxes,
+        # beside the gradient norm's one scalar; the planner counts both.
+        assert (amax_off, amax_on) == (0, 1)
+        assert ledger_on["all_reduce"] - ledger_off["all_reduce"] == 4 * 2 * 7
+        assert planned_on["all_reduce"] == ledger_on["all_reduce"]
+        assert planned_off["all_reduce"] == ledger_off["all_reduce"]
 
 
 def test_zero3_fp8_allgather_under_full_recompute_gives_the_same_run(tmp_path):

@@ -3,23 +3,33 @@
 torchao's float8 training for FSDP2 casts each rank's shard of a float8 linear's weight to
 FP8 before the all-gather, with the tensorwise scale of the whole weight, so the gather
 moves 1 byte per element instead of 2 (bf16), and the GEMM takes the gathered FP8 weight
-as it is (torchao `float8/fsdp_utils.py`, `WeightWithDynamicFloat8CastTensor`). Here:
+as it is (torchao `float8/fsdp_utils.py`: `WeightWithDynamicFloat8CastTensor`, and
+`precompute_float8_dynamic_scale_for_fsdp`, which computes every weight's scale after the
+optimizer step in one all-reduce). Here:
 
-    1. each rank takes the amax of its piece of every such weight in the unit,
-    2. one all_reduce(max) of those amaxes gives every weight's amax, so its scale
-       (numerics.scaling.amax_to_scale) is the one the tensorwise cast of the whole
-       weight computes: the cast is elementwise, so each rank's bytes are exactly the
-       bytes of that cast (bit-equal to quantising the gathered bf16 weight),
-    3. the unit's shard is split in two messages, the FP8 bytes (uint8) of those weights'
-       elements and the unit's other elements (bf16), each padded to the largest rank's
-       count, and gathered,
-    4. the FP8 bytes land in a per-unit byte buffer (freed with the unit, like the bf16
-       one); each weight's module gets `fp8_weight` (data a view of that buffer, scale the
-       weight's) that its FP8 GEMMs use instead of quantising the weight (lowp/linear.py).
-       The weight's bf16 view is filled with the dequantised values, so the parameter
-       holds what the GEMM uses.
+    1. scales, once per step (`refresh_scales`): each rank takes the amax of its piece of
+       every such weight of every unit, and ONE all_reduce(max) of all those amaxes gives
+       every weight's amax, so its scale (numerics.scaling.amax_to_scale) is the one the
+       tensorwise cast of the whole weight computes. The cast is elementwise, so each
+       rank's bytes are exactly the bytes of that cast (bit-equal to quantising the
+       gathered bf16 weight). The gatherer refreshes them at the first FP8 gather after the
+       weights changed (construction, an optimizer step, a checkpoint load) or a step began;
+    2. a unit's gather (`start`) casts the rank's FP8-weight elements to e4m3 and sends one
+       uint8 message: those codes, then the unit's other elements (norms, padding) as raw
+       bytes of their dtype, padded to the longest rank's message (a unit's shard cuts fall
+       anywhere in its weights, so the ranks' counts differ), asynchronously like a bf16
+       unit's gather: the next unit's FP8 gather overlaps this unit's compute;
+    3. `finish` (when the unit is needed) puts the FP8 bytes in a per-unit byte buffer (freed
+       with the unit, like the bf16 one); each weight's module gets `fp8_weight` (data a
+       view of that buffer, scale the weight's) that its FP8 GEMMs use instead of
+       quantising the weight (lowp/linear.py). The weight's bf16 view is filled with the
+       dequantised values, so the parameter holds what the GEMM uses.
 
-The gather is synchronous (no prefetch) for units holding such weights.
+Only tensorwise: one scale per weight makes a shard's cast independent of where the shard
+cuts the weight. Rowwise scales the weight along K for the forward GEMM and along N for
+the input gradient's (lowp/linear.py), so each gather would need its own per-row or
+per-column amaxes and the linear two FP8 copies of its weight; torchao, too, gathers FP8
+for tensorwise only.
 """
 
 from __future__ import annotations
@@ -35,9 +45,11 @@ from fivefold.parallel import comm
 class FP8UnitGather:
     """The index maps of one unit (segment) whose FP8-linear weights gather in FP8."""
 
-    def __init__(self, layout, seg, weights: list, rank: int, device: torch.device):
+    def __init__(self, layout, seg, weights: list, rank: int, device: torch.device,
+                 dtype: torch.dtype):
         self.layout, self.seg, self.rank = layout, seg, rank
         shards, per = layout.shards, seg.size // layout.shards
+        es = torch.empty((), dtype=dtype).element_size()  # bytes of a non-FP8 element
         owner = torch.full((seg.size,), -1, dtype=torch.long)
         self.views = []  # (module, slot) per weight
         for k, (slot, module) in enumerate(weights):
@@ -47,54 +59,93 @@ class FP8UnitGather:
         by_rank = owner.view(shards, per)
         idx8 = [(by_rank[r] >= 0).nonzero().squeeze(1) for r in range(shards)]
         idx16 = [(by_rank[r] < 0).nonzero().squeeze(1) for r in range(shards)]
-        self.n8 = max(len(i) for i in idx8)
-        self.n16 = max(len(i) for i in idx16)
+        # Rank r's message: its len(idx8[r]) codes, then es bytes per other element.
+        self.message = max(len(a) + es * len(b) for a, b in zip(idx8, idx16))
         self.local8, self.local16 = idx8[rank].to(device), idx16[rank].to(device)
         self.local_weight = by_rank[rank][idx8[rank]].to(device)
         self.dest8 = torch.cat([r * per + i for r, i in enumerate(idx8)]).to(device)
-        self.src8 = torch.cat([r * self.n8 + torch.arange(len(i))
+        self.src8 = torch.cat([r * self.message + torch.arange(len(i))
                                for r, i in enumerate(idx8)]).to(device)
         self.dest16 = torch.cat([r * per + i for r, i in enumerate(idx16)]).to(device)
-        self.src16 = torch.cat([r * self.n16 + torch.arange(len(i))
-                                for r, i in enumerate(idx16)]).to(device)
+        byte = torch.arange(es)  # the es bytes of each other element, in element order
+        self.src16 = torch.cat([(r * self.message + len(a) + es * torch.arange(len(b)))
+                                [:, None] + byte for r, (a, b) in enumerate(zip(idx8, idx16))]
+                               ).reshape(-1).to(device)
         self.weight_of = owner.to(device)
         self.bytes = torch.zeros(seg.size, dtype=torch.uint8, device=device)
+        self.mult = torch.ones(len(weights), dtype=torch.float32, device=device)
         self.scales = torch.ones(len(weights), dtype=torch.float32, device=device)
         self.bytes.untyped_storage().resize_(0)
 
-    def gather(self, full: torch.Tensor, shard: torch.Tensor, group: comm.Group) -> None:
-        """Fill `full` (the unit's bf16 buffer, storage allocated) and the FP8 bytes."""
+    def local_amax(self, shard: torch.Tensor) -> torch.Tensor:
+        """Per weight, the amax of this rank's piece of it (0 where it holds none; NaN if
+        the piece holds a NaN, so that the weight's scale is NaN as the cast's would be)."""
+        vals = self.layout.segment_shard(shard, self.seg)[self.local8].float().abs()
+        amax = torch.zeros(len(self.views), dtype=torch.float32, device=shard.device)
+        amax.scatter_reduce_(0, self.local_weight, vals, "amax")
+        nan = torch.isnan(amax.new_zeros(len(self.views)).index_add_(0, self.local_weight, vals))
+        return amax.masked_fill_(nan, float("nan"))
+
+    def set_amax(self, amax: torch.Tensor) -> None:
+        """The whole weights' amaxes (all-reduced): their multipliers and scales."""
+        self.mult.copy_(amax_to_scale(amax, E4M3))
+        self.scales.copy_(self.mult.reciprocal())
+
+    def start(self, full: torch.Tensor, shard: torch.Tensor, group: comm.Group):
+        """Cast this rank's piece and start the unit's gather: a handle whose wait() also
+        fills `full` (the unit's buffer, storage allocated) and the FP8 bytes."""
         local = self.layout.segment_shard(shard, self.seg)
         vals = local[self.local8].float()
-        amax = torch.zeros(len(self.views), dtype=torch.float32, device=local.device)
-        amax.scatter_reduce_(0, self.local_weight, vals.abs(), "amax")
-        amax[torch.isnan(amax.new_zeros(len(self.views)).index_add_(
-            0, self.local_weight, vals.abs()))] = float("nan")  # a NaN reaches the scale
-        comm.all_reduce(amax, group, op="max")
-        mult = amax_to_scale(amax, E4M3)
-        send8 = torch.zeros(self.n8, dtype=torch.uint8, device=local.device)
-        q = (vals * mult[self.local_weight]).clamp(-E4M3.max, E4M3.max).to(E4M3.dtype)
-        send8[:len(q)] = q.view(torch.uint8)
-        send16 = torch.zeros(self.n16, dtype=local.dtype, device=local.device)
-        send16[:len(self.local16)] = local[self.local16]
-        out8 = torch.empty(self.n8 * group.size, dtype=torch.uint8, device=local.device)
-        out16 = torch.empty(self.n16 * group.size, dtype=local.dtype, device=local.device)
-        comm.all_gather(out8, send8, group)
-        comm.all_gather(out16, send16, group)
+        q = (vals * self.mult[self.local_weight]).clamp(-E4M3.max, E4M3.max).to(E4M3.dtype)
+        rest = local[self.local16].contiguous().view(torch.uint8)
+        send = torch.zeros(self.message, dtype=torch.uint8, device=local.device)
+        send[:len(q)] = q.view(torch.uint8)
+        send[len(q):len(q) + len(rest)] = rest
+        out = torch.empty(self.message * group.size, dtype=torch.uint8, device=local.device)
+        handle = comm.all_gather(out, send, group, async_op=True)
+        return _Pending(self, handle, full, out, send)
+
+    def finish(self, full: torch.Tensor, out: torch.Tensor) -> None:
         self.bytes.untyped_storage().resize_(self.seg.size)
         with torch.no_grad():
-            self.bytes.index_copy_(0, self.dest8, out8[self.src8])
-            full.index_copy_(0, self.dest16, out16[self.src16])
-            self.scales.copy_(mult.reciprocal())
+            self.bytes.index_copy_(0, self.dest8, out[self.src8])
+            full.index_copy_(0, self.dest16, out[self.src16].view(full.dtype))
             fp8 = self.bytes[self.dest8].view(E4M3.dtype).float()
             full.index_copy_(0, self.dest8, (fp8 * self.scales[self.weight_of[self.dest8]])
                              .to(full.dtype))
         for k, (module, slot) in enumerate(self.views):
             lo = slot.start - self.seg.start
             data = self.bytes[lo:lo + slot.numel].view(E4M3.dtype).view(slot.shape)
-            module.fp8_weight = FP8Tensor(data, self.scales[k], "tensorwise", E4M3)
+            module.fp8_weight = FP8Tensor(data, self.scales[k].clone(), "tensorwise", E4M3)
 
     def free(self) -> None:
         self.bytes.untyped_storage().resize_(0)
         for module, _ in self.views:  # a GEMM's saved copy (for backward) stays valid
             module.fp8_weight = None
+
+
+class _Pending:
+    """An FP8 unit's gather in flight: wait() waits for it and unpacks the message."""
+
+    def __init__(self, unit: FP8UnitGather, handle, full, out, send):
+        self.unit, self.handle, self.full, self.out, self.send = unit, handle, full, out, send
+
+    def wait(self) -> bool:
+        self.handle.wait()
+        self.unit.finish(self.full, self.out)
+        self.out = self.send = None
+        return True
+
+
+def refresh_scales(units: dict, shard: torch.Tensor, group: comm.Group, watchdog) -> None:
+    """Every FP8-gathered weight's scale from the current weights: the local amaxes of all
+    units in one all_reduce(max) (torchao's precompute_float8_dynamic_scale_for_fsdp)."""
+    order = sorted(units)
+    amax = torch.cat([units[u].local_amax(shard) for u in order])
+    watchdog.wait(comm.all_reduce(amax, group, op="max", async_op=True),
+                  "FP8 weight amax all-reduce")
+    at = 0
+    for u in order:
+        n = len(units[u].views)
+        units[u].set_amax(amax[at:at + n])
+        at += n

@@ -20,6 +20,8 @@ the MLP's; not the head, norms, embedding or MoE experts) are all-gathered as 1-
 (parallel/zero3_fp8.py); `fp8_gather_params` counts them per rank. The engine pads each
 rank's FP8 and bf16 messages to the largest rank's count (a unit's shard boundaries fall
 anywhere in its weights), which this does not count: well under 1% of a unit at real sizes.
+Their scales come from one all_reduce(max) of fp32 amaxes per step, one per weight
+(`fp8_gather_weights`).
 """
 
 from __future__ import annotations
@@ -55,14 +57,30 @@ def apply_fp8_terms(terms: dict[str, float], *, recipe: str, tokens: float, h: i
         terms["mlp_hidden"] += saved_input(recipe, tokens, f) - product
 
 
+def _fp8_gather_on(work, layout) -> bool:
+    return bool(work.fp8_allgather and work.precision == "fp8" and layout.zero == 3)
+
+
+def _dense_layers(mc, layers: int) -> float:
+    return layers - (layers * mc.num_moe_layers / mc.num_layers if mc.num_experts else 0)
+
+
 def fp8_gather_params(work, layout, layers: int) -> float:
     """Elements of this rank's FP8-linear weights that ZeRO-3 gathers in FP8 (dense layers
     of `layers` on this pipeline stage, over tp); 0 unless parallel.fp8_allgather is on."""
     mc = work.model
-    if not (work.fp8_allgather and work.precision == "fp8" and layout.zero == 3):
+    if not _fp8_gather_on(work, layout):
         return 0
     h = mc.hidden_size
     attn = h * mc.q_size * 2 + h * mc.kv_size * 2  # q, o; k, v
     mlp = h * mc.intermediate_size * (3 if mc.mlp == "swiglu" else 2)
-    dense_layers = layers - (layers * mc.num_moe_layers / mc.num_layers if mc.num_experts else 0)
-    return (attn * layers + mlp * dense_layers) / layout.tp
+    return (attn * layers + mlp * _dense_layers(mc, layers)) / layout.tp
+
+
+def fp8_gather_weights(work, layout, layers: int) -> float:
+    """How many weights those are (q, k, v, o per layer and the dense layers' MLP linears):
+    the fp32 amaxes of the one all_reduce(max) per step that sets their scales."""
+    mc = work.model
+    if not _fp8_gather_on(work, layout):
+        return 0
+    return 4 * layers + (3 if mc.mlp == "swiglu" else 2) * _dense_layers(mc, layers)
