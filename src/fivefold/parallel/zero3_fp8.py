@@ -36,10 +36,42 @@ from __future__ import annotations
 
 import torch
 
+from fivefold.lowp.linear import FP8LinearFn, FP8LinearMixin, fp8_linear
 from fivefold.numerics.formats import E4M3
 from fivefold.numerics.fp8 import FP8Tensor
 from fivefold.numerics.scaling import amax_to_scale
 from fivefold.parallel import comm
+
+
+def mark_fp8_gather(model: torch.nn.Module) -> int:
+    """Mark the FP8 linears whose weights ZeRO-3 gathers in FP8 (`fp8_gather`); returns how
+    many. A tensor-parallel linear (parallel/tensor.py) runs FP8 through its pluggable GEMM
+    (lowp's FP8LinearFn), which gets a wrapper passing the gathered weight along."""
+    count = 0
+    for module in model.modules():
+        fn = getattr(module, "linear_fn", None)
+        if isinstance(module, FP8LinearMixin):
+            module.fp8_gather = True
+        elif isinstance(fn, FP8LinearFn):
+            module.linear_fn = _GatheredWeightFn(module, fn.recipe)
+            module.fp8_gather = True
+        else:
+            continue
+        count += 1
+    return count
+
+
+class _GatheredWeightFn:
+    """A tensor-parallel linear's FP8 GEMM that takes its module's gathered FP8 weight."""
+
+    def __init__(self, module: torch.nn.Module, recipe):
+        self.module, self.recipe = module, recipe
+
+    def __call__(self, x, weight, bias=None):
+        return fp8_linear(x, weight, bias, self.recipe, getattr(self.module, "fp8_weight", None))
+
+    def __repr__(self) -> str:
+        return f"FP8LinearFn({self.recipe.name}, FP8-gathered weight)"
 
 
 class FP8UnitGather:
