@@ -120,7 +120,7 @@ def zero3_tensorwise(rank, world, tmp, fp8_allgather, extra=()):
     of weights the GEMMs did themselves; the FP8 linears (count, local weight elements); and
     of the last step the dp all-gather and all-reduce bytes of the ledger and of the
     planner, the amax all-reduces, and the padding of the FP8 gather's messages (each rank's
-    to the longest rank's)."""
+    to the longest rank's); the states FP8 units were in when needed."""
     cfg = small_config(pathlib.Path(tmp), *BASE, "--train.fp8_recipe", "tensorwise",
                        "--parallel.dp", "2", "--parallel.zero", "3",
                        "--parallel.fp8_allgather", str(fp8_allgather).lower(),
@@ -145,6 +145,14 @@ def zero3_tensorwise(rank, world, tmp, fp8_allgather, extra=()):
         fp8_in_unit = sum(slot.numel for _, slot in unit.views)
         padding += (gatherer.group.size * unit.message
                     - (fp8_in_unit + 2 * (unit.seg.size - fp8_in_unit)))
+    states, ensure = set(), gatherer.ensure  # an FP8 unit's state when it is needed
+
+    def watching(u):
+        if u in gatherer.fp8:
+            states.add(gatherer.state[u])
+        ensure(u)
+
+    gatherer.ensure = watching
     dims.ledger.enabled = True
     records = [trainer.train_step() for _ in range(STEPS)]  # the ledger keeps the last step
     totals = dims.ledger.totals()
@@ -159,7 +167,7 @@ def zero3_tensorwise(rank, world, tmp, fp8_allgather, extra=()):
     return {"runs": [(r["loss"], r["grad_norm"]) for r in records], "ledger": ledger,
             "planned": planned, "linears": len(linears), "gathers": gathers,
             "numel": sum(m.weight.numel() for m in linears), "padding": padding * gathers,
-            "quantized": quantized[0], "amax_calls": amax_calls}
+            "quantized": quantized[0], "amax_calls": amax_calls, "fp8_states": states}
 
 
 # A dense first layer, then a MoE layer with a shared expert (FP8, gathered in FP8) and its
@@ -200,6 +208,8 @@ def test_zero3_fp8_allgather_gives_the_same_run_at_half_the_weight_bytes(tmp_pat
         # The scales: one all_reduce(max) per step of every FP8 linear's fp32 amax, beside
         # the gradient norm's one scalar.
         assert (a["amax_calls"], b["amax_calls"]) == (0, 1)
+        # Prefetched: every FP8 unit's gather was in flight before the unit was needed.
+        assert not a["fp8_states"] and b["fp8_states"] == {"gathering"}
         assert b["ledger"]["all_reduce"] - a["ledger"]["all_reduce"] == 4 * a["linears"]
         assert b["planned"]["all_reduce"] == b["ledger"]["all_reduce"]
         assert a["planned"]["all_reduce"] == a["ledger"]["all_reduce"]
