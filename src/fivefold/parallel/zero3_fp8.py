@@ -14,11 +14,11 @@ optimizer step in one all-reduce). Here:
        rank's bytes are exactly the bytes of that cast (bit-equal to quantising the
        gathered bf16 weight). The gatherer refreshes them at the first FP8 gather after the
        weights changed (construction, an optimizer step, a checkpoint load) or a step began;
-    2. a unit's gather (`start`) casts the rank's FP8-weight elements to e4m3 and sends one
-       uint8 message: those codes, then the unit's other elements (norms, padding) as raw
-       bytes of their dtype, padded to the longest rank's message (a unit's shard cuts fall
-       anywhere in its weights, so the ranks' counts differ), asynchronously like a bf16
-       unit's gather: the next unit's FP8 gather overlaps this unit's compute;
+    2. a unit's gather (`start`) casts the rank's pieces of those weights to e4m3 and sends
+       one uint8 message: the unit's other elements (norms, padding) as raw bytes of their
+       dtype, then the codes, padded to the longest rank's message (a unit's shard cuts
+       fall anywhere in its weights, so the ranks' counts differ), asynchronously like a
+       bf16 unit's gather: the next unit's FP8 gather overlaps this unit's compute;
     3. `finish` (when the unit is needed) puts the FP8 bytes in a per-unit byte buffer (freed
        with the unit, like the bf16 one); each weight's module gets `fp8_weight` (data a
        view of that buffer, scale the weight's) that its FP8 GEMMs use instead of
@@ -39,7 +39,7 @@ import torch
 from fivefold.lowp.linear import FP8LinearFn, FP8LinearMixin, fp8_linear
 from fivefold.numerics.formats import E4M3
 from fivefold.numerics.fp8 import FP8Tensor
-from fivefold.numerics.scaling import amax_to_scale
+from fivefold.numerics.scaling import amax_to_scale, tensor_amax
 from fivefold.parallel import comm
 
 
@@ -75,35 +75,41 @@ class _GatheredWeightFn:
 
 
 class FP8UnitGather:
-    """The index maps of one unit (segment) whose FP8-linear weights gather in FP8."""
+    """How one unit (segment) whose FP8-linear weights gather in FP8 packs and unpacks its
+    messages. Rank r owns [r·per, (r+1)·per) of the segment, which cuts it into pieces, each
+    in one parameter: a weight's (it is contiguous, so each rank holds at most one piece of
+    it) or another's. Rank r's message: the bytes of its other pieces (at an offset aligned
+    to their dtype), then the FP8 codes of its weight pieces; all slices, no index maps."""
 
     def __init__(self, layout, seg, weights: list, rank: int, device: torch.device,
                  dtype: torch.dtype):
         self.layout, self.seg, self.rank = layout, seg, rank
         shards, per = layout.shards, seg.size // layout.shards
-        es = torch.empty((), dtype=dtype).element_size()  # bytes of a non-FP8 element
-        owner = torch.full((seg.size,), -1, dtype=torch.long)
-        self.views = []  # (module, slot) per weight
-        for k, (slot, module) in enumerate(weights):
-            lo = slot.start - seg.start
-            owner[lo:lo + slot.numel] = k
-            self.views.append((module, slot))
-        by_rank = owner.view(shards, per)
-        idx8 = [(by_rank[r] >= 0).nonzero().squeeze(1) for r in range(shards)]
-        idx16 = [(by_rank[r] < 0).nonzero().squeeze(1) for r in range(shards)]
-        # Rank r's message: its len(idx8[r]) codes, then es bytes per other element.
-        self.message = max(len(a) + es * len(b) for a, b in zip(idx8, idx16))
-        self.local8, self.local16 = idx8[rank].to(device), idx16[rank].to(device)
-        self.local_weight = by_rank[rank][idx8[rank]].to(device)
-        self.dest8 = torch.cat([r * per + i for r, i in enumerate(idx8)]).to(device)
-        self.src8 = torch.cat([r * self.message + torch.arange(len(i))
-                               for r, i in enumerate(idx8)]).to(device)
-        self.dest16 = torch.cat([r * per + i for r, i in enumerate(idx16)]).to(device)
-        byte = torch.arange(es)  # the es bytes of each other element, in element order
-        self.src16 = torch.cat([(r * self.message + len(a) + es * torch.arange(len(b)))
-                                [:, None] + byte for r, (a, b) in enumerate(zip(idx8, idx16))]
-                               ).reshape(-1).to(device)
-        self.weight_of = owner.to(device)
+        self.first = rank * per  # where this rank's part starts in the segment
+        self.es = es = torch.empty((), dtype=dtype).element_size()  # a non-FP8 element's
+        self.views = [(module, slot) for slot, module in weights]
+        spans = sorted((slot.start - seg.start, slot.start - seg.start + slot.numel, k)
+                       for k, (slot, _) in enumerate(weights))
+        self.pieces = []  # per rank: [(k or -1, lo, hi, byte offset in its message)]
+        longest = 0
+        for r in range(shards):
+            cuts, at = [], r * per
+            for lo, hi, k in spans:
+                lo, hi = max(lo, r * per), min(hi, (r + 1) * per)
+                if lo < hi:
+                    if at < lo:
+                        cuts.append((-1, at, lo))
+                    cuts.append((k, lo, hi))
+                    at = hi
+            if at < (r + 1) * per:
+                cuts.append((-1, at, (r + 1) * per))
+            offset, pieces = 0, []
+            for k, lo, hi in sorted(cuts, key=lambda c: c[0] >= 0):  # others first
+                pieces.append((k, lo, hi, offset))
+                offset += (hi - lo) * (es if k < 0 else 1)
+            self.pieces.append(pieces)
+            longest = max(longest, offset)
+        self.message = -(-longest // es) * es  # ranks' messages start aligned to the dtype
         self.bytes = torch.zeros(seg.size, dtype=torch.uint8, device=device)
         self.mult = torch.ones(len(weights), dtype=torch.float32, device=device)
         self.scales = torch.ones(len(weights), dtype=torch.float32, device=device)
@@ -112,11 +118,12 @@ class FP8UnitGather:
     def local_amax(self, shard: torch.Tensor) -> torch.Tensor:
         """Per weight, the amax of this rank's piece of it (0 where it holds none; NaN if
         the piece holds a NaN, so that the weight's scale is NaN as the cast's would be)."""
-        vals = self.layout.segment_shard(shard, self.seg)[self.local8].float().abs()
+        local, first = self.layout.segment_shard(shard, self.seg), self.first
         amax = torch.zeros(len(self.views), dtype=torch.float32, device=shard.device)
-        amax.scatter_reduce_(0, self.local_weight, vals, "amax")
-        nan = torch.isnan(amax.new_zeros(len(self.views)).index_add_(0, self.local_weight, vals))
-        return amax.masked_fill_(nan, float("nan"))
+        for k, lo, hi, _ in self.pieces[self.rank]:
+            if k >= 0:
+                amax[k] = tensor_amax(local[lo - first:hi - first])
+        return amax
 
     def set_amax(self, amax: torch.Tensor) -> None:
         """The whole weights' amaxes (all-reduced): their multipliers and scales."""
@@ -124,15 +131,18 @@ class FP8UnitGather:
         self.scales.copy_(self.mult.reciprocal())
 
     def start(self, full: torch.Tensor, shard: torch.Tensor, group: comm.Group):
-        """Cast this rank's piece and start the unit's gather: a handle whose wait() also
+        """Cast this rank's pieces and start the unit's gather: a handle whose wait() also
         fills `full` (the unit's buffer, storage allocated) and the FP8 bytes."""
         local = self.layout.segment_shard(shard, self.seg)
-        vals = local[self.local8].float()
-        q = (vals * self.mult[self.local_weight]).clamp(-E4M3.max, E4M3.max).to(E4M3.dtype)
-        rest = local[self.local16].contiguous().view(torch.uint8)
         send = torch.zeros(self.message, dtype=torch.uint8, device=local.device)
-        send[:len(q)] = q.view(torch.uint8)
-        send[len(q):len(q) + len(rest)] = rest
+        first = self.first
+        for k, lo, hi, at in self.pieces[self.rank]:
+            x = local[lo - first:hi - first]
+            if k < 0:
+                send[at:at + (hi - lo) * self.es] = x.view(torch.uint8)
+            else:  # numerics.fp8.quantize's tensorwise cast, with the whole weight's scale
+                q = (x.float() * self.mult[k]).clamp(-E4M3.max, E4M3.max).to(E4M3.dtype)
+                send[at:at + hi - lo] = q.view(torch.uint8)
         out = torch.empty(self.message * group.size, dtype=torch.uint8, device=local.device)
         handle = comm.all_gather(out, send, group, async_op=True)
         return _Pending(self, handle, full, out, send)
@@ -140,11 +150,16 @@ class FP8UnitGather:
     def finish(self, full: torch.Tensor, out: torch.Tensor) -> None:
         self.bytes.untyped_storage().resize_(self.seg.size)
         with torch.no_grad():
-            self.bytes.index_copy_(0, self.dest8, out[self.src8])
-            full.index_copy_(0, self.dest16, out[self.src16].view(full.dtype))
-            fp8 = self.bytes[self.dest8].view(E4M3.dtype).float()
-            full.index_copy_(0, self.dest8, (fp8 * self.scales[self.weight_of[self.dest8]])
-                             .to(full.dtype))
+            for r, pieces in enumerate(self.pieces):
+                msg = out[r * self.message:(r + 1) * self.message]
+                for k, lo, hi, at in pieces:
+                    if k < 0:
+                        full[lo:hi] = msg[at:at + (hi - lo) * self.es].view(full.dtype)
+                    else:
+                        codes = self.bytes[lo:hi]
+                        codes.copy_(msg[at:at + hi - lo])
+                        full[lo:hi] = (codes.view(E4M3.dtype).float() * self.scales[k]
+                                       ).to(full.dtype)
         for k, (module, slot) in enumerate(self.views):
             lo = slot.start - self.seg.start
             data = self.bytes[lo:lo + slot.numel].view(E4M3.dtype).view(slot.shape)
