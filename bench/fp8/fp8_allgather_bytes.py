@@ -126,7 +126,7 @@ def main() -> None:
     for hidden in args.hidden:
         off = _run(args.dp, hidden, args.layers, args.steps, False)
         on = _run(args.dp, hidden, args.layers, args.steps, True)
-        row = {"params": off["params"], "bf16": off, "fp8_allgather": on,
+        row = {"params": off["params"], "bf16_gather": off, "fp8_allgather": on,
                "all_gather_ratio": on["ledger"]["all_gather"] / off["ledger"]["all_gather"],
                "padding_share": on["padding"] / on["ledger"]["all_gather"],
                "losses_bit_equal": on["losses"] == off["losses"]}
