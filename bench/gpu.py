@@ -73,6 +73,7 @@ ITEMS = [("serve_decode_profile", gpu_serve.serve_decode_profile, True),  # firs
          ("hf_peer_compiled", gpu_step.hf_peer_compiled, True),
          ("step_profile", gpu_step.step_profile, True),
          ("trace_vs_measured", gpu_trace.trace_vs_measured, True),
+         ("fp8_cast_bytes", items.fp8_cast_bytes, False),
          ("fp8_gemms", items.fp8_gemms, True),
          ("fp8_block_stack", items.fp8_block_stack, True),
          ("fp8_experts", items.fp8_experts, True),

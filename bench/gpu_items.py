@@ -171,16 +171,38 @@ def _gemm_row(ctx: Context, tokens: int, k: int, n: int) -> dict:
         xi = x.detach().requires_grad_()  # a new input each step: no quantisation reuse
         linear(xi).backward(g)
 
+    from fivefold.lowp import fused
+
     rounds = ctx.shape("rounds")
     row = {"bf16": tokens / median_time(ctx, lambda: step(lambda v: F.linear(v, w)), rounds)}
-    kernels = {}
+    kernels, before = {}, {}
     for name in RECIPES:
         recipe, kernels[name] = fp8_recipe(name, [torch.nn.Linear(k, n, device="meta")],
                                            ctx.device)
-        row[name] = tokens / median_time(
-            ctx, lambda r=recipe: step(lambda v: fp8_linear(v, w, None, r)), rounds)
+        for on in (False, True):  # before: the step-by-step casts; after: the fused ones
+            fused.FUSED_ON_DEVICE = on
+            rate = tokens / median_time(
+                ctx, lambda r=recipe: step(lambda v: fp8_linear(v, w, None, r)), rounds)
+            (row if on else before)[name] = rate
     return {"tokens_per_s": row, "kernels": kernels,
-            "ratio_vs_bf16": {r: row[r] / row["bf16"] for r in RECIPES}}
+            "ratio_vs_bf16": {r: row[r] / row["bf16"] for r in RECIPES},
+            "step_by_step_ratio_vs_bf16": {r: before[r] / row["bf16"] for r in RECIPES}}
+
+
+def fp8_cast_bytes(ctx: Context) -> dict:
+    """bench/fp8/fp8_cast_check.py: each fused FP8 cast on the GPU, bf16 in, byte-equal to
+    numerics.fp8.quantize on the CPU."""
+    from fivefold.numerics.fp8_cast import triton_usable
+
+    if ctx.device.type != "cuda" or not triton_usable(ctx.device):
+        raise NotRun("the fused FP8 casts run on CUDA with Triton (tests/test_fp8_cast.py "
+                     "checks them in Triton's interpreter)")
+    sys.path.insert(0, str(ROOT / "bench" / "fp8"))
+    import fp8_cast_check
+
+    result = fp8_cast_check.check(ctx.device, ctx.shape("gemm_tokens"),
+                                  ctx.shape("gemm_shapes")[0][0])
+    return {"equal": result, "passed": all(all(v) for v in result.values())}
 
 
 def _block_stack(ctx: Context, variant: str):

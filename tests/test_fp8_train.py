@@ -36,6 +36,10 @@ def test_bad_fp8_inputs_give_one_line_exit_2_and_write_nothing(tmp_path, capsys)
                             "train.fp8_grad_format"),
         "keep-out matching nothing": (["--train.precision", "fp8", "--train.fp8_keep_out",
                                        "layers.7"], "'layers.7' matches no linear"),
+        "compiled blockwise on a CPU": (["--train.precision", "fp8", "--train.fp8_recipe",
+                                         "blockwise", "--train.compile", "true",
+                                         "--train.device", "cpu"],
+                                        "inductor cannot compile the blockwise FP8 linear"),
     }
     for name, (args, expected) in cases.items():
         code = main(["train", *SMALL, *out, *args])

@@ -109,9 +109,13 @@ def test_lowbit_adamw_is_torchaos_bit_for_bit(name, monkeypatch):
     assert len(quantised) == 2  # the two big matrices; norm and c keep fp32 states
 
 
+# torch's Adafactor takes the relative step only (fivefold's default is the absolute one)
+RELATIVE = OptimSection(adafactor_relative_step=True)
+
+
 def test_adafactor_is_torchs_bit_for_bit():
     weights, grads = _setup(1)
-    ours, _ = _ours("adafactor", weights, grads)
+    ours, _ = _ours("adafactor", weights, grads, oc=RELATIVE)
     theirs_w = {n: w.clone() for n, w in weights.items()}
     oracle = torch.optim.Adafactor(list(theirs_w.values()), lr=1e-2, weight_decay=0.1)
     for a, b in zip(ours, _theirs(oracle, theirs_w, grads)):
@@ -126,7 +130,7 @@ def test_stacked_experts_adafactor_is_torchs_on_each_expert_bit_for_bit():
     weights = torch.randn(4, 16, 24, generator=g)
     scales = torch.tensor([1.0, 10.0, 0.1, 3.0]).view(-1, 1, 1)
     grads = [{"experts.w": torch.randn(4, 16, 24, generator=g) * scales} for _ in range(STEPS)]
-    (ours,), _ = _ours("adafactor", {"experts.w": weights}, grads)
+    (ours,), _ = _ours("adafactor", {"experts.w": weights}, grads, oc=RELATIVE)
     theirs = {f"e{j}": weights[j].clone() for j in range(4)}
     oracle = torch.optim.Adafactor(list(theirs.values()), lr=1e-2, weight_decay=0.1)
     per_expert = [{f"e{j}": step["experts.w"][j] for j in range(4)} for step in grads]
@@ -153,12 +157,27 @@ def test_muon_is_torchs_muon_plus_adamw_bit_for_bit():
     assert opt.adamw is not None and len(opt.masters) == 3
 
 
+def test_muon_without_nesterov_leaves_its_momentum_alone():
+    """Without Nesterov the update is the momentum itself; Newton-Schulz in fp32 once
+    normalised it in place (to norm 1), so one device and a gathering layout differed."""
+    weights, grads = _setup(4)
+    oc = OptimSection(muon_nesterov=False, muon_ns_dtype="fp32", muon_exclude="norm")
+    _, opt = _ours("muon", weights, grads[:1], oc=oc)
+    for m, name in zip(opt.masters, [n for n in weights if "norm" not in n]):
+        momentum = opt.state[m]["momentum"].view(grads[0][name].shape)
+        assert torch.equal(momentum, torch.zeros_like(momentum).lerp_(grads[0][name], 0.05))
+
+
 # --- bad input: one line, exit 2 ------------------------------------------------------------
 @pytest.mark.parametrize("overrides, words", [
     (["--train.optimizer", "adam8bit"], "train.optimizer = 'adam8bit' is not one of"),
     (["--optim.muon_momentum", "0.9"], "optim.muon_momentum is a key of muon"),
     (["--train.optimizer", "muon", "--optim.adafactor_clip", "2"], "is a key of adafactor"),
     (["--train.optimizer", "adafactor", "--train.beta2", "0.99"], "train.beta2 does not apply"),
+    (["--train.optimizer", "muon", "--optim.muon_ns_coefficients", "1,2,nan"],
+     "must be three finite numbers"),
+    (["--train.optimizer", "muon", "--optim.muon_ns_coefficients", "-inf,2,3"],
+     "must be three finite numbers"),
     (["--train.optimizer", "adamw8bit", "--parallel.offload", "nvme", "--parallel.zero", "1",
       "--parallel.offload_dir", "runs/offload"],
      "offload = cpu"),

@@ -198,9 +198,19 @@ def test_search_prefers_the_validated_range_when_close(monkeypatch):
     (["--hw", "inter_latency_us=-1"], "inter_latency_us=-1 must be"),
     (["--hw", "straggler_sigma=-0.1"], "straggler_sigma=-0.1 must be"),
     (["--hw", "leaf_nodes=2.5"], "leaf_nodes='2.5' is not a number"),
+    (["--hw", "memory_gib=-1"], "memory_gib=-1 must be"),
+    (["--hw", "inter_node_gbps=0"], "inter_node_gbps=0 must be"),
+    (["--hw", "base_latency_us=-0.5"], "base_latency_us=-0.5 must be"),
+    (["--hw", "intra_latency_us=nan"], "intra_latency_us=nan must be"),
+    # the budget left to plan into would be negative: 80 - 1.5 - 90, 1 - 1.5, and 5 - 1.5
+    # less the nanotron convention's own fitted headroom (4.5 GiB)
+    (["--hw", "memory_headroom_gib=90"], "leaves -11.5 GiB to plan"),
+    (["--hw", "memory_gib=1"], "leaves -0.5 GiB to plan"),
+    (["--convention", "nanotron", "--hw", "memory_gib=5"], "leaves -1 GiB to plan"),
 ])
 def test_bad_convention_or_negative_term_is_one_line_exit_2(args, says, capsys):
     code = main(["--model", "llama-3.2-1b", "--gpus", "8", *args])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2
+    out, err = capsys.readouterr()
+    err = err.strip().splitlines()
+    assert code == 2 and out == ""  # refused before anything is planned or printed
     assert len(err) == 1 and says in err[0], err

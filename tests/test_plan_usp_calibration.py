@@ -224,3 +224,81 @@ def test_the_conventions_time_factors_are_the_files_fit():
         assert conv[k] == pytest.approx(results["fitted"]["all"][k]), k
     halves = {results["fitted"][g]["pp_blocking_latency_us"] for g in ("16", "128")}
     assert halves == {conv["pp_blocking_latency_us"]}
+
+
+def test_memory_breakdown_groups_made_up_runs():
+    """bench/plan/usp_memory.py: two ok runs at tp 1 (errors +5% and -20%) and one at tp 2
+    (+5%), one a single micro-batch per step; the verdict misses are the crashed run planned
+    as fitting and the ok run the planner refuses, which counts in no memory group."""
+    import usp_memory
+
+    rows = [_run("m", 16, "ok", "10", "1", grad_acc=4),
+            _run("m", 16, "ok", "10", "1", grad_acc=1, mbs=4),
+            _run("m", 16, "ok", "20", "1", tp=2, grad_acc=4),
+            _run("m", 16, "crashed_or_oom", tp=4, grad_acc=4),
+            _run("m", 16, "ok", "5", "1", pp=2, grad_acc=4)]
+    preds = [{"plannable": True, "fits": True, "rank0_reserved_gib": 10.5},
+             {"plannable": True, "fits": True, "rank0_reserved_gib": 8.0},
+             {"plannable": True, "fits": True, "rank0_reserved_gib": 21.0},
+             {"plannable": True, "fits": True, "rank0_reserved_gib": 1.0,
+              "most_loaded_total_gib": 2.0},
+             {"plannable": False, "fits": False, "why": "no block"}]
+    table = usp_memory.breakdown(rows, preds)
+    assert table["tp"]["1"]["runs"] == 2 and table["tp"]["2"]["runs"] == 1
+    assert table["tp"]["1"]["median_abs_error"] == pytest.approx(0.125)
+    assert table["tp"]["1"]["median_signed_error"] == pytest.approx(-0.075)
+    assert table["tp"]["1"]["within_10pct"] == 0.5
+    assert table["microbatches"]["1"]["median_signed_error"] == pytest.approx(-0.2)
+    assert table["microbatches"][">1"]["runs"] == 2
+    assert "2" not in table["pp"]  # the refused run is not scored for memory
+    misses = usp_memory.verdict_misses(rows, preds)
+    assert [m["status"] for m in misses] == ["crashed_or_oom", "ok"]
+    assert misses[0]["planned_most_loaded_gib"] == 2.0 and misses[1]["refused"] == "no block"
+
+
+def test_released_cache_by_hand():
+    """allocator.released_cache: nothing below the limit; above it, the excess, but never
+    more than the cache itself (what is left is tensors: the run does not fit)."""
+    from fivefold.plan.allocator import released_cache
+
+    assert released_cache(70.0, 20.0, 75.0) == 0.0
+    assert released_cache(90.0, 20.0, 75.0) == 15.0
+    assert released_cache(100.0, 20.0, 75.0) == 20.0
+
+
+def test_head_reserve_is_given_back_at_the_limit():
+    """8B dp8 tp16 pp1 ZeRO-1, one micro-batch of 32 sequences on 128 H100s, a run of the
+    file (60.0 GiB logged; its ZeRO-0 twin crashed). The head's fitted reserve, 82 bytes per
+    token and hidden unit, is 82 · 32 · 4096 · 4096 B = 41 GiB of cache, which takes the plan
+    over the usable 79.6 - 4.5 GiB; the allocator gives back what passes the limit, so the
+    run fits, at exactly the limit, and the tensors stay as planned. ZeRO-0 adds the
+    unsharded optimizer states, tensors, not cache: it does not fit."""
+    from fivefold.plan.hardware import GIB, get_hardware, usable_memory
+    from fivefold.plan.memory import memory_items
+
+    row = {"model": "8B", "n_gpus": "128", "status": "ok", "gpu_memory_GB": "52.9",
+           "tokens_per_s_per_gpu": "1", "layers": "32", "hidden": "4096", "heads": "32",
+           "kv_heads": "32", "ffn": "14336", "vocab": "131072", "seq": "4096",
+           "tied_embeddings": "False", "dp": "8", "tp": "16", "pp": "1", "mbs": "32",
+           "grad_acc": "1", "gbs_samples": "256", "zero": "1"}
+    work, layout = usp.workload_layout(row)
+    hw, assume = get_hardware("h100-sxm", usp.HW)
+    assume = get_convention("nanotron").apply_assumptions(assume)
+    limit = usable_memory(hw, assume)
+    assert limit == pytest.approx((79.6 - 4.5) * GIB)
+    free, _ = memory_items(work, layout, assume, 0)
+    capped, _ = memory_items(work, layout, assume, 0, limit=limit)
+    cache = 82.0 * 32 * 4096 * 4096
+    assert sum(free.values()) - cache < limit < sum(free.values())
+    assert sum(capped.values()) == pytest.approx(limit, rel=1e-12)
+    assert {k: v for k, v in capped.items() if k != "overhead"} == {
+        k: v for k, v in free.items() if k != "overhead"}
+    assert usp.predict(row, hw_overrides=usp.HW)["fits"]
+    assert not usp.predict({**row, "zero": "0"}, hw_overrides=usp.HW)["fits"]
+    # under a limit below its tensors it does not fit either: only cache is given back
+    low = dict(usp.HW, memory_gib=40.0, memory_headroom_gib=0.0)
+    assert not usp.predict(row, hw_overrides=low)["fits"]
+    # the engine's own convention has no such reserve: a limit changes nothing
+    _, plain = get_hardware("h100-sxm", usp.HW)
+    assert memory_items(work, layout, plain, 0, limit=10 * GIB)[0] == memory_items(
+        work, layout, plain, 0)[0]

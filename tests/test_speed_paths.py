@@ -75,7 +75,7 @@ def test_compiled_blocks_match_eager(tmp_path):
     # Forward 5: norm, RoPE on q and k, residual add + second norm, SiLU·up, residual add.
     # Backward 7: SiLU·up's, second norm's two reductions (input, weight) with the residual's
     # gradient, RoPE's, the attention backward's input layout, first norm's two reductions.
-    # Eager, the same layer is 105 kernels on the GPU's paths (tests/test_trace.py).
+    # Eager, the same layer is 41 kernels on the GPU's paths (tests/test_trace.py).
     blocks_run = 2 * 4  # small_config: 2 blocks, 4 micro-batches of 1 sequence
     fused = sum(n for name, n in launched["true"].items() if "cpp_fused_" in name)
     assert 0 < fused <= 12 * blocks_run, (fused, launched["true"])

@@ -36,7 +36,7 @@ from pathlib import Path
 from fivefold.models.presets import ModelConfig
 from fivefold.plan.conventions import get_convention
 from fivefold.plan.evaluate import plan_layout
-from fivefold.plan.hardware import GIB, get_hardware
+from fivefold.plan.hardware import GIB, get_hardware, usable_memory
 from fivefold.plan.layout import Layout, Workload, check_layout
 from fivefold.plan.memory import memory_items
 
@@ -82,7 +82,7 @@ def predict(row: dict, convention: str = "nanotron", hw_overrides: dict | None =
     if problems:
         return {"plannable": False, "why": problems[0], "fits": False}
     plan = plan_layout(work, layout, hw, assume)
-    items, _ = memory_items(work, layout, assume, 0)
+    items, _ = memory_items(work, layout, assume, 0, limit=usable_memory(hw, assume))
     return {"plannable": True, "fits": plan.fits,
             "rank0_reserved_gib": (sum(items.values()) - plan.context_bytes) / GIB,
             "most_loaded_total_gib": plan.memory_total / GIB,

@@ -88,8 +88,10 @@ def section(now: dict | None = None, before: dict | None = None,
         "`--convention nanotron`. Memory: rank 0's planned peak reserved GiB against what "
         "nanotron logged (world rank 0's `torch.cuda.max_memory_reserved`, the first "
         "stage). Fits: the planner's verdict on its most loaded rank (reserved + CUDA "
-        "context + the fitted headroom within the H100's 79.6 GiB; a layout the planner "
-        "refuses counts as not fitting) against ok / crashed_or_oom. Pick: per "
+        "context + the fitted headroom within the H100's 79.6 GiB, the head's fitted "
+        "reserve given back where it passes that limit, as the caching allocator frees "
+        "its cache before it fails; a layout the planner refuses counts as not fitting) "
+        "against ok / crashed_or_oom. Pick: per "
         "(model, GPU count), the layout it predicts fastest among those it says fit is "
         "within 10% of the measured fastest (in brackets: choosing among the runs that "
         "ran). *Before (4030e22)*: the planner before the nanotron convention was "
@@ -237,9 +239,16 @@ def section(now: dict | None = None, before: dict | None = None,
         "where rank 0 logged 64.8). Nothing in the physics planned here slows that "
         "ZeRO-0 run fivefold; the pick now avoids it because the rails make dp 16 ZeRO-1 "
         "(one group over both nodes) faster than a pipeline, and the 8B layout where the "
-        "headroom says it does not fit: with the whole file's 4.5 GiB, and the 16-GPU "
-        "half's 6, but not with the 128-GPU half's 1 GiB, so the pick fitted on 128 GPUs "
-        "still misses 8B on 16 (2 of 3 groups).",
+        f"headroom says it does not fit: with the whole file's "
+        f"{f['all']['memory_headroom_gib']:g} GiB, the 16-GPU half's "
+        f"{f['16']['memory_headroom_gib']:g} and the 128-GPU half's "
+        f"{f['128']['memory_headroom_gib']:g} (1 GiB before the head's reserve was given "
+        "back at the limit: the 128-GPU half's large micro-batches then needed a small "
+        "headroom to be called fitting), so the pick fitted on 128 GPUs "
+        + ("hits" if now["held_out"]["fit_128_judge_16"]["picks"]["8B/16"]["fits"]["hit"]
+           else "misses")
+        + f" 8B on 16 ({now['held_out']['fit_128_judge_16']['pick_within_10pct']} of 3 "
+        "groups).",
         "- 80B on 128 GPUs: the planner's fastest fitting layout (dp 4 tp 4 pp 8 mbs 1 "
         "ZeRO-1) crashed with its most loaded rank planned near 70 GiB; its neighbours "
         "that ran (dp 2 tp 8 pp 8, 228 tokens/s; dp 4 tp 8 pp 4, 250) are slow in the "

@@ -47,7 +47,7 @@ def fit(rows: list[dict], convention: str = "nanotron") -> dict:
     grids' first values.
     Headroom: with those, the GiB the most loaded rank must leave free that makes the
     fits-or-not verdict right on the most of `rows` (ok and crashed), on HEADROOM_GRID
-    (the smallest of equals)."""
+    (the smallest of equals), each planned anew."""
     zero = {k: 0.0 for k in FITTED}
     ok = [r for r in rows if r["status"] == "ok"]
     columns, target = [], []
@@ -79,11 +79,12 @@ def fit(rows: list[dict], convention: str = "nanotron") -> dict:
         if not moved:
             break
     factors = {**memory, **time}
-    preds = run(rows, convention, {**HW, **zero, **factors})
-    free = [(HW["memory_gib"] - p["most_loaded_total_gib"] if p["plannable"] else None,
-             r["status"] == "ok") for r, p in zip(rows, preds)]
-    right = {h: sum((f is not None and f >= h) == ok for f, ok in free)
-             for h in HEADROOM_GRID}
+    # Planned anew at each headroom: the cache a rank gives back near its limit
+    # (allocator.released_cache) depends on where the limit lies.
+    right = {}
+    for h in HEADROOM_GRID:
+        preds = run(rows, convention, {**HW, **zero, **factors, "memory_headroom_gib": h})
+        right[h] = sum(p["fits"] == (r["status"] == "ok") for r, p in zip(rows, preds))
     top = max(right.values())
     return {**factors, "memory_headroom_gib": min(h for h, n in right.items() if n == top)}
 

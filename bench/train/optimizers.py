@@ -34,14 +34,17 @@ OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adafactor", "muon", "adafactor
 GOALS = {"adamw8bit": 0.005, "adamw4bit": 0.01, "adafactor": 0.03, "muon": 0.0}
 # Adafactor's relative step (the paper's and torch's) scales each step by the weight's RMS,
 # 0.02 at initialisation here: 1/50 of AdamW's step at the same train.lr. The compared
-# `adafactor` run takes absolute steps of train.lr (optim.adafactor_relative_step = false);
-# `adafactor-relative` is the relative step at the same lr, for the record; `adafactor-paper`
-# the relative step with the hyperparameters Shazeer & Stern 2018 propose (arXiv 1804.04235: rho_t =
-# min(1e-2, 1/sqrt(t)), no other schedule): train.lr 1e-2, constant, no warmup.
-VARIANTS = {"adafactor": ("adafactor", ["--optim.adafactor_relative_step", "false"]),
-            "adafactor-relative": ("adafactor", []),
-            "adafactor-paper": ("adafactor", ["--train.lr", "1e-2", "--train.lr_schedule",
-                                              "constant", "--train.warmup_steps", "0"])}
+# `adafactor` run is the default: absolute steps of train.lr (optim.adafactor_relative_step =
+# false); `adafactor-relative` is the relative step at the same lr, for the record;
+# `adafactor-paper` the relative step with the hyperparameters Shazeer & Stern 2018 propose
+# (arXiv 1804.04235: rho_t = min(1e-2, 1/sqrt(t)), no other schedule): train.lr 1e-2,
+# constant, no warmup.
+RELATIVE = ["--optim.adafactor_relative_step", "true"]
+VARIANTS = {"adafactor": ("adafactor", []),
+            "adafactor-relative": ("adafactor", RELATIVE),
+            "adafactor-paper": ("adafactor", [*RELATIVE, "--train.lr", "1e-2",
+                                              "--train.lr_schedule", "constant",
+                                              "--train.warmup_steps", "0"])}
 
 
 def git_revision() -> str:

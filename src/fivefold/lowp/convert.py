@@ -32,6 +32,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from fivefold.config.train import resolve_compile
 from fivefold.errors import ConfigError
 from fivefold.lowp.experts import FP8ExpertsMixin, FP8GroupedExperts
 from fivefold.lowp.linear import FP8Linear, FP8LinearFn, FP8LinearMixin, FP8Recipe
@@ -101,6 +102,8 @@ def apply_fp8(model: nn.Module, train_cfg, device: torch.device) -> tuple[list[s
     prints it on rank 0 unless quiet)."""
     recipe = FP8Recipe.from_name(train_cfg.fp8_recipe, train_cfg.fp8_grad_format)
     check_fp8_device(recipe, device)
+    check_fp8_compile(recipe, resolve_compile(getattr(train_cfg, "compile", False),
+                                              device.type), device)
     converted = convert_to_fp8(model, recipe, parse_keep_out(train_cfg.fp8_keep_out))
     modules = dict(model.named_modules())
     kernel, line = choose_kernel(getattr(train_cfg, "fp8_kernel", "auto"), recipe,
@@ -162,3 +165,15 @@ def check_fp8_device(recipe: FP8Recipe, device: torch.device) -> None:
         raise ConfigError(f"train.fp8_recipe = '{recipe.name}' on {name} (compute capability "
                           f"{major}.{minor}): FP8 GEMMs need 8.9 or newer; use "
                           f"train.precision = 'bf16' or fp8_recipe = 'blockwise'")
+
+
+def check_fp8_compile(recipe: FP8Recipe, compiled: bool, device: torch.device) -> None:
+    """train.compile with FP8: tensorwise and rowwise compile on any device (their GEMMs are
+    custom ops, numerics/fp8_ops.py); blockwise compiles on CUDA, but on a CPU inductor's
+    C++ code generation fails on its 128-wide slices (torch 2.13: AssertionError in
+    cpp.py `try_loop_split`), so that is refused before the first step."""
+    if compiled and recipe.name == "blockwise" and device.type == "cpu":
+        raise ConfigError("train.compile = true with train.fp8_recipe = 'blockwise' on a CPU: "
+                          "inductor cannot compile the blockwise FP8 linear there; use "
+                          "train.compile = false (or auto), or fp8_recipe = 'tensorwise' or "
+                          "'rowwise'")

@@ -36,10 +36,14 @@ beside the planner's count in plan/fp8.py, to save one amax pass over the weight
 Passes over the operands (lowp/quantize.py quantises in three: amax, scale, cast, each byte
 equal to numerics.fp8.quantize's): tensorwise casts ∂y once, and its wgrad operand ∂yᵀ is
 that FP8 tensor transposed (one scale for both, as for x); the blockwise re-quantisation
-dequantises without a full-size scale tensor.
+dequantises without a full-size scale tensor. That is the CPU's path; on a GPU (and in a
+trace of one) each operand is cast by one or two fused kernels instead, which also write
+the transposed copy the backward needs (lowp/fused.py, numerics/fp8_cast.py), byte for byte
+the same FP8 tensors.
 
 Kernels: tensorwise and rowwise call `torch._scaled_mm` (cuBLASLt on CUDA, torch's CPU
-kernel on CPU). Blockwise takes `FP8Recipe.kernel`: "scaled_mm" (cuBLASLt's blockwise mode,
+kernel on CPU) through a custom op that torch.compile keeps as it is (numerics/fp8_ops.py).
+Blockwise takes `FP8Recipe.kernel`: "scaled_mm" (cuBLASLt's blockwise mode,
 numerics/fp8_kernel.py: CUDA, compute capability 9.x, weights in whole 128-blocks) or
 "emulated" (128-wide K slices in fp32, any device; the reference). lowp/convert.py picks it.
 """
@@ -52,6 +56,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fivefold.lowp import fused
 from fivefold.lowp.quantize import dequantize, quantize
 from fivefold.numerics.formats import E4M3, FP8_BLOCK, FP8_FORMATS, FloatFormat
 from fivefold.numerics.fp8 import FP8Tensor, fp8_mm
@@ -107,13 +112,17 @@ class FP8LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, recipe: FP8Recipe, wq: FP8Tensor | None = None):
         # wq: the weight already quantised (ZeRO-3's FP8 all-gather, tensorwise)
         xq, saved = _quantized_input(x, recipe)
-        y = fp8_mm(xq, recipe.quantize_weight(weight) if wq is None else wq,
-                   out_dtype=x.dtype, kernel=recipe.kernel)
+        if wq is None:
+            wq = fused.weight(weight, recipe) if fused.fused(weight) else (
+                recipe.quantize_weight(weight))
+            ctx.wq = None
+        else:
+            ctx.wq = wq  # its data is a view of ZeRO-3's gathered bytes, gathered again
+        y = fp8_mm(xq, wq, out_dtype=x.dtype, kernel=recipe.kernel)
         if bias is not None:
             y = y + bias
         ctx.save_for_backward(saved.data, saved.scale, weight)
         ctx.recipe, ctx.has_bias, ctx.x_shape = recipe, bias is not None, x.shape
-        ctx.wq = wq  # its data is a view of ZeRO-3's gathered bytes, gathered again for backward
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -122,6 +131,8 @@ class FP8LinearFunction(torch.autograd.Function):
         recipe: FP8Recipe = ctx.recipe
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
+        if fused.fused(g2):
+            return _fused_backward(ctx, g2, x_data, x_scale, weight, grad)
         gq = None
         if ctx.needs_input_grad[0]:
             gq = recipe.quantize_act(g2, recipe.grad_format)
@@ -140,6 +151,24 @@ class FP8LinearFunction(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(grad.dtype)
         return grad_x, grad_w, grad_b, None, None
+
+
+def _fused_backward(ctx, g2, x_data, x_scale, weight, grad):
+    """The backward on the fused casts: ∂y and ∂yᵀ in one or two kernels, the saved xᵀ as
+    it is, Wᵀ quantised in one or two (lowp/fused.py)."""
+    recipe: FP8Recipe = ctx.recipe
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    gq, gt = fused.grad_pair(g2, recipe, need_x, need_w)
+    grad_x = grad_w = grad_b = None
+    if need_x:
+        wt = fused.weight(weight, recipe, transposed=True) if ctx.wq is None else ctx.wq.t()
+        grad_x = fp8_mm(gq, wt, out_dtype=grad.dtype, kernel=recipe.kernel).view(ctx.x_shape)
+    if need_w:
+        xt = FP8Tensor(x_data, x_scale, recipe.act_granularity, E4M3, recipe.block)
+        grad_w = fp8_mm(gt, xt, out_dtype=weight.dtype, kernel=recipe.kernel)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_b = g2.sum(0).to(grad.dtype)
+    return grad_x, grad_w, grad_b, None, None
 
 
 def _wgrad_input(saved: FP8Tensor, recipe: FP8Recipe) -> FP8Tensor:
@@ -173,8 +202,11 @@ def _quantized_input(x: torch.Tensor, recipe: FP8Recipe) -> tuple[FP8Tensor, FP8
         if ref() is x and version == x._version and last_recipe == recipe:
             return pair
     x2 = x.reshape(-1, x.shape[-1])
-    xq = recipe.quantize_act(x2)
-    saved = recipe.quantize_act(x2.t()) if recipe.name == "rowwise" else xq
+    if fused.fused(x2):  # saved: the weight gradient's operand as it is (lowp/fused.py)
+        xq, saved = fused.input_pair(x2, recipe)
+    else:
+        xq = recipe.quantize_act(x2)
+        saved = recipe.quantize_act(x2.t()) if recipe.name == "rowwise" else xq
     _LAST[0] = (weakref.ref(x, _forget), x._version, recipe, (xq, saved))
     return xq, saved
 

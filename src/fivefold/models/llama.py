@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fivefold.models import block_kernels
+from fivefold.models.block_kernels import rotate_half
 from fivefold.models.loss import chunked_linear_cross_entropy, cross_entropy_sum
 from fivefold.models.mlp import MLP
 from fivefold.models.moe import MoE
@@ -38,6 +40,10 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
+        if block_kernels.fused_path(x):  # a GPU, eager: one kernel (models/block_kernels.py)
+            y, rstd = block_kernels.rms_norm_forward(x.contiguous(), weight, eps)
+            ctx.save_for_backward(x, weight, rstd)
+            return y
         x32 = x.float()
         rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
@@ -46,6 +52,10 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
+        if block_kernels.fused_path(x):
+            grad_x, grad_weight = block_kernels.rms_norm_backward(grad, x.contiguous(), weight,
+                                                                rstd)
+            return grad_x, grad_weight, None
         xhat = x.float() * rstd
         grad32 = grad.float()
         grad_weight = (grad32 * xhat.to(x.dtype).float()).flatten(0, -2).sum(0)
@@ -113,11 +123,6 @@ class Rotary(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rotate_half(x) * sin
 
@@ -176,9 +181,13 @@ class Attention(nn.Module):
         q, k = q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim)
         if self.qk_norm and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if block_kernels.rope_fused_path(q, cos):  # a GPU, eager: q and k in one kernel
+            q, k = block_kernels.RopeFunction.apply(q, k, cos, sin)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        else:
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None and hasattr(cache, "attend"):
             # A paged cache (serve/kv_cache.py) holds a batch of sequences flattened into one
             # row: it stores k, v in their blocks and attends each sequence to its own.

@@ -11,7 +11,8 @@ DeepSeek-V3), one per scaling group (numerics/scaling.py):
 reduction dimension), in float32 accumulation:
 
   - tensorwise and rowwise go to `torch._scaled_mm` (cuBLASLt on CUDA, an emulation on
-    CPU), which applies a's and b's scales to the fp32 accumulator;
+    CPU), which applies a's and b's scales to the fp32 accumulator, through the custom op
+    `fivefold::fp8_scaled_mm` (fp8_ops.py: torch.compile keeps its operands' layout);
   - tiles x tiles and tiles x blocks (DeepSeek-V3's fine-grained scaling, arXiv 2412.19437
     §3.3.2) take `kernel`: "scaled_mm" runs cuBLASLt's blockwise FP8 GEMM (fp8_kernel.py;
     CUDA, compute capability 9.x); "emulated", the reference and the CPU path, runs them
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from fivefold.numerics.formats import E4M3, FP8_BLOCK, FloatFormat
-from fivefold.numerics.fp8_kernel import blockwise_scaled_mm
+from fivefold.numerics.fp8_ops import blockwise_scaled_mm, fp8_scaled_mm
 from fivefold.numerics.scaling import (
     amax_to_scale,
     block_amax,
@@ -120,17 +121,7 @@ def fp8_mm(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype = torch.float32,
     kinds = (a.granularity, b.granularity)
     if kinds in (("tensorwise", "tensorwise"), ("rowwise", "rowwise")):
         scale_b = b.scale if b.granularity == "tensorwise" else b.scale.reshape(1, -1)
-        try:
-            return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=scale_b,
-                                    out_dtype=out_dtype)
-        except (RuntimeError, NotImplementedError):
-            if a.data.device.type != "cpu":
-                raise
-            # A torch build without a CPU _scaled_mm (2.13 has one): the same product,
-            # exact FP8 values multiplied in fp32 and scaled after (equal up to fp32
-            # summation order; this path is not exercised by the tests here).
-            out = (a.data.float() @ b.data.float().t()) * (a.scale * scale_b)
-            return out.to(out_dtype)
+        return fp8_scaled_mm(a.data, b.data, a.scale, scale_b, out_dtype)
     if a.granularity in ("tiles", "blocks") and b.granularity in ("tiles", "blocks"):
         if kernel == "scaled_mm":
             return blockwise_scaled_mm(a, b, out_dtype)

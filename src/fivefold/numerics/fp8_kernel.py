@@ -36,13 +36,10 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from fivefold.numerics.fp8 import FP8Tensor
 
 BLOCK = 128
 RECIPE_IDS = {"BlockWise1x128": 4, "BlockWise128x128": 5}  # torch's ScalingType values
@@ -73,6 +70,20 @@ def kernel_support(device: torch.device) -> tuple[bool, str]:
                        f"{major}.{minor}; cuBLASLt's blockwise FP8 GEMM needs 9.x")
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _probe(torch.device("cuda", index))
+
+
+class ScaledOperand(Protocol):
+    """What the kernel reads of an FP8 operand: numerics/fp8.py's FP8Tensor has these fields
+    (named here rather than imported, so that fp8.py, which calls this module, is the only
+    one of the two to import the other)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    granularity: str
+    block: int
+
+    @property
+    def shape(self) -> tuple[int, int]: ...
 
 
 @dataclass
@@ -140,7 +151,7 @@ def _m_major(scale: torch.Tensor) -> torch.Tensor:
     return scale.t().contiguous().t()
 
 
-def kernel_operands(a: FP8Tensor, b: FP8Tensor) -> dict:
+def kernel_operands(a: ScaledOperand, b: ScaledOperand) -> dict:
     """The exact arguments of the scaled-matmul call for a · bᵀ (a: tiles, b: tiles or
     blocks, both along K), and `rows`, the rows of the result to keep."""
     if a.granularity != "tiles" or b.granularity not in _KIND:
@@ -177,14 +188,6 @@ def call_scaled_mm(ops: dict, out_dtype: torch.dtype = torch.bfloat16) -> torch.
                                    [RECIPE_IDS[ops["kind_a"]]], [], [ops["scale_b"]],
                                    [RECIPE_IDS[ops["kind_b"]]], [], None, out_dtype, [], False)
     raise RuntimeError(f"torch {torch.__version__} has no blockwise scaled matmul")
-
-
-def blockwise_scaled_mm(a: FP8Tensor, b: FP8Tensor,
-                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """a · bᵀ on cuBLASLt (bf16 out, cast to `out_dtype`): the kernel path of fp8_mm."""
-    ops = kernel_operands(a, b)
-    out = call_scaled_mm(ops, torch.bfloat16)  # bf16 out, as torchao asks for it
-    return out[: ops["rows"]].to(out_dtype)
 
 
 def reference_scaled_mm(ops: dict) -> torch.Tensor:

@@ -14,8 +14,9 @@ Shazeer & Stern 2018, "Adafactor: Adaptive Learning Rates with Sublinear Memory 
 
 R and C hold rows + columns values per matrix instead of rows × columns. They need the whole
 matrix's gradient, and α and the clipping need the whole weight's and update's RMS, so the
-gradient and the weight of every piece are gathered into their logical tensors
-(`Assembler.full`, two all-gathers per step under ZeRO or TP); each rank keeps R, C (and V)
+weight (relative step only) and then the gradient of every piece are gathered into their
+logical tensors, one tensor at a time (`Assembler.each`: under ZeRO or TP a rank holds one
+gathered tensor at a time, never a copy of the model); each rank keeps R, C (and V)
 for the whole logical tensors it holds a piece of, identical on every such rank, and
 updates its own piece: bit-identical to one device. The states are small for matrices; an
 unfactored V is a whole copy per holding rank (ZeRO does not shard it).
@@ -66,53 +67,62 @@ class Adafactor(PieceOptimizer):
         self.steps += 1
         t, oc = float(self.steps), self.oc
         infos = self.assembler_infos()
-        grads, weights = {}, {}
-        for m in self.masters:
-            info = self.info_of[id(m)]
-            grads[info.index] = functools.partial(self._flat_grad, m)  # made when gathered
-            weights[info.index] = m.view(-1)
-        grads = self.assembler.full(grads, infos)  # collectives on every rank
-        weights = self.assembler.full(weights, infos)
-        beta = t ** oc.adafactor_beta2_decay  # 1 − β̂2
-        for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            for m in group["params"]:
-                info = self.info_of[id(m)]
-                grad, weight = grads[info.index].float(), weights[info.index].float()
-                st = self.state[m]
+        plan = {self.info_of[id(m)].index: (m, group["lr"], group["weight_decay"])
+                for group in self.param_groups for m in group["params"]}
+        # Each whole tensor is gathered (a collective on every rank) and dropped before the
+        # next: first the weights, whose RMS the relative step needs (before any update),
+        # then the gradients, each updating its piece.
+        weight_norms = {}
+        if oc.adafactor_relative_step:
+            weights = {i: m.view(-1) for i, (m, _, _) in plan.items()}
+            for index, weight in self.assembler.each(weights, infos):
+                info = self.info_of[id(plan[index][0])]
                 stacked = len(info.matrix_shape) < len(info.logical_shape)
-                if oc.adafactor_relative_step:
-                    rho = min(lr, 1 / t ** 0.5)
-                    alpha = [max(oc.adafactor_eps2, norm / (n ** 0.5)) * rho
-                             for norm, n in _norms(weight, stacked)]
-                else:
-                    alpha = [lr] * (weight.size(0) if stacked else 1)
-                if self.factored(info):
-                    row_mean = torch.norm(grad, dim=-1, keepdim=True).square_().div_(
-                        grad.size(-1))
-                    st["row_var"].lerp_(row_mean, beta)
-                    col_mean = torch.norm(grad, dim=-2, keepdim=True).square_().div_(
-                        grad.size(-2))
-                    st["col_var"].lerp_(col_mean, beta)
-                    estimate = st["row_var"] @ st["col_var"]
-                    estimate.div_(st["row_var"].mean(dim=-2, keepdim=True).clamp_(
-                        min=self.eps1))
-                else:
-                    st["variance"].lerp_(grad * grad, beta)
-                    estimate = st["variance"].clone()
-                update = estimate.clamp_(min=self.eps1 * self.eps1).rsqrt_()
-                update.mul_(grad)
-                p = m.view(-1)
-                if wd != 0:
-                    p.mul_(1 - lr * wd)
-                # torch's operations in its order, per matrix of a stack (bit-equal)
-                scale = [-a / max(1.0, norm / ((n ** 0.5) * oc.adafactor_clip))
-                         for a, (norm, n) in zip(alpha, _norms(update, stacked))]
-                own = self.assembler.own(info, update).to(p.device)
-                per = math.prod(info.param.shape[int(stacked):])  # local values per matrix
-                for j in range(info.lo // per, -(-info.hi // per)):  # matrices in the piece
-                    a, b = max(info.lo, j * per) - info.lo, min(info.hi, (j + 1) * per) - info.lo
-                    p[a:b].add_(own[a:b], alpha=scale[j])
+                weight_norms[index] = _norms(weight.float(), stacked)
+                del weight
+        grads = {i: functools.partial(self._flat_grad, m) for i, (m, _, _) in plan.items()}
+        beta = t ** oc.adafactor_beta2_decay  # 1 − β̂2
+        for index, whole in self.assembler.each(grads, infos):
+            m, lr, wd = plan[index]
+            info = self.info_of[id(m)]
+            grad = whole.float()
+            del whole
+            st = self.state[m]
+            stacked = len(info.matrix_shape) < len(info.logical_shape)
+            if oc.adafactor_relative_step:
+                rho = min(lr, 1 / t ** 0.5)
+                alpha = [max(oc.adafactor_eps2, norm / (n ** 0.5)) * rho
+                         for norm, n in weight_norms[index]]
+            else:
+                alpha = [lr] * (grad.size(0) if stacked else 1)
+            if self.factored(info):
+                row_mean = torch.norm(grad, dim=-1, keepdim=True).square_().div_(
+                    grad.size(-1))
+                st["row_var"].lerp_(row_mean, beta)
+                col_mean = torch.norm(grad, dim=-2, keepdim=True).square_().div_(
+                    grad.size(-2))
+                st["col_var"].lerp_(col_mean, beta)
+                estimate = st["row_var"] @ st["col_var"]
+                estimate.div_(st["row_var"].mean(dim=-2, keepdim=True).clamp_(
+                    min=self.eps1))
+            else:
+                st["variance"].lerp_(grad * grad, beta)
+                estimate = st["variance"].clone()
+            update = estimate.clamp_(min=self.eps1 * self.eps1).rsqrt_()
+            update.mul_(grad)
+            del grad, estimate
+            p = m.view(-1)
+            if wd != 0:
+                p.mul_(1 - lr * wd)
+            # torch's operations in its order, per matrix of a stack (bit-equal)
+            scale = [-a / max(1.0, norm / ((n ** 0.5) * oc.adafactor_clip))
+                     for a, (norm, n) in zip(alpha, _norms(update, stacked))]
+            own = self.assembler.own(info, update).to(p.device)
+            per = math.prod(info.param.shape[int(stacked):])  # local values per matrix
+            for j in range(info.lo // per, -(-info.hi // per)):  # matrices in the piece
+                a, b = max(info.lo, j * per) - info.lo, min(info.hi, (j + 1) * per) - info.lo
+                p[a:b].add_(own[a:b], alpha=scale[j])
+            del update, own
 
     def _flat_grad(self, master) -> torch.Tensor:
         """A piece's fp32 gradient, flat: one made at a time (optim_base.grad)."""

@@ -15,11 +15,12 @@ the update's RMS matches AdamW's, so AdamW's lr and weight decay transfer) or
 lr·sqrt(max(1, A/B)) ("original"). Stacked expert weights are one matrix per expert.
 
 The orthogonalisation needs the whole matrix. The momentum is elementwise and stays sharded
-(ZeRO) or sliced (TP); the Nesterov update U of every piece is gathered into the whole
-logical matrix (`Assembler.full`: one all-gather over the ZeRO ranks, one over tp), every
-rank orthogonalises it and keeps its own piece: the distributed Muon of Liu et al. §2.3 (they
-gather on ZeRO-1 and compute on every rank, as here). The result is bit-identical to one
-device; the cost is the gather (P values per step) and NS on every rank
+(ZeRO) or sliced (TP); the Nesterov update U of each matrix is gathered whole, one matrix at
+a time (`Assembler.each`: from its owners over the ZeRO ranks, then over tp), every rank
+orthogonalises it, keeps its own piece and frees it before the next: the distributed Muon
+of Liu et al. §2.3 (they gather on ZeRO-1 and compute on every rank, as here). A rank holds
+one gathered matrix at a time, never a copy of the model. The result is bit-identical to
+one device; the cost is the gather (P values per step) and NS on every rank
 (2·k·(2·m²·n + m³) FLOPs per m×n matrix, m ≤ n: plan/optimizer.py). Orthogonalising each
 tensor-parallel shard on its own instead would make a different, block-diagonal update.
 
@@ -30,6 +31,7 @@ scaled by the same schedule.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -63,7 +65,7 @@ def newton_schulz(update: torch.Tensor, coefficients, steps: int, eps: float = 1
     tall = update.size(0) > update.size(1)
     if tall:
         x = x.T
-    x.div_(x.norm().clamp(min=eps))
+    x = x / x.norm().clamp(min=eps)  # not in place: x may be the momentum itself (fp32)
     for _ in range(steps):
         gram = x @ x.T
         gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
@@ -104,6 +106,18 @@ class Muon(PieceOptimizer):
         for m in self.masters:
             self.reset_state(m)
 
+    def _takes(self, name: str, param: torch.Tensor) -> bool:
+        return takes(name, param, self.oc.muon_exclude)
+
+    def _update(self, master) -> torch.Tensor:
+        """The piece's momentum step, then its (Nesterov) update: made once, when gathered."""
+        mu = self.oc.muon_momentum
+        grad = self.grad(master)  # one piece's fp32 copy at a time (optim_base.py)
+        grad = grad.view(-1) if grad is not None else torch.zeros_like(master.view(-1))
+        buf = self.state[master]["momentum"]
+        buf.lerp_(grad, 1 - mu)
+        return grad.lerp(buf, mu) if self.oc.muon_nesterov else buf
+
     def reset_state(self, master) -> None:
         self.state[master] = {"momentum": torch.zeros(master.numel(), device=master.device)}
 
@@ -114,32 +128,27 @@ class Muon(PieceOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         self.steps += 1
-        mu, oc = self.oc.muon_momentum, self.oc
-        updates, lrs = {}, {}
+        oc = self.oc
+        updates, plan = {}, {}
         for group in self.param_groups:
             for m in group["params"]:
                 info = self.info_of[id(m)]
-                grad = self.grad(m)  # one piece's fp32 copy at a time (optim_base.py)
-                grad = grad.view(-1) if grad is not None else torch.zeros_like(m.view(-1))
-                buf = self.state[m]["momentum"]
-                buf.lerp_(grad, 1 - mu)
-                updates[info.index] = grad.lerp(buf, mu) if oc.muon_nesterov else buf
-                del grad
-                lrs[info.index] = (group["lr"], group["weight_decay"])
-        full = self.assembler.full(updates, self.all_infos)  # collective on every rank
-        for group in self.param_groups:
-            for m in group["params"]:
-                info = self.info_of[id(m)]
-                whole = full[info.index]
-                mats = whole.reshape(-1, *info.matrix_shape)
-                ortho = torch.stack([newton_schulz(x, self.coefficients, oc.muon_ns_steps,
-                                                   dtype=self.ns_dtype)
-                                     for x in mats]).view(whole.shape)
-                lr, wd = lrs[info.index]
-                own = self.assembler.own(info, ortho).to(m.device)
-                p = m.view(-1)
-                p.mul_(1 - lr * wd)
-                p.add_(own, alpha=-adjusted_lr(lr, oc.muon_adjust_lr, info.matrix_shape))
+                updates[info.index] = functools.partial(self._update, m)  # made when gathered
+                plan[info.index] = (m, group["lr"], group["weight_decay"])
+        # one whole matrix at a time (a collective on every rank), dropped before the next
+        for index, whole in self.assembler.each(updates, self.all_infos, self._takes):
+            m, lr, wd = plan[index]
+            info = self.info_of[id(m)]
+            mats = whole.reshape(-1, *info.matrix_shape)
+            ortho = torch.stack([newton_schulz(x, self.coefficients, oc.muon_ns_steps,
+                                               dtype=self.ns_dtype)
+                                 for x in mats]).view(whole.shape)
+            del whole, mats
+            own = self.assembler.own(info, ortho).to(m.device)
+            p = m.view(-1)
+            p.mul_(1 - lr * wd)
+            p.add_(own, alpha=-adjusted_lr(lr, oc.muon_adjust_lr, info.matrix_shape))
+            del ortho, own
         if self.adamw is not None:
             lr = self.param_groups[0]["lr"] * self.adamw_ratio
             for group in self.adamw.param_groups:

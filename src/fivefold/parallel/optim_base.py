@@ -6,8 +6,9 @@ owns (`buffers.FlatLayout`). The owners (`train/optim.py`, `parallel/zero.py`) h
 optimizer the pieces' fp32 masters, a `PieceInfo` for each, and an `Assembler` that turns
 per-piece values into the whole logical tensor (all-gathered over ZeRO ranks and tensor-
 parallel ranks) and back: the elementwise rules (8-bit and 4-bit AdamW) never call it; the
-matrix rules (Muon's orthogonalisation, Adafactor's row and column statistics) do, once per
-step, so that every layout computes them on the same whole matrix as one device does.
+matrix rules (Muon's orthogonalisation, Adafactor's row and column statistics) do, one
+matrix at a time each step, so that every layout computes them on the same whole matrix as
+one device does without holding a whole copy of the model.
 
 States are described for checkpoints by the logical tensors they form (`Derived`): an
 elementwise state is shaped like its parameter; a quantised moment's scales are one value
@@ -19,7 +20,7 @@ of the logical ones, and a checkpoint resumes bit-exactly under any layout.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,7 @@ class PieceInfo:
 
     @property
     def held_shape(self) -> tuple[int, ...]:
-        """What this rank's pieces assemble to (`Assembler.full`): the logical tensor, of the
+        """What this rank's pieces assemble to (`Assembler.each`): the logical tensor, of the
         rank's own experts only under expert parallelism."""
         shape = self.logical_shape
         if getattr(self.param, "_ep_slice", None) is not None:
@@ -110,33 +111,32 @@ def piece_view(d: Derived, info: PieceInfo, flat: torch.Tensor) -> tuple:
 
 
 def made(value) -> torch.Tensor:
-    """A value handed to `Assembler.full`: a tensor, or a function making it (a piece's fp32
-    gradient, made only when it is copied into the whole: `PieceOptimizer.grad`)."""
+    """A value handed to `Assembler.each`: a tensor, or a function making it (a piece's fp32
+    gradient or Muon's update, made only when its whole tensor is assembled)."""
     return value() if callable(value) else value
-
-
-class _Shaped(Mapping):
-    """Each value viewed in its logical shape when read (a made one made then)."""
-
-    def __init__(self, values: dict, infos: list[PieceInfo]):
-        self.values, self.infos = values, infos
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return made(self.values[i]).view(self.infos[i].logical_shape)
-
-    def __iter__(self):
-        return iter(self.values)
-
-    def __len__(self) -> int:
-        return len(self.values)
 
 
 class Assembler:
     """Whole logical tensors from pieces and back. One replica without tensor parallelism:
-    a piece is its parameter, nothing moves (a value is made when it is read)."""
+    a piece is its parameter, nothing moves (a value is made when it is read).
 
-    def full(self, values: dict, infos: list[PieceInfo]) -> Mapping[int, torch.Tensor]:
-        return _Shaped(values, infos)
+    `each` hands the whole tensors out one at a time, so that an assembler that gathers
+    (`zero_rules.ZeroAssembler`, `train/optim.py`'s tensor-parallel one) holds one gathered
+    tensor at a time, not a copy of the model: a caller drops each (`del`) before asking
+    for the next. `live` is what the assembler holds gathered now (the peak tracker counts
+    it under comm_buffers, plan/optimizer.py `gathered_bytes` plans it)."""
+
+    live: tuple = ()
+
+    def each(self, values: dict, infos: list[PieceInfo],
+             wanted: Callable[[str, torch.Tensor], bool] | None = None
+             ) -> Iterator[tuple[int, torch.Tensor]]:
+        """(index, whole logical tensor) for each piece of `values` (index -> a tensor or a
+        function making it, made once). Every rank of a gathering group calls it (each tensor
+        is a collective) with the same `wanted` (name, param) -> bool: the parameters whose
+        pieces the rule passes on any rank (None: all)."""
+        for i, v in values.items():
+            yield i, made(v).view(infos[i].logical_shape)
 
     def own(self, info: PieceInfo, full: torch.Tensor) -> torch.Tensor:
         return full.reshape(-1)[info.lo:info.hi]

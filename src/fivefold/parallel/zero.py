@@ -413,7 +413,12 @@ class DataParallelOptimizer:
             "grad_buffer": grad_buffer,
             "comm_buffers": lambda: [*reducer.staging.values(),
                                      *(gatherer.full if gatherer is not None else []),
-                                     *(self.frozen.full if self.frozen is not None else [])]}
+                                     *(self.frozen.full if self.frozen is not None else []),
+                                     *self._optimizer_gathered()]}
+
+    def _optimizer_gathered(self) -> list[torch.Tensor]:
+        """The whole tensor a rule of fivefold's own holds gathered now (zero_rules.py)."""
+        return list(getattr(getattr(self.optimizer, "assembler", None), "live", ()))
 
     def _step_copies(self) -> list[torch.Tensor]:
         """The fp32 gradient copies the optimizer step holds now (step_grads.py)."""

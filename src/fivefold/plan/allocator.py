@@ -28,3 +28,16 @@ def allocator_waste(act: ActivationBytes, layer_microbatches: float, head: bool,
     large += sum(1 for v in act.outside_terms.values() if v >= MIB) * (2 if head else 1)
     cached = (0.0 if act.loss_transient_is_peak else act.loss_backward) if head else working_set
     return large * MIB + cached
+
+
+def released_cache(total: float, cached: float, limit: float) -> float:
+    """Bytes of `cached` the allocator gives back when a rank's planned `total` passes
+    `limit`. `cached` is reserve that holds no tensor (the nanotron convention's
+    `head_token_bytes`, fitted to reserved peaks and traced to no tensor): when cudaMalloc
+    fails, the caching allocator frees every cached block not in use and tries again before
+    it reports out-of-memory (c10/cuda/CUDACachingAllocator.cpp, `release_cached_blocks` in
+    `malloc`), so such bytes lower the logged peak near the limit instead of failing the
+    run. Reserve that live blocks pin (the rounding above, the activation reserve) is not
+    released: the crashed runs need it (bench/plan/usp_memory_candidates.py,
+    `reserve_released`)."""
+    return max(0.0, min(cached, total - limit))

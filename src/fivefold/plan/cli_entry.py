@@ -27,6 +27,7 @@ from fivefold.plan.evaluate import plan_layout
 from fivefold.plan.hardware import (
     CATALOG,
     GIB,
+    check_memory_budget,
     get_hardware,
     load_profile,
     parse_overrides,
@@ -105,9 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--gbs-tokens", type=float, help="global batch in tokens (e.g. 4e6)")
     tr.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"),
                     help="the training precision (default bf16; fp8: bf16 with FP8 GEMMs)")
-    tr.add_argument("--optimizer", default="adamw", choices=(
+    tr.add_argument("--optimizer", choices=(
         "adamw", "adam", "sgd", "adamw8bit", "adamw4bit", "adafactor", "muon"),
-        help="the optimizer whose states and update are planned (train.optimizer)")
+        help="the optimizer whose states and update are planned (default: --config's "
+        "train.optimizer, else adamw)")
     tr.add_argument("--grad-dtype-bytes", type=int, choices=(2, 4),
                     help="4: fp32 gradients (Megatron's 18 bytes/param)")
     tr.add_argument("--fp32-grad-accum", action="store_true",
@@ -146,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _workload_options(args) -> dict:
-    return {"optimizer": args.optimizer, "grad_dtype_bytes": args.grad_dtype_bytes,
+    return {**({"optimizer": args.optimizer} if args.optimizer else {}),
+            "grad_dtype_bytes": args.grad_dtype_bytes,
                 "fp32_grad_accum": args.fp32_grad_accum, "flash": not args.math_attention,
                 "dropout": args.dropout, "causal_flops": args.causal_flops,
                 **({"grad_sync": args.grad_sync} if args.grad_sync else {}),
@@ -303,6 +306,7 @@ def run(argv: list[str]) -> int:
     convention = get_convention(args.convention)
     work = convention.apply_workload(work, _explicit_workload(args))
     assume = convention.apply_assumptions(assume, set(parse_overrides(args.hw)))
+    check_memory_budget(hw, assume)  # the convention's headroom counts too
     args.convention_obj = convention
     if args.layout:
         layout = parse_layout(args.layout, args.gpus)

@@ -30,7 +30,9 @@ def stage_answers(work: Workload, layout: Layout, hw: Hardware,
     m = work.num_microbatches(layout)
     out = []
     for rank in range(layout.pp):
-        placed = tier_memory(*memory_items(work, layout, assume, rank), layout.offload, hw)
+        placed = tier_memory(*memory_items(work, layout, assume, rank,
+                                           limit=usable_memory(hw, assume)),
+                             layout.offload, hw)
         items, cpu = placed.items, placed.host
         layers, embed, head = stage(work.model, layout, rank)
         rc = rank_compute(work, layout, hw, assume, rank)
@@ -183,7 +185,7 @@ def plan_layout(work: Workload, layout: Layout, hw: Hardware, assume: Assumption
     """Predict memory, FLOPs, communication and time for one (valid) layout."""
     work = resolve_grad_sync(work, layout, hw, assume)  # "auto": chosen per layout
     m = work.num_microbatches(layout)
-    rank, items, cpu = peak_memory(work, layout, assume)
+    rank, items, cpu = peak_memory(work, layout, assume, usable_memory(hw, assume))
     placed = tier_memory(items, cpu, layout.offload, hw)  # by offload tier (plan/nvme.py)
     bpp = work_bytes_per_param(work)
     tokens = work.tokens_per_step

@@ -95,7 +95,8 @@ class Assumptions:
     # loss's logits buffers (fitted per engine: plan/conventions.py; 0 for the engine itself).
     activation_reserve: float = 0.0
     loss_reserve: float = 0.0
-    # ... and bytes per token per hidden unit on the head's rank, whatever tp is.
+    # ... and bytes per token per hidden unit on the head's rank, whatever tp is: cache that
+    # holds no tensor, given back where it passes the rank's limit (allocator.released_cache).
     head_token_bytes: float = 0.0
     # Host time per layer per micro-batch (forward + backward, ms): an eager engine's Python
     # and kernel launches, which the GPU hides only when its own work takes longer.
@@ -222,7 +223,22 @@ def get_hardware(name: str, overrides: dict | None = None) -> tuple[Hardware, As
     for k, v in {**hw_changes, **assume_changes}.items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             _check_range(k, v)
-    return dataclasses.replace(hw, **hw_changes), dataclasses.replace(assume, **assume_changes)
+    hw = dataclasses.replace(hw, **hw_changes)
+    assume = dataclasses.replace(assume, **assume_changes)
+    check_memory_budget(hw, assume)
+    return hw, assume
+
+
+def check_memory_budget(hw: Hardware, assume: Assumptions) -> None:
+    """The device's memory less the CUDA context and the headroom must leave something to
+    plan into: otherwise every layout's budget is negative and the plan could only say that
+    nothing fits, whatever the layout."""
+    left = hw.memory_gib - assume.context_gib - assume.memory_headroom_gib
+    if not left > 0:
+        raise ConfigError(f"--hw: memory_gib {hw.memory_gib:g} less context_gib "
+                          f"{assume.context_gib:g} and memory_headroom_gib "
+                          f"{assume.memory_headroom_gib:g} leaves {left:g} GiB to plan; it "
+                          f"must stay > 0")
 
 
 def parse_overrides(items: list[str]) -> dict:

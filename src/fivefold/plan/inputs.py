@@ -178,6 +178,12 @@ def training_plan_inputs(cfg: fconfig.Config, hw=None, assume=None,
     par, tr = cfg.parallel, cfg.train
     precision = "bf16" if tr.precision == "auto" else tr.precision
     workload_options.setdefault("grad_sync", getattr(par, "grad_sync", "step"))
+    # the config's optimizer and the [optim] keys its plan depends on (--optimizer overrides)
+    workload_options.setdefault("optimizer", getattr(tr, "optimizer", "adamw"))
+    oc = getattr(cfg, "optim", None)
+    if oc is not None:
+        workload_options.setdefault("muon_exclude", oc.muon_exclude)
+        workload_options.setdefault("adafactor_factored", oc.adafactor_factored)
     workload_options.setdefault("memory_budget_gib", getattr(tr, "memory_budget_gib", 0.0))
     workload_options.setdefault("fp8_recipe", getattr(tr, "fp8_recipe", "blockwise"))
     workload_options.setdefault("fp8_allgather", getattr(par, "fp8_allgather", False))

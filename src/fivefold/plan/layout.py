@@ -116,6 +116,10 @@ class Workload:
     gbs: int  # global batch in sequences
     precision: str = "bf16"  # fp32 | bf16 | fp16
     optimizer: str = "adamw"
+    # [optim] keys the plan depends on (config/optim.py): what Muon leaves to AdamW, and
+    # whether Adafactor factors a matrix's second moment
+    muon_exclude: str = "embed_tokens,lm_head,norm,router"
+    adafactor_factored: bool = True
     grad_dtype_bytes: int | None = None  # None: the param dtype; 4 gives Megatron's 18 B/param
     fp32_grad_accum: bool = False  # a separate fp32 accumulation buffer (nanotron: 20 B/param)
     fp32_params: bool = False  # parameters stored in fp32, cast for compute (FSDP2 mixed

@@ -14,7 +14,7 @@ from fivefold.plan.activations import (
     kv_heads_per_rank,
     recompute_working_set,
 )
-from fivefold.plan.allocator import allocator_waste
+from fivefold.plan.allocator import allocator_waste, released_cache
 from fivefold.plan.hardware import GIB, Assumptions
 from fivefold.plan.layout import (
     OPTIMIZER_BYTES,
@@ -117,7 +117,8 @@ def work_bytes_per_param(work: Workload) -> BytesPerParam:
     per_shape = work.optimizer in ("adamw8bit", "adamw4bit", "adafactor", "muon")
     return bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes,
                            work.fp32_grad_accum, work.fp32_params,
-                           state_bytes_per_param(work.model, work.optimizer) if per_shape
+                           state_bytes_per_param(work.model, work.optimizer, work.muon_exclude,
+                                                 work.adafactor_factored) if per_shape
                            else None)
 
 
@@ -216,6 +217,15 @@ def model_state_bytes(model: ModelConfig, *, tp: int = 1, pp: int = 1, dp: int =
 
 
 def dp_comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
+    """The most pipeline rank `rank` holds in DP/ZeRO's buffers: in backward, its gradient
+    buckets and gathered ZeRO-3 units (`_dp_bucket_bytes`); in Muon's or Adafactor's step,
+    after them, the one whole tensor gathered (plan/optimizer.py `gathered_bytes`)."""
+    from fivefold.plan.optimizer import gathered_bytes
+
+    return max(_dp_bucket_bytes(work, layout, rank), gathered_bytes(work, layout, rank))
+
+
+def _dp_bucket_bytes(work: Workload, layout: Layout, rank: int) -> float:
     """The gradient buckets and gathered ZeRO-3 units pipeline rank `rank` holds at its peak,
     as parallel/data.py and parallel/zero3.py run them (checked against the engine's peak
     tracker, parallel/peak.py).
@@ -316,8 +326,10 @@ def comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
 
 
 def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int = 0,
-                 act: ActivationBytes | None = None) -> tuple[dict[str, float], float]:
-    """Itemised bytes on pipeline rank `rank` at its peak, and the CPU bytes of offload."""
+                 act: ActivationBytes | None = None,
+                 limit: float | None = None) -> tuple[dict[str, float], float]:
+    """Itemised bytes on pipeline rank `rank` at its peak, and the CPU bytes of offload. With
+    `limit` (the bytes the rank may fill), the allocator's cache beyond it is released."""
     mc, m = work.model, work.num_microbatches(layout)
     counts = rank_param_counts(mc, layout, rank)
     bpp = work_bytes_per_param(work)
@@ -398,10 +410,12 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
     allocated = sum(items.values())
     layer_microbatches = sum(n * k for n, k in zip(alive, chunk_layers))
     waste = allocator_waste(act, layer_microbatches, head, _working_set(work, layout))
+    cached = head * assume.head_token_bytes * layout.mbs * work.seq_len / layout.cp * mc.hidden_size
     items["overhead"] = (assume.context_gib * GIB + waste + assume.fragmentation * allocated
                          + assume.activation_reserve * activations
-                         + assume.loss_reserve * logits_loss + head * assume.head_token_bytes
-                         * layout.mbs * work.seq_len / layout.cp * mc.hidden_size)
+                         + assume.loss_reserve * logits_loss + cached)
+    if limit is not None:
+        items["overhead"] -= released_cache(sum(items.values()), cached, limit)
     return items, states.cpu
 
 
@@ -441,13 +455,13 @@ def _working_set(work: Workload, layout: Layout) -> float:
                                  **_act_kwargs(work, layout))
 
 
-def peak_memory(work: Workload, layout: Layout,
-                assume: Assumptions) -> tuple[int, dict[str, float], float]:
+def peak_memory(work: Workload, layout: Layout, assume: Assumptions,
+                limit: float | None = None) -> tuple[int, dict[str, float], float]:
     """(pipeline rank, items, cpu bytes) of the most-loaded rank."""
     act = _activations(work, layout)
     best = None
     for rank in critical_ranks(work.model, layout):
-        items, cpu = memory_items(work, layout, assume, rank, act)
+        items, cpu = memory_items(work, layout, assume, rank, act, limit)
         total = sum(items.values())
         if best is None or total > best[0]:
             best = (total, rank, items, cpu)

@@ -78,11 +78,19 @@ def param_shapes(model: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def muon_takes(name: str, shape: tuple[int, ...]) -> bool:
-    return len(shape) in (2, 3) and not any(part in name for part in MUON_EXCLUDE)
+def exclude_parts(exclude: str | tuple[str, ...] = MUON_EXCLUDE) -> tuple[str, ...]:
+    """optim.muon_exclude's comma-separated name parts (or the parts themselves)."""
+    if isinstance(exclude, str):
+        return tuple(p.strip() for p in exclude.split(",") if p.strip())
+    return tuple(exclude)
 
 
-def tensor_state_bytes(name: str, shape: tuple[int, ...], optimizer: str) -> float:
+def muon_takes(name: str, shape: tuple[int, ...], exclude=MUON_EXCLUDE) -> bool:
+    return len(shape) in (2, 3) and not any(part in name for part in exclude_parts(exclude))
+
+
+def tensor_state_bytes(name: str, shape: tuple[int, ...], optimizer: str,
+                       exclude=MUON_EXCLUDE, factored: bool = True) -> float:
     n = math.prod(shape)
     if optimizer in ("adamw8bit", "adamw4bit"):
         bits = 8 if optimizer == "adamw8bit" else 4
@@ -91,39 +99,88 @@ def tensor_state_bytes(name: str, shape: tuple[int, ...], optimizer: str) -> flo
             return 8.0 * n
         return 2 * (n * bits / 8 + 4 * n / block)
     if optimizer == "adafactor":
-        if len(shape) < 2:
+        if len(shape) < 2 or not factored:
             return 4.0 * n
         lead = math.prod(shape[:-2])
         return 4.0 * lead * (shape[-2] + shape[-1])
     if optimizer == "muon":
-        return 4.0 * n if muon_takes(name, shape) else 8.0 * n
+        return 4.0 * n if muon_takes(name, shape, exclude) else 8.0 * n
     if optimizer == "sgd":
         return 4.0 * n
     return 8.0 * n
 
 
-def optimizer_state_bytes(model: ModelConfig, optimizer: str) -> float:
-    """Bytes of the optimizer's states for the whole model (one replica, no sharding)."""
-    return sum(tensor_state_bytes(n, s, optimizer) for n, s in param_shapes(model))
+def optimizer_state_bytes(model: ModelConfig, optimizer: str, exclude=MUON_EXCLUDE,
+                          factored: bool = True) -> float:
+    """Bytes of the optimizer's states for the whole model (one replica, no sharding);
+    `exclude` and `factored`: optim.muon_exclude and optim.adafactor_factored."""
+    return sum(tensor_state_bytes(n, s, optimizer, exclude, factored)
+               for n, s in param_shapes(model))
 
 
-def state_bytes_per_param(model: ModelConfig, optimizer: str) -> float:
+def state_bytes_per_param(model: ModelConfig, optimizer: str, exclude=MUON_EXCLUDE,
+                          factored: bool = True) -> float:
     """The model's state bytes per parameter: what `bytes_per_param` multiplies."""
     shapes = param_shapes(model)
     total = sum(math.prod(s) for _, s in shapes)
-    return optimizer_state_bytes(model, optimizer) / max(total, 1)
+    return optimizer_state_bytes(model, optimizer, exclude, factored) / max(total, 1)
 
 
-def newton_schulz_flops(model: ModelConfig, steps: int = NS_STEPS) -> float:
+def newton_schulz_flops(model: ModelConfig, steps: int = NS_STEPS,
+                        exclude=MUON_EXCLUDE) -> float:
     """FLOPs of one Muon step's orthogonalisations over the whole model (see the docstring)."""
     total = 0.0
     for name, shape in param_shapes(model):
-        if not muon_takes(name, shape):
+        if not muon_takes(name, shape, exclude):
             continue
         count = shape[0] if len(shape) == 3 else 1
         m, n = sorted(shape[-2:])
         total += count * steps * (4 * m * m * n + 2 * m ** 3)
     return total
+
+
+def gathered_bytes(work, layout, rank: int = 0) -> float:
+    """The most a rank holds gathered at once during Muon's or Adafactor's step, in bytes.
+
+    The engine (parallel/zero_rules.py ZeroAssembler, train/optim.py TensorParallelAssembler)
+    assembles one whole tensor at a time in fp32 and frees it before the next: the Muon
+    update of each hidden matrix, Adafactor's gradient of every tensor (and, with the
+    relative step, its weight, before). A tensor is gathered when tensor parallelism slices
+    it (its logical size) or when ZeRO shards it over more than one rank (its local size:
+    experts over ep hold E/ep of the stack); otherwise the rule reads the piece itself.
+    Every rank of the ZeRO group gathers every wanted tensor of its pipeline stage. Before
+    tensors were gathered one at a time this was the whole model, P·4 bytes."""
+    from fivefold.plan.layout import holds_embedding, holds_head, rank_layers
+
+    if work.optimizer not in ("muon", "adafactor"):
+        return 0.0
+    model = work.model
+    shards = layout.dp * layout.cp if layout.zero >= 1 else 1
+    expert_shards = max(shards // layout.ep, 1) if layout.zero >= 1 else 1
+    layers = {f"layers.{i}." for i in rank_layers(model, layout, rank)}
+    largest = 0
+    for name, shape in param_shapes(model):
+        if name.startswith("layers."):
+            if name[:name.index(".", 7) + 1] not in layers:
+                continue
+        elif name == "embed_tokens.weight":
+            if not holds_embedding(layout, rank) and not (
+                    model.tie_embeddings and holds_head(layout, rank)):
+                continue
+        elif not holds_head(layout, rank):  # lm_head, the final norm
+            continue
+        if work.optimizer == "muon" and not muon_takes(name, shape, work.muon_exclude):
+            continue
+        n = math.prod(shape)
+        if len(shape) == 3:  # stacked experts: E/ep of them, replicated over tp
+            gathered = expert_shards > 1
+            n //= layout.ep
+        else:  # vocab-, column- or row-parallel under tp (norms and routers: replicated)
+            sliced = layout.tp > 1 and len(shape) == 2 and "router" not in name
+            gathered = sliced or shards > 1
+        if gathered:
+            largest = max(largest, n)
+    return 4.0 * largest
 
 
 LIGHTER = ("adamw8bit", "adamw4bit", "adafactor")  # in order of fidelity to AdamW

@@ -264,11 +264,12 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
             continue
         # The first pipeline rank alone over the limit settles it (peak = max over ranks);
         # offloaded states count where their tier puts them (plan/nvme.py).
-        first = tier_memory(*memory_items(work, lay, assume, 0), lay.offload, hw)
+        limit = usable_memory(hw, assume)
+        first = tier_memory(*memory_items(work, lay, assume, 0, limit=limit), lay.offload, hw)
         first_total = sum(first.items.values())
-        if first_total > usable_memory(hw, assume) or not host_fits(first.host, hw) or sum(
-                tier_memory(*peak_memory(work, lay, assume)[1:], lay.offload, hw)
-                .items.values()) > usable_memory(hw, assume):
+        if first_total > limit or not host_fits(first.host, hw) or sum(
+                tier_memory(*peak_memory(work, lay, assume, limit)[1:], lay.offload, hw)
+                .items.values()) > limit:
             dropped += 1
             if not best and (smallest is None or first_total < smallest[0]):
                 smallest = (first_total, lay)
@@ -353,7 +354,7 @@ def suggest_fix(work: Workload, layout: Layout, num_gpus: int, hw: Hardware,
         n = len(changed(cand))
         if best is not None and n > best_changes:
             break
-        _, items, _ = peak_memory(work, cand, assume)
+        _, items, _ = peak_memory(work, cand, assume, usable_memory(hw, assume))
         if sum(items.values()) > usable_memory(hw, assume):
             continue
         if allowed is not None and not allowed(cand):

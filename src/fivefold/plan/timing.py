@@ -320,8 +320,8 @@ def optimizer_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumpt
     if work.optimizer == "muon":  # every rank orthogonalises its stage's whole matrices
         from fivefold.plan.optimizer import newton_schulz_flops
 
-        ns = newton_schulz_flops(work.model) / layout.pp / (  # in bf16, as the engine
-            hw.peak_flops("bf16") * hw.matmul_efficiency)
+        ns = newton_schulz_flops(work.model, exclude=work.muon_exclude) / layout.pp / (
+            hw.peak_flops("bf16") * hw.matmul_efficiency)  # in bf16, as the engine
     resident = elems * traffic / (hw.hbm_tbps * 1e12 * assume.hbm_efficiency) + ns
     if not layout.offload:
         return resident

@@ -53,6 +53,10 @@ WRITE_ONLY = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "berno
 DYNAMIC_SHAPE = frozenset({"nonzero", "masked_select", "unique", "_unique", "_unique2",
                            "unique_consecutive", "unique_dim", "repeat_interleave",
                            "bincount"})
+# Ops that read only the rows their indices pick from a table (the first tensor argument):
+# the table counts as read for at most the bytes written (an embedding's forward reads 8192
+# rows of a 128k-row weight, not the weight).
+GATHERS = frozenset({"embedding", "index_select", "gather", "take"})
 SYNC_KINDS = ("item", "d2h", "h2d", "dynamic_shape")
 
 
@@ -267,6 +271,9 @@ class OpCounter(TorchDispatchMode):
                 continue
             seen.add(id(t))
             wrote += _tensor_bytes(t)
+        if base in GATHERS and flat_in:
+            table = flat_in[0]
+            read -= _tensor_bytes(table) - min(_tensor_bytes(table), wrote)
         sync = None
         if base in ("_to_copy", "copy_", "to", "_copy_from", "_copy_from_and_resize"):
             devices = {t.device.type for t in [*flat_in, *flat_out]}

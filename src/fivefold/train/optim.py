@@ -222,7 +222,12 @@ class MasterWeightOptimizer:
             "grads": lambda: [*(p.grad for p in self.params),
                               *(self.step_grads.live_tensors() if self.step_grads else [])],
             "master": lambda: self.master if self.mixed else [],
-            "optimizer": self._state_tensors}
+            "optimizer": self._state_tensors,
+            "comm_buffers": self._gathered}
+
+    def _gathered(self) -> list[torch.Tensor]:
+        """The whole tensor-parallel matrix the optimizer holds gathered now, if any."""
+        return list(getattr(getattr(self.optimizer, "assembler", None), "live", ()))
 
     def _state_tensors(self) -> list[torch.Tensor]:
         if self.own_rule:
@@ -243,18 +248,29 @@ class MasterWeightOptimizer:
 
 
 class TensorParallelAssembler:
-    """Whole logical tensors from tensor-parallel slices (shards.full_tensor) and back."""
+    """Whole logical tensors from tensor-parallel slices (shards.full_tensor) and back, one
+    at a time (optim_base.Assembler.each): a rank holds one gathered tensor at a time."""
 
     def __init__(self, dims):
         self.dims = dims
+        self.live: list[torch.Tensor] = []
 
-    def full(self, values, infos):
+    def each(self, values, infos, wanted=None):
+        from fivefold.parallel import peak
         from fivefold.parallel.optim_base import made
         from fivefold.parallel.shards import full_tensor
 
         # every tp rank holds the same tensors and passes the same ones, in the same order
-        return {i: full_tensor(infos[i].param, made(v).view(infos[i].param.shape), self.dims)
-                for i, v in values.items()}
+        for i, v in values.items():
+            local = made(v).view(infos[i].param.shape)
+            whole = full_tensor(infos[i].param, local, self.dims)
+            del local
+            if whole.shape != infos[i].param.shape:  # gathered (else the piece itself)
+                self.live = [whole]
+                peak.sample("optimizer gather")
+            yield i, whole
+            del whole
+            self.live = []
 
     def own(self, info, full):
         from fivefold.parallel.shards import local_piece
