@@ -275,6 +275,8 @@ def cases(w: dict[str, Path]) -> list[tuple[str, list[str], int, str]]:
         ("plan bad layout", [*plan, "--layout", "tp=3"], 2, "tp"),
         ("plan config dir", ["plan", "--config", str(r / "adir")], 2, "is a directory"),
         ("plan top 0", [*plan, "--top", "0"], 2, "--top 0"),
+        ("plan fp8 all-gather without fp8", [*plan, "--fp8-allgather"], 2,
+         "--fp8-allgather needs --precision fp8"),
         ("plan plot unwritable", [*plan, "--plot", UNWRITABLE], 2, "not writable"),
         # eval
         ("eval no source", ["eval"], 2, "required"),

@@ -111,6 +111,14 @@ def bad_inputs(w: Path):
                            "--max-new-tokens", "many"], "invalid int value: 'many'"),
         "no output": (["prepare", str(w / "text.txt")], "-o/--out"),
         "convert source": (["convert", "--to-hf", str(w / "out")], "--hf --checkpoint"),
+        "fp8 all-gather without zero 3": (["train", "--parallel.fp8_allgather", "true",
+                                           "--train.precision", "fp8", "--train.fp8_recipe",
+                                           "tensorwise"], "got zero = 0"),
+        "fp8 all-gather without fp8": (["train", "--parallel.fp8_allgather", "true",
+                                        "--parallel.zero", "3"], "precision = 'auto'"),
+        "fp8 all-gather rowwise": (["train", "--parallel.fp8_allgather", "true", "--parallel.zero",
+                                    "3", "--train.precision", "fp8", "--train.fp8_recipe",
+                                    "rowwise"], "recipe = 'rowwise'"),
     }
 
 

@@ -116,9 +116,11 @@ def test_blockwise_tp_cut_inside_a_block_is_refused(tmp_path):
 
 
 def zero3_tensorwise(rank, world, tmp, fp8_allgather, extra=()):
-    """Losses and gradient norms of dp2 + ZeRO-3 tensorwise, and of its last step: the dp
-    all-gather bytes of the ledger and of the planner, the FP8 linears' weight elements and
-    the padding of the FP8 gather's messages (each rank's to the largest rank's count)."""
+    """dp2 + ZeRO-3 tensorwise over STEPS steps: losses and gradient norms; the quantisations
+    of weights the GEMMs did themselves; the FP8 linears (count, local weight elements); and
+    of the last step the dp all-gather and all-reduce bytes of the ledger and of the
+    planner, the amax all-reduces, and the padding of the FP8 gather's messages (each rank's
+    to the longest rank's); the states FP8 units were in when needed."""
     cfg = small_config(pathlib.Path(tmp), *BASE, "--train.fp8_recipe", "tensorwise",
                        "--parallel.dp", "2", "--parallel.zero", "3",
                        "--parallel.fp8_allgather", str(fp8_allgather).lower(),
@@ -127,7 +129,7 @@ def zero3_tensorwise(rank, world, tmp, fp8_allgather, extra=()):
                        "--parallel.grad_sync", "step", *extra)
     dims = ParallelDims.from_config(cfg.parallel)
     trainer = Trainer(cfg, dims, quiet=True)
-    quantized = [0]  # weights the GEMMs quantise themselves (none with the FP8 gather)
+    quantized = [0]  # weights the GEMMs quantise themselves
     quantize_weight = FP8Recipe.quantize_weight
 
     def counting(recipe, w):
@@ -135,45 +137,82 @@ def zero3_tensorwise(rank, world, tmp, fp8_allgather, extra=()):
         return quantize_weight(recipe, w)
 
     FP8Recipe.quantize_weight = counting  # this forked rank's copy of the class only
-    fp8_numel = sum(m.weight.numel() for chunk in trainer.model.chunks
-                    for m in chunk.modules() if isinstance(m, FP8LinearMixin))
+    linears = [m for chunk in trainer.model.chunks for m in chunk.modules()  # tp: local shards
+               if isinstance(m, FP8LinearMixin) or getattr(m, "linear_fn", None) is not None]
+    gatherer = trainer.optimizer.gatherer
     padding = 0  # bytes per gather of every unit, beyond 1 per FP8 element and 2 per other
-    for unit in trainer.optimizer.gatherer.fp8.values():
+    for unit in gatherer.fp8.values():
         fp8_in_unit = sum(slot.numel for _, slot in unit.views)
-        padding += (world * (unit.n8 + 2 * unit.n16)
+        padding += (gatherer.group.size * unit.message
                     - (fp8_in_unit + 2 * (unit.seg.size - fp8_in_unit)))
+    states, ensure = set(), gatherer.ensure  # an FP8 unit's state when it is needed
+
+    def watching(u):
+        if u in gatherer.fp8:
+            states.add(gatherer.state[u])
+        ensure(u)
+
+    gatherer.ensure = watching
     dims.ledger.enabled = True
     records = [trainer.train_step() for _ in range(STEPS)]  # the ledger keeps the last step
-    ledger = sum(v["bytes"] for k, v in dims.ledger.totals().items() if k[1] == "all_gather")
+    totals = dims.ledger.totals()
+    ledger = {op: totals[("dp_cp", op)]["bytes"] for op in ("all_gather", "all_reduce")}
+    amax_calls = sum(1 for e in dims.ledger.entries
+                     if (e.group, e.op) == ("dp_cp", "all_reduce") and e.elements > 1)
     trainer.close()
     work, layout = training_plan_inputs(cfg)
-    planned = ledger_volume(work, layout)["dp_cp"]["all_gather"]
+    planned = ledger_volume(work, layout)["dp_cp"]
     gathers = 2 * work.num_microbatches(layout)  # forward and backward, per micro-batch
     FP8Recipe.quantize_weight = quantize_weight
-    return ([(r["loss"], r["grad_norm"]) for r in records], ledger, planned, fp8_numel,
-            padding * gathers, quantized[0])
+    return {"runs": [(r["loss"], r["grad_norm"]) for r in records], "ledger": ledger,
+            "planned": planned, "linears": len(linears), "gathers": gathers,
+            "numel": sum(m.weight.numel() for m in linears), "padding": padding * gathers,
+            "quantized": quantized[0], "amax_calls": amax_calls, "fp8_states": states}
 
 
-def test_zero3_fp8_allgather_gives_the_same_run_at_half_the_weight_bytes(tmp_path):
+# A dense first layer, then a MoE layer with a shared expert (FP8, gathered in FP8) and its
+# gate (kept out of FP8: bf16); the routed experts gather in bf16 and quantise themselves.
+MOE_SHARED = (*MOE, "--model.moe_first_dense", "1", "--model.shared_expert_intermediate_size",
+              "24", "--model.shared_expert_gate", "true")
+
+
+@pytest.mark.parametrize("world,extra,pad", [
+    pytest.param(2, (), 0.02, id="dp2"),
+    pytest.param(2, MOE_SHARED, 0.05, id="dp2-moe-shared", marks=pytest.mark.slow),
+    pytest.param(4, ("--parallel.tp", "2"), 0.02, id="dp2-tp2", marks=pytest.mark.slow)])
+def test_zero3_fp8_allgather_gives_the_same_run_at_half_the_weight_bytes(tmp_path, world,
+                                                                          extra, pad):
     """The FP8 all-gather's bytes of a weight are those of the tensorwise cast of the whole
     weight (one all-reduced amax per weight, an elementwise cast), so the GEMMs see the same
-    operands: losses and gradient norms are bit-equal (tolerance 0). The ledger's all-gather
-    bytes drop by exactly one byte per FP8-linear weight element per gather (half of bf16's
-    two) less the messages' padding, and the planner's bytes equal the ledger's less that
-    padding (stated exactly; under 2% here)."""
-    off = run_ranks(zero3_tensorwise, 2, str(tmp_path / "off"), False)
-    on = run_ranks(zero3_tensorwise, 2, str(tmp_path / "on"), True)
-    for (runs_off, ledger_off, planned_off, numel, pad_off, quantized_off), (
-            runs_on, ledger_on, planned_on, _, padding, quantized_on) in zip(off, on):
-        assert runs_on == runs_off
-        assert quantized_off > 0 and quantized_on == 0  # the GEMMs took the gathered FP8
-        assert pad_off == 0 and numel > 0
-        gathers = 2 * 2  # 2 micro-batches per rank (gbs 8, dp 2, mbs 2), forward and backward
-        assert ledger_off - ledger_on == numel * gathers - padding
-        assert 0 <= padding < 0.02 * ledger_on
-        assert planned_off == ledger_off
-        assert planned_on == ledger_on - padding
-        assert planned_off - planned_on == numel * gathers
+    operands: losses and gradient norms are bit-equal (tolerance 0), and no FP8 linear
+    quantises its weight itself (each did twice per micro-batch without the option: forward
+    and input gradient). The ledger's all-gather bytes drop by exactly one byte per
+    FP8-linear weight element per gather (half of bf16's two) less the messages' padding,
+    and the planner's bytes equal the ledger's less that padding (counted exactly here; a
+    few % at these tiny widths). One all_reduce(max) per step carries every weight's fp32
+    amax; the planner counts it. Under tp2, ZeRO-3 shards each rank's tp slice of a weight
+    over dp and the FP8 linear's tensorwise scale is that slice's (TP itself never gathers
+    weights): the dp amax all-reduce gives exactly it, so tp2 is bit-equal too."""
+    off = run_ranks(zero3_tensorwise, world, str(tmp_path / "off"), False, extra)
+    on = run_ranks(zero3_tensorwise, world, str(tmp_path / "on"), True, extra)
+    for a, b in zip(off, on):
+        assert b["runs"] == a["runs"]
+        own = a["gathers"] * STEPS  # 2 per micro-batch (forward, input gradient), each step
+        assert a["linears"] > 0 and a["quantized"] - b["quantized"] == a["linears"] * own
+        assert a["padding"] == 0 and a["numel"] > 0
+        saved = a["numel"] * a["gathers"]
+        assert a["ledger"]["all_gather"] - b["ledger"]["all_gather"] == saved - b["padding"]
+        assert 0 <= b["padding"] < pad * b["ledger"]["all_gather"]
+        assert a["planned"]["all_gather"] == a["ledger"]["all_gather"]
+        assert b["planned"]["all_gather"] == b["ledger"]["all_gather"] - b["padding"]
+        # The scales: one all_reduce(max) per step of every FP8 linear's fp32 amax, beside
+        # the gradient norm's one scalar.
+        assert (a["amax_calls"], b["amax_calls"]) == (0, 1)
+        # Prefetched: every FP8 unit's gather was in flight before the unit was needed.
+        assert not a["fp8_states"] and b["fp8_states"] == {"gathering"}
+        assert b["ledger"]["all_reduce"] - a["ledger"]["all_reduce"] == 4 * a["linears"]
+        assert b["planned"]["all_reduce"] == b["ledger"]["all_reduce"]
+        assert a["planned"]["all_reduce"] == a["ledger"]["all_reduce"]
 
 
 def test_zero3_fp8_allgather_under_full_recompute_gives_the_same_run(tmp_path):
@@ -182,9 +221,9 @@ def test_zero3_fp8_allgather_under_full_recompute_gives_the_same_run(tmp_path):
     extra = ("--train.recompute", "full")
     off = run_ranks(zero3_tensorwise, 2, str(tmp_path / "off"), False, extra)
     on = run_ranks(zero3_tensorwise, 2, str(tmp_path / "on"), True, extra)
-    for result_off, result_on in zip(off, on):
-        assert result_on[0] == result_off[0]
-        assert result_on[5] == 0 < result_off[5]
+    for a, b in zip(off, on):
+        assert b["runs"] == a["runs"]
+        assert b["quantized"] == 0 < a["quantized"]
 
 
 def test_fp8_allgather_needs_zero3_and_tensorwise(tmp_path):

@@ -69,11 +69,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
 
         _, fp8_line = apply_fp8(model, cfg.train, device)
         if par.fp8_allgather:  # ZeRO-3 gathers these weights in FP8 (parallel/zero3_fp8.py)
-            from fivefold.lowp.linear import FP8LinearMixin
+            from fivefold.parallel.zero3_fp8 import mark_fp8_gather
 
-            for module in model.modules():
-                if isinstance(module, FP8LinearMixin):
-                    module.fp8_gather = True
+            mark_fp8_gather(model)
     apply_recompute(model, cfg.train.recompute, recompute_policies)
     if par.pp > 1:
         from fivefold.parallel.pipeline.stages import split_stages

@@ -211,6 +211,8 @@ class DataParallelOptimizer:
         if self.owns_watchdog:  # a training step starts: from here a silent peer is lost
             self.watchdog.arm()
         self.reducer.zero_grad()
+        if self.gatherer is not None:  # FP8 all-gather: scales from this step's weights
+            self.gatherer.weights_changed()
 
     def prepare_backward(self, final_microbatch: bool) -> None:
         self.reducer.prepare_backward(final_microbatch)
@@ -281,6 +283,7 @@ class DataParallelOptimizer:
             if self.gatherer is not None:
                 if self.separate_master and from_master:
                     self.gatherer.shard.copy_(self.master_flat, non_blocking=True)
+                self.gatherer.weights_changed()
                 return  # gathered at the next forward
             handles = []
             for seg in self.layout.segments:

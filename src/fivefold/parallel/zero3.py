@@ -40,6 +40,7 @@ from torch import nn
 
 from fivefold.parallel import comm, peak
 from fivefold.parallel.buffers import FlatLayout
+from fivefold.parallel.zero3_fp8 import FP8UnitGather, refresh_scales
 
 FREE, GATHERING, READY = "free", "gathering", "ready"
 
@@ -80,11 +81,10 @@ def zero3_units(chunks: list[nn.Module], named_params) -> tuple[list[list[int]],
     return groups, units
 
 
-def fp8_units(layout: FlatLayout, units: list, rank: int, device: torch.device) -> dict:
+def fp8_units(layout: FlatLayout, units: list, rank: int, device: torch.device,
+              dtype: torch.dtype) -> dict:
     """Unit index -> its FP8 gather, for units holding weights of modules marked
     `fp8_gather` (parallel.fp8_allgather: tensorwise FP8 linears)."""
-    from fivefold.parallel.zero3_fp8 import FP8UnitGather
-
     slot_of = {id(slot.param): slot for slot in layout.params}
     out = {}
     for u, unit in enumerate(units):
@@ -92,7 +92,7 @@ def fp8_units(layout: FlatLayout, units: list, rank: int, device: torch.device) 
                    if getattr(m, "fp8_gather", False) and id(m.weight) in slot_of
                    and slot_of[id(m.weight)].segment == u]
         if weights:
-            out[u] = FP8UnitGather(layout, layout.segments[u], weights, rank, device)
+            out[u] = FP8UnitGather(layout, layout.segments[u], weights, rank, device, dtype)
     return out
 
 
@@ -120,7 +120,8 @@ class ParamGatherer:
                 self.state[seg.index] = READY
                 self.free(seg.index)
         self.unit_of = {id(slot.param): slot.segment for slot in layout.params}
-        self.fp8 = fp8_units(layout, units, self.rank, device)  # parallel.fp8_allgather
+        self.fp8 = fp8_units(layout, units, self.rank, device, dtype)  # parallel.fp8_allgather
+        self.fp8_stale = True  # their scales wait for the weights' next amax all-reduce
         self.backward_next = [self._backward_next(u) for u in range(len(units))]  # prefetch
         self._hooks = []
         for u, unit in enumerate(units):
@@ -134,15 +135,21 @@ class ParamGatherer:
             return
         seg, full = self.layout.segments[u], self.full[u]
         full.untyped_storage().resize_(seg.size * full.element_size())
-        if u in self.fp8:  # FP8-linear weights gather in FP8 (zero3_fp8.py), synchronously
-            self.fp8[u].gather(full, self.shard, self.group)
-            self.state[u] = READY
-            peak.sample("unit gathered")
-            return
-        self.handles[u] = comm.all_gather(full, self.layout.segment_shard(self.shard, seg),
-                                          self.group, async_op=True)
+        if u in self.fp8:  # FP8-linear weights gather in FP8 (zero3_fp8.py)
+            if self.fp8_stale:  # all units' scales, in one all-reduce of amaxes
+                refresh_scales(self.fp8, self.shard, self.group, self.watchdog)
+                self.fp8_stale = False
+            self.handles[u] = self.fp8[u].start(full, self.shard, self.group)
+        else:
+            self.handles[u] = comm.all_gather(full, self.layout.segment_shard(self.shard, seg),
+                                              self.group, async_op=True)
         self.state[u] = GATHERING
         peak.sample("unit gathered")
+
+    def weights_changed(self) -> None:
+        """The shard was written (an optimizer step, a load) or a step begins: the FP8
+        gather's scales are recomputed at its next gather."""
+        self.fp8_stale = True
 
     def ensure(self, u: int) -> None:
         self.gather(u)

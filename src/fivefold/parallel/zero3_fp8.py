@@ -3,98 +3,196 @@
 torchao's float8 training for FSDP2 casts each rank's shard of a float8 linear's weight to
 FP8 before the all-gather, with the tensorwise scale of the whole weight, so the gather
 moves 1 byte per element instead of 2 (bf16), and the GEMM takes the gathered FP8 weight
-as it is (torchao `float8/fsdp_utils.py`, `WeightWithDynamicFloat8CastTensor`). Here:
+as it is (torchao `float8/fsdp_utils.py`: `WeightWithDynamicFloat8CastTensor`, and
+`precompute_float8_dynamic_scale_for_fsdp`, which computes every weight's scale after the
+optimizer step in one all-reduce). Here:
 
-    1. each rank takes the amax of its piece of every such weight in the unit,
-    2. one all_reduce(max) of those amaxes gives every weight's amax, so its scale
-       (numerics.scaling.amax_to_scale) is the one the tensorwise cast of the whole
-       weight computes: the cast is elementwise, so each rank's bytes are exactly the
-       bytes of that cast (bit-equal to quantising the gathered bf16 weight),
-    3. the unit's shard is split in two messages, the FP8 bytes (uint8) of those weights'
-       elements and the unit's other elements (bf16), each padded to the largest rank's
-       count, and gathered,
-    4. the FP8 bytes land in a per-unit byte buffer (freed with the unit, like the bf16
-       one); each weight's module gets `fp8_weight` (data a view of that buffer, scale the
-       weight's) that its FP8 GEMMs use instead of quantising the weight (lowp/linear.py).
-       The weight's bf16 view is filled with the dequantised values, so the parameter
-       holds what the GEMM uses.
+    1. scales, once per step (`refresh_scales`): each rank takes the amax of its piece of
+       every such weight of every unit, and ONE all_reduce(max) of all those amaxes gives
+       every weight's amax, so its scale (numerics.scaling.amax_to_scale) is the one the
+       tensorwise cast of the whole weight computes. The cast is elementwise, so each
+       rank's bytes are exactly the bytes of that cast (bit-equal to quantising the
+       gathered bf16 weight). The gatherer refreshes them at the first FP8 gather after the
+       weights changed (construction, an optimizer step, a checkpoint load) or a step began;
+    2. a unit's gather (`start`) casts the rank's pieces of those weights to e4m3 and sends
+       one uint8 message: the unit's other elements (norms, padding) as raw bytes of their
+       dtype, then the codes, padded to the longest rank's message (a unit's shard cuts
+       fall anywhere in its weights, so the ranks' counts differ), asynchronously like a
+       bf16 unit's gather: the next unit's FP8 gather overlaps this unit's compute;
+    3. `finish` (when the unit is needed) puts the FP8 bytes in a per-unit byte buffer (freed
+       with the unit, like the bf16 one); each weight's module gets `fp8_weight` (data a
+       view of that buffer, scale the weight's) that its FP8 GEMMs use instead of
+       quantising the weight (lowp/linear.py). The weight's bf16 view is filled with the
+       dequantised values, so the parameter holds what the GEMM uses.
 
-The gather is synchronous (no prefetch) for units holding such weights.
+Only tensorwise: one scale per weight makes a shard's cast independent of where the shard
+cuts the weight. Rowwise scales the weight along K for the forward GEMM and along N for
+the input gradient's (lowp/linear.py), so each gather would need its own per-row or
+per-column amaxes and the linear two FP8 copies of its weight; torchao, too, gathers FP8
+for tensorwise only.
 """
 
 from __future__ import annotations
 
 import torch
 
+from fivefold.lowp.linear import FP8LinearFn, FP8LinearMixin, fp8_linear
 from fivefold.numerics.formats import E4M3
 from fivefold.numerics.fp8 import FP8Tensor
-from fivefold.numerics.scaling import amax_to_scale
+from fivefold.numerics.scaling import amax_to_scale, tensor_amax
 from fivefold.parallel import comm
 
 
-class FP8UnitGather:
-    """The index maps of one unit (segment) whose FP8-linear weights gather in FP8."""
+def mark_fp8_gather(model: torch.nn.Module) -> int:
+    """Mark the FP8 linears whose weights ZeRO-3 gathers in FP8 (`fp8_gather`); returns how
+    many. A tensor-parallel linear (parallel/tensor.py) runs FP8 through its pluggable GEMM
+    (lowp's FP8LinearFn), which gets a wrapper passing the gathered weight along."""
+    count = 0
+    for module in model.modules():
+        fn = getattr(module, "linear_fn", None)
+        if isinstance(module, FP8LinearMixin):
+            module.fp8_gather = True
+        elif isinstance(fn, FP8LinearFn):
+            module.linear_fn = _GatheredWeightFn(module, fn.recipe)
+            module.fp8_gather = True
+        else:
+            continue
+        count += 1
+    return count
 
-    def __init__(self, layout, seg, weights: list, rank: int, device: torch.device):
+
+class _GatheredWeightFn:
+    """A tensor-parallel linear's FP8 GEMM that takes its module's gathered FP8 weight."""
+
+    def __init__(self, module: torch.nn.Module, recipe):
+        self.module, self.recipe = module, recipe
+
+    def __call__(self, x, weight, bias=None):
+        return fp8_linear(x, weight, bias, self.recipe, getattr(self.module, "fp8_weight", None))
+
+    def __repr__(self) -> str:
+        return f"FP8LinearFn({self.recipe.name}, FP8-gathered weight)"
+
+
+class FP8UnitGather:
+    """How one unit (segment) whose FP8-linear weights gather in FP8 packs and unpacks its
+    messages. Rank r owns [r·per, (r+1)·per) of the segment, which cuts it into pieces, each
+    in one parameter: a weight's (it is contiguous, so each rank holds at most one piece of
+    it) or another's. Rank r's message: the bytes of its other pieces (at an offset aligned
+    to their dtype), then the FP8 codes of its weight pieces; all slices, no index maps."""
+
+    def __init__(self, layout, seg, weights: list, rank: int, device: torch.device,
+                 dtype: torch.dtype):
         self.layout, self.seg, self.rank = layout, seg, rank
         shards, per = layout.shards, seg.size // layout.shards
-        owner = torch.full((seg.size,), -1, dtype=torch.long)
-        self.views = []  # (module, slot) per weight
-        for k, (slot, module) in enumerate(weights):
-            lo = slot.start - seg.start
-            owner[lo:lo + slot.numel] = k
-            self.views.append((module, slot))
-        by_rank = owner.view(shards, per)
-        idx8 = [(by_rank[r] >= 0).nonzero().squeeze(1) for r in range(shards)]
-        idx16 = [(by_rank[r] < 0).nonzero().squeeze(1) for r in range(shards)]
-        self.n8 = max(len(i) for i in idx8)
-        self.n16 = max(len(i) for i in idx16)
-        self.local8, self.local16 = idx8[rank].to(device), idx16[rank].to(device)
-        self.local_weight = by_rank[rank][idx8[rank]].to(device)
-        self.dest8 = torch.cat([r * per + i for r, i in enumerate(idx8)]).to(device)
-        self.src8 = torch.cat([r * self.n8 + torch.arange(len(i))
-                               for r, i in enumerate(idx8)]).to(device)
-        self.dest16 = torch.cat([r * per + i for r, i in enumerate(idx16)]).to(device)
-        self.src16 = torch.cat([r * self.n16 + torch.arange(len(i))
-                                for r, i in enumerate(idx16)]).to(device)
-        self.weight_of = owner.to(device)
+        self.first = rank * per  # where this rank's part starts in the segment
+        self.es = es = torch.empty((), dtype=dtype).element_size()  # a non-FP8 element's
+        self.views = [(module, slot) for slot, module in weights]
+        spans = sorted((slot.start - seg.start, slot.start - seg.start + slot.numel, k)
+                       for k, (slot, _) in enumerate(weights))
+        self.pieces = []  # per rank: [(k or -1, lo, hi, byte offset in its message)]
+        longest = 0
+        for r in range(shards):
+            cuts, at = [], r * per
+            for lo, hi, k in spans:
+                lo, hi = max(lo, r * per), min(hi, (r + 1) * per)
+                if lo < hi:
+                    if at < lo:
+                        cuts.append((-1, at, lo))
+                    cuts.append((k, lo, hi))
+                    at = hi
+            if at < (r + 1) * per:
+                cuts.append((-1, at, (r + 1) * per))
+            offset, pieces = 0, []
+            for k, lo, hi in sorted(cuts, key=lambda c: c[0] >= 0):  # others first
+                pieces.append((k, lo, hi, offset))
+                offset += (hi - lo) * (es if k < 0 else 1)
+            self.pieces.append(pieces)
+            longest = max(longest, offset)
+        self.message = -(-longest // es) * es  # ranks' messages start aligned to the dtype
         self.bytes = torch.zeros(seg.size, dtype=torch.uint8, device=device)
+        self.mult = torch.ones(len(weights), dtype=torch.float32, device=device)
         self.scales = torch.ones(len(weights), dtype=torch.float32, device=device)
         self.bytes.untyped_storage().resize_(0)
 
-    def gather(self, full: torch.Tensor, shard: torch.Tensor, group: comm.Group) -> None:
-        """Fill `full` (the unit's bf16 buffer, storage allocated) and the FP8 bytes."""
+    def local_amax(self, shard: torch.Tensor) -> torch.Tensor:
+        """Per weight, the amax of this rank's piece of it (0 where it holds none; NaN if
+        the piece holds a NaN, so that the weight's scale is NaN as the cast's would be)."""
+        local, first = self.layout.segment_shard(shard, self.seg), self.first
+        amax = torch.zeros(len(self.views), dtype=torch.float32, device=shard.device)
+        for k, lo, hi, _ in self.pieces[self.rank]:
+            if k >= 0:
+                amax[k] = tensor_amax(local[lo - first:hi - first])
+        return amax
+
+    def set_amax(self, amax: torch.Tensor) -> None:
+        """The whole weights' amaxes (all-reduced): their multipliers and scales."""
+        self.mult.copy_(amax_to_scale(amax, E4M3))
+        self.scales.copy_(self.mult.reciprocal())
+
+    def start(self, full: torch.Tensor, shard: torch.Tensor, group: comm.Group):
+        """Cast this rank's pieces and start the unit's gather: a handle whose wait() also
+        fills `full` (the unit's buffer, storage allocated) and the FP8 bytes."""
         local = self.layout.segment_shard(shard, self.seg)
-        vals = local[self.local8].float()
-        amax = torch.zeros(len(self.views), dtype=torch.float32, device=local.device)
-        amax.scatter_reduce_(0, self.local_weight, vals.abs(), "amax")
-        amax[torch.isnan(amax.new_zeros(len(self.views)).index_add_(
-            0, self.local_weight, vals.abs()))] = float("nan")  # a NaN reaches the scale
-        comm.all_reduce(amax, group, op="max")
-        mult = amax_to_scale(amax, E4M3)
-        send8 = torch.zeros(self.n8, dtype=torch.uint8, device=local.device)
-        q = (vals * mult[self.local_weight]).clamp(-E4M3.max, E4M3.max).to(E4M3.dtype)
-        send8[:len(q)] = q.view(torch.uint8)
-        send16 = torch.zeros(self.n16, dtype=local.dtype, device=local.device)
-        send16[:len(self.local16)] = local[self.local16]
-        out8 = torch.empty(self.n8 * group.size, dtype=torch.uint8, device=local.device)
-        out16 = torch.empty(self.n16 * group.size, dtype=local.dtype, device=local.device)
-        comm.all_gather(out8, send8, group)
-        comm.all_gather(out16, send16, group)
+        send = torch.zeros(self.message, dtype=torch.uint8, device=local.device)
+        first = self.first
+        for k, lo, hi, at in self.pieces[self.rank]:
+            x = local[lo - first:hi - first]
+            if k < 0:
+                send[at:at + (hi - lo) * self.es] = x.view(torch.uint8)
+            else:  # numerics.fp8.quantize's tensorwise cast, with the whole weight's scale
+                q = (x.float() * self.mult[k]).clamp(-E4M3.max, E4M3.max).to(E4M3.dtype)
+                send[at:at + hi - lo] = q.view(torch.uint8)
+        out = torch.empty(self.message * group.size, dtype=torch.uint8, device=local.device)
+        handle = comm.all_gather(out, send, group, async_op=True)
+        return _Pending(self, handle, full, out, send)
+
+    def finish(self, full: torch.Tensor, out: torch.Tensor) -> None:
         self.bytes.untyped_storage().resize_(self.seg.size)
         with torch.no_grad():
-            self.bytes.index_copy_(0, self.dest8, out8[self.src8])
-            full.index_copy_(0, self.dest16, out16[self.src16])
-            self.scales.copy_(mult.reciprocal())
-            fp8 = self.bytes[self.dest8].view(E4M3.dtype).float()
-            full.index_copy_(0, self.dest8, (fp8 * self.scales[self.weight_of[self.dest8]])
-                             .to(full.dtype))
+            for r, pieces in enumerate(self.pieces):
+                msg = out[r * self.message:(r + 1) * self.message]
+                for k, lo, hi, at in pieces:
+                    if k < 0:
+                        full[lo:hi] = msg[at:at + (hi - lo) * self.es].view(full.dtype)
+                    else:
+                        codes = self.bytes[lo:hi]
+                        codes.copy_(msg[at:at + hi - lo])
+                        full[lo:hi] = (codes.view(E4M3.dtype).float() * self.scales[k]
+                                       ).to(full.dtype)
         for k, (module, slot) in enumerate(self.views):
             lo = slot.start - self.seg.start
             data = self.bytes[lo:lo + slot.numel].view(E4M3.dtype).view(slot.shape)
-            module.fp8_weight = FP8Tensor(data, self.scales[k], "tensorwise", E4M3)
+            module.fp8_weight = FP8Tensor(data, self.scales[k].clone(), "tensorwise", E4M3)
 
     def free(self) -> None:
         self.bytes.untyped_storage().resize_(0)
         for module, _ in self.views:  # a GEMM's saved copy (for backward) stays valid
             module.fp8_weight = None
+
+
+class _Pending:
+    """An FP8 unit's gather in flight: wait() waits for it and unpacks the message."""
+
+    def __init__(self, unit: FP8UnitGather, handle, full, out, send):
+        self.unit, self.handle, self.full, self.out, self.send = unit, handle, full, out, send
+
+    def wait(self) -> bool:
+        self.handle.wait()
+        self.unit.finish(self.full, self.out)
+        self.out = self.send = None
+        return True
+
+
+def refresh_scales(units: dict, shard: torch.Tensor, group: comm.Group, watchdog) -> None:
+    """Every FP8-gathered weight's scale from the current weights: the local amaxes of all
+    units in one all_reduce(max) (torchao's precompute_float8_dynamic_scale_for_fsdp)."""
+    order = sorted(units)
+    amax = torch.cat([units[u].local_amax(shard) for u in order])
+    watchdog.wait(comm.all_reduce(amax, group, op="max", async_op=True),
+                  "FP8 weight amax all-reduce")
+    at = 0
+    for u in order:
+        n = len(units[u].views)
+        units[u].set_amax(amax[at:at + n])
+        at += n

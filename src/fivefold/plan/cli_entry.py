@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ZeRO-2/3 reduce-scatter once per step or per micro-batch; auto "
                     "(default; with --config, the config's parallel.grad_sync): per "
                     "micro-batch where the step is at most 2%% slower")
+    tr.add_argument("--fp8-allgather", action="store_true",
+                    help="with --precision fp8: ZeRO-3 gathers the FP8 linears' weights in "
+                    "FP8, tensorwise (parallel.fp8_allgather)")
     ft = ap.add_argument_group("fine-tuning")
     ft.add_argument("--lora-rank", type=int, default=0,
                     help="plan LoRA of this rank on a frozen base (0: full training)")
@@ -150,6 +153,8 @@ def _workload_options(args) -> dict:
                 "fp32_grad_accum": args.fp32_grad_accum, "flash": not args.math_attention,
                 "dropout": args.dropout, "causal_flops": args.causal_flops,
                 **({"grad_sync": args.grad_sync} if args.grad_sync else {}),
+                **({"fp8_allgather": True, "fp8_recipe": "tensorwise"}
+                   if args.fp8_allgather else {}),
                 **_lora_options(args)}
 
 
@@ -241,6 +246,9 @@ def run(argv: list[str]) -> int:
     hw, assume = get_hardware(args.gpu, overrides)
     if args.hw_profile:
         hw = with_profile(hw, load_profile(args.hw_profile), tuple(overrides))
+    if args.fp8_allgather and (args.config or args.precision != "fp8"):
+        raise ConfigError("--fp8-allgather needs --precision fp8 (with --config, set "
+                          "parallel.fp8_allgather = true in the file instead)")
     options = _workload_options(args)
     if args.config and args.convention != "fivefold":
         raise ConfigError(f"--convention {args.convention} plans another engine's run; a "

@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from fivefold.plan.activations import kv_heads_per_rank
-from fivefold.plan.fp8 import fp8_gather_params
+from fivefold.plan.fp8 import fp8_gather_terms
 from fivefold.plan.layout import (
     Layout,
     Workload,
@@ -142,11 +142,19 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
         elif lay.zero in (1, 2):
             add(group, "reduce_scatter", grad_bytes, elems, rs_calls, n, "grad", "gradients")
             add(group, "all_gather", bpp.param, elems, 1, n, "step", "updated parameters")
-        elif keeps_gathered(work, lay):  # gathered once, kept through every micro-batch
-            add(group, "all_gather", bpp.param, elems, 1, n, "fwd", "parameters (kept)")
-        else:
-            fp8 = fp8_gather_params(work, lay, layers) if k == 0 else 0
-            for phase in ("fwd", "bwd"):  # FP8 linears' weights in FP8 with fp8_allgather
+        else:  # FP8 linears' weights at 1 byte with parallel.fp8_allgather (plan/fp8.py)
+            moe = moe_layers_on_rank(mc, lay, pp_rank)
+            fp8, amaxes = (fp8_gather_terms(work, lay, layers - moe, moe,
+                                            kv_heads_per_rank(mc, lay.tp))
+                           if k == 0 else (0, 0))
+            # their scales: one all_reduce(max) of fp32 amaxes per step
+            add(group, "all_reduce", 4, amaxes, 1, n, "fwd", "FP8 weight amaxes")
+            if keeps_gathered(work, lay):  # gathered once, kept through every micro-batch
+                add(group, "all_gather", bpp.param, elems - fp8, 1, n, "fwd",
+                    "parameters (kept)")
+                add(group, "all_gather", 1, fp8, 1, n, "fwd", "FP8 linear weights (kept)")
+                continue
+            for phase in ("fwd", "bwd"):
                 add(group, "all_gather", bpp.param, elems - fp8, m, n, phase,
                     "parameters (forward)" if phase == "fwd" else "parameters (backward)")
                 add(group, "all_gather", 1, fp8, m, n, phase, "FP8 linear weights (FP8)")

@@ -15,11 +15,14 @@ blockwise 4 per token per 128 channels (DeepSeek-V3's 1x128 tiles). The engine c
 to the byte (tests/test_fp8_train.py); MoE experts and selective/full recomputation keep
 their bf16 terms here (not modelled for FP8).
 
-parallel.fp8_allgather (ZeRO-3, tensorwise): the dense layers' linear weights (q, k, v, o and
-the MLP's; not the head, norms, embedding or MoE experts) are all-gathered as 1-byte FP8
-(parallel/zero3_fp8.py); `fp8_gather_params` counts them per rank. The engine pads each
-rank's FP8 and bf16 messages to the largest rank's count (a unit's shard boundaries fall
-anywhere in its weights), which this does not count: well under 1% of a unit at real sizes.
+parallel.fp8_allgather (ZeRO-3, tensorwise): the FP8 linears' weights (every layer's q, k, v
+and o, a dense layer's MLP, a MoE layer's shared expert; not the routed experts, the head,
+norms or embedding) are all-gathered as 1-byte FP8 (parallel/zero3_fp8.py);
+`fp8_gather_terms` counts them per rank. The engine pads each rank's message to the longest
+rank's (a unit's shard boundaries fall anywhere in its weights), which this does not count:
+well under 1% of a unit at real sizes. Their scales come from one all_reduce(max) of fp32
+amaxes per step, one per weight. A train.fp8_keep_out linear gathers in bf16; this still
+counts it at 1 byte.
 """
 
 from __future__ import annotations
@@ -55,14 +58,27 @@ def apply_fp8_terms(terms: dict[str, float], *, recipe: str, tokens: float, h: i
         terms["mlp_hidden"] += saved_input(recipe, tokens, f) - product
 
 
-def fp8_gather_params(work, layout, layers: int) -> float:
-    """Elements of this rank's FP8-linear weights that ZeRO-3 gathers in FP8 (dense layers
-    of `layers` on this pipeline stage, over tp); 0 unless parallel.fp8_allgather is on."""
+def _fp8_gather_on(work, layout) -> bool:
+    return bool(work.fp8_allgather and work.precision == "fp8" and layout.zero == 3)
+
+
+def fp8_gather_terms(work, layout, dense: float, moe: float, kv_heads: int
+                     ) -> tuple[float, float]:
+    """(elements, weights) of this rank's FP8-linear weights that ZeRO-3 gathers in FP8 with
+    parallel.fp8_allgather, over `dense` dense and `moe` MoE layers on this pipeline rank;
+    `kv_heads`: the k/v heads one tp rank holds. Every layer's q, k, v and o (over tp), a dense
+    layer's MLP linears (over tp) and a MoE layer's shared expert (whole on every tp rank, as
+    its block runs: plan/memory.py). Not the routed experts, the router, the shared expert's
+    gate, the head, norms or embedding. The weights count the fp32 amaxes of the step's one
+    all_reduce(max) that sets their scales."""
     mc = work.model
-    if not (work.fp8_allgather and work.precision == "fp8" and layout.zero == 3):
-        return 0
-    h = mc.hidden_size
-    attn = h * mc.q_size * 2 + h * mc.kv_size * 2  # q, o; k, v
-    mlp = h * mc.intermediate_size * (3 if mc.mlp == "swiglu" else 2)
-    dense_layers = layers - (layers * mc.num_moe_layers / mc.num_layers if mc.num_experts else 0)
-    return (attn * layers + mlp * dense_layers) / layout.tp
+    if not _fp8_gather_on(work, layout):
+        return 0.0, 0.0
+    h, d, t = mc.hidden_size, mc.dim_per_head, layout.tp
+    attn = 2 * h * mc.num_heads * d / t + 2 * h * kv_heads * d  # q, o; k, v
+    linears = 3 if mc.mlp == "swiglu" else 2
+    mlp = linears * h * mc.intermediate_size / t
+    shared = mc.shared_expert_intermediate_size if mc.num_experts else 0
+    elements = (dense + moe) * attn + dense * mlp + moe * linears * h * shared
+    weights = 4 * (dense + moe) + linears * (dense + (moe if shared else 0))
+    return elements, weights
