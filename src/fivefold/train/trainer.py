@@ -11,18 +11,15 @@ same gradient as one big batch, and every data-parallel reduction is a plain sum
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
-from torch.distributed.checkpoint import CheckpointException
 
-from fivefold.config import Config, ConfigError, RunError, corpus_tokenizer, resolve_mbs
+from fivefold.config import Config, ConfigError, corpus_tokenizer, resolve_mbs
 from fivefold.config.train import resolve_compile
 from fivefold.finetune.attach import (
     add_adapters,
     base_tensors,
-    check_resume,
     describe,
     finish_adapters,
     frozen_state,
@@ -34,6 +31,8 @@ from fivefold.parallel.apply import ParallelModel, parallelize
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.parallel.watchdog import Watchdog
 from fivefold.train import checkpoint as ckpt
+from fivefold.train import checkpoint_parts as parts
+from fivefold.train.checkpoint_parts import NonFiniteError  # noqa: F401  (re-exported)
 from fivefold.train.lifecycle import ledger_paused
 from fivefold.train.metrics import (
     Throughput,
@@ -42,20 +41,9 @@ from fivefold.train.metrics import (
     memory_bytes,
     memory_reserved_bytes,
 )
-from fivefold.train.optim import MasterWeightOptimizer, lr_at, resume_conversion
+from fivefold.train.optim import MasterWeightOptimizer, lr_at
 from fivefold.train.precision import DTYPES, LossScaler, resolve_precision
-from fivefold.train.recovery import (
-    agree,
-    one_line,
-    save_error,
-    save_failed,
-    unwritable,
-)
 from fivefold.train.rundir import check_budget_fits
-
-
-class NonFiniteError(RunError):
-    """The run produced NaN or inf weights; it stops without saving them."""
 
 
 def pick_device(spec: str) -> torch.device:
@@ -339,103 +327,22 @@ class Trainer:
         return {"kind": "val", "step": self.step, "val_loss": loss,
                 "val_perplexity": math.exp(min(loss, 50.0))}
 
-    # --- checkpoints ------------------------------------------------------------------
+    # --- checkpoints: train/checkpoint_parts.py ----------------------------------------
     def logical_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor of this rank under its logical name, gathered to its full shape (stacked
-        expert weights: one tensor per expert, `NAME[j]`, only this rank's experts). For
-        comparisons in tests; checkpoints never gather, see `checkpoint_parts`."""
-        from fivefold.parallel.expert import expert_param_ids
-        from fivefold.parallel.shards import logical_entries
-
-        out = {}
-        states = self.optimizer.param_states()
-        experts = expert_param_ids(self.model.chunks)
-        for name, p in self.model.named_parameters():
-            for key, value in states[name].items():
-                for logical, full in logical_entries(name, p, value, self.dims,
-                                                     id(p) in experts).items():
-                    out[f"model/{logical}" if key == "param" else f"optim/{logical}/{key}"] = full
-        if self.moe is not None:  # the aux-loss-free biases are training state too
-            for name, bias in self.moe.expert_biases().items():
-                out[f"buffer/{name}"] = bias.detach().clone()
-        return out
+        return parts.logical_tensors(self)
 
     def checkpoint_parts(self, load: bool = False, convert_from: str | None = None
                          ) -> dict[str, ckpt.Chunked]:
-        """What this rank owns of every logical tensor, as views of its shards (see
-        train/checkpoint.py). Saving, a tied embedding's second copy (last pipeline stage)
-        is left to the first stage, whose ZeRO layout cuts it differently."""
-        from fivefold.parallel.expert import expert_param_ids
-        from fivefold.parallel.shards import logical_parts, per_expert_parts
-
-        experts = expert_param_ids(self.model.chunks)
-        out: dict[str, ckpt.Chunked] = {}
-        states = (self.optimizer.shard_states(load, convert_from) if convert_from
-                  else self.optimizer.shard_states(load))
-        for name, p, lo, hi, views in states:
-            if not load and getattr(p, "_pp_replicas", 1) > 1 and self.dims.pp_rank != 0:
-                continue
-            for key, flat in views.items():
-                # a state shaped unlike its parameter comes with its own descriptor
-                # (parallel/optim_base.py): quantisation scales, packed codes, Adafactor's
-                q, a, b = p, lo, hi
-                if isinstance(flat, tuple):
-                    q, a, b, flat = flat
-                size = tuple(getattr(q, "_full_shape", q.shape))
-                parts = logical_parts(q, a, b, flat)
-                by_name = (per_expert_parts(name, q, parts) if id(p) in experts
-                           else {name: parts})
-                for logical, pieces in by_name.items():
-                    key_name = (f"model/{logical}" if key == "param"
-                                else f"optim/{logical}/{key}")
-                    shape = size[1:] if id(p) in experts else size
-                    out.setdefault(key_name, ckpt.Chunked(shape, [])).parts.extend(pieces)
-        if self.moe is not None:  # the aux-loss-free biases are training state too
-            for name, bias in self.moe.expert_biases().items():
-                out[f"buffer/{name}"] = ckpt.Chunked(tuple(bias.shape),
-                                                     [((0,) * bias.dim(), bias.detach())])
-        return out
+        return parts.checkpoint_parts(self, load, convert_from)
 
     def trainer_state(self) -> dict:
-        return {"step": self.step, "optim_step": self.optimizer.step_count(),
-                "loader": self.loader.state_dict(), "scaler": self.scaler.state_dict()}
+        return parts.trainer_state(self)
 
     def nonfinite_tensors(self, tensors: dict[str, ckpt.Chunked]) -> int:
-        """How many of the tensors to save hold a NaN or an infinity in this rank's parts: the
-        most any rank found (every rank takes the same decision)."""
-        bad = torch.tensor([float(sum(not all(bool(torch.isfinite(t).all()) for _, t in c.parts)
-                                      for c in tensors.values()))], device=self.device)
-        with ledger_paused(self.dims):
-            comm.all_reduce(bad, self.dims["world"], op="max")
-        return int(bad.item())
+        return parts.nonfinite_tensors(self, tensors)
 
     def save_checkpoint(self) -> None:
-        """Save this step, unless its weights or optimizer states are not finite: a NaN
-        checkpoint would rotate the good ones out, so the run stops instead."""
-        cfg = self.cfg
-        meta = {"step": self.step, "model": dataclasses.asdict(self.model_cfg),
-                "config": cfg.to_dict(), "tokenizer": self.tokenizer_spec,
-                "precision": self.precision}
-        if getattr(cfg, "auto_layout", None):  # parallel.layout = auto: what it chose (resume)
-            meta["auto_layout"] = cfg.auto_layout
-        tensors = self.checkpoint_parts()
-        bad = self.nonfinite_tensors(tensors)
-        if bad:
-            raise NonFiniteError(
-                f"step {self.step}: {bad} weight/optimizer tensor(s) hold NaN or inf, so no "
-                f"checkpoint is saved and the earlier ones in {cfg.checkpoint.dir} are kept; "
-                f"resume from the latest one with a lower train.lr (or train.grad_clip)")
-        problem = unwritable(cfg.checkpoint.dir) if self.dims.rank == 0 else None
-        if agree(self, problem) is not None:  # rank 0 alone writes there first: all stop here
-            raise save_failed(self, OSError(problem or "rank 0 cannot write there"))
-        try:
-            ckpt.save(cfg.checkpoint.dir, self.step, tensors, self.trainer_state(), meta,
-                      cfg.checkpoint.keep)
-        except (Exception, CheckpointException) as e:  # DCP raises on every rank together
-            failure = save_error(self, e)  # disk full, unwritable, a rank lost (recovery.py)
-            if failure is None:
-                raise
-            raise failure from e
+        parts.save_checkpoint(self)
 
     def resume(self, root: str, mode: str) -> None:
         """Load the first of `ckpt.candidates` that loads (train/recovery.py)."""
@@ -444,40 +351,7 @@ class Trainer:
         resume(self, root, mode)
 
     def load_checkpoint(self, path) -> str | None:
-        """Load `path` into this trainer; returns why it could not be read (None: loaded).
-        A checkpoint of another model shape or data position is a ConfigError, raised. A
-        failed read may have filled some shards: the caller loads another checkpoint over
-        them, or stops."""
-        meta = problem = None
-        try:
-            meta = ckpt.read_meta(path)
-        except (ConfigError, OSError) as e:
-            problem = one_line(e)
-        problem = agree(self, problem)
-        if problem is not None:
-            return problem
-        ckpt.check_model_shape(meta, self.model_cfg, path)
-        check_resume(meta, self.cfg, path)  # the same adapters (or none) as this run
-        convert_from = resume_conversion(meta, self.cfg, path)
-        state = {"step": 0, "optim_step": 0, "loader": self.loader.state_dict(),
-                 "scaler": self.scaler.state_dict()}
-        try:
-            with torch.no_grad():
-                ckpt.load(path, self.checkpoint_parts(True, convert_from), state)
-        except ckpt.ModelMismatch:  # another model, on every rank: a bad input, no fallback
-            raise
-        except (Exception, CheckpointException) as e:  # DCP raises on every rank together;
-            problem = one_line(e)  # the rng file is read per rank
-        problem = agree(self, problem)
-        if problem is not None:
-            return problem
-        self.optimizer.loaded(state["optim_step"])
-        self.loader.load_state_dict(state["loader"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.step = state["step"]
-        self.resumed_from = str(path)
-        self.resumed_meta = meta
-        return None
+        return parts.load_checkpoint(self, path)
 
     # --- the end -----------------------------------------------------------------------
     def close(self) -> None:
