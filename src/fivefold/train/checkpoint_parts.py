@@ -99,6 +99,7 @@ def nonfinite_tensors(trainer, tensors: dict[str, ckpt.Chunked]) -> int:
 def save_checkpoint(trainer) -> None:
     """Save this step, unless its weights or optimizer states are not finite: a NaN
     checkpoint would rotate the good ones out, so the run stops instead."""
+    trainer.settle()  # the steps' records first: a run of bad steps stops before a save
     cfg = trainer.cfg
     meta = {"step": trainer.step, "model": dataclasses.asdict(trainer.model_cfg),
             "config": cfg.to_dict(), "tokenizer": trainer.tokenizer_spec,

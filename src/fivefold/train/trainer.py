@@ -44,6 +44,7 @@ from fivefold.train.metrics import (
 from fivefold.train.optim import MasterWeightOptimizer, lr_at
 from fivefold.train.precision import DTYPES, LossScaler, resolve_precision
 from fivefold.train.rundir import check_budget_fits
+from fivefold.train.step_metrics import StepBook, StepMetrics
 
 
 def pick_device(spec: str) -> torch.device:
@@ -143,7 +144,8 @@ class Trainer:
                                      self.dims.world_size)
         self.resumed_from = None
         self.resumed_meta: dict | None = None  # the meta.json of the checkpoint resumed from
-        self.bad_steps = 0  # non-finite steps in a row (skipped)
+        self.book = StepBook(self.throughput, cfg.train.max_bad_steps,
+                             counts_bad=not self.scaler.enabled, on_bad_run=self._bad_run)
         self.resume(cfg.checkpoint.dir, cfg.checkpoint.resume)
 
     # --- set-up -----------------------------------------------------------------------
@@ -214,9 +216,11 @@ class Trainer:
         for i, (inputs, targets) in enumerate(micro_batches):
             self.optimizer.prepare_backward(final_microbatch=i == len(micro_batches) - 1)
             with peak.saving():
-                loss_sum = model(inputs.to(self.device), targets.to(self.device))
+                # non_blocking: the host goes on queueing; the copy waits on the stream
+                loss_sum = model(inputs.to(self.device, non_blocking=True),
+                                 targets.to(self.device, non_blocking=True))
             peak.sample("end of forward")
-            (loss_sum * (self.scaler.scale / num_tokens)).backward()
+            (loss_sum * self.scaler.loss_factor(num_tokens)).backward()
             total += loss_sum.detach()
         return total
 
@@ -235,14 +239,19 @@ class Trainer:
                 if t.untyped_storage()._cdata not in gathered)]
         return sources
 
-    def global_loss(self, local_sum: torch.Tensor, num_tokens: int) -> float:
-        """Mean loss per target token of the global batch, known on every rank."""
+    def global_loss_sum(self, local_sum: torch.Tensor) -> torch.Tensor:
+        """The loss summed over the global batch's target tokens, on every rank (a 0-d fp32
+        tensor on the device: nothing waits for it)."""
         with ledger_paused(self.dims):
             total = local_sum.detach().clone().float()
             comm.all_reduce(total, self.dims["dp_cp"])
             if self.pipeline is not None:  # from the pp rank of the last stage
                 comm.broadcast(total, self.pipeline.loss_pp_rank, self.dims["pp"])
-        return float(total) / num_tokens
+        return total
+
+    def global_loss(self, local_sum: torch.Tensor, num_tokens: int) -> float:
+        """Mean loss per target token of the global batch, known on every rank."""
+        return float(self.global_loss_sum(local_sum)) / num_tokens
 
     TRACKED_STEPS = 2  # the second step is the first with Adam's moments: the steady peak
 
@@ -265,8 +274,10 @@ class Trainer:
         rec["peak_allocated_bytes"] = getattr(self, "tracked_peak", None)
         return rec
 
-    def _train_step(self) -> dict:
-        self.throughput.begin()
+    def _train_step(self) -> StepMetrics:
+        """One step, queued without waiting for the device: its loss, norm and skip flag
+        stay tensors in the record until it is read (train/step_metrics.py)."""
+        self.book.begin()
         self.model.train()
         self.dims.ledger.reset()
         micro_batches = self.loader.next_batch()
@@ -281,28 +292,41 @@ class Trainer:
         lr = lr_at(self.step, self.cfg.train)
         stats = self.optimizer.step(lr, loss=loss_sum)
         moe = self.moe.finish_step(self.cfg.train.gbs) if self.moe is not None else {}
-        loss = self.global_loss(loss_sum, num_tokens)
+        total = self.global_loss_sum(loss_sum)
         self.watchdog.disarm()
         self.step += 1
-        bad = stats.skipped and not self.scaler.enabled  # fp16 overflows are the scaler's
-        self.bad_steps = self.bad_steps + 1 if bad else 0
-        if self.bad_steps >= self.cfg.train.max_bad_steps:
-            from fivefold.train.lifecycle import BadStepsError
-
-            last = ckpt.resolve(self.cfg.checkpoint.dir, "auto")
-            raise BadStepsError(
-                f"steps {self.step - self.bad_steps + 1}-{self.step} had a non-finite loss or "
-                f"gradient (train.max_bad_steps = {self.cfg.train.max_bad_steps} in a row); "
-                f"stopping without saving. The last good checkpoint is "
-                f"{last or 'none (nothing was saved)'}: lower train.lr, or check the data")
         tokens = self.cfg.train.gbs * self.cfg.train.seq_len
-        tps, mfu, elapsed = self.throughput.lap(tokens)
-        return {"kind": "train", "step": self.step, "loss": loss, "lr": lr,
-                "grad_norm": stats.grad_norm, "skipped": stats.skipped, "bad": bad,
-                "loss_scale": stats.loss_scale, "tokens": tokens, "tokens_per_s": tps,
-                "step_time_s": elapsed, "mfu": mfu, "memory_bytes": memory_bytes(self.device),
-                **moe, **({"memory_reserved_bytes": memory_reserved_bytes(self.device)}
-                          if self.device.type == "cuda" else {})}
+        norm, skipped, scale = stats.values()
+        return self.book.add(
+            {"kind": "train", "step": self.step, "loss": None, "lr": lr, "grad_norm": None,
+             "skipped": None, "bad": None, "loss_scale": None, "tokens": tokens,
+             "tokens_per_s": None, "step_time_s": None, "mfu": None,
+             "memory_bytes": memory_bytes(self.device),
+             **moe, **({"memory_reserved_bytes": memory_reserved_bytes(self.device)}
+                       if self.device.type == "cuda" else {})},
+            {"loss_sum": total, "grad_norm": norm, "skipped": skipped, "loss_scale": scale},
+            num_tokens, tokens)
+
+    def settle(self, check: bool = True) -> list[StepMetrics]:
+        """Read the records of the steps not read yet (one wait for the device) and return
+        them; raises BadStepsError when they hold `train.max_bad_steps` bad steps in a row
+        (with check=False, the next `settle` or `book.check_bad_steps()` does)."""
+        return self.book.settle(check)
+
+    @property
+    def bad_steps(self) -> int:
+        """Non-finite steps in a row, as of the last record read."""
+        return self.book.bad_steps
+
+    def _bad_run(self, first: int, last: int) -> None:
+        from fivefold.train.lifecycle import BadStepsError
+
+        done = ckpt.resolve(self.cfg.checkpoint.dir, "auto")
+        raise BadStepsError(
+            f"steps {first}-{last} had a non-finite loss or gradient (train.max_bad_steps = "
+            f"{self.cfg.train.max_bad_steps} in a row); stopping without saving. The last good "
+            f"checkpoint is {done or 'none (nothing was saved)'}: lower train.lr, or check the "
+            f"data")
 
     @torch.no_grad()
     def evaluate(self) -> dict:
