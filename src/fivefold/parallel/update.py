@@ -59,14 +59,16 @@ class StepStats:
         return self.norm, self.found, self.scale
 
 
-def skips_on_device(optimizer) -> bool:
+def skips_on_device(optimizer, device: torch.device) -> bool:
     """torch's fused AdamW takes the overflow flag itself (`found_inf`, as torch's
     GradScaler hands it): with 1.0 its kernel leaves weights, moments and step counts as
-    they were, so the step needs no host decision. Other rules (fivefold's own, foreach,
-    NVMe) are skipped by the host."""
+    they were, so the step needs no host decision. Only where its states live on the
+    flag's `device` (offloaded states on the host would read a flag still in flight).
+    Other rules (fivefold's own, foreach, NVMe) are skipped by the host."""
     if not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "grads"):
         return False
-    return all(g.get("fused") for g in optimizer.param_groups)
+    return all(g.get("fused") and all(p.device == device for p in g["params"])
+               for g in optimizer.param_groups)
 
 
 def clipped_step(updates: list[tuple], lr: float, tr, scaler, world: comm.Group,
@@ -96,7 +98,7 @@ def clipped_step(updates: list[tuple], lr: float, tr, scaler, world: comm.Group,
         comm.all_reduce(found_inf, world, op="max")
         found_inf = found_inf.reshape(())
     scale = scaler.scale_value()
-    on_device = all(skips_on_device(opt) for opt, _ in updates)
+    on_device = all(skips_on_device(opt, found_inf.device) for opt, _ in updates)
     if not on_device:
         found_inf = bool(found_inf)  # the host decides: one wait for the device
     scaler.update(found_inf)
