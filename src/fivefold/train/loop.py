@@ -270,6 +270,17 @@ def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
         while trainer.step < cfg.train.steps:
             rec = trainer.train_step()
             records.append(rec)
+            step = trainer.step
+            ev, every = cfg.train.eval_every, cfg.checkpoint.every
+            evaluate = trainer.val_loader is not None and ev and (
+                step % ev == 0 or step == cfg.train.steps)
+            saved = (every and step % every == 0) or step == cfg.train.steps
+            stopping = stop.agreed(trainer.dims["world"])  # SIGTERM: every rank, this step
+            # The records are read from the device at the logging cadence (and before a
+            # validation, a save or a stop): train/step_metrics.py
+            if step % cfg.log.every == 0 or step == 1 or evaluate or saved or stopping:
+                log_records(trainer.settle(check=False), writer, progress)
+                trainer.book.check_bad_steps()  # after the bad steps are logged
             if planned and len(records) == 1:
                 measured = trainer.optimizer.memory_bytes()
                 if trainer.lora:  # the frozen base: model state the optimizer does not hold
@@ -285,17 +296,6 @@ def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
                                      f"/{rec['memory_bytes'] / 2**20:.1f}")
             if cfg.log.ledger and log:
                 progress.message(trainer.dims.ledger.summary())
-            step = trainer.step
-            ev, every = cfg.train.eval_every, cfg.checkpoint.every
-            evaluate = trainer.val_loader is not None and ev and (
-                step % ev == 0 or step == cfg.train.steps)
-            saved = (every and step % every == 0) or step == cfg.train.steps
-            stopping = stop.agreed(trainer.dims["world"])  # SIGTERM: every rank, this step
-            # The records are read from the device at the logging cadence (and before a
-            # validation, a save or a stop): train/step_metrics.py
-            if step % cfg.log.every == 0 or step == 1 or evaluate or saved or stopping:
-                log_records(trainer.settle(check=False), writer, progress)
-                trainer.book.check_bad_steps()  # after the bad steps are logged
             if evaluate:
                 val = trainer.evaluate()
                 writer.write(val)
