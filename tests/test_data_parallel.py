@@ -272,7 +272,8 @@ def test_ledger_and_overlap():
     call per bucket; ZeRO-1/2 reduce-scatter and all-gather every element once per bucket;
     ZeRO-3 all-gathers every parameter twice per micro-batch (forward and backward, so 4×
     here) and reduce-scatters once; stages 1-3 add one 1-element all-reduce (the squared
-    norm of the shards, a float64: 8 bytes). The first micro-batch sends nothing (ZeRO-3: only its gathers).
+    norm of the shards, a float64: 8 bytes). The first micro-batch sends nothing (ZeRO-3:
+    only its gathers).
     Overlap: when the last gradient arrives, every bucket but the last has been launched."""
     results = run_ranks(_ledger, 4)
     for rank_result in results:
