@@ -55,6 +55,10 @@ class StepMetrics(MutableMapping):
     def __len__(self) -> int:
         return len(self._data)
 
+    def __reduce__(self):
+        """Pickled (sent from a rank, copied) as its values, read first."""
+        return StepMetrics, (dict(self),)
+
     @property
     def settled(self) -> bool:
         return all(v is not _PENDING for v in self._data.values())
