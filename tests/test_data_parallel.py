@@ -272,7 +272,8 @@ def test_ledger_and_overlap():
     call per bucket; ZeRO-1/2 reduce-scatter and all-gather every element once per bucket;
     ZeRO-3 all-gathers every parameter twice per micro-batch (forward and backward, so 4×
     here) and reduce-scatters once; stages 1-3 add one 1-element all-reduce (the squared
-    norm of the shards). The first micro-batch sends nothing (ZeRO-3: only its gathers).
+    norm of the shards, a float64: 8 bytes). The first micro-batch sends nothing (ZeRO-3:
+    only its gathers).
     Overlap: when the last gradient arrives, every bucket but the last has been launched."""
     results = run_ranks(_ledger, 4)
     for rank_result in results:
@@ -286,12 +287,12 @@ def test_ledger_and_overlap():
             elif zero in (1, 2):
                 assert t == {rs: {"calls": n, "elements": total, "bytes": 4 * total},
                              ag: {"calls": n, "elements": total, "bytes": 4 * total},
-                             ar: {"calls": 1, "elements": 1, "bytes": 4}}
+                             ar: {"calls": 1, "elements": 1, "bytes": 8}}
                 assert r["after_first"] == {}
             else:
                 assert t == {ag: {"calls": 4 * n, "elements": 4 * total, "bytes": 16 * total},
                              rs: {"calls": n, "elements": total, "bytes": 4 * total},
-                             ar: {"calls": 1, "elements": 1, "bytes": 4}}
+                             ar: {"calls": 1, "elements": 1, "bytes": 8}}
                 assert r["after_first"] == {ag: {"calls": 2 * n, "elements": 2 * total,
                                                  "bytes": 8 * total}}
             assert n >= 3, "the test needs several buckets"

@@ -121,11 +121,15 @@ def _bad_numbers(rank, world, tmp):
 def test_a_nan_gradient_on_one_rank_skips_the_step_everywhere_then_stops(tmp_path):
     """NaN in rank 1's gradient: the norm's own reduction tells every rank; the step is
     skipped on both (weights untouched); two bad steps in a row stop the run with one line
-    naming the last good checkpoint, written before the bad steps."""
+    naming the last good checkpoint, written before the bad steps. The steps' records are
+    read from the device before a save (train/step_metrics.py): the run stops there, before
+    step 6's checkpoint."""
     results = run_ranks(_bad_numbers, 2, str(tmp_path))
     for out in results:
+        # step 6 ran (skipped); its record is read, and the run stopped, before its save
         assert out["records"] == [(1, False, False), (2, False, False), (3, True, True),
-                                  (4, False, False), (5, True, True)], out["records"]
+                                  (4, False, False), (5, True, True), (6, True, True)
+                                  ], out["records"]
         assert out["unchanged_by_bad_step"] and out["finite"]
         msg = out["error"]
         assert "steps 5-6 had a non-finite loss or gradient" in msg, msg

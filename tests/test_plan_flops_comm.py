@@ -86,7 +86,7 @@ def work(gbs=32, seq=4096, **kw):
 def test_dp_ledger_once_per_step():
     n = LLAMA8.num_params()
     w = work(gbs=32)
-    norm = 4  # ZeRO ≥ 1: one fp32 all_reduce of the squared gradient-shard norm
+    norm = 8  # ZeRO ≥ 1: one float64 all_reduce of the squared gradient-shard norm
     assert ledger_volume(w, Layout(dp=8, mbs=1)) == {"dp_cp": {"all_reduce": 2 * n}}
     z1 = ledger_volume(w, Layout(dp=8, zero=1))
     assert z1 == {"dp_cp": {"reduce_scatter": 2 * n, "all_gather": 2 * n, "all_reduce": norm}}
@@ -104,7 +104,7 @@ def test_dp_wire_bytes_ring():
     n = LLAMA8.num_params()
     assert wire_volume(work(), Layout(dp=8))["dp_cp"] == pytest.approx(2 * 7 / 8 * 2 * n)
     z1 = wire_volume(work(), Layout(dp=8, zero=1))["dp_cp"]
-    assert z1 == pytest.approx(2 * 7 / 8 * 2 * n + 2 * 7 / 8 * 4)  # + the norm
+    assert z1 == pytest.approx(2 * 7 / 8 * 2 * n + 2 * 7 / 8 * 8)  # + the norm (float64)
 
 
 def test_tp_ledger_per_layer_per_microbatch():
@@ -129,12 +129,12 @@ def test_pp_ledger_sends_and_recvs():
     w = work(gbs=16, seq=s)
     lay = Layout(dp=2, pp=4, mbs=b)  # m = 8
     msg = b * s * h * 2
-    assert ledger_volume(w, lay, 0)["pp"] == {"send": 8 * msg, "recv": 8 * msg, "all_reduce": 4}
-    assert ledger_volume(w, lay, 1)["pp"] == {"send": 16 * msg, "recv": 16 * msg, "all_reduce": 4}
+    assert ledger_volume(w, lay, 0)["pp"] == {"send": 8 * msg, "recv": 8 * msg, "all_reduce": 8}
+    assert ledger_volume(w, lay, 1)["pp"] == {"send": 16 * msg, "recv": 16 * msg, "all_reduce": 8}
     # interleaved, v = 2: rank 0 sends both chunks' outputs, receives one chunk's input
     inter = Layout(dp=2, pp=4, mbs=b, schedule="interleaved", virtual_stages=2)
     vol = ledger_volume(w, inter, 0)["pp"]
-    assert vol == {"send": (2 + 1) * 8 * msg, "recv": (1 + 2) * 8 * msg, "all_reduce": 4}
+    assert vol == {"send": (2 + 1) * 8 * msg, "recv": (1 + 2) * 8 * msg, "all_reduce": 8}
 
 
 def test_bubble_ratios():

@@ -22,7 +22,7 @@ import torch
 from fivefold.parallel import comm
 from fivefold.parallel.data import BUCKETS_IN_FLIGHT
 from fivefold.parallel.expert import is_expert_param
-from fivefold.parallel.update import StepStats, clipped_step, probe_term
+from fivefold.parallel.update import StepStats, clipped_step, finish_norm, probe_term
 from fivefold.parallel.watchdog import Watchdog
 from fivefold.parallel.zero import DataParallelOptimizer, optimizer_options
 
@@ -89,7 +89,7 @@ class ExpertParallelOptimizer:
             comm.all_reduce(sq, self.dims["dp_cp"])
         for name in ("tp", "pp"):
             comm.all_reduce(sq, self.dims[name])
-        return sq.sqrt()
+        return finish_norm(sq)  # reduced in float64, rounded once (update.squared_grad_norm)
 
     # --- checkpoints and accounting -----------------------------------------------------
     def param_states(self) -> dict[str, dict[str, torch.Tensor]]:

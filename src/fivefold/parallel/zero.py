@@ -16,7 +16,7 @@ Communication per step, per rank, in elements of the model (P, padded), on `dp_c
     stage 0     all-reduce P (one call per bucket)
     stage 1, 2  reduce-scatter P + all-gather P (one call per bucket each)
     stage 3     all-gather 2P per micro-batch (forward, backward) + reduce-scatter P
-    stages 1-3  one extra all-reduce of 1 element: the squared gradient norm of the shards
+    stages 1-3  one extra all-reduce of 1 float64: the squared gradient norm of the shards
 
 Offload (ZeRO-Offload, Ren et al. 2021): fp32 master weights and Adam moments live on the
 CPU and the AdamW step runs there; the reduced gradient shard goes down, the updated
@@ -44,6 +44,7 @@ from fivefold.parallel.update import (
     adamw,
     clipped_step,
     decays,
+    finish_norm,
     norm_share,
     probe_term,
     squared_grad_norm,
@@ -251,7 +252,9 @@ class DataParallelOptimizer:
         for m in self.master_pieces:
             m.grad = None
         self.step_grads = None
-        if not stats.skipped:  # nvme: the step itself wrote the master into the parameters
+        # a step skipped on the device left the masters as they were: publishing them again
+        # gives the parameters the values they hold (nvme: the step wrote the parameters)
+        if stats.found is not True:
             self._publish_params(from_master=self.nvme_dir is None)
         self._disarm()
 
@@ -271,11 +274,12 @@ class DataParallelOptimizer:
         for group in groups:
             self.watchdog.wait(comm.all_reduce(sq, group, async_op=True),
                                "gradient-norm all-reduce")
-        return sq.sqrt()
+        return finish_norm(sq)  # reduced in float64, rounded once (update.squared_grad_norm)
 
     def local_grad_sq(self, grads: StepGrads) -> torch.Tensor:
         """This rank's share of the squared gradient norm, before any reduction."""
-        return squared_grad_norm(grads, self.shares, self.device)
+        return squared_grad_norm(grads, self.shares, self.device,
+                                 [pc.lo for pc in self.pieces])
 
     def _publish_params(self, from_master: bool = True) -> None:
         """Copy the updated master into the parameters; ZeRO-1/2 then all-gather them."""

@@ -87,7 +87,7 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
       reduce-scatters the gradients once per step, or per micro-batch when
       `work.grad_sync == "microbatch"` (ZeRO-2 likewise).
     - Gradients travel in the grad dtype, or fp32 with a separate fp32 accumulation buffer.
-      ZeRO ≥ 1 adds one all_reduce of a single fp32 (the squared norm of the gradient
+      ZeRO ≥ 1 adds one all_reduce of a single float64 (the squared norm of the gradient
       shards). The engine pads buckets to a multiple of dp·cp; the planner does not.
     - TP per layer per micro-batch: 4 all_reduces of b·(s/cp)·h without SP (2 forward, 2
       backward; Shoeybi et al. 2019), 4 all_gathers + 4 reduce_scatters with SP (Korthikanti
@@ -99,7 +99,7 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
       all_reduces of b·s/cp fp32 in the cross-entropy (max, sum of exps, target logit). With
       SP, each norm weight's gradient is all-reduced per micro-batch; kv heads shared by several
       tp ranks have their k/v gradients all-reduced per micro-batch; the gradient norm adds one
-      fp32 all_reduce over tp (and over pp). Saving the sequence shard (`sp_saved = shard`)
+      float64 all_reduce over tp (and over pp). Saving the sequence shard (`sp_saved = shard`)
       adds, per layer per micro-batch, the backward all_gathers of the two regions' inputs.
     - PP: per micro-batch and chunk boundary, one activation send forward and one gradient send
       backward of b·(s/cp)·h (÷tp with SP), and the matching recvs (Narayanan 2021 §3.2).
@@ -166,10 +166,10 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
         embedding = mc.vocab_size * h / lay.tp
         add(dp_group_name(lay), "all_gather", bpp.param, embedding, 2 * m, lay.dp * lay.cp,
             "fwd", "tied embedding for the head")
-    if lay.zero >= 1:  # the squared norm of the gradient shards, for clipping (fp32 scalar)
-        add(dp_group_name(lay), "all_reduce", 4, 1, 1, lay.dp * lay.cp, "step", "grad norm")
+    if lay.zero >= 1:  # the squared norm of the gradient shards, for clipping (float64)
+        add(dp_group_name(lay), "all_reduce", 8, 1, 1, lay.dp * lay.cp, "step", "grad norm")
     elif lay.ep > 1 and params["expert"]:  # whole gradients, but each ep rank other experts
-        add("ep", "all_reduce", 4, 1, 1, lay.ep, "step", "grad norm (experts)")
+        add("ep", "all_reduce", 8, 1, 1, lay.ep, "step", "grad norm (experts)")
 
     # --- tensor (+ sequence) parallel ---
     t = lay.tp
@@ -222,8 +222,8 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
         add("tp", "all_reduce", grad_bytes, mc.dim_per_head, 2 * layers * m, t, "bwd",
             "q/k norm weights")
     # The gradient norm's partial sums of squares meet over each dimension that splits them.
-    add("tp", "all_reduce", 4, 1, 1, t, "step", "grad norm")
-    add("pp", "all_reduce", 4, 1, 1, lay.pp, "step", "grad norm")
+    add("tp", "all_reduce", 8, 1, 1, t, "step", "grad norm")  # float64 (parallel/update.py)
+    add("pp", "all_reduce", 8, 1, 1, lay.pp, "step", "grad norm")
 
     # --- pipeline: count this rank's chunk boundaries that cross to another rank ---
     msg = tokens * h / (t if lay.sp else 1)

@@ -201,6 +201,16 @@ def recompute_line(cfg: Config, policies) -> str:
             + "; ".join(f"{n}× {label}" for label, n in runs))
 
 
+def log_records(records, writer: MetricsWriter, progress: Progress) -> None:
+    """Steps' records just read from the device: to metrics.jsonl and the progress line."""
+    for rec in records:
+        writer.write(dict(rec))
+        progress.update(rec)
+        if rec["bad"]:
+            progress.message(f"step {rec['step']} skipped: non-finite loss or gradient "
+                             f"({rec.bad_in_a_row} in a row)")
+
+
 def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
     log = trainer.is_logger
     if trainer.resumed_from and trainer.step >= cfg.train.steps:
@@ -260,8 +270,17 @@ def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
         while trainer.step < cfg.train.steps:
             rec = trainer.train_step()
             records.append(rec)
-            writer.write(rec)
-            progress.update(rec)
+            step = trainer.step
+            ev, every = cfg.train.eval_every, cfg.checkpoint.every
+            evaluate = trainer.val_loader is not None and ev and (
+                step % ev == 0 or step == cfg.train.steps)
+            saved = (every and step % every == 0) or step == cfg.train.steps
+            stopping = stop.agreed(trainer.dims["world"])  # SIGTERM: every rank, this step
+            # The records are read from the device at the logging cadence (and before a
+            # validation, a save or a stop): train/step_metrics.py
+            if step % cfg.log.every == 0 or step == 1 or evaluate or saved or stopping:
+                log_records(trainer.settle(check=False), writer, progress)
+                trainer.book.check_bad_steps()  # after the bad steps are logged
             if planned and len(records) == 1:
                 measured = trainer.optimizer.memory_bytes()
                 if trainer.lora:  # the frozen base: model state the optimizer does not hold
@@ -277,21 +296,14 @@ def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
                                      f"/{rec['memory_bytes'] / 2**20:.1f}")
             if cfg.log.ledger and log:
                 progress.message(trainer.dims.ledger.summary())
-            ev = cfg.train.eval_every
-            if trainer.val_loader is not None and ev and (
-                    trainer.step % ev == 0 or trainer.step == cfg.train.steps):
+            if evaluate:
                 val = trainer.evaluate()
                 writer.write(val)
                 progress.message(f"step {val['step']:>6}  val_loss {val['val_loss']:.4f}  "
                                  f"perplexity {val['val_perplexity']:.2f}")
-            if rec.get("bad"):
-                progress.message(f"step {rec['step']} skipped: non-finite loss or gradient "
-                                 f"({trainer.bad_steps} in a row)")
-            every = cfg.checkpoint.every
-            saved = (every and trainer.step % every == 0) or trainer.step == cfg.train.steps
             if saved:
                 trainer.save_checkpoint()
-            if stop.agreed(trainer.dims["world"]):  # SIGTERM: every rank stops here together
+            if stopping:
                 path = None
                 if cfg.checkpoint.save_on_signal:
                     if not saved:

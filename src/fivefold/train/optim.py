@@ -25,6 +25,7 @@ from fivefold.parallel.update import (  # noqa: F401  (re-exported)
     adamw,
     clipped_step,
     decays,
+    finish_norm,
     norm_share,
     probe_term,
     squared_grad_norm,
@@ -83,7 +84,9 @@ class MasterWeightOptimizer:
             ]
             self.optimizer = adamw([g for g in groups if g["params"]], tr,
                                    self.params[0].device)
-        self.shares = [norm_share(p, dims.tp) for p in self.params]
+        # on the device once, here: the norm multiplies by them every step without a copy
+        self.shares = torch.tensor([norm_share(p, dims.tp) for p in self.params],
+                                   dtype=torch.float64, device=self.params[0].device)
         self.step_grads: StepGrads | None = None  # during a step: its fp32 gradients
 
     def _piece_optimizer(self, named_params, optim):
@@ -121,11 +124,11 @@ class MasterWeightOptimizer:
     def global_grad_norm(self, grads: list[StepGrads], loss=None) -> torch.Tensor:
         """sqrt of the sum of squares over every logical element, each counted once (NaN if
         any rank's `loss` is not finite: `probe_term`)."""
-        sq = squared_grad_norm(grads[0], self.shares, grads[0].device)
+        sq = squared_grad_norm(grads[0], self.shares, grads[0].device)  # float64
         sq += probe_term(loss, sq.device)
         for name in ("tp", "pp"):
             comm.all_reduce(sq, self.dims[name])
-        return sq.sqrt()
+        return finish_norm(sq)
 
     def step(self, lr: float, loss: torch.Tensor | None = None) -> StepStats:
         """With fp32 masters each parameter's fp32 gradient is made where the step uses it
@@ -139,7 +142,9 @@ class MasterWeightOptimizer:
                                  self.scaler, self.dims["world"], self.global_grad_norm, loss)
         finally:
             self.step_grads = None
-        if self.mixed and not stats.skipped:
+        # a step skipped on the device (`update.skips_on_device`) left the masters as they
+        # were: copying them gives the parameters the values they hold (bf16/fp16 of them)
+        if self.mixed and stats.found is not True:
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.master)
         return stats

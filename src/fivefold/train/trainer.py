@@ -11,18 +11,15 @@ same gradient as one big batch, and every data-parallel reduction is a plain sum
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
-from torch.distributed.checkpoint import CheckpointException
 
-from fivefold.config import Config, ConfigError, RunError, corpus_tokenizer, resolve_mbs
+from fivefold.config import Config, ConfigError, corpus_tokenizer, resolve_mbs
 from fivefold.config.train import resolve_compile
 from fivefold.finetune.attach import (
     add_adapters,
     base_tensors,
-    check_resume,
     describe,
     finish_adapters,
     frozen_state,
@@ -34,6 +31,8 @@ from fivefold.parallel.apply import ParallelModel, parallelize
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.parallel.watchdog import Watchdog
 from fivefold.train import checkpoint as ckpt
+from fivefold.train import checkpoint_parts as parts
+from fivefold.train.checkpoint_parts import NonFiniteError  # noqa: F401  (re-exported)
 from fivefold.train.lifecycle import ledger_paused
 from fivefold.train.metrics import (
     Throughput,
@@ -42,20 +41,10 @@ from fivefold.train.metrics import (
     memory_bytes,
     memory_reserved_bytes,
 )
-from fivefold.train.optim import MasterWeightOptimizer, lr_at, resume_conversion
+from fivefold.train.optim import MasterWeightOptimizer, lr_at
 from fivefold.train.precision import DTYPES, LossScaler, resolve_precision
-from fivefold.train.recovery import (
-    agree,
-    one_line,
-    save_error,
-    save_failed,
-    unwritable,
-)
 from fivefold.train.rundir import check_budget_fits
-
-
-class NonFiniteError(RunError):
-    """The run produced NaN or inf weights; it stops without saving them."""
+from fivefold.train.step_metrics import StepBook, StepMetrics
 
 
 def pick_device(spec: str) -> torch.device:
@@ -155,7 +144,8 @@ class Trainer:
                                      self.dims.world_size)
         self.resumed_from = None
         self.resumed_meta: dict | None = None  # the meta.json of the checkpoint resumed from
-        self.bad_steps = 0  # non-finite steps in a row (skipped)
+        self.book = StepBook(self.throughput, cfg.train.max_bad_steps,
+                             counts_bad=not self.scaler.enabled, on_bad_run=self._bad_run)
         self.resume(cfg.checkpoint.dir, cfg.checkpoint.resume)
 
     # --- set-up -----------------------------------------------------------------------
@@ -226,9 +216,11 @@ class Trainer:
         for i, (inputs, targets) in enumerate(micro_batches):
             self.optimizer.prepare_backward(final_microbatch=i == len(micro_batches) - 1)
             with peak.saving():
-                loss_sum = model(inputs.to(self.device), targets.to(self.device))
+                # non_blocking: the host goes on queueing; the copy waits on the stream
+                loss_sum = model(inputs.to(self.device, non_blocking=True),
+                                 targets.to(self.device, non_blocking=True))
             peak.sample("end of forward")
-            (loss_sum * (self.scaler.scale / num_tokens)).backward()
+            (loss_sum * self.scaler.loss_factor(num_tokens)).backward()
             total += loss_sum.detach()
         return total
 
@@ -247,14 +239,19 @@ class Trainer:
                 if t.untyped_storage()._cdata not in gathered)]
         return sources
 
-    def global_loss(self, local_sum: torch.Tensor, num_tokens: int) -> float:
-        """Mean loss per target token of the global batch, known on every rank."""
+    def global_loss_sum(self, local_sum: torch.Tensor) -> torch.Tensor:
+        """The loss summed over the global batch's target tokens, on every rank (a 0-d fp32
+        tensor on the device: nothing waits for it)."""
         with ledger_paused(self.dims):
             total = local_sum.detach().clone().float()
             comm.all_reduce(total, self.dims["dp_cp"])
             if self.pipeline is not None:  # from the pp rank of the last stage
                 comm.broadcast(total, self.pipeline.loss_pp_rank, self.dims["pp"])
-        return float(total) / num_tokens
+        return total
+
+    def global_loss(self, local_sum: torch.Tensor, num_tokens: int) -> float:
+        """Mean loss per target token of the global batch, known on every rank."""
+        return float(self.global_loss_sum(local_sum)) / num_tokens
 
     TRACKED_STEPS = 2  # the second step is the first with Adam's moments: the steady peak
 
@@ -277,8 +274,10 @@ class Trainer:
         rec["peak_allocated_bytes"] = getattr(self, "tracked_peak", None)
         return rec
 
-    def _train_step(self) -> dict:
-        self.throughput.begin()
+    def _train_step(self) -> StepMetrics:
+        """One step, queued without waiting for the device: its loss, norm and skip flag
+        stay tensors in the record until it is read (train/step_metrics.py)."""
+        self.book.begin()
         self.model.train()
         self.dims.ledger.reset()
         micro_batches = self.loader.next_batch()
@@ -293,28 +292,41 @@ class Trainer:
         lr = lr_at(self.step, self.cfg.train)
         stats = self.optimizer.step(lr, loss=loss_sum)
         moe = self.moe.finish_step(self.cfg.train.gbs) if self.moe is not None else {}
-        loss = self.global_loss(loss_sum, num_tokens)
+        total = self.global_loss_sum(loss_sum)
         self.watchdog.disarm()
         self.step += 1
-        bad = stats.skipped and not self.scaler.enabled  # fp16 overflows are the scaler's
-        self.bad_steps = self.bad_steps + 1 if bad else 0
-        if self.bad_steps >= self.cfg.train.max_bad_steps:
-            from fivefold.train.lifecycle import BadStepsError
-
-            last = ckpt.resolve(self.cfg.checkpoint.dir, "auto")
-            raise BadStepsError(
-                f"steps {self.step - self.bad_steps + 1}-{self.step} had a non-finite loss or "
-                f"gradient (train.max_bad_steps = {self.cfg.train.max_bad_steps} in a row); "
-                f"stopping without saving. The last good checkpoint is "
-                f"{last or 'none (nothing was saved)'}: lower train.lr, or check the data")
         tokens = self.cfg.train.gbs * self.cfg.train.seq_len
-        tps, mfu, elapsed = self.throughput.lap(tokens)
-        return {"kind": "train", "step": self.step, "loss": loss, "lr": lr,
-                "grad_norm": stats.grad_norm, "skipped": stats.skipped, "bad": bad,
-                "loss_scale": stats.loss_scale, "tokens": tokens, "tokens_per_s": tps,
-                "step_time_s": elapsed, "mfu": mfu, "memory_bytes": memory_bytes(self.device),
-                **moe, **({"memory_reserved_bytes": memory_reserved_bytes(self.device)}
-                          if self.device.type == "cuda" else {})}
+        norm, skipped, scale = stats.values()
+        return self.book.add(
+            {"kind": "train", "step": self.step, "loss": None, "lr": lr, "grad_norm": None,
+             "skipped": None, "bad": None, "loss_scale": None, "tokens": tokens,
+             "tokens_per_s": None, "step_time_s": None, "mfu": None,
+             "memory_bytes": memory_bytes(self.device),
+             **moe, **({"memory_reserved_bytes": memory_reserved_bytes(self.device)}
+                       if self.device.type == "cuda" else {})},
+            {"loss_sum": total, "grad_norm": norm, "skipped": skipped, "loss_scale": scale},
+            num_tokens, tokens)
+
+    def settle(self, check: bool = True) -> list[StepMetrics]:
+        """Read the records of the steps not read yet (one wait for the device) and return
+        them; raises BadStepsError when they hold `train.max_bad_steps` bad steps in a row
+        (with check=False, the next `settle` or `book.check_bad_steps()` does)."""
+        return self.book.settle(check)
+
+    @property
+    def bad_steps(self) -> int:
+        """Non-finite steps in a row, as of the last record read."""
+        return self.book.bad_steps
+
+    def _bad_run(self, first: int, last: int) -> None:
+        from fivefold.train.lifecycle import BadStepsError
+
+        done = ckpt.resolve(self.cfg.checkpoint.dir, "auto")
+        raise BadStepsError(
+            f"steps {first}-{last} had a non-finite loss or gradient (train.max_bad_steps = "
+            f"{self.cfg.train.max_bad_steps} in a row); stopping without saving. The last good "
+            f"checkpoint is {done or 'none (nothing was saved)'}: lower train.lr, or check the "
+            f"data")
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -339,103 +351,22 @@ class Trainer:
         return {"kind": "val", "step": self.step, "val_loss": loss,
                 "val_perplexity": math.exp(min(loss, 50.0))}
 
-    # --- checkpoints ------------------------------------------------------------------
+    # --- checkpoints: train/checkpoint_parts.py ----------------------------------------
     def logical_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor of this rank under its logical name, gathered to its full shape (stacked
-        expert weights: one tensor per expert, `NAME[j]`, only this rank's experts). For
-        comparisons in tests; checkpoints never gather, see `checkpoint_parts`."""
-        from fivefold.parallel.expert import expert_param_ids
-        from fivefold.parallel.shards import logical_entries
-
-        out = {}
-        states = self.optimizer.param_states()
-        experts = expert_param_ids(self.model.chunks)
-        for name, p in self.model.named_parameters():
-            for key, value in states[name].items():
-                for logical, full in logical_entries(name, p, value, self.dims,
-                                                     id(p) in experts).items():
-                    out[f"model/{logical}" if key == "param" else f"optim/{logical}/{key}"] = full
-        if self.moe is not None:  # the aux-loss-free biases are training state too
-            for name, bias in self.moe.expert_biases().items():
-                out[f"buffer/{name}"] = bias.detach().clone()
-        return out
+        return parts.logical_tensors(self)
 
     def checkpoint_parts(self, load: bool = False, convert_from: str | None = None
                          ) -> dict[str, ckpt.Chunked]:
-        """What this rank owns of every logical tensor, as views of its shards (see
-        train/checkpoint.py). Saving, a tied embedding's second copy (last pipeline stage)
-        is left to the first stage, whose ZeRO layout cuts it differently."""
-        from fivefold.parallel.expert import expert_param_ids
-        from fivefold.parallel.shards import logical_parts, per_expert_parts
-
-        experts = expert_param_ids(self.model.chunks)
-        out: dict[str, ckpt.Chunked] = {}
-        states = (self.optimizer.shard_states(load, convert_from) if convert_from
-                  else self.optimizer.shard_states(load))
-        for name, p, lo, hi, views in states:
-            if not load and getattr(p, "_pp_replicas", 1) > 1 and self.dims.pp_rank != 0:
-                continue
-            for key, flat in views.items():
-                # a state shaped unlike its parameter comes with its own descriptor
-                # (parallel/optim_base.py): quantisation scales, packed codes, Adafactor's
-                q, a, b = p, lo, hi
-                if isinstance(flat, tuple):
-                    q, a, b, flat = flat
-                size = tuple(getattr(q, "_full_shape", q.shape))
-                parts = logical_parts(q, a, b, flat)
-                by_name = (per_expert_parts(name, q, parts) if id(p) in experts
-                           else {name: parts})
-                for logical, pieces in by_name.items():
-                    key_name = (f"model/{logical}" if key == "param"
-                                else f"optim/{logical}/{key}")
-                    shape = size[1:] if id(p) in experts else size
-                    out.setdefault(key_name, ckpt.Chunked(shape, [])).parts.extend(pieces)
-        if self.moe is not None:  # the aux-loss-free biases are training state too
-            for name, bias in self.moe.expert_biases().items():
-                out[f"buffer/{name}"] = ckpt.Chunked(tuple(bias.shape),
-                                                     [((0,) * bias.dim(), bias.detach())])
-        return out
+        return parts.checkpoint_parts(self, load, convert_from)
 
     def trainer_state(self) -> dict:
-        return {"step": self.step, "optim_step": self.optimizer.step_count(),
-                "loader": self.loader.state_dict(), "scaler": self.scaler.state_dict()}
+        return parts.trainer_state(self)
 
     def nonfinite_tensors(self, tensors: dict[str, ckpt.Chunked]) -> int:
-        """How many of the tensors to save hold a NaN or an infinity in this rank's parts: the
-        most any rank found (every rank takes the same decision)."""
-        bad = torch.tensor([float(sum(not all(bool(torch.isfinite(t).all()) for _, t in c.parts)
-                                      for c in tensors.values()))], device=self.device)
-        with ledger_paused(self.dims):
-            comm.all_reduce(bad, self.dims["world"], op="max")
-        return int(bad.item())
+        return parts.nonfinite_tensors(self, tensors)
 
     def save_checkpoint(self) -> None:
-        """Save this step, unless its weights or optimizer states are not finite: a NaN
-        checkpoint would rotate the good ones out, so the run stops instead."""
-        cfg = self.cfg
-        meta = {"step": self.step, "model": dataclasses.asdict(self.model_cfg),
-                "config": cfg.to_dict(), "tokenizer": self.tokenizer_spec,
-                "precision": self.precision}
-        if getattr(cfg, "auto_layout", None):  # parallel.layout = auto: what it chose (resume)
-            meta["auto_layout"] = cfg.auto_layout
-        tensors = self.checkpoint_parts()
-        bad = self.nonfinite_tensors(tensors)
-        if bad:
-            raise NonFiniteError(
-                f"step {self.step}: {bad} weight/optimizer tensor(s) hold NaN or inf, so no "
-                f"checkpoint is saved and the earlier ones in {cfg.checkpoint.dir} are kept; "
-                f"resume from the latest one with a lower train.lr (or train.grad_clip)")
-        problem = unwritable(cfg.checkpoint.dir) if self.dims.rank == 0 else None
-        if agree(self, problem) is not None:  # rank 0 alone writes there first: all stop here
-            raise save_failed(self, OSError(problem or "rank 0 cannot write there"))
-        try:
-            ckpt.save(cfg.checkpoint.dir, self.step, tensors, self.trainer_state(), meta,
-                      cfg.checkpoint.keep)
-        except (Exception, CheckpointException) as e:  # DCP raises on every rank together
-            failure = save_error(self, e)  # disk full, unwritable, a rank lost (recovery.py)
-            if failure is None:
-                raise
-            raise failure from e
+        parts.save_checkpoint(self)
 
     def resume(self, root: str, mode: str) -> None:
         """Load the first of `ckpt.candidates` that loads (train/recovery.py)."""
@@ -444,40 +375,7 @@ class Trainer:
         resume(self, root, mode)
 
     def load_checkpoint(self, path) -> str | None:
-        """Load `path` into this trainer; returns why it could not be read (None: loaded).
-        A checkpoint of another model shape or data position is a ConfigError, raised. A
-        failed read may have filled some shards: the caller loads another checkpoint over
-        them, or stops."""
-        meta = problem = None
-        try:
-            meta = ckpt.read_meta(path)
-        except (ConfigError, OSError) as e:
-            problem = one_line(e)
-        problem = agree(self, problem)
-        if problem is not None:
-            return problem
-        ckpt.check_model_shape(meta, self.model_cfg, path)
-        check_resume(meta, self.cfg, path)  # the same adapters (or none) as this run
-        convert_from = resume_conversion(meta, self.cfg, path)
-        state = {"step": 0, "optim_step": 0, "loader": self.loader.state_dict(),
-                 "scaler": self.scaler.state_dict()}
-        try:
-            with torch.no_grad():
-                ckpt.load(path, self.checkpoint_parts(True, convert_from), state)
-        except ckpt.ModelMismatch:  # another model, on every rank: a bad input, no fallback
-            raise
-        except (Exception, CheckpointException) as e:  # DCP raises on every rank together;
-            problem = one_line(e)  # the rng file is read per rank
-        problem = agree(self, problem)
-        if problem is not None:
-            return problem
-        self.optimizer.loaded(state["optim_step"])
-        self.loader.load_state_dict(state["loader"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.step = state["step"]
-        self.resumed_from = str(path)
-        self.resumed_meta = meta
-        return None
+        return parts.load_checkpoint(self, path)
 
     # --- the end -----------------------------------------------------------------------
     def close(self) -> None:
