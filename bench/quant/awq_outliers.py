@@ -19,8 +19,10 @@ Calibration: 128 sequences of the run's training split at
 its train.seq_len, as `fivefold quantize --method awq --checkpoint` takes them; evaluation:
 the run's validation split. "closes" is (RTN - AWQ) / (RTN - fp32) perplexity.
 "residual factor" is how much of the injection AWQ's scales leave on the injected
-channels: the median over them of norm weight after AWQ / before injection, over the same
-median for the other channels (s means AWQ left the injection alone, 1 that it undid it).
+channels: the median over them of the producer's weight (a norm's, or a linear's row max
+|w|) after AWQ / before injection, over the same median for the other channels (s means AWQ
+left the injection alone, 1 that it undid it). "calib_error_vs_rtn" is AWQ's mean output
+error over RTN's on its calibration tokens (AWQReport.error_ratio).
 
 Anchor: the AWQ paper's Table 4 (arXiv 2306.00978), LLaMA-7B WikiText-2 INT4-g128: fp16
 5.68, RTN 5.96, AWQ 5.78, AWQ closing 64% of RTN's gap. Results go to
