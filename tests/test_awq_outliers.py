@@ -13,12 +13,15 @@ share closed is measured, not noise. Group size 64: the linears' input width.
 
 import copy
 
+import pytest
 import torch
 
 from fivefold.evaluate.perplexity import perplexity, validation_tokens
+from fivefold.models.init import build_model
+from fivefold.models.presets import ModelConfig
 from fivefold.numerics.intx import fake_quantize_int4
 from fivefold.quant.awq import apply_awq
-from fivefold.quant.outliers import inject_outliers
+from fivefold.quant.outliers import SITES, inject_outliers
 from fivefold.train.trainer import Trainer
 from tests.common import small_config
 
@@ -65,3 +68,39 @@ def test_awq_closes_half_of_rtns_gap_on_injected_outliers(tmp_path):
             assert p_rtn > base * (1 + 1e-4), (bits, p_rtn, base)  # a gap that is there
             closes = (p_rtn - p_awq) / (p_rtn - base)
             assert closes >= 0.5, (bits, base, p_rtn, p_awq, closes)
+
+
+@pytest.mark.parametrize("site", SITES)
+def test_every_injection_site_preserves_the_function(site):
+    # Grouped-query attention (4 query heads, 2 kv heads) so that v -> o maps one v channel
+    # to two o_proj columns. Each injected weight is w·s or w/s (one rounding, ~6e-8
+    # relative); the logits move by a few float32 ulps of their size (bound 1e-5 relative).
+    cfg = ModelConfig(name="o", vocab_size=256, hidden_size=64, intermediate_size=128,
+                      num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64,
+                      init_std=0.05)
+    model = build_model(cfg, seed=3).eval()
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    injected = copy.deepcopy(model)
+    channels = inject_outliers(injected, 100.0, 0.05, site=site)
+    assert len(channels) == (4 if site == "norms" else 2)
+    with torch.no_grad():
+        before, after = model(tokens), injected(tokens)
+        before = before if torch.is_tensor(before) else before[0]
+        after = after if torch.is_tensor(after) else after[0]
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5 * float(before.abs().max()))
+    # ... and the weights did change: the injected columns are 1/100 of what they were.
+    layer, name = next(iter(channels)).split(".", 2)[1:]
+    consumer = {"norms": "self_attn.q_proj", "v_o": "self_attn.o_proj",
+                "up_down": "mlp.down_proj"}[site]
+    col = channels[next(iter(channels))][0]
+    w0 = model.layers[int(layer)].get_submodule(consumer).weight[:, col]
+    w1 = injected.layers[int(layer)].get_submodule(consumer).weight[:, col]
+    torch.testing.assert_close(w1 * 100.0, w0, rtol=1e-6, atol=0)
+
+
+def test_unknown_site_is_refused():
+    model = build_model(ModelConfig(name="o", vocab_size=64, hidden_size=32,
+                                    intermediate_size=64, num_layers=1, num_heads=2,
+                                    num_kv_heads=2, max_seq_len=16), seed=0)
+    with pytest.raises(ValueError, match="site"):
+        inject_outliers(model, 10.0, site="q_k")

@@ -10,7 +10,14 @@ import torch
 from fivefold.models.init import build_model
 from fivefold.models.presets import ModelConfig
 from fivefold.numerics.intx import fake_quantize_int4
-from fivefold.quant.awq import alpha_grid, apply_awq, scale_for, weight_mean
+from fivefold.quant.awq import (
+    alpha_grid,
+    apply_awq,
+    apply_clip,
+    scale_for,
+    search_clip,
+    weight_mean,
+)
 from fivefold.quant.convert import quantize_
 
 CFG = ModelConfig(name="q", vocab_size=256, hidden_size=128, intermediate_size=256,
@@ -134,3 +141,43 @@ def test_grouped_query_attention_folds_v_into_o_exactly(options):
         assert not torch.allclose(heads[0, 0], torch.ones(32))
         reference, out = model(calib), scaled(calib)
     assert float((out - reference).abs().max() / reference.abs().max()) < 1e-5
+
+
+def _partial_error(x, w, q, group):
+    """Per (output row, group) mean squared error of the partial products x_g · w_g."""
+    xg = x.reshape(x.shape[0], -1, group).transpose(0, 1)              # groups, t, g
+    wg, qg = w.reshape(w.shape[0], -1, group), q.reshape(q.shape[0], -1, group)
+    diff = torch.bmm(xg, (qg - wg).permute(1, 2, 0))                   # groups, t, out
+    return diff.pow(2).mean(1).transpose(0, 1)                         # out, groups
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_clip_search_cuts_the_error_of_a_planted_outlier_and_never_raises_it(symmetric):
+    # A toy linear (16 rows, 2 groups of 128, weights ~N(0, 0.1)): row 0 of group 0 gets one
+    # weight of 0.4, 4 standard deviations and ~1.5x the largest of the rest, which stretches
+    # the int4 grid over its group. The search sees every token (tokens = all 256), so per
+    # (row, group) its calibration error is the minimum over the ratios tried, r = 1 (no
+    # clip) included.
+    gen = torch.Generator().manual_seed(0)
+    group = 128
+    w = torch.randn(16, 256, generator=gen) * 0.1
+    w[0, 5] = 0.4
+    x = torch.randn(256, 256, generator=gen)
+
+    def quantize(t):
+        return fake_quantize_int4(t, group, symmetric)
+
+    low, high = search_clip(x, w, quantize, group, tokens=256,
+                            mode="absmax" if symmetric else "range")
+    clipped = w.clone()
+    apply_clip(clipped, low, high, group)
+    plain = _partial_error(x, w, quantize(w), group)
+    after = _partial_error(x, w, quantize(clipped), group)
+    # Never above no clipping, up to float32 summation order (bmm of 128 products, ~1e-6).
+    assert bool((after <= plain * (1 + 1e-5) + 1e-12).all()), (after - plain).max()
+    # The planted group is clipped (its range shrinks) and its error falls clearly.
+    assert float(high[0, 0]) < float(w[0, :group].max())
+    assert float(after[0, 0]) < 0.9 * float(plain[0, 0]), (after[0, 0], plain[0, 0])
+    # The whole layer's output error falls too.
+    total = (x @ (quantize(clipped) - w).T).pow(2).mean()
+    assert float(total) < float((x @ (quantize(w) - w).T).pow(2).mean())

@@ -1,22 +1,28 @@
 """AWQ against round-to-nearest on a model given salient channels (quant/outliers.py).
 
-    python bench/quant/awq_outliers.py --checkpoint DIR [--scales 10 30 100] [--bits 4 3]
+    python bench/quant/awq_outliers.py --checkpoint DIR [--scales 10 30 100] [--bits 4]
+        [--sites none norms v_o up_down] [--duo | --no-duo] [--calib-samples N]
 
 The models trained here have only mild outlier channels, so AWQ closes 4-43% of RTN's gap
 on them (bench/quant/awq_bits.py, docs/quantization.md). `inject_outliers` multiplies ~1% of each
 norm's output channels by s and divides the input columns of the linears the norm feeds by
 s: the float model is unchanged (its perplexity is reported, with the relative change), and
 its linear inputs get the few large channels of a pretrained LLM, a synthetic stand-in for
-one. For each s, both arms are fake-quantised per group of 128 input columns, asymmetric,
-b bits (`numerics.intx.fake_quantize_int4` with levels = 2^b - 1), AWQ's scale and clip
-search (`quant.awq.apply_awq`, its defaults, searching with the same b-bit grid;
-`--clip-mode range` to shrink both ends of the asymmetric grid's range) applied
-first: they differ only in AWQ. Calibration: 128 sequences of the run's training split at
+one. `--sites` picks where (quant/outliers.py SITES): the norms' outputs (q/k/v and gate/up
+inputs), v_proj's output rows (o_proj's inputs), up_proj's output rows (down_proj's inputs),
+and "none", the model as trained. For each site and s, both arms are fake-quantised per
+group of 128 input columns, asymmetric, b bits (`numerics.intx.fake_quantize_int4` with
+levels = 2^b - 1), AWQ's scale and clip search (`quant.awq.apply_awq`, its defaults,
+searching with the same b-bit grid; `--clip-mode range` to shrink both ends of the
+asymmetric grid's range) applied first: they differ only in AWQ.
+Calibration: 128 sequences of the run's training split at
 its train.seq_len, as `fivefold quantize --method awq --checkpoint` takes them; evaluation:
 the run's validation split. "closes" is (RTN - AWQ) / (RTN - fp32) perplexity.
 "residual factor" is how much of the injection AWQ's scales leave on the injected
-channels: the median over them of norm weight after AWQ / before injection, over the same
-median for the other channels (s means AWQ left the injection alone, 1 that it undid it).
+channels: the median over them of the producer's weight (a norm's, or a linear's row max
+|w|) after AWQ / before injection, over the same median for the other channels (s means AWQ
+left the injection alone, 1 that it undid it). "calib_error_vs_rtn" is AWQ's mean output
+error over RTN's on its calibration tokens (AWQReport.error_ratio).
 
 Anchor: the AWQ paper's Table 4 (arXiv 2306.00978), LLaMA-7B WikiText-2 INT4-g128: fp16
 5.68, RTN 5.96, AWQ 5.78, AWQ closing 64% of RTN's gap. Results go to
@@ -43,19 +49,23 @@ from quant_quality import calibration, step_dir  # noqa: E402
 from fivefold.evaluate.perplexity import checkpoint_validation, perplexity  # noqa: E402
 from fivefold.host import cpu_model  # noqa: E402
 from fivefold.quant.awq import CLIP_MODES, apply_awq  # noqa: E402
-from fivefold.quant.outliers import inject_outliers  # noqa: E402
+from fivefold.quant.cli import DEFAULT_CALIB_SAMPLES  # noqa: E402
+from fivefold.quant.outliers import SITES, inject_outliers  # noqa: E402
 from fivefold.train.bench import git_revision, machine  # noqa: E402
 from fivefold.train.checkpoint import read_meta  # noqa: E402
 
 
 @torch.no_grad()
 def residual_factor(original, awq_model, channels: dict[str, list[int]]) -> float:
-    """Median over norms of (median injected-channel weight ratio after AWQ / before the
-    injection) over (the same median for the other channels)."""
+    """Median over producers of (median injected-channel ratio after AWQ / before the
+    injection) over (the same median for the other channels); a producer's channel is a
+    norm's weight or a linear's output row (its largest |w|)."""
     factors = []
     for name, chosen in channels.items():
-        ratio = (awq_model.get_submodule(name).weight / original.get_submodule(name).weight
-                 ).abs()
+        after, before = awq_model.get_submodule(name).weight, original.get_submodule(name).weight
+        if after.dim() == 2:
+            after, before = after.abs().amax(1), before.abs().amax(1)
+        ratio = (after / before).abs()
         mask = torch.zeros_like(ratio, dtype=torch.bool)
         mask[chosen] = True
         factors.append(float(ratio[mask].median() / ratio[~mask].median()))
@@ -63,23 +73,24 @@ def residual_factor(original, awq_model, channels: dict[str, list[int]]) -> floa
 
 
 def close_gap(model, calib, tokens, seq_len: int, base: float, bits: int,
-              group_size: int, clip_mode: str | None = None) -> dict:
+              group_size: int, awq_options: dict) -> tuple[dict, torch.nn.Module]:
     """RTN and AWQ perplexity of `model` at `bits`, and the share of RTN's gap AWQ closes."""
     levels = 2 ** bits - 1
     rtn = copy.deepcopy(model)
     round_linears(rtn, levels, group_size)
     p_rtn = perplexity(rtn, tokens, seq_len).perplexity
     scaled = copy.deepcopy(model)
-    apply_awq(scaled, calib, group_size, levels=levels, clip_mode=clip_mode)
+    report = apply_awq(scaled, calib, group_size, levels=levels, **awq_options)
     searched = copy.deepcopy(scaled)  # AWQ's float weights, before rounding
     round_linears(scaled, levels, group_size)
     p_awq = perplexity(scaled, tokens, seq_len).perplexity
     closes = (p_rtn - p_awq) / (p_rtn - base) if p_rtn != base else None
-    return {"rtn": p_rtn, "awq": p_awq, "closes": closes}, searched
+    return {"rtn": p_rtn, "awq": p_awq, "closes": closes,
+            "calib_error_vs_rtn": report.error_ratio()}, searched
 
 
 def run(path: str, scales: list[float], bits: list[int], group_size: int, samples: int,
-        fraction: float, seed: int, clip_mode: str | None = None) -> dict:
+        fraction: float, seed: int, sites: list[str], awq_options: dict) -> dict:
     step = step_dir(path)
     meta = read_meta(step)
     trained_len = int(meta["config"]["train"]["seq_len"])
@@ -88,28 +99,36 @@ def run(path: str, scales: list[float], bits: list[int], group_size: int, sample
     plain = perplexity(model, tokens, seq_len).perplexity
     result = {"checkpoint": str(step), "fp32": plain, "validation_tokens": int(len(tokens)),
               "calibration": list(calib.shape), "group_size": group_size,
-              "fraction": fraction, "seed": seed,
-              "clip_mode": clip_mode or "absmax",
-              "scales": {}}
+              "fraction": fraction, "seed": seed, "awq_options": awq_options,
+              "sites": {}}
     print(f"fp32 {plain:.4f} (no injection)", flush=True)
-    for s in scales:
-        injected = copy.deepcopy(model)
-        channels = inject_outliers(injected, s, fraction, seed)
-        base = perplexity(injected, tokens, seq_len).perplexity
-        row = {"fp32": base, "fp32_relative_change": base / plain - 1,
-               "channels_per_norm": len(next(iter(channels.values()))), "bits": {}}
-        for b in bits:
-            numbers, searched = close_gap(injected, calib, tokens, seq_len, base, b,
-                                          group_size, clip_mode)
-            numbers["residual_factor"] = residual_factor(model, searched, channels)
-            row["bits"][str(b)] = numbers
-            print(f"s={s:g} int{b} g{group_size}: fp32 {base:.4f} "
-                  f"({row['fp32_relative_change']:+.1e})  RTN {numbers['rtn']:.4f} "
-                  f"({(numbers['rtn'] / base - 1) * 100:+.2f}%)  AWQ {numbers['awq']:.4f} "
-                  f"({(numbers['awq'] / base - 1) * 100:+.2f}%)  closes "
-                  f"{numbers['closes']:.0%}  residual factor "
-                  f"{numbers['residual_factor']:.2f}", flush=True)
-        result["scales"][f"{s:g}"] = row
+    for site in sites:
+        rows = {}
+        for s in ([1.0] if site == "none" else scales):
+            injected = copy.deepcopy(model)
+            channels = {} if site == "none" else inject_outliers(injected, s, fraction, seed,
+                                                                 site)
+            base = perplexity(injected, tokens, seq_len).perplexity
+            row = {"fp32": base, "fp32_relative_change": base / plain - 1,
+                   "channels_per_producer": len(next(iter(channels.values()), [])),
+                   "bits": {}}
+            for b in bits:
+                numbers, searched = close_gap(injected, calib, tokens, seq_len, base, b,
+                                              group_size, awq_options)
+                if channels:
+                    numbers["residual_factor"] = residual_factor(model, searched, channels)
+                row["bits"][str(b)] = numbers
+                factor = numbers.get("residual_factor")
+                print(f"{site} s={s:g} int{b} g{group_size}: fp32 {base:.4f} "
+                      f"({row['fp32_relative_change']:+.1e})  RTN {numbers['rtn']:.4f} "
+                      f"({(numbers['rtn'] / base - 1) * 100:+.2f}%)  AWQ "
+                      f"{numbers['awq']:.4f} ({(numbers['awq'] / base - 1) * 100:+.2f}%)  "
+                      f"closes {numbers['closes']:.0%}  calib error "
+                      f"{numbers['calib_error_vs_rtn']:.3f}x RTN"
+                      + (f"  residual factor {factor:.2f}" if factor is not None else ""),
+                      flush=True)
+            rows[f"{s:g}"] = row
+        result["sites"][site] = rows
     return result
 
 
@@ -120,7 +139,8 @@ def combine(paths: list[str], out: str) -> None:
     for record in records[1:]:
         if record["result"]["checkpoint"] != first["result"]["checkpoint"]:
             raise SystemExit(f"{paths} measure different checkpoints")
-        first["result"]["scales"].update(record["result"]["scales"])
+        for site, rows in record["result"]["sites"].items():
+            first["result"]["sites"].setdefault(site, {}).update(rows)
     first["command"] = [r["command"] for r in records]
     first["machine"].setdefault("cpu_model", cpu_model())  # the runs' machine: this one
     Path(out).write_text(json.dumps(first, indent=1) + "\n")
@@ -132,11 +152,17 @@ def main() -> None:
     ap.add_argument("--checkpoint", help="a fivefold checkpoint (the default "
                     "model trained ~1000 steps)")
     ap.add_argument("--scales", type=float, nargs="+", default=[10, 30, 100])
-    ap.add_argument("--bits", type=int, nargs="+", default=[4, 3])
+    ap.add_argument("--bits", type=int, nargs="+", default=[4])
+    ap.add_argument("--sites", nargs="+", choices=("none", *SITES),
+                    default=["none", *SITES],
+                    help="where to inject (none: the model as trained, once)")
     ap.add_argument("--group-size", type=int, default=128)
-    ap.add_argument("--calib-samples", type=int, default=128)
+    ap.add_argument("--calib-samples", type=int, default=DEFAULT_CALIB_SAMPLES)
     ap.add_argument("--fraction", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--duo", action=argparse.BooleanOptionalAction, default=None,
+                    help="AWQ's duo scaling (default: apply_awq's)")
+    ap.add_argument("--no-clip", action="store_true", help="AWQ without the clip search")
     ap.add_argument("--clip-mode", choices=CLIP_MODES, default=None,
                     help="what AWQ's clip search shrinks (default absmax, llm-awq's "
                     "[-max|w|, max|w|]; range: the asymmetric grid's [min w, max w])")
@@ -150,8 +176,11 @@ def main() -> None:
     if not args.checkpoint:
         ap.error("give --checkpoint DIR (or --combine JSON ...)")
     torch.set_num_threads(1)
+    options = {"clip_mode": args.clip_mode, "clip": not args.no_clip}
+    if args.duo is not None:
+        options["duo"] = args.duo
     result = run(args.checkpoint, args.scales, args.bits, args.group_size,
-                 args.calib_samples, args.fraction, args.seed, args.clip_mode)
+                 args.calib_samples, args.fraction, args.seed, args.sites, options)
     record = {"benchmark": "awq_outliers", "result": result,
               "machine": {**machine(torch.device("cpu")), "cpu_model": cpu_model()},
               "git_revision": git_revision(),

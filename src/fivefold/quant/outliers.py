@@ -39,33 +39,79 @@ FED_BY = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn
           "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
 
 
+SITES = ("norms", "v_o", "up_down")   # where a function-preserving fold exists
+
+
 @torch.no_grad()
 def inject_outliers(model: nn.Module, scale: float, fraction: float = 0.01,
-                    seed: int = 0) -> dict[str, list[int]]:
-    """Make ceil(fraction · hidden) channels of every norm's output `scale` times larger and
+                    seed: int = 0, site: str = "norms") -> dict[str, list[int]]:
+    """Make ceil(fraction · width) channels of a producer's output `scale` times larger and
     divide the matching input columns of the linears it feeds by `scale` (in place, function
-    preserving). Channels are drawn per norm from `seed`. Returns {norm name: channels}."""
+    preserving). Channels are drawn per producer from `seed`. Returns {producer: channels}.
+
+    site "norms": input_layernorm -> q/k/v and post_attention_layernorm -> gate/up (the
+    hidden channels). "v_o": v_proj's output rows -> o_proj's input columns (under
+    grouped-query attention, the columns of every query head that reads the kv head).
+    "up_down": up_proj's output rows -> down_proj's input columns (SwiGLU only: silu(gate)
+    multiplies up's output, so a scale on it passes through; a GeLU MLP has no such fold)."""
     if scale <= 0:
         raise ValueError(f"scale must be positive, not {scale}")
+    if site not in SITES:
+        raise ValueError(f"site must be one of {SITES}, not {site!r}")
     generator = torch.Generator().manual_seed(seed)
     chosen: dict[str, list[int]] = {}
     for index, layer in enumerate(model.layers):
-        for norm_name, linear_names in FED_BY.items():
-            norm = layer.get_submodule(norm_name)
-            linears = [m for m in (_find(layer, n) for n in linear_names)
-                       if isinstance(m, nn.Linear)]
-            if not linears:  # a mixture-of-experts MLP: no plain linears to divide
-                continue
-            hidden = norm.weight.shape[0]
-            count = max(1, math.ceil(fraction * hidden))
-            channels = torch.randperm(hidden, generator=generator)[:count].sort().values
-            norm.weight[channels] *= scale
-            if getattr(norm, "bias", None) is not None:
-                norm.bias[channels] *= scale
-            for linear in linears:
-                linear.weight[:, channels] /= scale
-            chosen[f"layers.{index}.{norm_name}"] = channels.tolist()
+        if site == "norms":
+            for norm_name, linear_names in FED_BY.items():
+                norm = layer.get_submodule(norm_name)
+                linears = [m for m in (_find(layer, n) for n in linear_names)
+                           if isinstance(m, nn.Linear)]
+                if not linears:  # a mixture-of-experts MLP: no plain linears to divide
+                    continue
+                channels = _draw(norm.weight.shape[0], fraction, generator)
+                _grow(norm, channels, scale)
+                for linear in linears:
+                    linear.weight[:, channels] /= scale
+                chosen[f"layers.{index}.{norm_name}"] = channels.tolist()
+        elif site == "v_o":
+            attn = layer.self_attn
+            channels = _draw(attn.v_proj.out_features, fraction, generator)
+            _grow(attn.v_proj, channels, scale)
+            attn.o_proj.weight[:, o_columns(attn, channels)] /= scale
+            chosen[f"layers.{index}.self_attn.v_proj"] = channels.tolist()
+        else:
+            mlp = layer.mlp
+            if not getattr(mlp, "swiglu", False) or not isinstance(
+                    getattr(mlp, "up_proj", None), nn.Linear):
+                raise ValueError("site up_down needs a SwiGLU MLP (gate * up feeding down)")
+            channels = _draw(mlp.up_proj.out_features, fraction, generator)
+            _grow(mlp.up_proj, channels, scale)
+            mlp.down_proj.weight[:, channels] /= scale
+            chosen[f"layers.{index}.mlp.up_proj"] = channels.tolist()
     return chosen
+
+
+def o_columns(attn: nn.Module, channels: torch.Tensor) -> torch.Tensor:
+    """o_proj's input columns fed by v_proj's output channels: under grouped-query attention
+    query head h reads kv head h // repeat (quant/awq.py's Group.tie has the same layout)."""
+    if attn.v_proj.out_features == attn.o_proj.in_features:
+        return channels
+    repeat, head_dim = attn.num_heads // attn.num_kv_heads, attn.head_dim
+    kv, dim = channels // head_dim, channels % head_dim
+    heads = kv.unsqueeze(1) * repeat + torch.arange(repeat)            # (channels, repeat)
+    return (heads * head_dim + dim.unsqueeze(1)).reshape(-1)
+
+
+def _draw(width: int, fraction: float, generator: torch.Generator) -> torch.Tensor:
+    count = max(1, math.ceil(fraction * width))
+    return torch.randperm(width, generator=generator)[:count].sort().values
+
+
+def _grow(producer: nn.Module, channels: torch.Tensor, scale: float) -> None:
+    """Output channels `channels` of a norm (its weight) or a linear (its rows) times scale."""
+    producer.weight[channels] *= scale
+    if getattr(producer, "bias", None) is not None:
+        producer.bias[channels] *= scale
 
 
 def _find(layer: nn.Module, name: str) -> nn.Module | None:
