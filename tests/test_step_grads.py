@@ -91,3 +91,28 @@ def test_step_holds_one_pieces_fp32_gradient_at_a_time(zero, monkeypatch):
     # The peak tracker counts the copies it samples at, as allocated.
     assert at_once["tracked"] == whole and per_piece["tracked"] == largest, (
         at_once, per_piece)
+
+
+def test_the_devices_norm_reads_the_compute_dtype_gradients_when_nothing_is_pending():
+    """The GPU's norm (`update.foreach_squares`) over bf16 gradients: with no factor
+    pending it reads them directly, and the float64 sum equals the one over their fp32
+    copies bit for bit (bf16 widens to fp32 exactly); with a factor pending (fp16's
+    1/scale) it norms the scaled copies."""
+    from fivefold.parallel.update import foreach_squares
+
+    torch.manual_seed(0)
+    sources = [torch.randn(n).bfloat16() for n in (3000, 17, 1 << 20)]
+    masters = [torch.zeros(s.shape) for s in sources]
+    shares = torch.tensor([1.0, 0.5, 1.0], dtype=torch.float64)
+    grads = step_grads.StepGrads(sources, torch.device("cpu"), copy=True, masters=masters)
+    assert grads.exact_sources([0, 1]) == [sources[0], sources[1]]
+    direct = foreach_squares(grads, shares)
+    copies = [s.float() for s in sources]
+    exact = sum(float(c.double().square().sum()) * w for c, w in zip(copies, shares.tolist()))
+    assert direct.dtype == torch.float64
+    assert torch.equal(direct, foreach_squares(step_grads.StepGrads(copies, torch.device("cpu"),
+                                                                    copy=False), shares))
+    assert abs(float(direct) - exact) <= 1e-12 * exact
+    grads.scale_(0.25)  # pending: the copies are scaled, so they are what the norm reads
+    assert grads.exact_sources([0]) is None
+    assert torch.equal(foreach_squares(grads, shares), direct * 0.0625)

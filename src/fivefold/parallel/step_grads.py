@@ -88,6 +88,15 @@ class StepGrads:
             peak.sample("optimizer step")
         return out
 
+    def exact_sources(self, indices: list[int]) -> list[torch.Tensor] | None:
+        """The sources of pieces `indices` when their values are the fp32 gradients exactly
+        (no factor pending: a bf16 or fp16 value widens to fp32 without rounding), for a
+        reader that only reads them (the gradient norm on a GPU: 2 bytes a value read
+        instead of a cast's 2 + 4 and the norm's 4); else None (`make` them)."""
+        if self.copy and self.factors:
+            return None
+        return [self.sources[i] for i in indices]
+
     def live_tensors(self) -> list[torch.Tensor]:
         """The copies of the last `make` still alive (for a peak tracker's `grads`)."""
         return [t for t in (r() for r in self.live) if t is not None]

@@ -165,8 +165,10 @@ def squared_grad_norm(grads: StepGrads | list[torch.Tensor],
     included, 4× the time of the norm itself on one core; a range stays in cache); a
     gradient kept in the compute dtype is cast to fp32 a range at a time too.
     On a GPU one fused `_foreach_norm` in float64 (each tensor reduced on its own) per chunk
-    of pieces keeps the step fast; the chunks change no bit. Nothing here waits for the
-    device: `shares` on the device stay there (the owners put them there once).
+    of pieces keeps the step fast; the chunks change no bit. It reads the compute-dtype
+    gradients themselves when no factor is pending (bf16; `StepGrads.exact_sources`).
+    Nothing here waits for the device: `shares` on the device stay there (the owners put
+    them there once).
     """
     if isinstance(grads, list):
         grads = StepGrads(grads, grads[0].device if grads else device, copy=False)
@@ -188,11 +190,20 @@ def squared_grad_norm(grads: StepGrads | list[torch.Tensor],
                 lo = hi
             squares.append(total)
         return (torch.stack(squares) * shares.to(torch.device("cpu"))).sum().to(device)
+    return foreach_squares(grads, shares).to(device)
+
+
+def foreach_squares(grads: StepGrads, shares: torch.Tensor) -> torch.Tensor:
+    """Σ share·‖g‖² by fused float64 `_foreach_norm`s, a chunk of pieces at a time (a GPU's
+    way): over the compute-dtype gradients themselves where no factor is pending (the same
+    values, widened exactly, without an fp32 copy to write and read back), else their
+    fp32 copies."""
     norms = []
     for chunk in grads.chunks():
-        norms += torch._foreach_norm(grads.make(chunk), 2, dtype=torch.float64)
+        pieces = grads.exact_sources(chunk) or grads.make(chunk)
+        norms += torch._foreach_norm(pieces, 2, dtype=torch.float64)
     norms = torch.stack(norms)
-    return (norms.pow(2) * shares.to(norms.device)).sum().to(device)
+    return (norms.pow(2) * shares.to(norms.device)).sum()
 
 
 def finish_norm(sq: torch.Tensor) -> torch.Tensor:
