@@ -76,3 +76,23 @@ def tiny_train_argv(root) -> list[str]:
             "--log.progress", "false", "--log.tensorboard", "false", "--train.steps", "3",
             "--checkpoint.every", "1", "--checkpoint.keep", "5",
             "--checkpoint.dir", str(root / "ck"), "--log.dir", str(root / "log")]
+
+
+def run_interpreted(args: list[str], timeout: int = 600, **kw) -> dict:
+    """Run `python args...` with Triton's interpreter (TRITON_INTERPRET=1 is read when a
+    kernel is defined, so a child process) and return the JSON its last line prints."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", **kw.pop("env", {})}
+    for name in kw.pop("unset", ()):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, **kw)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

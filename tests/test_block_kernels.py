@@ -2,14 +2,10 @@
 kernels under the interpreter against the torch arithmetic they replace, and the trace of a
 step taking them (a layer's norms 50 kernels -> 6, its RoPE 20 -> 2)."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
 import torch
+from common import run_interpreted
 
 from fivefold.models import block_kernels
 
@@ -58,12 +54,7 @@ def test_kernels_in_the_interpreter():
     result, 2^-10 of the largest); dw adds up to 1,025 rows in another order (fp32 1e-5;
     fp16: one rounding, 2^-10). RoPE's products are rounded as torch's three ops round them:
     bit-equal in both dtypes, forward and backward."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_interpreted(["-c", KERNEL_CHECK], timeout=300)
     for dtype, r in result.items():
         fp32 = dtype == "torch.float32"
         assert r["rope"] == {"forward_equal": True, "backward_equal": True}, (dtype, r)

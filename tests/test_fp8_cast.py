@@ -5,13 +5,10 @@ the step-by-step path bit for bit. The fake implementations' shapes and strides 
 real outputs'. The interpreter is chosen when Triton is imported, so the checks run in a
 child process started with TRITON_INTERPRET=1."""
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from common import run_interpreted
 
 CHECK = r"""
 import json, sys, torch
@@ -120,12 +117,7 @@ print(json.dumps(report))
 
 
 def _interpreted(part: str) -> dict:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", CHECK, part], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(["-c", CHECK, part])
 
 
 def test_fused_casts_in_the_interpreter_are_byte_equal_to_the_reference():

@@ -2,14 +2,11 @@
 numbers as the chunked path, its Triton kernel in the interpreter, and its traffic on the
 8B-shaped step as a trace counts it (fivefold.trace) against the ideal derived here."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from common import run_interpreted
 
 from fivefold.models import loss as loss_module
 from fivefold.models import loss_chunks
@@ -102,12 +99,7 @@ def test_triton_kernel_in_the_interpreter():
     exponentials in another order (online rescaling), so the loss is within a few fp32 ulps
     of the row's log-sum (1e-6 relative); a gradient element is written in the logits'
     dtype, so within one rounding of it (fp32: 1e-6 of 1; fp16: 2^-11 of a value below 1)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_interpreted(["-c", KERNEL_CHECK], timeout=300)
     bounds = {"torch.float32": 1e-6, "torch.float16": 2.0**-11}
     for dtype, r in result.items():
         assert r["loss"] <= 1e-6, (dtype, r)

@@ -17,8 +17,6 @@ that close, so they differ by at most one fp16 ulp of the output on top.
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -122,13 +120,10 @@ def child() -> dict:
 
 @pytest.fixture(scope="module")
 def measured():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("FIVEFOLD_PAGED_KERNEL", None)
-    proc = subprocess.run([sys.executable, "-m", "tests.test_paged_kernel"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from common import run_interpreted
+
+    return run_interpreted(["-m", "tests.test_paged_kernel"], cwd=ROOT,
+                           unset=("FIVEFOLD_PAGED_KERNEL",))
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
