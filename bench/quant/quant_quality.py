@@ -90,6 +90,7 @@ def bench_checkpoint(item: str, args, tmp: Path) -> tuple[str, dict]:
     step = step_dir(path)
     meta = read_meta(step, fix="--checkpoint")
     tokens, described, seq_len = checkpoint_validation(meta)
+    described = described.replace(str(Path.home()), "~")  # no machine's home in the record
     if eval_tokens:
         tokens = tokens[:eval_tokens]
     calib = calibration(step, calib_samples, calib_seq_len)[1]
