@@ -22,9 +22,9 @@ KERNEL_CHECK = textwrap.dedent("""
             w = (1 + 0.1 * torch.randn(dim)).to(dtype)
             g = torch.randn(rows, dim).to(dtype)
             y, rstd = K.rms_norm_forward(x, w, 1e-5)
-            y_ref, rstd_ref = K._reference_forward(x, w, 1e-5)
+            y_ref, rstd_ref = K.rms_norm_reference_forward(x, w, 1e-5)
             dx, dw = K.rms_norm_backward(g, x, w, rstd_ref)
-            dx_ref, dw_ref = K._reference_backward(g, x, w, rstd_ref)
+            dx_ref, dw_ref = K.rms_norm_reference_backward(g, x, w, rstd_ref)
             rel = lambda a, b: float((a.float() - b.float()).abs().max() / b.float().abs().max())
             r[f"{rows}x{dim}"] = {"rstd": rel(rstd, rstd_ref), "y": rel(y, y_ref),
                                   "dx": rel(dx, dx_ref), "dw": rel(dw, dw_ref),

@@ -91,13 +91,16 @@ if triton is not None:
         tl.store(dw_ptr + pid * dim + cols, dw, mask=mask)
 
 
-def _reference_forward(x, weight, eps):
+def rms_norm_reference_forward(x, weight, eps):
+    """(y, rstd) by torch's ops: the CPU's norm, and the kernel's reference."""
     x32 = x.float()
     rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * (x32 * rstd).to(x.dtype), rstd
 
 
-def _reference_backward(grad, x, weight, rstd):
+def rms_norm_reference_backward(grad, x, weight, rstd):
+    """(grad_x, grad_weight) by torch's ops; d(x·rstd)/dx applied to gx = grad·weight is
+    rstd · (gx − x̂ · mean(gx · x̂))."""
     xhat = x.float() * rstd
     grad32 = grad.float()
     grad_weight = (grad32 * xhat.to(x.dtype).float()).flatten(0, -2).sum(0)
@@ -115,7 +118,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, rstd): y in the dtype weight · x gives, rstd fp32 of shape (..., 1)."""
     if not (triton_usable(x.device) and x.is_contiguous() and weight.is_contiguous()):
-        return _reference_forward(x, weight, eps)
+        return rms_norm_reference_forward(x, weight, eps)
     dim = x.shape[-1]
     rows = x.numel() // max(dim, 1)
     y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
@@ -136,7 +139,7 @@ def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                       rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_x in x's dtype, grad_weight in weight's dtype)."""
     if not (triton_usable(x.device) and x.is_contiguous() and weight.is_contiguous()):
-        return _reference_backward(grad, x, weight, rstd)
+        return rms_norm_reference_backward(grad, x, weight, rstd)
     grad = grad.contiguous()
     dim = x.shape[-1]
     rows = x.numel() // max(dim, 1)
@@ -159,7 +162,7 @@ def _(grad, x, weight, rstd):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
-# --- RoPE on q and k together (models/llama.py `apply_rope`), forward and backward -----------
+# --- RoPE on q and k together (`apply_rope` below), forward and backward ---------------------
 #
 # x·cos + rotate_half(x)·sin with rotate_half(x) = (−x₂, x₁): one program a token, its q and k
 # heads together, each product rounded to the activations' dtype before the sum as torch's
@@ -209,11 +212,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE by torch's ops (models/llama.py's everywhere but the fused path)."""
+    return x * cos + rotate_half(x) * sin
+
+
 def _rope_reference(x, cos, sin, backward: bool):
-    """x (b, s, heads, d), cos/sin (s, d): torch's ops, as models/llama.py `apply_rope`."""
+    """x (b, s, heads, d), cos/sin (s, d): torch's ops, `apply_rope` and its transpose."""
     cos, sin = cos[:, None], sin[:, None]
     if not backward:
-        return x * cos + rotate_half(x) * sin
+        return apply_rope(x, cos, sin)
     gs = x * sin
     g1, g2 = gs.chunk(2, dim=-1)
     return x * cos + torch.cat((g2, -g1), dim=-1)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.models import block_kernels
-from fivefold.models.block_kernels import rotate_half
+from fivefold.models.block_kernels import apply_rope
 from fivefold.models.loss import chunked_linear_cross_entropy, cross_entropy_sum
 from fivefold.models.mlp import MLP
 from fivefold.models.moe import MoE
@@ -40,14 +40,12 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
-        if block_kernels.fused_path(x):  # a GPU, eager: one kernel (models/block_kernels.py)
-            y, rstd = block_kernels.rms_norm_forward(x.contiguous(), weight, eps)
-            ctx.save_for_backward(x, weight, rstd)
-            return y
-        x32 = x.float()
-        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        # a GPU, eager: one kernel (models/block_kernels.py); elsewhere the torch ops
+        fused = block_kernels.fused_path(x)
+        y, rstd = (block_kernels.rms_norm_forward(x.contiguous(), weight, eps) if fused
+                   else block_kernels.rms_norm_reference_forward(x, weight, eps))
         ctx.save_for_backward(x, weight, rstd)
-        return weight * (x32 * rstd).to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, grad):
@@ -55,14 +53,10 @@ class RMSNormFunction(torch.autograd.Function):
         if block_kernels.fused_path(x):
             grad_x, grad_weight = block_kernels.rms_norm_backward(grad, x.contiguous(), weight,
                                                                 rstd)
-            return grad_x, grad_weight, None
-        xhat = x.float() * rstd
-        grad32 = grad.float()
-        grad_weight = (grad32 * xhat.to(x.dtype).float()).flatten(0, -2).sum(0)
-        gx = grad32 * weight.float()
-        # d(x·rstd)/dx applied to gx: rstd · (gx − x̂ · mean(gx · x̂))
-        grad_x = rstd * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+        else:
+            grad_x, grad_weight = block_kernels.rms_norm_reference_backward(grad, x, weight,
+                                                                          rstd)
+        return grad_x, grad_weight, None
 
 
 class RMSNorm(nn.Module):
@@ -121,10 +115,6 @@ class Rotary(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin
 
 
 # torch >= 2.5 lets SDPA share each key/value head among its query heads without copying them.
