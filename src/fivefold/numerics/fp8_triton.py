@@ -77,18 +77,25 @@ def _decode_e4m3(code):
 
 
 @triton.jit
-def amax_partials_kernel(x_ptr, sxm, sxk, part_ptr, M, K, ROWS: tl.constexpr,
-                         BK: tl.constexpr):
-    """part[p] = max |x| over rows [p·ROWS, (p+1)·ROWS) of a (M, K) x (NaN as inf)."""
-    p = tl.program_id(0)
-    rows = p * ROWS + tl.arange(0, ROWS)
+def _rows_amax(x_ptr, sxm, sxk, rows, M, K, ROWS: tl.constexpr, BK: tl.constexpr):
+    """max |x| of each of `rows` of a (M, K) x, swept BK columns at a time (NaN as inf)."""
     acc = tl.zeros([ROWS, BK], tl.float32)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         mask = (rows < M)[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
         acc = tl.maximum(acc, _abs_or_inf(x.to(tl.float32)))
-    tl.store(part_ptr + p, tl.max(tl.max(acc, axis=1), axis=0))
+    return tl.max(acc, axis=1)
+
+
+@triton.jit
+def amax_partials_kernel(x_ptr, sxm, sxk, part_ptr, M, K, ROWS: tl.constexpr,
+                         BK: tl.constexpr):
+    """part[p] = max |x| over rows [p·ROWS, (p+1)·ROWS) of a (M, K) x (NaN as inf)."""
+    p = tl.program_id(0)
+    rows = p * ROWS + tl.arange(0, ROWS)
+    amax = _rows_amax(x_ptr, sxm, sxk, rows, M, K, ROWS, BK)
+    tl.store(part_ptr + p, tl.max(amax, axis=0))
 
 
 @triton.jit
@@ -124,13 +131,8 @@ def rows_cast_kernel(x_ptr, sxm, sxk, codes_ptr, scale_ptr, colpart_ptr, M, K,
     the amax, then the cast (the rows are read again, from cache)."""
     p = tl.program_id(0)
     rows = p * ROWS + tl.arange(0, ROWS)
-    acc = tl.zeros([ROWS, BK], tl.float32)
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        mask = (rows < M)[:, None] & (cols < K)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
-        acc = tl.maximum(acc, _abs_or_inf(x.to(tl.float32)))
-    m, inv = _multiplier(tl.max(acc, axis=1), FMAX, EPS, POW2)
+    amax = _rows_amax(x_ptr, sxm, sxk, rows, M, K, ROWS, BK)
+    m, inv = _multiplier(amax, FMAX, EPS, POW2)
     tl.store(scale_ptr + rows, inv, mask=rows < M)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
