@@ -39,7 +39,7 @@ from fivefold.parallel.recompute import _checkpointed
 from fivefold.plan.activations import activation_bytes_per_microbatch
 from fivefold.plan.comm import ledger_volume
 from fivefold.plan.inputs import training_plan_inputs
-from fivefold.plan.memory import model_state_bytes
+from fivefold.plan.model_states import model_state_bytes
 from fivefold.train.checkpoint import load_model_for_inference
 from fivefold.train.trainer import Trainer
 

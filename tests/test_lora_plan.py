@@ -15,7 +15,7 @@ from fivefold.parallel.buffers import storage_bytes
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.plan.flops import model_flops_per_token
 from fivefold.plan.lora import base_bytes_per_param, lora_flops_per_token
-from fivefold.plan.memory import model_state_bytes
+from fivefold.plan.model_states import model_state_bytes
 
 # Matrices of at least 64·256 weights, so NF4's scaler blocks are whole (no padding).
 SHAPE = ["--model.hidden_size", "128", "--model.intermediate_size", "256",

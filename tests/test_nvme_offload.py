@@ -25,7 +25,7 @@ from fivefold.config import ConfigError, load
 from fivefold.parallel import nvme
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.plan.hardware import get_hardware
-from fivefold.plan.memory import model_state_bytes
+from fivefold.plan.model_states import model_state_bytes
 from fivefold.plan.nvme import STAGING_BYTES, nvme_states, nvme_time
 from fivefold.train.manifest import verify_step
 from fivefold.train.trainer import Trainer

@@ -6,9 +6,9 @@ from fivefold.models.presets import preset
 from fivefold.plan.activations import activation_bytes_per_microbatch
 from fivefold.plan.hardware import Assumptions
 from fivefold.plan.layout import Layout, Workload, inflight_microbatches
-from fivefold.plan.memory import (
+from fivefold.plan.memory import memory_items
+from fivefold.plan.model_states import (
     bytes_per_param,
-    memory_items,
     model_state_bytes,
     rank_param_counts,
     shard_model_states,

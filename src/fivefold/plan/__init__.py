@@ -20,12 +20,12 @@ from fivefold.plan.flops import (
 )
 from fivefold.plan.hardware import CATALOG, Assumptions, Hardware, get_hardware
 from fivefold.plan.layout import Layout, Workload, bubble_ratio, check_layout
-from fivefold.plan.memory import (
+from fivefold.plan.memory import peak_memory
+from fivefold.plan.model_states import (
     BytesPerParam,
     ModelStates,
     bytes_per_param,
     model_state_bytes,
-    peak_memory,
     shard_model_states,
 )
 from fivefold.plan.search import SearchResult, SearchSpace, search

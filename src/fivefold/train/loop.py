@@ -104,7 +104,7 @@ def attention_backend(trainer: Trainer) -> str:
 
 def planned_model_states(trainer: Trainer) -> dict[str, float]:
     """The planner's model-state bytes for this rank, for the layout being run."""
-    from fivefold.plan.memory import model_state_bytes
+    from fivefold.plan.model_states import model_state_bytes
 
     par = trainer.cfg.parallel
     states = model_state_bytes(
