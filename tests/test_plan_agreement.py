@@ -18,11 +18,12 @@ from fivefold.parallel.mesh import ParallelDims
 from fivefold.parallel.peak import PeakTracker
 from fivefold.plan.activations import activation_bytes_per_microbatch
 from fivefold.plan.comm import ledger_volume
+from fivefold.plan.comm_buffers import dp_comm_buffer_bytes
 from fivefold.plan.evaluate import plan_layout
 from fivefold.plan.hardware import Assumptions, get_hardware
 from fivefold.plan.inputs import training_plan_inputs
 from fivefold.plan.layout import stage
-from fivefold.plan.memory import dp_comm_buffer_bytes, memory_items
+from fivefold.plan.memory import memory_items
 from fivefold.plan.model_states import model_state_bytes
 from fivefold.train.trainer import Trainer
 

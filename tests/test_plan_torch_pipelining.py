@@ -6,10 +6,11 @@ import dataclasses
 
 from fivefold.models.presets import preset
 from fivefold.plan.activations import activation_bytes_per_microbatch
+from fivefold.plan.comm_buffers import dp_comm_buffer_bytes
 from fivefold.plan.conventions import get_convention
 from fivefold.plan.hardware import Assumptions
 from fivefold.plan.layout import Layout, Workload, check_layout
-from fivefold.plan.memory import dp_comm_buffer_bytes, memory_items
+from fivefold.plan.memory import memory_items
 from fivefold.plan.torch_pipelining import stage_buffer_bytes
 
 LLAMA8B = preset("llama-3.1-8b")

@@ -11,7 +11,7 @@ point a peak can occur). Printed and saved, per run and rank 0 (the ranks agree)
 
 - `comm_buffers`: the item that holds the gathered tensor (with ZeRO-3's gathered units and
   gradient buckets earlier in the step), measured against the planner's
-  (plan/memory.py `dp_comm_buffer_bytes`, which plans the largest gathered tensor:
+  (plan/comm_buffers.py `dp_comm_buffer_bytes`, which plans the largest gathered tensor:
   plan/optimizer.py `gathered_bytes`);
 - `gathered`: the most comm_buffers holds at the optimizer step's gathers (the tracker's
   `optimizer gather` points; nothing else is in flight then), against `gathered_bytes`;
@@ -66,7 +66,7 @@ class GatherTracker(PeakTracker):
 
 
 def _tracked(trainer, dims, work, layout) -> dict:
-    from fivefold.plan.memory import dp_comm_buffer_bytes
+    from fivefold.plan.comm_buffers import dp_comm_buffer_bytes
     from fivefold.plan.optimizer import gathered_bytes
 
     with GatherTracker(trainer.peak_sources()) as tracker:

@@ -9,10 +9,10 @@ from fivefold.plan.activations import (
     ActivationBytes,
     activation_bytes_per_microbatch,
     kept_output_grad_bytes,
-    kv_heads_per_rank,
     recompute_working_set,
 )
 from fivefold.plan.allocator import allocator_waste, released_cache
+from fivefold.plan.comm_buffers import comm_buffer_bytes
 from fivefold.plan.hardware import GIB, Assumptions
 from fivefold.plan.layout import (
     Layout,
@@ -26,7 +26,7 @@ from fivefold.plan.layout import (
     rank_chunks,
     stage,
 )
-from fivefold.plan.model_states import (
+from fivefold.plan.model_states import (  # noqa: F401 (bytes_per_param: comm.py's)
     ModelStates,
     bytes_per_param,
     layer_param_counts,
@@ -35,124 +35,11 @@ from fivefold.plan.model_states import (
     work_bytes_per_param,
 )
 from fivefold.plan.recompute_plan import BudgetTooSmall, RankPlan, full_layer_activations, plan_rank
-from fivefold.plan.torch_pipelining import (
-    deferred_sync_grad_bytes,
-    pipelined_fsdp,
-    stage_buffer_bytes,
-)
+from fivefold.plan.torch_pipelining import pipelined_fsdp, stage_buffer_bytes
 
 # Order of the items in reports and stacked bars.
 MEMORY_ITEMS = ("params", "grads", "master", "optimizer", "grad_accum", "grad_buffer",
                 "activations", "logits_loss", "split_grads", "comm_buffers", "overhead")
-
-
-def dp_comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
-    """The most pipeline rank `rank` holds in DP/ZeRO's buffers: in backward, its gradient
-    buckets and gathered ZeRO-3 units (`_dp_bucket_bytes`); in Muon's or Adafactor's step,
-    after them, the one whole tensor gathered (plan/optimizer.py `gathered_bytes`)."""
-    from fivefold.plan.optimizer import gathered_bytes
-
-    return max(_dp_bucket_bytes(work, layout, rank), gathered_bytes(work, layout, rank))
-
-
-def _dp_bucket_bytes(work: Workload, layout: Layout, rank: int) -> float:
-    """The gradient buckets and gathered ZeRO-3 units pipeline rank `rank` holds at its peak,
-    as parallel/data.py and parallel/zero3.py run them (checked against the engine's peak
-    tracker, parallel/peak.py).
-
-    DP and ZeRO-1 reduce in place in the gradient buffer: nothing extra. ZeRO-2 stages at
-    most `buckets_in_flight` buckets (k), never more than the rank's gradient. ZeRO-3's units
-    are a chunk's blocks and its rest (embedding, final norm, head); per chunk, the most of:
-      forward   its rest + 2 blocks gathered (current + prefetched), as parameters
-      backward  its rest gathered, and staged if the chunk ends the model (from the first
-                gradient, final norm and head, to the last); then, when block n (counting
-                down) starts filling: blocks n and n-1 gathered, n staged and up to k-1
-                later blocks staged, their reductions on the wire (the rest, filling across
-                them, is not one of the k: parallel/data.py)
-    and, when a tied embedding spans two pipeline ranks (its gradient is complete only after
-    the holders' all-reduce, so every gradient is staged after backward): k of the rank's
-    largest units, as gradients."""
-    mc = work.model
-    if layout.dp * layout.cp == 1 or layout.zero <= 1:
-        return 0.0
-    bpp = bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes)
-    k = work.buckets_in_flight
-    counts = rank_param_counts(mc, layout, rank)
-    if layout.zero == 2:
-        grads = counts["dense"] + counts["expert"]
-        if work.lora_rank:  # only the adapters have gradients (plan/lora.py)
-            from fivefold.plan.lora import lora_param_split
-
-            grads = lora_param_split(mc, layout, rank, work.lora_rank, work.lora_targets,
-                                     grads)["adapters"]
-        return min(k * work.bucket_mb * 1e6, grads * bpp.grad)
-    per_layer = sum(layer_param_counts(mc, layout.tp, layout.ep).values())
-    vocab = mc.vocab_size * mc.hidden_size / layout.tp
-    norm = (1 if mc.norm == "rmsnorm" else 2) * mc.hidden_size
-    if pipelined_fsdp(work, layout) and work.zero3_keep_gathered_pp:  # plan/torch_pipelining.py
-        return deferred_sync_grad_bytes(work, layout, rank, per_layer, vocab, norm)
-    frozen = 0.0  # bytes of a block's gathered frozen base (LoRA: parallel/zero3_frozen.py)
-    if work.lora_rank:  # the units hold the adapters alone; the frozen rest is no unit
-        from fivefold.plan.lora import block_frozen_bytes, layer_lora_counts, sharded_block_bytes
-
-        per_layer = layer_lora_counts(mc, work.lora_rank, work.lora_targets,
-                                      layout.tp)["adapters"]
-        vocab = norm = 0.0
-        shards = layout.dp * layout.cp
-        frozen = shards * sharded_block_bytes(block_frozen_bytes(
-            mc, layout, work.lora_rank, work.lora_targets, work.lora_base, work.dtype_bytes,
-            sum(layer_param_counts(mc, layout.tp, layout.ep).values())), shards)
-    layers, chunks = chunk_layer_counts(mc, layout), rank_chunks(layout, rank)
-    last = num_chunks(layout) - 1
-    # A tied head on another rank than the embedding holds its own copy; on the same rank
-    # it uses the embedding (the same weight, or borrowed and gathered again: DualPipeV).
-    tied_across = mc.tie_embeddings and layout.pp > 1 and ((0 in chunks) != (last in chunks))
-    peak, units = 0.0, []
-    for c in chunks:
-        rest, borrowed = (vocab if c == 0 else 0.0), 0.0
-        if c == last:
-            head = vocab if not mc.tie_embeddings or 0 not in chunks else 0.0
-            rest += norm + head
-            borrowed = vocab if mc.tie_embeddings and c != 0 and 0 in chunks else 0.0
-        gathered = (rest + borrowed) * bpp.param
-        peak = max(peak, gathered + min(2, layers[c]) * per_layer * bpp.param
-                   + min(2, layers[c]) * frozen)
-        if not tied_across:
-            staged = (rest if c == last else 0.0) * bpp.grad
-            blocks = max((min(2, n + 1) * bpp.param
-                          + (1 + min(k - 1, layers[c] - 1 - n)) * bpp.grad
-                          for n in range(layers[c])), default=0)
-            peak = max(peak, gathered + staged + blocks * per_layer)
-            if frozen:  # blocks n and n-1's frozen bases are gathered with their adapters
-                peak = max(peak, gathered + staged + max(
-                    min(2, n + 1) * (bpp.param * per_layer + frozen)
-                     + (1 + min(k - 1, layers[c] - 1 - n)) * bpp.grad * per_layer
-                     for n in range(layers[c])))
-        units += [rest] * (rest > 0) + [per_layer] * layers[c]
-    if tied_across:
-        peak = max(peak, sum(sorted(units)[-k:]) * bpp.grad)
-    return peak
-
-
-def comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
-    """Transient buffers of the collectives: DP/ZeRO's (`dp_comm_buffer_bytes`); PP receive
-    buffers for an activation and a gradient; CP's double-buffered K/V chunk;
-    EP's dispatch buffers."""
-    mc, B = work.model, work.dtype_bytes
-    tokens = layout.mbs * work.seq_len / layout.cp
-    total = dp_comm_buffer_bytes(work, layout, rank)
-    if layout.pp > 1 and work.pp_runtime == "engine":  # else torch_pipelining.py's buffers
-        total += 2 * tokens * mc.hidden_size * B / (layout.tp if layout.sp else 1)
-    if layout.cp > 1:  # the backward of one layer's core (parallel/context/attention.py)
-        kv = 2 * tokens * kv_heads_per_rank(mc, layout.tp) * mc.dim_per_head
-        dq = tokens * mc.num_heads / layout.tp * mc.dim_per_head * 4  # fp32 accumulator
-        if layout.cp_comm == "allgather":  # fp32 dK/dV of all cp ranks, and the own slice
-            total += (layout.cp + 1) * kv * 4 + dq
-        else:  # K/V held and arriving; a dK/dV block being summed and one arriving, fp32
-            total += 2 * kv * B + 2 * kv * 4 + dq
-    if layout.ep > 1:
-        total += 2 * tokens * mc.experts_top_k * mc.hidden_size * B
-    return total
 
 
 def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int = 0,
