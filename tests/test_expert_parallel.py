@@ -363,8 +363,9 @@ def test_bad_expert_parallel_inputs(tmp_path, args, message):
 def test_planner_counts_moe_layers_per_stage(tmp_path):
     """First layer dense, then MoE: pp 2 over 4 layers puts one MoE layer on rank 0 and two
     on rank 1; each rank's expert parameters and all-to-alls follow its own MoE layers."""
-    from fivefold.plan.layout import Layout, moe_layers_on_rank
+    from fivefold.plan.layout import Layout
     from fivefold.plan.memory import rank_param_counts
+    from fivefold.plan.placement import moe_layers_on_rank
 
     mc = small_config(tmp_path, *MOE, "--model.num_layers", "4",
                       "--model.moe_first_dense", "1").model.resolve()

@@ -22,9 +22,9 @@ from fivefold.plan.comm_buffers import dp_comm_buffer_bytes
 from fivefold.plan.evaluate import plan_layout
 from fivefold.plan.hardware import Assumptions, get_hardware
 from fivefold.plan.inputs import training_plan_inputs
-from fivefold.plan.layout import stage
 from fivefold.plan.memory import memory_items
 from fivefold.plan.model_states import model_state_bytes
+from fivefold.plan.placement import stage
 from fivefold.train.trainer import Trainer
 
 # A model big enough that per-tensor terms dominate: hidden 64, 4 heads of 16, 2 kv heads.

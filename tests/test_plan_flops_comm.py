@@ -14,9 +14,8 @@ from fivefold.plan.flops import (
     training_days,
     training_flops,
 )
-from fivefold.plan.layout import (
-    Layout,
-    Workload,
+from fivefold.plan.layout import Layout, Workload
+from fivefold.plan.placement import (
     bubble_ratio,
     inflight_microbatches,
     inflight_per_chunk,

@@ -5,7 +5,7 @@ import pytest
 from fivefold.models.presets import preset
 from fivefold.plan.activations import activation_bytes_per_microbatch
 from fivefold.plan.hardware import Assumptions
-from fivefold.plan.layout import Layout, Workload, inflight_microbatches
+from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.memory import memory_items
 from fivefold.plan.model_states import (
     bytes_per_param,
@@ -13,6 +13,7 @@ from fivefold.plan.model_states import (
     rank_param_counts,
     shard_model_states,
 )
+from fivefold.plan.placement import inflight_microbatches
 
 GB = 1e9
 

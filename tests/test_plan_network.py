@@ -10,7 +10,7 @@ from fivefold.models.presets import preset
 from fivefold.plan.cli_entry import main
 from fivefold.plan.comm import Collective
 from fivefold.plan.hardware import CATALOG, Assumptions, get_hardware
-from fivefold.plan.layout import Layout, Workload, bubble_ratio
+from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.network import (
     call_latency_s,
     collective_time,
@@ -19,6 +19,7 @@ from fivefold.plan.network import (
     ring_steps,
     tree_steps,
 )
+from fivefold.plan.placement import bubble_ratio
 from fivefold.plan.report import explain_losses
 from fivefold.plan.search import SearchSpace, search
 from fivefold.plan.timing import step_time

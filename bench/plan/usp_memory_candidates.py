@@ -45,7 +45,8 @@ import usp_fit as uf
 import fivefold.plan.memory as memory
 from fivefold.plan import conventions
 from fivefold.plan.hardware import GIB, get_hardware
-from fivefold.plan.layout import check_layout, inflight_microbatches, stage
+from fivefold.plan.layout import check_layout
+from fivefold.plan.placement import inflight_microbatches, stage
 
 OUT = uc.ROOT / "bench" / "results" / "usp_memory_candidates.json"
 MIB = 2**20

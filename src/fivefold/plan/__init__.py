@@ -19,7 +19,7 @@ from fivefold.plan.flops import (
     training_flops,
 )
 from fivefold.plan.hardware import CATALOG, Assumptions, Hardware, get_hardware
-from fivefold.plan.layout import Layout, Workload, bubble_ratio, check_layout
+from fivefold.plan.layout import Layout, Workload, check_layout
 from fivefold.plan.memory import peak_memory
 from fivefold.plan.model_states import (
     BytesPerParam,
@@ -28,6 +28,7 @@ from fivefold.plan.model_states import (
     model_state_bytes,
     shard_model_states,
 )
+from fivefold.plan.placement import bubble_ratio
 from fivefold.plan.search import SearchResult, SearchSpace, search
 
 __all__ = [

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from fivefold.plan.evaluate import LayoutPlan
 from fivefold.plan.hardware import Hardware
-from fivefold.plan.layout import Workload, bubble_ratio, chunk_layer_counts
+from fivefold.plan.layout import Workload
+from fivefold.plan.placement import bubble_ratio, chunk_layer_counts
 
 
 def layout_warnings(plan: LayoutPlan, work: Workload, hw: Hardware) -> list[str]:

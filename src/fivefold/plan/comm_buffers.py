@@ -5,8 +5,9 @@ parallelism's K/V blocks and expert parallelism's dispatch buffers."""
 from __future__ import annotations
 
 from fivefold.plan.activations import kv_heads_per_rank
-from fivefold.plan.layout import Layout, Workload, chunk_layer_counts, num_chunks, rank_chunks
+from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.model_states import bytes_per_param, layer_param_counts, rank_param_counts
+from fivefold.plan.placement import chunk_layer_counts, num_chunks, rank_chunks
 from fivefold.plan.torch_pipelining import deferred_sync_grad_bytes, pipelined_fsdp
 
 

@@ -9,10 +9,11 @@ from fivefold.plan.comm import ledger_volume, wire_volume
 from fivefold.plan.flops import hardware_flops_per_token, model_flops_per_token
 from fivefold.plan.grad_sync import resolve_grad_sync
 from fivefold.plan.hardware import GIB, Assumptions, Hardware, usable_memory
-from fivefold.plan.layout import Layout, Workload, bubble_ratio, stage
+from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.memory import MEMORY_ITEMS, memory_items, peak_memory
 from fivefold.plan.model_states import work_bytes_per_param
 from fivefold.plan.nvme import tier_memory
+from fivefold.plan.placement import bubble_ratio, stage
 from fivefold.plan.timing import StepTime, rank_compute, step_time
 
 STATE_ITEMS = ("params", "grads", "master", "optimizer", "grad_accum")

@@ -25,7 +25,7 @@ from __future__ import annotations
 from fivefold.models.presets import ModelConfig
 from fivefold.plan.activations import kv_heads_per_rank
 from fivefold.plan.flops import forward_flops_per_token
-from fivefold.plan.layout import stage
+from fivefold.plan.placement import stage
 
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # QLoRA's (and torchao's) defaults
 # Per NF4 tensor besides its blocks (quant/linear.py NF4Linear): the fp32 mean subtracted

@@ -14,9 +14,16 @@ from fivefold.plan.activations import (
 from fivefold.plan.allocator import allocator_waste, released_cache
 from fivefold.plan.comm_buffers import comm_buffer_bytes
 from fivefold.plan.hardware import GIB, Assumptions
-from fivefold.plan.layout import (
-    Layout,
-    Workload,
+from fivefold.plan.layout import Layout, Workload
+from fivefold.plan.model_states import (  # noqa: F401 (bytes_per_param: comm.py's)
+    ModelStates,
+    bytes_per_param,
+    layer_param_counts,
+    rank_param_counts,
+    shard_model_states,
+    work_bytes_per_param,
+)
+from fivefold.plan.placement import (
     chunk_layer_counts,
     critical_ranks,
     inflight_microbatches,
@@ -25,14 +32,6 @@ from fivefold.plan.layout import (
     pending_weight_passes,
     rank_chunks,
     stage,
-)
-from fivefold.plan.model_states import (  # noqa: F401 (bytes_per_param: comm.py's)
-    ModelStates,
-    bytes_per_param,
-    layer_param_counts,
-    rank_param_counts,
-    shard_model_states,
-    work_bytes_per_param,
 )
 from fivefold.plan.recompute_plan import BudgetTooSmall, RankPlan, full_layer_activations, plan_rank
 from fivefold.plan.torch_pipelining import pipelined_fsdp, stage_buffer_bytes

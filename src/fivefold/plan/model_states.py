@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from fivefold.models.presets import ModelConfig
 from fivefold.plan.activations import kv_heads_per_rank
-from fivefold.plan.layout import OPTIMIZER_BYTES, Layout, Workload, moe_layers_on_rank, stage
+from fivefold.plan.layout import OPTIMIZER_BYTES, Layout, Workload
+from fivefold.plan.placement import moe_layers_on_rank, stage
 
 
 @dataclass(frozen=True)

@@ -150,7 +150,7 @@ def gathered_bytes(work, layout, rank: int = 0) -> float:
     experts over ep hold E/ep of the stack); otherwise the rule reads the piece itself.
     Every rank of the ZeRO group gathers every wanted tensor of its pipeline stage. Before
     tensors were gathered one at a time this was the whole model, P·4 bytes."""
-    from fivefold.plan.layout import holds_embedding, holds_head, rank_layers
+    from fivefold.plan.placement import holds_embedding, holds_head, rank_layers
 
     if work.optimizer not in ("muon", "adafactor"):
         return 0.0

@@ -9,8 +9,9 @@ import dataclasses
 
 from fivefold.errors import ConfigError
 from fivefold.plan.inputs import training_plan_inputs
-from fivefold.plan.layout import Layout, Workload, chunk_layer_counts, rank_chunks
+from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.memory import auto_plan, minimum_budget
+from fivefold.plan.placement import chunk_layer_counts, rank_chunks
 from fivefold.plan.recompute_plan import BudgetTooSmall, LayerChoice
 
 

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from fivefold.plan.activations import STAT_BYTES, activation_bytes_per_microbatch
 from fivefold.plan.flops import forward_flops_per_token
 from fivefold.plan.hardware import GIB, Assumptions, Hardware
-from fivefold.plan.layout import Layout, Workload, chunk_layer_counts, rank_chunks
+from fivefold.plan.layout import Layout, Workload
+from fivefold.plan.placement import chunk_layer_counts, rank_chunks
 
 OPS = ("q", "k", "v", "core", "o", "gate", "up", "down")
 DEFAULT_GPU = "h100-sxm"
@@ -280,7 +281,7 @@ def _knapsack(choices: tuple[LayerChoice, ...], weights: tuple[float, ...],
 
 def rank_weights(work: Workload, layout: Layout, rank: int) -> list[float]:
     """Per layer of pipeline rank `rank`: the micro-batches its chunk keeps in flight."""
-    from fivefold.plan.layout import inflight_per_chunk
+    from fivefold.plan.placement import inflight_per_chunk
 
     counts = chunk_layer_counts(work.model, layout)
     chunks = rank_chunks(layout, rank)

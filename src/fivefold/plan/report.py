@@ -7,9 +7,10 @@ import dataclasses
 from fivefold.plan import validated
 from fivefold.plan.evaluate import LayoutPlan
 from fivefold.plan.hardware import GIB, Assumptions, Hardware
-from fivefold.plan.layout import Workload, bubble_ratio
+from fivefold.plan.layout import Workload
 from fivefold.plan.lora import describe_lora
 from fivefold.plan.memory import MEMORY_ITEMS
+from fivefold.plan.placement import bubble_ratio
 from fivefold.plan.search import SearchResult
 from fivefold.text import count, params
 

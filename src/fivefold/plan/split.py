@@ -1,5 +1,5 @@
 """How a model's layers are cut into pipeline stages: the one function the engine
-(`parallel/pipeline/stages.py`) and the planner (`plan/layout.py`) both call. No torch.
+(`parallel/pipeline/stages.py`) and the planner (`plan/placement.py`) both call. No torch.
 
 Three ways (`parallel.pp_split`, `parallel.pp_layers`):
 

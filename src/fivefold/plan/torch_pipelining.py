@@ -32,7 +32,7 @@ because published runs used older torches (torchtitan's Dec 2024 benchmarks: tor
   gradient of the unit being back-propagated, since the stage's parameters stay gathered
   (torchtitan: `reshard_after_forward = not pp_enabled`; `comm.keeps_gathered`).
 
-Where the peak is: the most activations a rank holds (`layout.inflight_per_chunk`) stay alive
+Where the peak is: the most activations a rank holds (`placement.inflight_per_chunk`) stay alive
 until its last forward; by then every micro-batch of a chunk is either alive or has run its
 backward, so m − alive of them have left their receive buffer (and, before #164329, their input
 gradient) behind. That point also has the whole fp32 accumulated gradient. A rank that runs no
@@ -43,7 +43,8 @@ one micro-batch's activations and the accumulator (the planner's `grad_buffer` i
 
 from __future__ import annotations
 
-from fivefold.plan.layout import Layout, Workload, num_chunks, rank_chunks
+from fivefold.plan.layout import Layout, Workload
+from fivefold.plan.placement import num_chunks, rank_chunks
 
 
 def pipelined_fsdp(work: Workload, layout: Layout) -> bool:
@@ -64,7 +65,7 @@ def stage_buffer_bytes(work: Workload, layout: Layout, rank: int,
                        alive: tuple[float, ...]) -> float:
     """Bytes of receive buffers, kept outputs and input gradients pipeline rank `rank` holds at
     its peak beyond its activations, with `alive[i]` micro-batches alive in its i-th chunk
-    (`layout.rank_chunks` order). Per chunk, with m micro-batches and a alive, b the boundary
+    (`placement.rank_chunks` order). Per chunk, with m micro-batches and a alive, b the boundary
     tensor and l a micro-batch's logits (T·V/tp in the compute dtype):
 
       activation receive buffers (not the first chunk)   (m − a)·b
