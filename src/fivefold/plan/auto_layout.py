@@ -42,9 +42,8 @@ from fivefold.plan.comm import collectives
 from fivefold.plan.evaluate import LayoutPlan, plan_layout
 from fivefold.plan.hardware import CATALOG, GIB, Assumptions, Hardware, measured_disk, with_profile
 from fivefold.plan.inputs import DEFAULT_GPU, layout_config, training_plan_inputs
-from fivefold.plan.layout import Layout, Workload
+from fivefold.plan.layout import Layout, Workload, layout_offload, tier
 from fivefold.plan.network import call_time
-from fivefold.plan.nvme import layout_offload, tier
 from fivefold.plan.placement import critical_ranks
 from fivefold.plan.search import SearchSpace, enumerate_layouts, search
 from fivefold.plan.validated import validated_range

@@ -19,8 +19,7 @@ from fivefold.models.hf_config import check_shape
 from fivefold.models.presets import MODEL_FIELDS, ModelConfig, preset
 from fivefold.plan.grad_sync import resolve_grad_sync
 from fivefold.plan.hardware import get_hardware, hardware_for_device_name, runs_on_host
-from fivefold.plan.layout import Layout, Workload
-from fivefold.plan.nvme import layout_offload, tier
+from fivefold.plan.layout import Layout, Workload, layout_offload, tier
 
 if sys.version_info >= (3, 11):
     pass

@@ -29,9 +29,21 @@ PP_RUNTIMES = ("engine", "torch", "torch-2412")  # Workload.pp_runtime
 # Optimizer state bytes per parameter, nominal (fp32 moments): Adam m+v 8, SGD momentum 4,
 # 8-bit Adam 2 + 8/256 of block scales, 4-bit 1 + 8/128; Adafactor (rows + columns) and Muon
 # (4 on hidden matrices, 8 elsewhere) depend on the shapes: plan/optimizer.py counts each
-# tensor (small ones keep fp32 states too), and `memory.work_bytes_per_param` uses that.
+# tensor (small ones keep fp32 states too), and `model_states.work_bytes_per_param` uses that.
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "adamw8bit": 2 + 8 / 256,
                    "adamw4bit": 1 + 8 / 128, "adafactor": 0.0, "muon": 4.0}
+# Layout.offload → parallel.offload: where offloaded states live (plan/nvme.py)
+TIERS = {False: "none", True: "cpu", "nvme": "nvme"}
+
+
+def tier(offload) -> str:
+    """A layout's `offload` as the tier name parallel.offload takes."""
+    return TIERS.get(offload, "cpu" if offload else "none")
+
+
+def layout_offload(tier_name: str):
+    """parallel.offload's tier as a Layout's `offload` value."""
+    return {"none": False, "cpu": True, "nvme": "nvme"}[tier_name]
 
 
 @dataclass(frozen=True)

@@ -23,22 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.plan.hardware import GIB, Hardware
+from fivefold.plan.layout import tier
 
 CHUNK_NUMEL = 1 << 20  # parallel/nvme.py's chunk (this module imports no torch)
 STAGING_BYTES = 2 * 3 * CHUNK_NUMEL * 4  # its two staging slots of three fp32 states
-TIERS = {False: "none", True: "cpu", "nvme": "nvme"}  # Layout.offload → parallel.offload
-
-
-def tier(offload) -> str:
-    """A layout's `offload` as the tier name parallel.offload takes."""
-    return TIERS.get(offload, "cpu" if offload else "none")
-
-
-def layout_offload(tier_name: str):
-    """parallel.offload's tier as a Layout's `offload` value."""
-    return {"none": False, "cpu": True, "nvme": "nvme"}[tier_name]
-
-
 @dataclass(frozen=True)
 class NvmeStates:
     """Per rank: bytes moved off the GPU, off host memory (into files), and the staging."""
