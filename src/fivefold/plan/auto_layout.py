@@ -38,13 +38,10 @@ from dataclasses import dataclass
 from fivefold import config as fconfig
 from fivefold.config.parallel import offload_dir_problem, offload_value
 from fivefold.errors import ConfigError
-from fivefold.plan.comm import collectives
-from fivefold.plan.evaluate import LayoutPlan, plan_layout
+from fivefold.plan.evaluate import LayoutPlan, plan_layout, unhidden_comm
 from fivefold.plan.hardware import CATALOG, GIB, Assumptions, Hardware, measured_disk, with_profile
 from fivefold.plan.inputs import DEFAULT_GPU, layout_config, training_plan_inputs
 from fivefold.plan.layout import Layout, Workload, layout_offload, tier
-from fivefold.plan.network import call_time
-from fivefold.plan.placement import critical_ranks
 from fivefold.plan.search import SearchSpace, enumerate_layouts, search
 from fivefold.plan.validated import validated_range
 
@@ -133,21 +130,6 @@ def shared_cores_time(plan: LayoutPlan, cores: int) -> float:
             + lay.world_size * t.optimizer)
     nodes = max(1, lay.world_size // nodes_ranks)
     return max(t.total, work / (cores * nodes) + unhidden_comm(plan))
-
-
-def unhidden_comm(plan: LayoutPlan) -> float:
-    """Seconds of every collective of a step on its busiest pipeline rank, none of it
-    overlapped. Overlap needs an idle resource: on a CPU whose cores the ranks' compute keeps
-    busy, the transport's copies and reductions (gloo's, on the same cores) run instead of
-    compute, not beside it. Times are calibrate's, measured with the cores free for them."""
-    work, hw, assume = plan.context
-    lay = plan.layout
-    bucket = work.bucket_mb * 1e6
-    worst = 0.0
-    for rank in critical_ranks(work.model, lay):
-        total = sum(call_time(c, hw, assume, lay, bucket) for c in collectives(work, lay, rank))
-        worst = max(worst, total)
-    return worst
 
 
 def _given(cfg) -> set[str]:

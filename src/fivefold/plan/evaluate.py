@@ -5,15 +5,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fivefold.plan.comm import ledger_volume, wire_volume
+from fivefold.plan.comm import collectives, ledger_volume, wire_volume
 from fivefold.plan.flops import hardware_flops_per_token, model_flops_per_token
 from fivefold.plan.grad_sync import resolve_grad_sync
 from fivefold.plan.hardware import GIB, Assumptions, Hardware, usable_memory
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.memory import MEMORY_ITEMS, memory_items, peak_memory
 from fivefold.plan.model_states import work_bytes_per_param
+from fivefold.plan.network import call_time
 from fivefold.plan.nvme import tier_memory
-from fivefold.plan.placement import bubble_ratio, stage
+from fivefold.plan.placement import bubble_ratio, critical_ranks, stage
 from fivefold.plan.timing import StepTime, rank_compute, step_time
 
 STATE_ITEMS = ("params", "grads", "master", "optimizer", "grad_accum")
@@ -209,6 +210,21 @@ def plan_layout(work: Workload, layout: Layout, hw: Hardware, assume: Assumption
         disk_bytes=placed.disk,
         host_limit=0.0 if hw.device_is_host else hw.host_memory_gib * GIB,
     )
+
+
+def unhidden_comm(plan: LayoutPlan) -> float:
+    """Seconds of every collective of a step on its busiest pipeline rank, none of it
+    overlapped. Overlap needs an idle resource: on a CPU whose cores the ranks' compute keeps
+    busy, the transport's copies and reductions (gloo's, on the same cores) run instead of
+    compute, not beside it. Times are calibrate's, measured with the cores free for them."""
+    work, hw, assume = plan.context
+    lay = plan.layout
+    bucket = work.bucket_mb * 1e6
+    worst = 0.0
+    for rank in critical_ranks(work.model, lay):
+        total = sum(call_time(c, hw, assume, lay, bucket) for c in collectives(work, lay, rank))
+        worst = max(worst, total)
+    return worst
 
 
 def _model_flops(work: Workload) -> float:
