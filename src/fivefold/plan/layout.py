@@ -32,6 +32,8 @@ PP_RUNTIMES = ("engine", "torch", "torch-2412")  # Workload.pp_runtime
 # tensor (small ones keep fp32 states too), and `model_states.work_bytes_per_param` uses that.
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "adamw8bit": 2 + 8 / 256,
                    "adamw4bit": 1 + 8 / 128, "adafactor": 0.0, "muon": 4.0}
+# What the search tries when nothing fits with AdamW's states, in order of fidelity to AdamW.
+LIGHTER_OPTIMIZERS = ("adamw8bit", "adamw4bit", "adafactor")
 # Layout.offload → parallel.offload: where offloaded states live (plan/nvme.py)
 TIERS = {False: "none", True: "cpu", "nvme": "nvme"}
 

@@ -182,5 +182,3 @@ def gathered_bytes(work, layout, rank: int = 0) -> float:
             largest = max(largest, n)
     return 4.0 * largest
 
-
-LIGHTER = ("adamw8bit", "adamw4bit", "adafactor")  # in order of fidelity to AdamW

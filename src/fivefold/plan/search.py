@@ -19,18 +19,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fivefold.errors import ConfigError
+from fivefold.plan.bounds import memory_check, peak_bytes, step_time_bound
 from fivefold.plan.evaluate import LayoutPlan, plan_layout
 from fivefold.plan.hardware import Assumptions, Hardware, usable_memory
 from fivefold.plan.layout import (
+    LIGHTER_OPTIMIZERS,
     RECOMPUTE,
     SCHEDULES,
     Layout,
     Workload,
     check_layout,
 )
-from fivefold.plan.memory import memory_items, peak_memory
-from fivefold.plan.nvme import host_fits, tier_memory
-from fivefold.plan.timing import step_lower_bound
 from fivefold.plan.validated import ValidatedRange, rank_key
 
 SPACE_KEYS = ("tp", "pp", "cp", "ep", "zero", "mbs", "recompute", "schedule",
@@ -228,17 +227,9 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
     smallest: tuple[float, Layout] | None = None
     compute_cache: dict[tuple, float] = {}
 
-    def lower_bound(lay: Layout) -> float:
-        # auto's recomputation costs ≥ 0 s, so none's compute bounds it from below without
-        # solving its per-layer plan, which follows the whole layout (its budget is what the
-        # states leave) and is solved only for the layouts the search reaches.
-        if lay.recompute == "auto":
-            lay = dataclasses.replace(lay, recompute="none")
-        return step_lower_bound(work, lay, hw, assume, compute_cache)
-
     bounds = []
     for i, lay in enumerate(layouts):
-        bounds.append((lower_bound(lay), i))
+        bounds.append((step_time_bound(work, lay, hw, assume, compute_cache), i))
         report(f"bounded {i + 1:,} of {len(layouts):,} layouts")
     order = sorted(bounds)
     best: list[tuple[float, int, LayoutPlan]] = []  # max-heap by time (negated)
@@ -263,13 +254,10 @@ def search(work: Workload, num_gpus: int, hw: Hardware, assume: Assumptions,
             bounded += 1
             continue
         # The first pipeline rank alone over the limit settles it (peak = max over ranks);
-        # offloaded states count where their tier puts them (plan/nvme.py).
-        limit = usable_memory(hw, assume)
-        first = tier_memory(*memory_items(work, lay, assume, 0, limit=limit), lay.offload, hw)
-        first_total = sum(first.items.values())
-        if first_total > limit or not host_fits(first.host, hw) or sum(
-                tier_memory(*peak_memory(work, lay, assume, limit)[1:], lay.offload, hw)
-                .items.values()) > limit:
+        # offloaded states count where their tier puts them (plan/bounds.py).
+        memory = memory_check(work, lay, hw, assume)
+        first_total = memory.first_rank_bytes
+        if not memory.fits:
             dropped += 1
             if not best and (smallest is None or first_total < smallest[0]):
                 smallest = (first_total, lay)
@@ -354,8 +342,7 @@ def suggest_fix(work: Workload, layout: Layout, num_gpus: int, hw: Hardware,
         n = len(changed(cand))
         if best is not None and n > best_changes:
             break
-        _, items, _ = peak_memory(work, cand, assume, usable_memory(hw, assume))
-        if sum(items.values()) > usable_memory(hw, assume):
+        if peak_bytes(work, cand, hw, assume) > usable_memory(hw, assume):
             continue
         if allowed is not None and not allowed(cand):
             continue
@@ -373,13 +360,9 @@ def suggest_fix(work: Workload, layout: Layout, num_gpus: int, hw: Hardware,
 def lighter_optimizer_note(work, num_gpus, hw, assume, space, top) -> list[str]:
     """When no layout fits with AdamW's states, the first lighter optimizer with which one
     does, as a note for the search's report (the search tries each in turn)."""
-    import dataclasses
-
-    from fivefold.plan.optimizer import LIGHTER
-
     if work.optimizer not in ("adamw", "adam"):
         return []
-    for name in LIGHTER:
+    for name in LIGHTER_OPTIMIZERS:
         result = search(dataclasses.replace(work, optimizer=name), num_gpus, hw, assume,
                         space, top)
         if result.top:
