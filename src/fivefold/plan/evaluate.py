@@ -1,4 +1,9 @@
-"""One layout, fully explained: memory items, FLOPs, communication, time, MFU, fits or not."""
+"""One layout, fully explained: memory items, FLOPs, communication, time, MFU, fits or not.
+
+The items of plan/'s flow (workload -> terms -> items -> search): a LayoutPlan is assembled
+here from the terms (memory.py, timing.py, comm.py, flops.py, nvme.py, ...), each a function
+of the workload, the layout and the hardware; the search (search.py, auto_layout.py) reads
+LayoutPlans and bounds.py, never a term (tests/test_plan_flow.py)."""
 
 from __future__ import annotations
 
