@@ -121,7 +121,7 @@ def block_frozen_bytes(model: ModelConfig, layout, rank: int, targets: str, base
                        dtype_bytes: int, layer_params: float) -> float:
     """Frozen bytes of one transformer block on one tp rank: its targeted linears in `base`,
     its other weights (untargeted linears, norms) in the compute dtype. `layer_params`: the
-    block's full-training parameter count on that rank (plan.memory.layer_param_counts)."""
+    block's full-training parameter count on that rank (plan.model_states.layer_param_counts)."""
     per = layer_lora_counts(model, rank, targets, layout.tp)
     linear = sum(w * base_bytes_per_param(base, dtype_bytes, fin) for w, fin in per["inputs"])
     if base == "nf4":
@@ -138,7 +138,7 @@ def sharded_block_bytes(block_bytes: float, shards: int) -> float:
 def lora_state_items(model: ModelConfig, layout, pp_rank: int, bpp, dtype_bytes: int,
                      dense_params: float, rank: int, targets: str, base: str,
                      layer_params: float = 0.0) -> dict:
-    """Model-state bytes of one rank (the fields of plan.memory.ModelStates but `layout`):
+    """Model-state bytes of one rank (the fields of plan.model_states.ModelStates but `layout`):
     the adapters' states sharded by ZeRO over dp×cp (under ZeRO-3 the adapters' parameters
     too); the frozen base whole on every dp rank, except under ZeRO-3, where each block's
     frozen bytes are sharded too (`layer_params` gives the block's size) and only the rest
