@@ -258,7 +258,7 @@ NOTES = [
     "`F.cross_entropy(pred.flatten(0, 1).float(), labels)` on materialised logits (train.py "
     "@9dec370; compiling it was disabled there), planned with log-softmax's fp32 output "
     "kept and two fp32 T×V gradients in backward (`chunked_loss = False`); that transient is "
-    "the peak itself, not a cached block beside a later one (`memory.allocator_waste`).",
+    "the peak itself, not a cached block beside a later one (`allocator.allocator_waste`).",
     "- Loss parallel (torchtitan with tp > 1, Tables 4 and 5): the loss's backward is "
     "DTensor's `_nll_loss_and_log_softmax_backward` (torch/distributed/tensor/parallel/"
     "loss.py), `(zeros_like(x) + exp(x)) * grad_output`: three fp32 T×V/tp buffers beside "
@@ -301,7 +301,7 @@ NOTES = [
     "their runs had.",
     "- Measured memory is max reserved (torchtitan logs `reserved_bytes.all.peak`); the "
     "prediction is the planner's reserved estimate (allocated plus its caching-allocator "
-    "model, `plan/memory.py: allocator_waste`), without the CUDA context.",
+    "model, `plan/allocator.py: allocator_waste`), without the CUDA context.",
 ]
 
 
