@@ -166,7 +166,7 @@ class FusedLlama:
         T = h.shape[0]
         cos, sin = self._rope_tables(positions, h.dtype)
         H, KV, d = self.heads, self.kv_heads, self.head_dim
-        qk_end, q_end = (H + KV) * d, H * d
+        qk_end, sizes = (H + KV) * d, (H * d, KV * d, KV * d)
         attend = attend or self._attention_for(cache, T)
         half = d // 2
         # h += a · Wᵀ: in fp32 inside the GEMM (beta = 1, one op); in bf16/fp16 the product
@@ -177,16 +177,15 @@ class FusedLlama:
             x = self._norm(h, layer.norm1)
             qkv = x.mm(layer.qkv_t) if layer.qkv_b is None else \
                 torch.addmm(layer.qkv_b, x, layer.qkv_t)
-            qk = qkv[:, :qk_end].view(T, H + KV, d)
+            # views by one split each (a view op costs the host as much as a small kernel)
+            q, k, v = qkv.split(sizes, 1)
+            qk = qkv.narrow(1, 0, qk_end).view(T, H + KV, d)
             rot = qk.view(T, H + KV, 2, half).flip(2).view(T, H + KV, d).mul_(sin)
             qk.mul_(cos).add_(rot)
-            q = qkv[:, :q_end].view(T, H, d)
-            k = qkv[:, q_end:qk_end].view(T, KV, d)
-            v = qkv[:, qk_end:].view(T, KV, d)
-            residual(h, attend(i - first, q, k, v), layer.o_t)
-            gu = self._norm(h, layer.norm2).mm(layer.gate_up_t)
-            f = layer.ffn
-            residual(h, F.silu(gu[:, :f]).mul_(gu[:, f:]), layer.down_t)
+            residual(h, attend(i - first, q.view(T, H, d), k.view(T, KV, d),
+                               v.view(T, KV, d)), layer.o_t)
+            gate, up = self._norm(h, layer.norm2).mm(layer.gate_up_t).chunk(2, 1)
+            residual(h, F.silu(gate).mul_(up), layer.down_t)
         return h
 
     def _attention_for(self, cache, T: int):
@@ -222,7 +221,7 @@ class FusedLlama:
         # each group: its rows, the rows of its K and V blocks in every layer (layers, 2 · n),
         # the gathered keys' shape
         plan = [(g.span[0], g.span[1], (g.tables.view(1, 1, -1) + offsets).flatten(1),
-                 (g.tables.shape[0], g.tables.shape[1] * bs, KV, d), g) for g in groups]
+                 (2, g.tables.shape[0], g.tables.shape[1] * bs, KV, d), g) for g in groups]
         pair = (2, T, KV, d)
 
         def decode(layer, q, k, v):
@@ -236,14 +235,12 @@ class FusedLlama:
             out = None if len(plan) == 1 else q.new_empty(T, H * d)
             for first, end, index, shape, group in plan:
                 # (g, kv_heads, L, d) views of the gathered blocks (PagedKVCache.gather_blocks)
-                kvb = rows.index_select(0, index[layer])
-                n = kvb.shape[0] // 2
-                kb = kvb[:n].view(shape).transpose(1, 2)
-                vb = kvb[n:].view(shape).transpose(1, 2)
+                kb, vb = rows.index_select(0, index[layer]).view(shape).unbind(0)
+                kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)
                 bias = cache.decode_bias(group, kb)
                 if group.uniform:
-                    kb, vb = kb[:, :, :group.length], vb[:, :, :group.length]
-                qd = q[first:end].view(end - first, KV, rep, d)
+                    kb, vb = kb.narrow(2, 0, group.length), vb.narrow(2, 0, group.length)
+                qd = (q if out is None else q[first:end]).view(end - first, KV, rep, d)
                 o = F.scaled_dot_product_attention(qd, kb, vb, attn_mask=bias)
                 if out is None:
                     return o.view(T, H * d)
