@@ -15,6 +15,7 @@ from fivefold.models.init import build_model
 from fivefold.models.presets import ModelConfig
 from fivefold.serve.engine import Engine
 from fivefold.serve.fused import FusedLlama, fusable
+from fivefold.serve.kv_cache import PagedKVCache
 from fivefold.serve.sampling_params import SamplingParams
 from fivefold.train.generate import generate
 from tests.tolerances import sum_rtol
@@ -110,3 +111,48 @@ def test_the_model_keeps_its_weights_as_views_of_the_fused_ones():
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                 for p in model.parameters()}
     assert sum(storages.values()) == bytes_before  # nothing stored twice
+
+
+def test_block_rows_are_each_layers_k_and_v_blocks():
+    cache = PagedKVCache(3, 2, 4, num_blocks=5, block_size=4, dtype=torch.float32,
+                         device="cpu")
+    cache.kv_ext.copy_(torch.randn(cache.kv_ext.shape))
+    assert cache.k_ext.data_ptr() == cache.kv_ext.data_ptr()  # views of the one tensor
+    assert cache.k.shape == (3, 20, 2, 4) and cache.trash_slot == 20
+    rows, offsets = cache.block_rows()
+    for layer in range(3):
+        for block in range(5):
+            for i, pool in enumerate((cache.k, cache.v)):
+                assert torch.equal(rows[block + offsets[layer, i, 0]],
+                                   pool[layer].reshape(5, -1)[block])
+
+
+def test_decode_attention_takes_k_and_v_adjacent_or_apart_alike():
+    """The lean decode writes K and V with one index_copy_ when they are adjacent columns
+    of the QKV rows (as layers_forward passes them), with two otherwise: the same pool and
+    output, bit for bit."""
+    model = build_model(CFG, seed=13).eval()
+    engine = Engine(model, num_blocks=64)
+    for n in (5, 17, 9):
+        engine.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=4, temperature=0))
+    engine.step()  # the prefills
+    out = engine.scheduler.schedule()
+    step = engine.runner.prepare(out)
+    cache, fused = engine.cache, engine.runner.fused
+    T, H, KV, d = 3, CFG.num_heads, CFG.num_kv_heads, fused.head_dim
+    qkv = torch.randn(T, (H + 2 * KV) * d)
+    q = qkv[:, :H * d].view(T, H, d)
+    k, v = qkv[:, H * d:(H + KV) * d].view(T, KV, d), qkv[:, (H + KV) * d:].view(T, KV, d)
+    before = cache.kv_ext.clone()
+    cache.batch = step.batch
+    try:
+        results = []
+        for kk, vv in ((k, v), (k.clone(), v.clone())):
+            cache.kv_ext.copy_(before)
+            attend = fused._attention_for(cache, T)
+            results.append((attend(1, q, kk, vv), cache.kv_ext.clone()))
+    finally:
+        cache.batch = None
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+    assert not torch.equal(results[0][1], before)  # the step's K and V were written

@@ -50,9 +50,9 @@ def test_static_decode_gives_the_eager_and_dense_greedy_tokens(monkeypatch):
     assert [o.token_ids for o in eager.generate(prompts, params)] == dense
     padded = [n for n in sizes if n not in engine.runner.static.sizes]
     assert len(sizes) > 20 and padded  # many decode steps ran static, some of them padded
-    # the padding rows wrote only to the trash slot, one past the pool
-    assert engine.cache.trash_slot == engine.num_blocks * 16
-    assert engine.cache.k_ext[:, -1].abs().sum() > 0
+    # the padding rows wrote only to the trash slot, the first slot past the pool
+    assert engine.cache.trash_slot == engine.num_blocks * 16 == engine.cache.k.shape[1]
+    assert engine.cache.k_ext[:, engine.cache.trash_slot].abs().sum() > 0
 
 
 def test_a_ladder_above_the_caches_capacity_is_one_line():

@@ -13,8 +13,12 @@ one thread; 16 greedy sequences, each prompt `--prompt` tokens. For each prompt 
   1 new token, over `--steps` (the prefill and the set-up cancel): its time per decode step.
 
 Rounds alternate the three, the medians of the rounds are printed with the ratios to
-transformers (goal: <= 0.5x), and whether the greedy tokens of all three agree. JSON:
-bench/results/serve_host.json with the machine, versions and git revision.
+transformers (goal: <= 0.5x), and whether the greedy tokens of all three agree. Beside the
+times, a count that does not depend on the machine's load: the aten ops one decode step
+dispatches (a step of the engine after the prefill; transformers: `generate` of 2 new tokens
+minus that of 1), all of them and the kernels among them (not views, metadata or
+allocations, as fivefold/trace/counter.py counts them): on a GPU each kernel is a launch.
+JSON: bench/results/serve_host.json with the machine, versions and git revision.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
@@ -37,6 +42,7 @@ from fivefold.models.init import build_model  # noqa: E402
 from fivefold.models.presets import ModelConfig  # noqa: E402
 from fivefold.serve.engine import Engine  # noqa: E402
 from fivefold.serve.sampling_params import SamplingParams  # noqa: E402
+from fivefold.trace.counter import NOT_KERNELS  # noqa: E402
 from fivefold.train.bench import cpu_model, git_revision, machine  # noqa: E402
 
 CFG = ModelConfig(name="narrow-64x30", vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -60,6 +66,49 @@ def engine_step_ms(model, prompts, steps: int, fuse: bool) -> tuple[float, list[
         cpu.append((time.process_time() - start) * 1e3)
         final.update({o.request_id: o.token_ids for o in outputs if o.finished})
     return statistics.median(cpu), [final[i] for i in ids]
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched, and the kernels among them: not views (an output
+    that aliases an input without writing it), metadata or allocations."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.kernels = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        ret = func._schema.returns
+        alias = ret[0].alias_info if ret else None
+        if func._schema.name.split("::")[-1] not in NOT_KERNELS and \
+                not (alias is not None and not alias.is_write):
+            self.kernels += 1
+        return func(*args, **(kwargs or {}))
+
+
+def engine_step_ops(model, prompts, fuse: bool) -> tuple[int, int]:
+    """Aten ops and kernels of the engine's second decode step."""
+    engine = Engine(model, max_num_seqs=len(prompts), max_model_len=CFG.max_seq_len,
+                    num_blocks=len(prompts) * (CFG.max_seq_len // 16) + 8, fuse=fuse)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    engine.step()
+    engine.step()
+    with OpCount() as count:
+        engine.step()
+    return count.ops, count.kernels
+
+
+def transformers_step_ops(hf, prompts) -> tuple[int, int]:
+    ids = torch.tensor(prompts)
+    counts = []
+    for n in (1, 2):
+        with torch.inference_mode(), OpCount() as count:
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                        do_sample=False, pad_token_id=0)
+        counts.append((count.ops, count.kernels))
+    return counts[1][0] - counts[0][0], counts[1][1] - counts[0][1]
 
 
 def transformers_step_ms(hf, prompts, steps: int) -> tuple[float, list[list[int]]]:
@@ -107,8 +156,13 @@ def main(argv=None) -> int:
             ms, tokens["transformers"] = transformers_step_ms(hf, prompts, args.steps)
             times["transformers"].append(ms)
         ms = {name: statistics.median(t) for name, t in times.items()}
+        ops = {"fused": engine_step_ops(model, prompts, True),
+               "modules": engine_step_ops(model, prompts, False),
+               "transformers": transformers_step_ops(hf, prompts)}
         case = {"prompt_tokens": length, "sequences": SEQUENCES, "decode_steps": args.steps,
                 "step_cpu_ms": ms, "step_cpu_ms_rounds": times,
+                "step_aten_ops": {k: v[0] for k, v in ops.items()},
+                "step_kernels": {k: v[1] for k, v in ops.items()},
                 "fused_over_transformers": ms["fused"] / ms["transformers"],
                 "modules_over_transformers": ms["modules"] / ms["transformers"],
                 "identical_greedy_fused_vs_transformers": sum(
@@ -123,6 +177,8 @@ def main(argv=None) -> int:
               f"{case['modules_over_transformers']:.2f}x); identical greedy tokens: fused vs "
               f"transformers {case['identical_greedy_fused_vs_transformers']}/{SEQUENCES}, "
               f"fused vs modules {case['identical_greedy_fused_vs_modules']}/{SEQUENCES}")
+        print("  aten ops (kernels) a decode step: " + ", ".join(
+            f"{name} {n} ({k})" for name, (n, k) in ops.items()))
     info = machine(torch.device("cpu"))
     info["cpu_model"] = cpu_model()
     result = {"benchmark": "serve_host", "model": vars(CFG) if hasattr(CFG, "__dict__") else

@@ -8,8 +8,8 @@ launch for the whole forward.
 
 - Static input buffers (token ids, positions, slot mapping, block tables, lengths), sized
   for the largest batch; each step copies its inputs into their first rows and fills the
-  rest with padding: token 0 at position 0, writing its K/V to the pool's trash slot (one
-  slot past the pool in every layer, serve/kv_cache.py), attending to one key of block 0.
+  rest with padding: token 0 at position 0, writing its K/V to the pool's trash slot (the
+  first slot past the pool in every layer, serve/kv_cache.py), attending to one key of block 0.
 - The attention reads K/V through full-width block tables (every sequence's row as wide as
   the longest context allowed), so shapes never change: on CUDA the paged kernel (serve/
   paged_attention.py), which reads only up to each length; elsewhere a gather of the full

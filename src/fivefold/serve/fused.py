@@ -82,8 +82,17 @@ def _fuse(linears: list[nn.Linear], attr: str) -> torch.Tensor | None:
     return fused
 
 
+def _addmm_residual(h: torch.Tensor, a: torch.Tensor, w_t: torch.Tensor) -> None:
+    h.addmm_(a, w_t)
+
+
+def _add_residual(h: torch.Tensor, a: torch.Tensor, w_t: torch.Tensor) -> None:
+    h.add_(a.mm(w_t))
+
+
 class FusedLayer:
-    __slots__ = ("qkv_w", "qkv_b", "o_w", "gate_up_w", "down_w", "norm1", "norm2", "ffn")
+    __slots__ = ("qkv_w", "qkv_b", "o_w", "gate_up_w", "down_w", "norm1", "norm2", "ffn",
+                 "qkv_t", "o_t", "gate_up_t", "down_t")
 
     def __init__(self, block):
         attn, mlp = block.self_attn, block.mlp
@@ -94,6 +103,10 @@ class FusedLayer:
         self.norm1 = block.input_layernorm.weight
         self.norm2 = block.post_attention_layernorm.weight
         self.ffn = mlp.gate_proj.weight.shape[0]
+        # (in, out) views for `mm`/`addmm`: what F.linear calls, without its dispatch and
+        # transpose each call (a few microseconds a GEMM, four GEMMs a layer)
+        self.qkv_t, self.o_t = self.qkv_w.t(), self.o_w.t()
+        self.gate_up_t, self.down_t = self.gate_up_w.t(), self.down_w.t()
 
 
 class FusedLlama:
@@ -153,23 +166,26 @@ class FusedLlama:
         T = h.shape[0]
         cos, sin = self._rope_tables(positions, h.dtype)
         H, KV, d = self.heads, self.kv_heads, self.head_dim
-        qk_end, q_end = (H + KV) * d, H * d
+        qk_end, sizes = (H + KV) * d, (H * d, KV * d, KV * d)
         attend = attend or self._attention_for(cache, T)
         half = d // 2
+        # h += a · Wᵀ: in fp32 inside the GEMM (beta = 1, one op); in bf16/fp16 the product
+        # rounded first, as the model's own forward does (addmm_ would round once)
+        residual = _addmm_residual if h.dtype == torch.float32 else _add_residual
         for i in range(first, end):
             layer = self.layers[i]
             x = self._norm(h, layer.norm1)
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
-            qk = qkv[:, :qk_end].view(T, H + KV, d)
+            qkv = x.mm(layer.qkv_t) if layer.qkv_b is None else \
+                torch.addmm(layer.qkv_b, x, layer.qkv_t)
+            # views by one split each (a view op costs the host as much as a small kernel)
+            q, k, v = qkv.split(sizes, 1)
+            qk = qkv.narrow(1, 0, qk_end).view(T, H + KV, d)
             rot = qk.view(T, H + KV, 2, half).flip(2).view(T, H + KV, d).mul_(sin)
             qk.mul_(cos).add_(rot)
-            q = qkv[:, :q_end].view(T, H, d)
-            k = qkv[:, q_end:qk_end].view(T, KV, d)
-            v = qkv[:, qk_end:].view(T, KV, d)
-            h.add_(F.linear(attend(i - first, q, k, v), layer.o_w))
-            gu = F.linear(self._norm(h, layer.norm2), layer.gate_up_w)
-            f = layer.ffn
-            h.add_(F.linear(F.silu(gu[:, :f]).mul_(gu[:, f:]), layer.down_w))
+            residual(h, attend(i - first, q.view(T, H, d), k.view(T, KV, d),
+                               v.view(T, KV, d)), layer.o_t)
+            gate, up = self._norm(h, layer.norm2).mm(layer.gate_up_t).chunk(2, 1)
+            residual(h, F.silu(gate).mul_(up), layer.down_t)
         return h
 
     def _attention_for(self, cache, T: int):
@@ -200,25 +216,31 @@ class FusedLlama:
                                                  group.tables, group.lens, bs, out[first:end])
                 return out.view(T, H * d)
             return kernel
-        k_blocks = k_pool.view(k_pool.shape[0], cache.num_blocks, -1)  # a block a row
-        v_blocks = v_pool.view(v_pool.shape[0], cache.num_blocks, -1)
-        # each group: its rows, its tables flat, the gathered keys' shape
-        plan = [(g.span[0], g.span[1], g.tables.view(-1),
-                 (g.tables.shape[0], g.tables.shape[1] * cache.block_size, KV, d), g)
-                for g in groups]
+        rows, offsets = cache.block_rows()  # every block of K and V a row
+        kv_layers = cache.kv_layers
+        # each group: its rows, the rows of its K and V blocks in every layer (layers, 2 · n),
+        # the gathered keys' shape
+        plan = [(g.span[0], g.span[1], (g.tables.view(1, 1, -1) + offsets).flatten(1),
+                 (2, g.tables.shape[0], g.tables.shape[1] * bs, KV, d), g) for g in groups]
+        pair = (2, T, KV, d)
 
         def decode(layer, q, k, v):
-            k_pool[layer].index_copy_(0, slots, k)
-            v_pool[layer].index_copy_(0, slots, v)
+            # k and v are adjacent columns of the QKV GEMM's rows: one (2, T, KV, d) view
+            if v.storage_offset() - k.storage_offset() == KV * d and k.stride() == v.stride():
+                kv_layers[layer].index_copy_(1, slots, k.as_strided(
+                    pair, (KV * d, k.stride(0), d, 1)))
+            else:
+                k_pool[layer].index_copy_(0, slots, k)
+                v_pool[layer].index_copy_(0, slots, v)
             out = None if len(plan) == 1 else q.new_empty(T, H * d)
-            for first, end, flat, shape, group in plan:
+            for first, end, index, shape, group in plan:
                 # (g, kv_heads, L, d) views of the gathered blocks (PagedKVCache.gather_blocks)
-                kb = k_blocks[layer].index_select(0, flat).view(shape).transpose(1, 2)
-                vb = v_blocks[layer].index_select(0, flat).view(shape).transpose(1, 2)
+                kb, vb = rows.index_select(0, index[layer]).view(shape).unbind(0)
+                kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)
                 bias = cache.decode_bias(group, kb)
                 if group.uniform:
-                    kb, vb = kb[:, :, :group.length], vb[:, :, :group.length]
-                qd = q[first:end].view(end - first, KV, rep, d)
+                    kb, vb = kb.narrow(2, 0, group.length), vb.narrow(2, 0, group.length)
+                qd = (q if out is None else q[first:end]).view(end - first, KV, rep, d)
                 o = F.scaled_dot_product_attention(qd, kb, vb, attn_mask=bias)
                 if out is None:
                     return o.view(T, H * d)

@@ -150,13 +150,17 @@ class PagedKVCache:
         """`dtype`: the model's; `kv_cache_dtype`: what the pools hold (default `dtype`;
         FP8 for the e4m3 cache); `kv_scales`: calibrated (k, v) scales (layers, kv_heads)."""
         store = kv_cache_dtype or dtype
-        # one slot past the pool in every layer: where the padding rows of a CUDA graph's
-        # fixed-size batch write their K/V (serve/cuda_graphs.py); not part of the pool
-        shape = (num_layers, num_blocks * block_size + 1, num_kv_heads, head_dim)
-        self.k_ext = torch.zeros(shape, dtype=store, device=device)
-        self.v_ext = torch.zeros(shape, dtype=store, device=device)
+        # one block past the pool in every layer: its first slot is where the padding rows
+        # of a CUDA graph's fixed-size batch write their K/V (serve/cuda_graphs.py); not
+        # part of the pool. Keys and values are one tensor (2, layers, slots, kv_heads, d),
+        # so that a decode step's layer writes both with one index_copy_ and gathers the
+        # blocks of both with one index_select (`block_rows`, serve/fused.py)
+        shape = (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
+        self.kv_ext = torch.zeros((2, *shape), dtype=store, device=device)
+        self.k_ext, self.v_ext = self.kv_ext.unbind(0)
+        self.kv_layers = self.kv_ext.unbind(1)  # each layer's (2, slots, kv_heads, d), made once
         self.trash_slot = num_blocks * block_size
-        self.k, self.v = self.k_ext[:, :-1], self.v_ext[:, :-1]
+        self.k, self.v = self.k_ext[:, :-block_size], self.v_ext[:, :-block_size]
         self.num_blocks, self.block_size = num_blocks, block_size
         # decoding sequences per SDPA call: on CPU as many as leave their gathered K/V in
         # the L2 cache, so SDPA reads it from there (contexts of 0.5 MiB and up go alone); on
@@ -176,6 +180,17 @@ class PagedKVCache:
                 self.v_scale.copy_(kv_scales[1].clamp_min(torch.finfo(torch.float32).tiny))
         elif kv_scales is not None:
             raise ValueError("kv_scales are for an FP8 KV cache")
+
+    def block_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every block of K and V as a row (2 · layers · (num_blocks + 1), block's elements)
+        and the row offsets (layers, 2, 1) of each layer's K and V blocks: the rows of
+        blocks `b` of layer l are `b + offsets[l]` (one index_select gathers both)."""
+        if getattr(self, "_block_rows", None) is None:
+            layers, per = self.kv_ext.shape[1], self.num_blocks + 1
+            rows = self.kv_ext.view(2 * layers * per, -1)
+            offsets = torch.arange(2 * layers, device=rows.device).view(2, layers).t() * per
+            self._block_rows = rows, offsets[:, :, None].contiguous()
+        return self._block_rows
 
     @property
     def nbytes(self) -> int:
