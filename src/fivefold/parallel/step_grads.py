@@ -12,7 +12,11 @@ what the step adds is at most 4 bytes a value of the larger of the two.
 
 The numbers are bit for bit those of the copy made all at once: the same cast, then the same
 multiplications by the same fp32 factors in the same order (1/loss scale, then the clipping
-coefficient), each elementwise, so a piece made alone equals its part of the whole; the norm
+coefficient), each elementwise, so a piece made alone equals its part of the whole. The cast
+and the first factor are one pass: a bf16 gradient times a one-element fp32 tensor is an fp32
+tensor (a dimensioned operand takes part in type promotion, a 0-d one would not), each value
+widened exactly and multiplied once in fp32, as a cast followed by a multiplication in place
+gives it, without the fp32 copy written, read and written again (8 bytes a value). The norm
 reduces each piece as before (a CPU the same float64 `NORM_PIECE` ranges, a GPU's
 `_foreach_norm` each tensor on its own, whatever list it is in); torch's AdamW updates each
 tensor on its own whether it is stepped alone or with others (per-tensor kernels and step
@@ -64,6 +68,10 @@ class StepGrads:
             factor = factor.to(device=self.device if target is None else target.device,
                                dtype=torch.float32 if target is None else target.dtype)
         if self.copy:
+            if not self.factors and not isinstance(factor, torch.Tensor):
+                # the first factor goes into the cast (`make`): an fp32 tensor, the value a
+                # multiplication by the Python float rounds it to
+                factor = torch.full((), factor, dtype=torch.float32, device=self.device)
             self.factors.append(factor)
         else:
             torch._foreach_mul_(self.sources, factor)
@@ -79,14 +87,23 @@ class StepGrads:
 
         if not self.copy:
             return [source(i) for i in indices]
-        out = [source(i).to(device=self.device, dtype=torch.float32, copy=True)
-               for i in indices]
-        for factor in self.factors:
+        fused = bool(self.factors) and all(self.sources[i].device == self.device
+                                           for i in indices)
+        out = [self._cast(source(i), fused) for i in indices]
+        for factor in self.factors[1:] if fused else self.factors:
             torch._foreach_mul_(out, factor)
         if sample:
             self.live = [weakref.ref(t) for t in out]
             peak.sample("optimizer step")
         return out
+
+    def _cast(self, s: torch.Tensor, fused: bool) -> torch.Tensor:
+        """One source as a fresh fp32 tensor on `device`; with `fused` (a factor pending, the
+        sources on `device`) times the first factor in the same pass (bf16: read 2, write 4
+        bytes a value)."""
+        if not fused:
+            return s.to(device=self.device, dtype=torch.float32, copy=True)
+        return torch.mul(s, self.factors[0].reshape(1)).view(s.shape)
 
     def exact_sources(self, indices: list[int]) -> list[torch.Tensor] | None:
         """The sources of pieces `indices` when their values are the fp32 gradients exactly

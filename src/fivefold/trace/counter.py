@@ -22,7 +22,10 @@ on data (`nonzero`, `masked_select`, `unique`, ...).
 
 Bytes: each tensor argument read (a broadcast dimension, stride 0, read once) plus each
 output written; an in-place op reads and writes its target, a write-only op (`copy_`,
-`fill_`, `zero_`, random fills) only writes it. FLOPs: the matrix ops of torch's own FLOP
+`_foreach_copy_`, `fill_`, `zero_`, random fills) only writes it. torch's fused Adam(W)
+marks its gradients mutable but writes them only when it unscales them (`grad_scale`
+given: aten/src/ATen/native/cuda/fused_adam_utils.cuh, "writes out gradients only when
+grad_scale_ptr != nullptr"); without, they count as read only. FLOPs: the matrix ops of torch's own FLOP
 table (`torch.utils.flop_counter`: mm, addmm, bmm, baddbmm, _scaled_mm, convolution, the
 attention kernels), and 2 x M x K x N for `_scaled_mm_v2` and the grouped GEMMs; 0 for the
 rest (elementwise work is bound by bytes; see roofline.py).
@@ -48,8 +51,10 @@ NOT_KERNELS = frozenset({
     "view", "_to_copy_noop", "as_strided", "unsqueeze_", "squeeze_", "t_", "transpose_",
     "as_strided_", "_nested_tensor_size", "is_pinned", "_pin_memory", "prim_layout",
 })
-WRITE_ONLY = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_",
-                        "random_", "exponential_", "index_put_", "scatter_"})
+WRITE_ONLY = frozenset({"copy_", "_foreach_copy_", "fill_", "zero_", "normal_", "uniform_",
+                        "bernoulli_", "random_", "exponential_", "index_put_", "scatter_"})
+# Ops whose `grads` argument is written only when a `grad_scale` is passed (see above).
+GRADS_WRITTEN_WHEN_SCALED = frozenset({"_fused_adam_", "_fused_adamw_"})
 DYNAMIC_SHAPE = frozenset({"nonzero", "masked_select", "unique", "_unique", "_unique2",
                            "unique_consecutive", "unique_dim", "repeat_interleave",
                            "bincount"})
@@ -111,7 +116,11 @@ def _same_data(dst, src) -> bool:
 def _write_targets(func, args, kwargs) -> list[torch.Tensor]:
     """The tensors an op writes in place (its mutable arguments)."""
     out = []
+    base = func._schema.name.split("::")[-1]
     for i, arg in enumerate(func._schema.arguments):
+        if (base in GRADS_WRITTEN_WHEN_SCALED and arg.name == "grads"
+                and kwargs.get("grad_scale") is None):
+            continue
         if arg.alias_info is not None and arg.alias_info.is_write:
             value = args[i] if i < len(args) else kwargs.get(arg.name)
             flat, _ = tree_flatten(value)
@@ -256,8 +265,10 @@ class OpCounter(TorchDispatchMode):
         written_ids = {id(t) for t in written}
         write_only = base in WRITE_ONLY
         read = 0
+        first = {id(t) for t in tree_flatten(args[0] if args else None)[0]
+                 if isinstance(t, torch.Tensor)}
         for t in flat_in:
-            if write_only and id(t) in written_ids and t is (args[0] if args else None):
+            if write_only and id(t) in written_ids and id(t) in first:
                 continue
             if id(t) in written_ids and not write_only:
                 read += _tensor_bytes(t)  # read-modify-write: read here, written below
