@@ -25,10 +25,10 @@ output written; an in-place op reads and writes its target, a write-only op (`co
 `_foreach_copy_`, `fill_`, `zero_`, random fills) only writes it. torch's fused Adam(W)
 marks its gradients mutable but writes them only when it unscales them (`grad_scale`
 given: aten/src/ATen/native/cuda/fused_adam_utils.cuh, "writes out gradients only when
-grad_scale_ptr != nullptr"); without, they count as read only. FLOPs: the matrix ops of torch's own FLOP
-table (`torch.utils.flop_counter`: mm, addmm, bmm, baddbmm, _scaled_mm, convolution, the
-attention kernels), and 2 x M x K x N for `_scaled_mm_v2` and the grouped GEMMs; 0 for the
-rest (elementwise work is bound by bytes; see roofline.py).
+grad_scale_ptr != nullptr"); without, they count as read only. FLOPs: the matrix ops of
+torch's own FLOP table (`torch.utils.flop_counter`: mm, addmm, bmm, baddbmm, _scaled_mm,
+convolution, the attention kernels), and 2 x M x K x N for `_scaled_mm_v2` and the grouped
+GEMMs; 0 for the rest (elementwise work is bound by bytes; see roofline.py).
 """
 
 from __future__ import annotations
