@@ -34,6 +34,18 @@ def test_a_steady_state_step_has_no_host_sync(layout):
     assert t.part("optimizer").ops.get("aten._fused_adamw_", 0) >= 1
 
 
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw4bit", "muon"])
+@pytest.mark.parametrize("zero", ["0", "1"])
+def test_fivefolds_own_rules_skip_on_the_device_too(optimizer, zero):
+    """AdamW 8-bit/4-bit and Muon (its other parameters on a fused AdamW) take the overflow
+    flag themselves (optim_base.PieceOptimizer.kept): no host decision in their step.
+    Adafactor still reads its skip on the host (its norms are host numbers)."""
+    t = trace_step([*TINY, *LAYOUTS["bf16"], "--train.optimizer", optimizer,
+                    "--parallel.zero", zero], steps=3, planner=False)
+    assert t.syncs == 0, {name: p.sync_ops for name, p in t.parts.items() if p.syncs}
+    assert t.part("optimizer").kernels > 20  # the update ran (not the skip's branch)
+
+
 def test_the_trace_counts_a_sync_put_back_into_the_step(monkeypatch):
     """The count above can fail: a `.item()` on the device is one sync in a traced callable,
     and one read of the loss put back into the trainer's step is counted in its trace."""
@@ -53,10 +65,10 @@ def test_the_trace_counts_a_sync_put_back_into_the_step(monkeypatch):
     assert t.syncs == 1 and t.syncs_by_kind()["item"] == 1
 
 
-def _poisoned_run(tmp_path, precision: str, poison_at: set[int]):
+def _poisoned_run(tmp_path, precision: str, poison_at: set[int], *extra: str):
     """Three steps of a CPU run whose first parameter's gradient is NaN at `poison_at`."""
     cfg = small_config(tmp_path, "--train.precision", precision, "--train.steps", "3",
-                       "--train.max_bad_steps", "3")
+                       "--train.max_bad_steps", "3", *extra)
     t = Trainer(cfg, quiet=True)
     name, param = next(iter(t.model.named_parameters()))
     param.register_hook(lambda g: g * float("nan") if t.step + 1 in poison_at else g)
@@ -95,13 +107,18 @@ def test_a_non_finite_step_is_skipped_and_reported(tmp_path, precision):
     t.close()
 
 
-def test_a_skipped_step_leaves_the_run_as_if_it_had_not_been_asked(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "muon"])
+def test_a_skipped_step_leaves_the_run_as_if_it_had_not_been_asked(tmp_path, optimizer):
     """Bit for bit: a run whose step 2 is skipped ends, after step 3, with the weights and
-    Adam states of a run that took step 1 and then step 3's batch (the data position
-    advances past the skipped batch in both)."""
-    t, _, _ = _poisoned_run(tmp_path / "a", "bf16", poison_at={2})
+    optimizer states of a run that took step 1 and then step 3's batch (the data position
+    advances past the skipped batch in both), and the same step count: torch's fused AdamW
+    and fivefold's own rules skip on the device (the bias corrections count the steps
+    taken there)."""
+    opt = ("--train.optimizer", optimizer)
+    t, _, _ = _poisoned_run(tmp_path / "a", "bf16", {2}, *opt)
+    assert t.optimizer.step_count() == 2
     cfg = small_config(tmp_path / "b", "--train.precision", "bf16", "--train.steps", "3",
-                       "--train.max_bad_steps", "3")
+                       "--train.max_bad_steps", "3", *opt)
     ref = Trainer(cfg, quiet=True)
     ref.train_step()
     ref.loader.next_batch()  # the skipped step's batch

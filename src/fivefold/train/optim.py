@@ -215,7 +215,7 @@ class MasterWeightOptimizer:
 
     def step_count(self) -> int:
         if self.own_rule:
-            return self.optimizer.steps
+            return self.optimizer.steps_taken()
         for state in self.optimizer.state.values():
             return int(state["step"])
         return 0
