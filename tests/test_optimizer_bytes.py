@@ -5,20 +5,21 @@ An 8B-shaped step (Llama-3.1-8B, 2 blocks, bf16 with fp32 masters, clipping on):
 1,486,901,248 parameters. AdamW cannot move fewer than 28 bytes a parameter: read the fp32
 master, the bf16 gradient (2), both fp32 moments; write the master, the bf16 parameter (2),
 both moments (41.6 GB); a clipped step also reads every gradient once for the norm before
-the update can start (2 more: 44.6 GB). The engine's step on torch's kernels, per parameter:
+the update can start (2 more: 30, 44.6 GB). The step reaches it on the GPU's paths:
 
-    _foreach_norm   read the bf16 gradients (float64 sums)                       2
-    mul             bf16 gradient x clip coefficient -> fp32 copy, one pass      6
-    _fused_adamw_   read master, fp32 gradient, moments; write master, moments  28
-    _foreach_copy_  masters -> bf16 parameters                                   6
-                                                                                42 (62.4 GB)
+    _foreach_norm          read the bf16 gradients (float64 sums)                    2
+    fivefold.adamw_mixed_  read master, bf16 gradient, moments; write them and the
+                           bf16 parameter (parallel/adamw_kernel.py)               28
+                                                                                   30 (44.6 GB)
 
-At rev a5f9755 it was 56 (83.3 GB as the trace then counted; 50 by the kernels' real
-traffic): the cast and the clipping multiply were two passes (6 + 8). What stays above the
-floor is torch's fused AdamW: it takes params, grads and moments of one dtype (CPU: "expected
+On torch's fused AdamW (`adamw_kernel.FUSED_ON_DEVICE = False`, the GPU run's "before") it
+is 42 (62.4 GB): torch's kernel takes params, grads and moments of one dtype (CPU: "expected
 scalar type Float but found BFloat16"; CUDA: fused_adam_utils.cuh checks every list against
-the params' scalar type), so it reads an fp32 gradient copy (made: 6, read: 4 instead of 2)
-and leaves the bf16 parameters to a copy that reads the masters again (4)."""
+the params' scalar type), so the step casts each gradient to fp32 with the clipping
+coefficient in the same pass (`mul`: 6), the kernel reads that copy (28 with the fp32 read)
+and the masters are copied into the bf16 parameters (`_foreach_copy_`: 6). At rev a5f9755
+it was 56 as the trace then counted (83.3 GB; 50 by the kernels' real traffic): the cast and
+the clipping multiply were two passes (6 + 8)."""
 
 import torch
 
@@ -32,23 +33,38 @@ N = 2 * V * H + LAYERS * (2 * H * H + 2 * KV * H + 3 * H * FFN + 2 * H) + H
 SCALARS = 4096  # the norm's float64 sums, the coefficient, the step counters: 2,304 bytes
 
 
-def test_optimizer_phase_bytes_budget():
+def _optimizer_bytes(monkeypatch, one_pass: bool) -> tuple:
+    from fivefold.parallel import adamw_kernel
+
+    monkeypatch.setattr(adamw_kernel, "FUSED_ON_DEVICE", one_pass)
     t = trace_step(EIGHT_B_TWO_BLOCKS, steps=2, planner=False)
-    opt = t.part("optimizer")
     by_op = {}
     for e in t.events:
         if e.kind == "kernel" and e.part == "optimizer":
             by_op[e.op] = by_op.get(e.op, 0) + e.bytes_read + e.bytes_written
-    budget = {"aten._foreach_norm": 2, "aten.mul": 6, "aten._fused_adamw_": 28,
-              "aten._foreach_copy_": 6}
+    opt = t.part("optimizer")
+    assert sum(by_op.values()) == opt.bytes and opt.syncs == 0
+    return opt.bytes, by_op
+
+
+def _within(by_op: dict, budget: dict) -> None:
     for op, per_param in budget.items():
         assert per_param * N <= by_op[op] <= per_param * N + SCALARS, (op, by_op[op] / N)
-    assert sum(by_op.values()) == opt.bytes
-    assert 42 * N <= opt.bytes <= 42 * N + SCALARS, opt.bytes / N
-    assert opt.bytes >= 30 * N  # the floor of a clipped AdamW step (28 + the norm's 2)
-    # no gradient-sized pass beside those: the cast and the clipping multiply are one
-    assert sum(b for op, b in by_op.items() if op not in budget) <= SCALARS
-    assert opt.syncs == 0
+    # no gradient-sized pass beside those
+    assert sum(b for op, b in by_op.items() if op not in budget) <= SCALARS, by_op
+
+
+def test_optimizer_phase_bytes_budget(monkeypatch):
+    total, by_op = _optimizer_bytes(monkeypatch, one_pass=True)
+    _within(by_op, {"aten._foreach_norm": 2, "fivefold.adamw_mixed_": 28})
+    assert 30 * N <= total <= 30 * N + SCALARS, total / N  # the floor of a clipped step
+
+
+def test_optimizer_phase_bytes_on_torchs_fused_adamw(monkeypatch):
+    total, by_op = _optimizer_bytes(monkeypatch, one_pass=False)
+    _within(by_op, {"aten._foreach_norm": 2, "aten.mul": 6, "aten._fused_adamw_": 28,
+                    "aten._foreach_copy_": 6})
+    assert 42 * N <= total <= 42 * N + SCALARS, total / N
 
 
 def _adamw_args(n=1000, dtype=torch.float32):
@@ -79,3 +95,18 @@ def test_foreach_copy_writes_without_reading_its_targets():
     t = trace_callable(lambda: torch._foreach_copy_(dst, src), gpu=None)
     (e,) = [e for e in t.events if e.kind == "kernel"]
     assert (e.bytes_read, e.bytes_written) == (2 * 100 * 4, 2 * 100 * 2)
+
+
+def test_the_one_pass_adamw_writes_its_parameter_without_reading_it():
+    """`fivefold::adamw_mixed_` reads master, gradient (bf16) and moments and writes them
+    and the parameter: 28 bytes a value of bf16 gradients and parameters."""
+    from fivefold.parallel.adamw_kernel import adamw_mixed_
+
+    n = 1000
+    master, avg, avg_sq = (torch.empty(n, device="meta") for _ in range(3))
+    grad, param = (torch.empty(n, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    scalars = [torch.empty((), device="meta") for _ in range(4)]  # step, f1, f2, found_inf
+    t = trace_callable(lambda: adamw_mixed_(master, grad, avg, avg_sq, param, *scalars,
+                                            1e-3, 0.9, 0.95, 0.1, 1e-8), gpu=None)
+    (e,) = [e for e in t.events if e.kind == "kernel"]
+    assert (e.bytes_read, e.bytes_written) == (14 * n + 16, 14 * n)

@@ -45,9 +45,14 @@ class StepGrads:
     `device` when asked (`make`); without, the sources are it."""
 
     def __init__(self, sources: list[torch.Tensor], device: torch.device, copy: bool,
-                 masters: list[torch.Tensor] | None = None):
+                 masters: list[torch.Tensor] | None = None,
+                 params: list[torch.Tensor] | None = None):
         self.sources, self.device, self.copy = list(sources), torch.device(device), copy
         self.masters = list(masters) if masters is not None else []
+        # the compute-dtype parameters the masters are copied into after the step, when the
+        # owner hands them: a one-pass update may write them itself (`written`: their indices)
+        self.params = list(params) if params is not None else None
+        self.written: set[int] = set()
         self.index_of = {id(m): i for i, m in enumerate(self.masters)}
         self.factors: list[float | torch.Tensor] = []  # applied to each copy, in order
         self.live: list[weakref.ref] = []  # the copies made last, while they are alive
@@ -143,9 +148,17 @@ class StepGrads:
 def step_torch(optimizer: torch.optim.Optimizer, grads: StepGrads) -> None:
     """Step a torch optimizer over its masters in `grads`: bound all at once without a copy,
     else one chunk at a time (a master without `.grad` is left alone by torch's step, and
-    its step counter with it), each chunk's copies dropped before the next is made."""
+    its step counter with it), each chunk's copies dropped before the next is made. On a
+    GPU, fused AdamW's step over copies is instead one pass over the compute-dtype gradients
+    (parallel/adamw_kernel.py: no copies made at all)."""
     if not grads.copy:
         optimizer.step()
+        return
+    from fivefold.parallel import adamw_kernel
+
+    if adamw_kernel.applies(optimizer, grads):
+        grads.written |= adamw_kernel.step_mixed(optimizer, grads,
+                                                 getattr(optimizer, "found_inf", None))
         return
     mine = sorted(grads.index_of[id(p)] for g in optimizer.param_groups for p in g["params"]
                   if id(p) in grads.index_of)

@@ -55,6 +55,9 @@ WRITE_ONLY = frozenset({"copy_", "_foreach_copy_", "fill_", "zero_", "normal_", 
                         "bernoulli_", "random_", "exponential_", "index_put_", "scatter_"})
 # Ops whose `grads` argument is written only when a `grad_scale` is passed (see above).
 GRADS_WRITTEN_WHEN_SCALED = frozenset({"_fused_adam_", "_fused_adamw_"})
+# Mutable arguments an op writes without reading (by name): the one-pass AdamW's parameter
+# (parallel/adamw_kernel.py).
+WRITE_ONLY_ARGS = {"adamw_mixed_": frozenset({"param"})}
 DYNAMIC_SHAPE = frozenset({"nonzero", "masked_select", "unique", "_unique", "_unique2",
                            "unique_consecutive", "unique_dim", "repeat_interleave",
                            "bincount"})
@@ -111,6 +114,16 @@ def _same_data(dst, src) -> bool:
             and dst.storage_offset() == src.storage_offset() and dst.shape == src.shape
             and dst.stride() == src.stride() and dst.dtype == src.dtype
             and dst.is_conj() == src.is_conj() and dst.is_neg() == src.is_neg())
+
+
+def _named(func, args, kwargs, names) -> list[torch.Tensor]:
+    """The tensors passed as the arguments called `names`."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name in names:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            out.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return out
 
 
 def _write_targets(func, args, kwargs) -> list[torch.Tensor]:
@@ -267,8 +280,9 @@ class OpCounter(TorchDispatchMode):
         read = 0
         first = {id(t) for t in tree_flatten(args[0] if args else None)[0]
                  if isinstance(t, torch.Tensor)}
+        unread = {id(t) for t in _named(func, args, kwargs, WRITE_ONLY_ARGS.get(base, ()))}
         for t in flat_in:
-            if write_only and id(t) in written_ids and id(t) in first:
+            if write_only and id(t) in written_ids and id(t) in first or id(t) in unread:
                 continue
             if id(t) in written_ids and not write_only:
                 read += _tensor_bytes(t)  # read-modify-write: read here, written below
