@@ -2,9 +2,11 @@
 
   step_before_after   the 8B-shaped 2-block step (train_8b_blocks' shape) with the chunked
                       loss (before), the fused loss, the fused loss with the RMSNorm and RoPE
-                      kernels (models/block_kernels.py: eager's default), and that with each
-                      block compiled (train.compile = true, what auto picks on CUDA): tokens/s,
-                      MFU, the planner's MFU and the trace's predicted step beside each
+                      kernels (models/block_kernels.py: eager's default), that on torch's
+                      fused AdamW over fp32 gradient copies instead of the one-pass AdamW
+                      (parallel/adamw_kernel.py), and that with each block compiled
+                      (train.compile = true, what auto picks on CUDA): tokens/s, MFU, the
+                      planner's MFU and the trace's predicted step beside each
   hf_peer_compiled    transformers' LlamaForCausalLM of the same shape, bf16, compiled
                       (torch.compile of the model on CUDA; eager in a dry run), fused AdamW:
                       its step time and tokens/s against the fastest fivefold variant
@@ -20,29 +22,33 @@ import time
 import torch
 from gpu_items import Context, NotRun, load_config, median_time, train_steps, world_of_one
 
-# name, the fused loss, the norm and RoPE kernels, train.compile
-VARIANTS = (("chunked_loss_eager", False, False, "false"),
-            ("fused_loss_eager", True, False, "false"),
-            ("fused_loss_block_kernelss_eager", True, True, "false"),
-            ("fused_loss_compiled", True, True, "true"))
+# name, the fused loss, the norm and RoPE kernels, train.compile, the one-pass AdamW
+VARIANTS = (("chunked_loss_eager", False, False, "false", True),
+            ("fused_loss_eager", True, False, "false", True),
+            ("fused_loss_block_kernelss_torch_adamw_eager", True, True, "false", False),
+            ("fused_loss_block_kernelss_eager", True, True, "false", True),
+            ("fused_loss_compiled", True, True, "true", True))
 
 
 @contextlib.contextmanager
-def loss_path(fused: bool, norms: bool = True):
-    """The fused loss (models/loss.py) and the norm and RoPE kernels (models/block_kernels.py)
-    on or off."""
+def loss_path(fused: bool, norms: bool = True, adamw: bool = True):
+    """The fused loss (models/loss.py), the norm and RoPE kernels (models/block_kernels.py)
+    and the one-pass AdamW (parallel/adamw_kernel.py) on or off."""
     from fivefold.models import block_kernels, loss
+    from fivefold.parallel import adamw_kernel
 
-    before = loss.FUSED_ON_DEVICE, block_kernels.FUSED_ON_DEVICE
+    before = loss.FUSED_ON_DEVICE, block_kernels.FUSED_ON_DEVICE, adamw_kernel.FUSED_ON_DEVICE
     loss.FUSED_ON_DEVICE, block_kernels.FUSED_ON_DEVICE = fused, norms
+    adamw_kernel.FUSED_ON_DEVICE = adamw
     try:
         yield
     finally:
-        loss.FUSED_ON_DEVICE, block_kernels.FUSED_ON_DEVICE = before
+        (loss.FUSED_ON_DEVICE, block_kernels.FUSED_ON_DEVICE,
+         adamw_kernel.FUSED_ON_DEVICE) = before
 
 
 def _predicted(overrides: list[str], device: torch.device, fused: bool,
-               norms: bool = True) -> float | None:
+               norms: bool = True, adamw: bool = True) -> float | None:
     """The trace's predicted step on this GPU (None off the catalog or in a dry run)."""
     if device.type != "cuda":
         return None
@@ -52,25 +58,25 @@ def _predicted(overrides: list[str], device: torch.device, fused: bool,
     hw = hardware_for_device_name(torch.cuda.get_device_name(device))
     if hw is None:
         return None
-    with loss_path(fused, norms):
+    with loss_path(fused, norms, adamw):
         return trace_step(list(overrides), gpu=hw.name, planner=False).timeline.step_s
 
 
 def step_before_after(ctx: Context) -> dict:
     overrides = ctx.shape("blocks_overrides")
     out = {}
-    for name, fused, norms, compiled in VARIANTS:
+    for name, fused, norms, compiled, adamw in VARIANTS:
         if compiled == "true" and ctx.dry:
             out[name] = {"status": "not run", "reason": "compiling on a CPU takes minutes; "
                                                         "the GPU run measures it"}
             continue
-        with loss_path(fused, norms):
+        with loss_path(fused, norms, adamw):
             run = train_steps(ctx, f"step-{name}", [*overrides, "--train.compile", compiled])
         out[name] = {k: run[k] for k in ("tokens_per_s", "step_time_s", "mfu", "planned_mfu",
                                          "losses")}
         try:
             out[name]["trace_predicted_step_s"] = _predicted(overrides, ctx.device, fused,
-                                                             norms)
+                                                             norms, adamw)
         except Exception as e:  # noqa: BLE001  the measurement stands without the prediction
             out[name]["trace_predicted_step_s"] = None
             out[name]["trace_note"] = str(e).splitlines()[0][:200]
