@@ -47,6 +47,17 @@ def test_fivefolds_own_rules_skip_on_the_device_too(optimizer, zero):
     assert t.part("optimizer").kernels > 20  # the update ran (not the skip's branch)
 
 
+def test_adafactor_reads_its_flag_and_norms_on_the_host():
+    """Adafactor still decides its skip on the host (one read of the flag) and reads each
+    matrix's norm (its relative step and update clipping are host numbers); the traced step
+    takes the update's branch (the flag, cast to a number, reads 0.0 on meta)."""
+    t = trace_step([*TINY, *LAYOUTS["bf16"], "--train.optimizer", "adafactor"], steps=3,
+                   planner=False)
+    opt = t.part("optimizer")
+    assert opt.kernels > 20 and opt.syncs > 1, (opt.kernels, opt.sync_ops)
+    assert set(opt.sync_ops) == {"item aten._local_scalar_dense"}
+
+
 def test_the_trace_counts_a_sync_put_back_into_the_step(monkeypatch):
     """The count above can fail: a `.item()` on the device is one sync in a traced callable,
     and one read of the loss put back into the trainer's step is counted in its trace."""

@@ -238,6 +238,14 @@ class OpCounter(TorchDispatchMode):
             for t in [*flat_out, *_write_targets(func, args, kwargs)]:
                 if t.numel() <= 64 and t.device.type == self.device_type:
                     self.producer[t] = base
+            if base == "_to_copy" and len(flat_out) == 1 and flat_in and (
+                    flat_in[0].dtype == torch.bool and flat_out[0].numel() <= 64):
+                # a flag cast to a number keeps its value: False -> 0.0 (as an overflow
+                # flag `found_inf` reads), True -> 1.0
+                value = _scalar_for(flat_in[0], self.producer.get(flat_in[0]))
+                self.producer[flat_out[0]] = (
+                    ("all" if value else "isnan") if flat_out[0].dtype == torch.bool
+                    else ("from_true" if value else "found_inf"))
         return out
 
     def _run(self, func, base, args, kwargs, flat_in):
