@@ -191,11 +191,10 @@ def step_mixed(optimizer: torch.optim.AdamW, grads, found_inf: torch.Tensor | No
             steps.append(state["step"])
         if not mine:
             continue
-        # every step counted in one launch, a skipped one not (as torch's fused AdamW)
-        if found_inf is None:
-            torch._foreach_add_(steps, 1.0)
-        else:
-            torch._foreach_add_(steps, 1.0)
+        # the group's steps counted in one launch, and a skipped one taken back in another,
+        # as torch's fused AdamW counts them
+        torch._foreach_add_(steps, 1.0)
+        if found_inf is not None:
             torch._foreach_sub_(steps, [found_inf] * len(steps))
         beta1, beta2 = group["betas"]
         for i, m in mine:
