@@ -13,7 +13,8 @@ Items (bench/gpu_items.py; serve_* in bench/gpu_serve.py, the decode profile fir
                          device; the planner's catalogue has GPUs only)
   step_before_after      the 8B-shaped step: chunked loss, fused loss, fused + compiled blocks,
   hf_peer_compiled       transformers' Llama of that shape compiled, step_profile: one step's
-                         profiler table (bench/gpu_step.py)
+                         profiler table, adamw_one_pass: the one-pass AdamW on bf16 against
+                         torch's fused AdamW, and its time (bench/gpu_step.py)
   trace_vs_measured      `fivefold trace`'s predicted step beside both train items' measured
                          ones (bench/gpu_trace.py)
   fp8_gemms              one linear, forward + backward, bf16 vs FP8 tensorwise, rowwise and
@@ -72,6 +73,7 @@ ITEMS = [("serve_decode_profile", gpu_serve.serve_decode_profile, True),  # firs
          ("step_before_after", gpu_step.step_before_after, True),
          ("hf_peer_compiled", gpu_step.hf_peer_compiled, True),
          ("step_profile", gpu_step.step_profile, True),
+         ("adamw_one_pass", gpu_step.adamw_one_pass, False),
          ("trace_vs_measured", gpu_trace.trace_vs_measured, True),
          ("fp8_cast_bytes", items.fp8_cast_bytes, False),
          ("fp8_gemms", items.fp8_gemms, True),

@@ -49,23 +49,35 @@ def _signal_and_resume(rank, world, tmp):
     out["reference"] = [r["loss"] for r in ref]
     out["watchdogs_after_run"] = watchdogs()
 
-    # SIGTERM reaches rank 1 alone during step 3: both ranks stop after it, with a checkpoint.
+    # SIGTERM reaches rank 1 alone during step 3: the ranks agree at the next step whose
+    # records are read (log.every 2: step 4) and both stop after it, with a checkpoint.
     real_step = Trainer.train_step
+    reduced = []  # the steps after which the world all-reduced the flag
+    real_agreed = lifecycle.StopSignal.agreed
+
+    def agreed(self, world, check=True):
+        if check:
+            reduced.append(self.step_seen)
+        return real_agreed(self, world, check)
 
     def step_then_signal(self):
         rec = real_step(self)
+        lifecycle.StopSignal.step_seen = rec["step"]
         if dist.get_rank() == 1 and rec["step"] == 3:
             os.kill(os.getpid(), signal.SIGTERM)
         return rec
 
     Trainer.train_step = step_then_signal
+    lifecycle.StopSignal.agreed = agreed
     try:
-        run(cfg_for(root, "term", "--train.steps", "6"), dims)
+        run(cfg_for(root, "term", "--train.steps", "6", "--log.every", "2"), dims)
         out["terminated"] = None
     except lifecycle.Terminated as stop:
         out["terminated"] = (stop.step, stop.saved)
     finally:
         Trainer.train_step = real_step
+        lifecycle.StopSignal.agreed = real_agreed
+    out["reduced_after"] = reduced
     out["handler_restored"] = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     out["watchdogs_after_term"] = watchdogs()
     resumed = run(cfg_for(root, "term", "--train.steps", "6"), dims)  # resume = auto
@@ -74,17 +86,20 @@ def _signal_and_resume(rank, world, tmp):
 
 
 def test_sigterm_saves_at_the_step_boundary_and_auto_resume_continues(tmp_path):
-    """SIGTERM to one rank mid-step: every rank finishes that step, one checkpoint is written,
-    `Terminated` ends the run (exit 143 in the CLI), the handler is restored, the watchdog
-    thread is gone; the rerun resumes by itself and repeats the uninterrupted losses."""
+    """SIGTERM to one rank mid-step 3: the flag is all-reduced only after steps whose
+    records are read (1, 2, 4 at log.every 2: not one collective a step), every rank stops
+    after the same step (4), one checkpoint is written, `Terminated` ends the run (exit 143
+    in the CLI), the handler is restored, the watchdog thread is gone; the rerun resumes by
+    itself and repeats the uninterrupted losses."""
     results = run_ranks(_signal_and_resume, 2, str(tmp_path))
     for out in results:
         assert out["watchdogs_after_run"] == 0 and out["watchdogs_after_term"] == 0
         assert out["handler_restored"]
+        assert out["reduced_after"] == [1, 2, 4], out["reduced_after"]
         step, saved = out["terminated"]
-        assert step == 3 and saved.endswith("step_00000003"), out["terminated"]
-        assert [s for s, _ in out["resumed"]] == [4, 5, 6]
-        assert same([loss for _, loss in out["resumed"]], out["reference"][3:])
+        assert step == 4 and saved.endswith("step_00000004"), out["terminated"]
+        assert [s for s, _ in out["resumed"]] == [5, 6]
+        assert same([loss for _, loss in out["resumed"]], out["reference"][4:])
     assert (tmp_path / "term" / "ckpt" / "step_00000006").is_dir()
 
 

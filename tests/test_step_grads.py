@@ -116,3 +116,30 @@ def test_the_devices_norm_reads_the_compute_dtype_gradients_when_nothing_is_pend
     grads.scale_(0.25)  # pending: the copies are scaled, so they are what the norm reads
     assert grads.exact_sources([0]) is None
     assert torch.equal(foreach_squares(grads, shares), direct * 0.0625)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_cast_and_the_first_factor_are_one_pass_bit_for_bit(dtype):
+    """`make` multiplies each compute-dtype gradient by the first pending factor as it casts
+    it (one `mul` of a one-element fp32 tensor: an fp32 result), the rest in place after:
+    the same bits as the cast followed by each factor's multiplication in place, for a
+    tensor factor (the clipping coefficient) and a float one (fp16's 1/loss scale), values
+    from subnormal to large included."""
+    torch.manual_seed(1)
+    sources = [(torch.randn(n) * torch.logspace(-6, 4, n)).to(dtype) for n in (5000, 3)]
+    sources.append(torch.tensor([1e-40, -3e-39, 65504.0, 0.0]).to(dtype))  # subnormal in fp32
+    coef = torch.tensor(0.3719)  # an fp32 value that rounds every product
+    for factors in ([coef], [2.0**-13, coef], [0.1, coef]):
+        grads = step_grads.StepGrads(sources, torch.device("cpu"), copy=True,
+                                     masters=[torch.zeros(s.shape) for s in sources])
+        for f in factors:
+            grads.scale_(f)
+        want = [s.to(torch.float32, copy=True) for s in sources]
+        for f in factors:
+            torch._foreach_mul_(want, f)
+        got = grads.make(list(range(len(sources))), sample=False)
+        assert all(g.dtype == torch.float32 and g.shape == s.shape
+                   for g, s in zip(got, sources))
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), factors
+        part = grads.make([0], 100, 200, sample=False)[0]  # a range: the same values
+        assert torch.equal(part, want[0][100:200])

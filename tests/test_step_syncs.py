@@ -30,8 +30,32 @@ def test_a_steady_state_step_has_no_host_sync(layout):
     assert t.syncs_by_kind() == {"item": 0, "d2h": 0, "h2d": 0, "dynamic_shape": 0}, \
         {name: p.sync_ops for name, p in t.parts.items() if p.syncs}
     assert t.syncs == 0
-    # the step ran the whole update: the optimizer's part launched the fused AdamW
-    assert t.part("optimizer").ops.get("aten._fused_adamw_", 0) >= 1
+    # the step ran the whole update: the optimizer's part launched the one-pass AdamW
+    # (parallel/adamw_kernel.py) over the compute-dtype gradients
+    assert t.part("optimizer").ops.get("fivefold.adamw_mixed_", 0) >= 1
+
+
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw4bit", "muon"])
+@pytest.mark.parametrize("zero", ["0", "1"])
+def test_fivefolds_own_rules_skip_on_the_device_too(optimizer, zero):
+    """AdamW 8-bit/4-bit and Muon (its other parameters on a fused AdamW) take the overflow
+    flag themselves (optim_base.PieceOptimizer.kept): no host decision in their step.
+    Adafactor still reads its skip on the host (its norms are host numbers)."""
+    t = trace_step([*TINY, *LAYOUTS["bf16"], "--train.optimizer", optimizer,
+                    "--parallel.zero", zero], steps=3, planner=False)
+    assert t.syncs == 0, {name: p.sync_ops for name, p in t.parts.items() if p.syncs}
+    assert t.part("optimizer").kernels > 20  # the update ran (not the skip's branch)
+
+
+def test_adafactor_reads_its_flag_and_norms_on_the_host():
+    """Adafactor still decides its skip on the host (one read of the flag) and reads each
+    matrix's norm (its relative step and update clipping are host numbers); the traced step
+    takes the update's branch (the flag, cast to a number, reads 0.0 on meta)."""
+    t = trace_step([*TINY, *LAYOUTS["bf16"], "--train.optimizer", "adafactor"], steps=3,
+                   planner=False)
+    opt = t.part("optimizer")
+    assert opt.kernels > 20 and opt.syncs > 1, (opt.kernels, opt.sync_ops)
+    assert set(opt.sync_ops) == {"item aten._local_scalar_dense"}
 
 
 def test_the_trace_counts_a_sync_put_back_into_the_step(monkeypatch):
@@ -53,10 +77,10 @@ def test_the_trace_counts_a_sync_put_back_into_the_step(monkeypatch):
     assert t.syncs == 1 and t.syncs_by_kind()["item"] == 1
 
 
-def _poisoned_run(tmp_path, precision: str, poison_at: set[int]):
+def _poisoned_run(tmp_path, precision: str, poison_at: set[int], *extra: str):
     """Three steps of a CPU run whose first parameter's gradient is NaN at `poison_at`."""
     cfg = small_config(tmp_path, "--train.precision", precision, "--train.steps", "3",
-                       "--train.max_bad_steps", "3")
+                       "--train.max_bad_steps", "3", *extra)
     t = Trainer(cfg, quiet=True)
     name, param = next(iter(t.model.named_parameters()))
     param.register_hook(lambda g: g * float("nan") if t.step + 1 in poison_at else g)
@@ -95,13 +119,18 @@ def test_a_non_finite_step_is_skipped_and_reported(tmp_path, precision):
     t.close()
 
 
-def test_a_skipped_step_leaves_the_run_as_if_it_had_not_been_asked(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "muon"])
+def test_a_skipped_step_leaves_the_run_as_if_it_had_not_been_asked(tmp_path, optimizer):
     """Bit for bit: a run whose step 2 is skipped ends, after step 3, with the weights and
-    Adam states of a run that took step 1 and then step 3's batch (the data position
-    advances past the skipped batch in both)."""
-    t, _, _ = _poisoned_run(tmp_path / "a", "bf16", poison_at={2})
+    optimizer states of a run that took step 1 and then step 3's batch (the data position
+    advances past the skipped batch in both), and the same step count: torch's fused AdamW
+    and fivefold's own rules skip on the device (the bias corrections count the steps
+    taken there)."""
+    opt = ("--train.optimizer", optimizer)
+    t, _, _ = _poisoned_run(tmp_path / "a", "bf16", {2}, *opt)
+    assert t.optimizer.step_count() == 2
     cfg = small_config(tmp_path / "b", "--train.precision", "bf16", "--train.steps", "3",
-                       "--train.max_bad_steps", "3")
+                       "--train.max_bad_steps", "3", *opt)
     ref = Trainer(cfg, quiet=True)
     ref.train_step()
     ref.loader.next_batch()  # the skipped step's batch
@@ -113,3 +142,24 @@ def test_a_skipped_step_leaves_the_run_as_if_it_had_not_been_asked(tmp_path):
         assert torch.equal(got[key], want[key]), key
     t.close()
     ref.close()
+
+
+def test_a_moe_step_leaves_its_expert_counts_on_the_device(tmp_path):
+    """The MoE layers' global counts stay on the device after the step (train/moe_stats.py):
+    the only syncs left in a traced MoE step are the routing's data-dependent `bincount`s
+    (models/moe.py), none in the step's own code; on a CPU run the step's record still
+    gives the MoE metrics, made when the record is read."""
+    t = trace_step(["--model.preset", "tiny-moe", "--model.num_layers", "2",
+                    "--train.seq_len", "32", "--train.gbs", "1", "--parallel.mbs", "1"],
+                   steps=2, planner=False)
+    assert t.part("step").syncs == 0, t.part("step").sync_ops
+    assert {k for p in t.parts.values() for k in p.sync_ops} == {"dynamic_shape aten.bincount"}
+    cfg = small_config(tmp_path, "--model.preset", "tiny-moe", "--model.num_layers", "2",
+                       "--train.steps", "1")
+    with Trainer(cfg, quiet=True) as tr:
+        rec = tr.train_step()
+        assert not rec.settled
+        counts = rec["moe_tokens_max"]
+        assert rec.settled and len(counts) == 2 and all(c > 0 for c in counts)
+        assert 0 < rec["moe_tokens_min"][0] <= counts[0]
+        assert math.isfinite(rec["moe_aux_loss"]) and rec["moe_imbalance"] >= 1.0

@@ -131,13 +131,18 @@ class QuantState:
 
     def quantize_(self, values: torch.Tensor) -> None:
         """Store `values` (flat fp32, `numel` of them): per-block absmax, nearest code."""
+        codes, scale = self.quantized(values)
+        self.codes.copy_(codes)
+        self.scale.copy_(scale)
+
+    def quantized(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (codes, scale) `quantize_` would store for `values`, not stored."""
         blocks = values.reshape(-1, block_size(self.bits))
         scale = blocks.abs().amax(-1).clip(SCALE_FLOOR)
         codes = _nearest((blocks / scale.view(-1, 1)).view(-1), self.table())
         if self.bits == 4:
             codes = (codes[::2] << 4) | codes[1::2]
-        self.codes.copy_(codes)
-        self.scale.copy_(scale)
+        return codes, scale
 
 
 def state_bytes(numel: int, bits: int) -> int:

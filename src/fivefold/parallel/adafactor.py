@@ -64,8 +64,9 @@ class Adafactor(PieceOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        self.steps += 1
-        t, oc = float(self.steps), self.oc
+        # skipped by the host (SKIPS_ON_DEVICE stays False): the relative step and the
+        # update's clipping read each matrix's norm on the host anyway (`_norms`)
+        t, oc = self.begin_step(), self.oc
         infos = self.assembler_infos()
         plan = {self.info_of[id(m)].index: (m, group["lr"], group["weight_decay"])
                 for group in self.param_groups for m in group["params"]}

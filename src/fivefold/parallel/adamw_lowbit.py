@@ -63,11 +63,14 @@ class AdamWLowBit(PieceOptimizer):
                 out += [s.codes, s.scale] if isinstance(s, QuantState) else [s]
         return out
 
+    SKIPS_ON_DEVICE = True  # every new value is selected against the old (`kept`)
+
     @torch.no_grad()
     def step(self, closure=None):
-        self.steps += 1
+        step_t = self.begin_step()
         beta1, beta2, eps = self.tr.beta1, self.tr.beta2, self.tr.eps
-        step_t = torch.tensor(float(self.steps))
+        if not isinstance(step_t, torch.Tensor):
+            step_t = torch.tensor(step_t)
         for group in self.param_groups:
             lr = torch.tensor(self.group_lr(group), dtype=torch.float32)
             wd = group["weight_decay"]
@@ -82,11 +85,23 @@ class AdamWLowBit(PieceOptimizer):
                 bc1, bc2 = 1 - beta1 ** step_t, 1 - beta2 ** step_t
                 avg = _read(st["exp_avg"]).lerp(g, 1 - beta1)
                 avg_sq = _read(st["exp_avg_sq"]).lerp(g.square(), 1 - beta2)
-                _write(st["exp_avg"], avg)
-                _write(st["exp_avg_sq"], avg_sq)
+                self._write(st["exp_avg"], avg)
+                self._write(st["exp_avg_sq"], avg_sq)
                 denom = (avg_sq.sqrt() / bc2.sqrt()) + eps
-                p.copy_(p_f32 - lr * (avg / bc1) / denom)
+                p.copy_(self.kept(p_f32 - lr * (avg / bc1) / denom, p))
                 del g, avg, avg_sq, denom, p_f32  # this piece's temporaries, before the next
+
+    def _write(self, state, values: torch.Tensor) -> None:
+        """Store a new moment, unless the step is skipped on the device: then the old codes
+        and scales (or fp32 values) stay, selected, not re-quantised."""
+        if self.skip is None:
+            return _write(state, values)
+        if isinstance(state, QuantState):
+            codes, scale = state.quantized(values)
+            state.codes.copy_(self.kept(codes, state.codes))
+            state.scale.copy_(self.kept(scale, state.scale))
+        else:
+            state.copy_(self.kept(values, state))
 
     # --- checkpoints ----------------------------------------------------------------------
     def checkpoint_views(self, master, load, convert_from=None) -> dict:

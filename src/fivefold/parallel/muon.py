@@ -115,7 +115,12 @@ class Muon(PieceOptimizer):
         grad = self.grad(master)  # one piece's fp32 copy at a time (optim_base.py)
         grad = grad.view(-1) if grad is not None else torch.zeros_like(master.view(-1))
         buf = self.state[master]["momentum"]
-        buf.lerp_(grad, 1 - mu)
+        if self.skip is None:
+            buf.lerp_(grad, 1 - mu)
+        else:  # the new momentum feeds this step's update; the state keeps the old if skipped
+            new = buf.lerp(grad, 1 - mu)
+            buf.copy_(self.kept(new, buf))
+            buf = new
         return grad.lerp(buf, mu) if self.oc.muon_nesterov else buf
 
     def reset_state(self, master) -> None:
@@ -125,9 +130,14 @@ class Muon(PieceOptimizer):
         if self.adamw is not None:
             self.adamw.state.clear()
 
+    def skips_on_device(self) -> bool:
+        """The matrices' update selects (`kept`); the other parameters' AdamW skips by its
+        fused kernel's found_inf, so only when it is fused."""
+        return self.adamw is None or bool(self.adamw.defaults.get("fused"))
+
     @torch.no_grad()
     def step(self, closure=None):
-        self.steps += 1
+        self.begin_step()
         oc = self.oc
         updates, plan = {}, {}
         for group in self.param_groups:
@@ -146,17 +156,26 @@ class Muon(PieceOptimizer):
             del whole, mats
             own = self.assembler.own(info, ortho).to(m.device)
             p = m.view(-1)
-            p.mul_(1 - lr * wd)
-            p.add_(own, alpha=-adjusted_lr(lr, oc.muon_adjust_lr, info.matrix_shape))
-            del ortho, own
+            new = p if self.skip is None else p.clone()
+            new.mul_(1 - lr * wd)
+            new.add_(own, alpha=-adjusted_lr(lr, oc.muon_adjust_lr, info.matrix_shape))
+            if self.skip is not None:
+                p.copy_(self.kept(new, p))
+            del ortho, own, new
         if self.adamw is not None:
             lr = self.param_groups[0]["lr"] * self.adamw_ratio
             for group in self.adamw.param_groups:
                 group["lr"] = lr
-            if self.grads is not None:  # a chunk of the owner's fp32 copies at a time
-                step_torch(self.adamw, self.grads)
-            else:
-                self.adamw.step()
+            if self.found_inf is not None:  # its fused kernel skips by the flag
+                self.adamw.found_inf = self.found_inf
+            try:
+                if self.grads is not None:  # a chunk of the owner's fp32 copies at a time
+                    step_torch(self.adamw, self.grads)
+                else:
+                    self.adamw.step()
+            finally:
+                if self.found_inf is not None:
+                    del self.adamw.found_inf
 
     # --- checkpoints ----------------------------------------------------------------------
     def owns(self, master) -> bool:

@@ -148,6 +148,12 @@ class PieceOptimizer(torch.optim.Optimizer):
     A rule reads a piece's gradient with `grad(master)`, one piece at a time."""
 
     grads = None  # the owner's step_grads.StepGrads, during a step (update.clipped_step)
+    # A rule that can leave its step undone on the device sets SKIPS_ON_DEVICE; the owner
+    # then hands it the step's overflow flag (a 0-d float, 1.0: skip) as `found_inf` for the
+    # step (update.clipped_step), and the rule keeps every old value where the flag says so
+    # (`kept`): no host decision, no wait for the device.
+    SKIPS_ON_DEVICE = False
+    found_inf = None
 
     def __init__(self, masters: list[torch.Tensor], infos: list[PieceInfo], tr,
                  assembler: Assembler | None = None, lr_ratio: float = 1.0):
@@ -161,8 +167,37 @@ class PieceOptimizer(torch.optim.Optimizer):
                   {"params": plain, "weight_decay": 0.0}]
         super().__init__([g for g in groups if g["params"]] or [{"params": []}],
                          {"lr": tr.lr, "lr_ratio": lr_ratio})
-        self.steps = 0
+        self.steps = 0  # steps begun (`begin_step`); those skipped on the device: `skipped`
+        self.skipped: torch.Tensor | None = None
+        self.skip: torch.Tensor | None = None  # during a step: found_inf > 0, or None
         self.converting: dict[int, dict[str, torch.Tensor]] = {}
+
+    def skips_on_device(self) -> bool:
+        """Whether this rule takes `found_inf` (update.skips_on_device)."""
+        return self.SKIPS_ON_DEVICE
+
+    def begin_step(self) -> float | torch.Tensor:
+        """Count a step; returns its number t as the update uses it: a float, or, once a
+        step could have been skipped on the device, a 0-d fp32 tensor there (the steps
+        begun less those skipped: whole numbers, exact in fp32 up to 2^24)."""
+        self.steps += 1
+        flag = self.found_inf
+        self.skip = None if flag is None else flag > 0
+        if flag is not None:
+            self.skipped = flag.float() if self.skipped is None else self.skipped + flag
+        if self.skipped is None:
+            return float(self.steps)
+        return float(self.steps) - self.skipped
+
+    def steps_taken(self) -> int:
+        """Steps taken, skipped ones not counted (a read of the device's count, if any:
+        for checkpoints, not for the step)."""
+        return self.steps - (0 if self.skipped is None else int(self.skipped))
+
+    def kept(self, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """`new`, or `old` where this step is skipped on the device (bit for bit `new`
+        otherwise: a select, no arithmetic)."""
+        return new if self.skip is None else torch.where(self.skip, old, new)
 
     # --- the protocol the owners use ----------------------------------------------------
     def checkpoint_views(self, master: torch.Tensor, load: bool,
@@ -181,7 +216,7 @@ class PieceOptimizer(torch.optim.Optimizer):
 
     def loaded(self, step: int) -> None:
         """The views of `checkpoint_views(load=True)` are filled (or, at step 0, unused)."""
-        self.steps = step
+        self.steps, self.skipped = step, None
         if step == 0:
             for m in self.masters:
                 self.reset_state(m)

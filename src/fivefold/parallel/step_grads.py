@@ -12,7 +12,11 @@ what the step adds is at most 4 bytes a value of the larger of the two.
 
 The numbers are bit for bit those of the copy made all at once: the same cast, then the same
 multiplications by the same fp32 factors in the same order (1/loss scale, then the clipping
-coefficient), each elementwise, so a piece made alone equals its part of the whole; the norm
+coefficient), each elementwise, so a piece made alone equals its part of the whole. The cast
+and the first factor are one pass: a bf16 gradient times a one-element fp32 tensor is an fp32
+tensor (a dimensioned operand takes part in type promotion, a 0-d one would not), each value
+widened exactly and multiplied once in fp32, as a cast followed by a multiplication in place
+gives it, without the fp32 copy written, read and written again (8 bytes a value). The norm
 reduces each piece as before (a CPU the same float64 `NORM_PIECE` ranges, a GPU's
 `_foreach_norm` each tensor on its own, whatever list it is in); torch's AdamW updates each
 tensor on its own whether it is stepped alone or with others (per-tensor kernels and step
@@ -41,9 +45,14 @@ class StepGrads:
     `device` when asked (`make`); without, the sources are it."""
 
     def __init__(self, sources: list[torch.Tensor], device: torch.device, copy: bool,
-                 masters: list[torch.Tensor] | None = None):
+                 masters: list[torch.Tensor] | None = None,
+                 params: list[torch.Tensor] | None = None):
         self.sources, self.device, self.copy = list(sources), torch.device(device), copy
         self.masters = list(masters) if masters is not None else []
+        # the compute-dtype parameters the masters are copied into after the step, when the
+        # owner hands them: a one-pass update may write them itself (`written`: their indices)
+        self.params = list(params) if params is not None else None
+        self.written: set[int] = set()
         self.index_of = {id(m): i for i, m in enumerate(self.masters)}
         self.factors: list[float | torch.Tensor] = []  # applied to each copy, in order
         self.live: list[weakref.ref] = []  # the copies made last, while they are alive
@@ -64,6 +73,10 @@ class StepGrads:
             factor = factor.to(device=self.device if target is None else target.device,
                                dtype=torch.float32 if target is None else target.dtype)
         if self.copy:
+            if not self.factors and not isinstance(factor, torch.Tensor):
+                # the first factor goes into the cast (`make`): an fp32 tensor, the value a
+                # multiplication by the Python float rounds it to
+                factor = torch.full((), factor, dtype=torch.float32, device=self.device)
             self.factors.append(factor)
         else:
             torch._foreach_mul_(self.sources, factor)
@@ -79,14 +92,23 @@ class StepGrads:
 
         if not self.copy:
             return [source(i) for i in indices]
-        out = [source(i).to(device=self.device, dtype=torch.float32, copy=True)
-               for i in indices]
-        for factor in self.factors:
+        fused = bool(self.factors) and all(self.sources[i].device == self.device
+                                           for i in indices)
+        out = [self._cast(source(i), fused) for i in indices]
+        for factor in self.factors[1:] if fused else self.factors:
             torch._foreach_mul_(out, factor)
         if sample:
             self.live = [weakref.ref(t) for t in out]
             peak.sample("optimizer step")
         return out
+
+    def _cast(self, s: torch.Tensor, fused: bool) -> torch.Tensor:
+        """One source as a fresh fp32 tensor on `device`; with `fused` (a factor pending, the
+        sources on `device`) times the first factor in the same pass (bf16: read 2, write 4
+        bytes a value)."""
+        if not fused:
+            return s.to(device=self.device, dtype=torch.float32, copy=True)
+        return torch.mul(s, self.factors[0].reshape(1)).view(s.shape)
 
     def exact_sources(self, indices: list[int]) -> list[torch.Tensor] | None:
         """The sources of pieces `indices` when their values are the fp32 gradients exactly
@@ -126,9 +148,17 @@ class StepGrads:
 def step_torch(optimizer: torch.optim.Optimizer, grads: StepGrads) -> None:
     """Step a torch optimizer over its masters in `grads`: bound all at once without a copy,
     else one chunk at a time (a master without `.grad` is left alone by torch's step, and
-    its step counter with it), each chunk's copies dropped before the next is made."""
+    its step counter with it), each chunk's copies dropped before the next is made. On a
+    GPU, fused AdamW's step over copies is instead one pass over the compute-dtype gradients
+    (parallel/adamw_kernel.py: no copies made at all)."""
     if not grads.copy:
         optimizer.step()
+        return
+    from fivefold.parallel import adamw_kernel
+
+    if adamw_kernel.applies(optimizer, grads):
+        grads.written |= adamw_kernel.step_mixed(optimizer, grads,
+                                                 getattr(optimizer, "found_inf", None))
         return
     mine = sorted(grads.index_of[id(p)] for g in optimizer.param_groups for p in g["params"]
                   if id(p) in grads.index_of)

@@ -64,11 +64,16 @@ def skips_on_device(optimizer, device: torch.device) -> bool:
     GradScaler hands it): with 1.0 its kernel leaves weights, moments and step counts as
     they were, so the step needs no host decision. Only where its states live on the
     flag's `device` (offloaded states on the host would read a flag still in flight).
-    Other rules (fivefold's own, foreach, NVMe) are skipped by the host."""
-    if not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "grads"):
+    fivefold's own rules that select their new values against the old by the flag
+    (optim_base.PieceOptimizer.skips_on_device: AdamW 8-bit and 4-bit, Muon over a fused
+    AdamW) take it too. Others (Adafactor, foreach AdamW, NVMe) are skipped by the host."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
         return False
-    return all(g.get("fused") and all(p.device == device for p in g["params"])
-               for g in optimizer.param_groups)
+    on_device = all(p.device == device for g in optimizer.param_groups for p in g["params"])
+    if hasattr(optimizer, "grads"):
+        check = getattr(optimizer, "skips_on_device", None)
+        return on_device and check is not None and check()
+    return on_device and all(g.get("fused") for g in optimizer.param_groups)
 
 
 def clipped_step(updates: list[tuple], lr: float, tr, scaler, world: comm.Group,

@@ -373,7 +373,7 @@ class DataParallelOptimizer:
 
     def step_count(self) -> int:
         if self.own_rule:
-            return self.optimizer.steps
+            return self.optimizer.steps_taken()
         if self.nvme_dir is not None:
             return self.optimizer.step_count
         for state in self.optimizer.state.values():

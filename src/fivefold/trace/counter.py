@@ -22,10 +22,13 @@ on data (`nonzero`, `masked_select`, `unique`, ...).
 
 Bytes: each tensor argument read (a broadcast dimension, stride 0, read once) plus each
 output written; an in-place op reads and writes its target, a write-only op (`copy_`,
-`fill_`, `zero_`, random fills) only writes it. FLOPs: the matrix ops of torch's own FLOP
-table (`torch.utils.flop_counter`: mm, addmm, bmm, baddbmm, _scaled_mm, convolution, the
-attention kernels), and 2 x M x K x N for `_scaled_mm_v2` and the grouped GEMMs; 0 for the
-rest (elementwise work is bound by bytes; see roofline.py).
+`_foreach_copy_`, `fill_`, `zero_`, random fills) only writes it. torch's fused Adam(W)
+marks its gradients mutable but writes them only when it unscales them (`grad_scale`
+given: aten/src/ATen/native/cuda/fused_adam_utils.cuh, "writes out gradients only when
+grad_scale_ptr != nullptr"); without, they count as read only. FLOPs: the matrix ops of
+torch's own FLOP table (`torch.utils.flop_counter`: mm, addmm, bmm, baddbmm, _scaled_mm,
+convolution, the attention kernels), and 2 x M x K x N for `_scaled_mm_v2` and the grouped
+GEMMs; 0 for the rest (elementwise work is bound by bytes; see roofline.py).
 """
 
 from __future__ import annotations
@@ -48,8 +51,13 @@ NOT_KERNELS = frozenset({
     "view", "_to_copy_noop", "as_strided", "unsqueeze_", "squeeze_", "t_", "transpose_",
     "as_strided_", "_nested_tensor_size", "is_pinned", "_pin_memory", "prim_layout",
 })
-WRITE_ONLY = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_",
-                        "random_", "exponential_", "index_put_", "scatter_"})
+WRITE_ONLY = frozenset({"copy_", "_foreach_copy_", "fill_", "zero_", "normal_", "uniform_",
+                        "bernoulli_", "random_", "exponential_", "index_put_", "scatter_"})
+# Ops whose `grads` argument is written only when a `grad_scale` is passed (see above).
+GRADS_WRITTEN_WHEN_SCALED = frozenset({"_fused_adam_", "_fused_adamw_"})
+# Mutable arguments an op writes without reading (by name): the one-pass AdamW's parameter
+# (parallel/adamw_kernel.py).
+WRITE_ONLY_ARGS = {"adamw_mixed_": frozenset({"param"})}
 DYNAMIC_SHAPE = frozenset({"nonzero", "masked_select", "unique", "_unique", "_unique2",
                            "unique_consecutive", "unique_dim", "repeat_interleave",
                            "bincount"})
@@ -108,10 +116,24 @@ def _same_data(dst, src) -> bool:
             and dst.is_conj() == src.is_conj() and dst.is_neg() == src.is_neg())
 
 
+def _named(func, args, kwargs, names) -> list[torch.Tensor]:
+    """The tensors passed as the arguments called `names`."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name in names:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            out.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return out
+
+
 def _write_targets(func, args, kwargs) -> list[torch.Tensor]:
     """The tensors an op writes in place (its mutable arguments)."""
     out = []
+    base = func._schema.name.split("::")[-1]
     for i, arg in enumerate(func._schema.arguments):
+        if (base in GRADS_WRITTEN_WHEN_SCALED and arg.name == "grads"
+                and kwargs.get("grad_scale") is None):
+            continue
         if arg.alias_info is not None and arg.alias_info.is_write:
             value = args[i] if i < len(args) else kwargs.get(arg.name)
             flat, _ = tree_flatten(value)
@@ -216,6 +238,14 @@ class OpCounter(TorchDispatchMode):
             for t in [*flat_out, *_write_targets(func, args, kwargs)]:
                 if t.numel() <= 64 and t.device.type == self.device_type:
                     self.producer[t] = base
+            if base == "_to_copy" and len(flat_out) == 1 and flat_in and (
+                    flat_in[0].dtype == torch.bool and flat_out[0].numel() <= 64):
+                # a flag cast to a number keeps its value: False -> 0.0 (as an overflow
+                # flag `found_inf` reads), True -> 1.0
+                value = _scalar_for(flat_in[0], self.producer.get(flat_in[0]))
+                self.producer[flat_out[0]] = (
+                    ("all" if value else "isnan") if flat_out[0].dtype == torch.bool
+                    else ("from_true" if value else "found_inf"))
         return out
 
     def _run(self, func, base, args, kwargs, flat_in):
@@ -256,8 +286,11 @@ class OpCounter(TorchDispatchMode):
         written_ids = {id(t) for t in written}
         write_only = base in WRITE_ONLY
         read = 0
+        first = {id(t) for t in tree_flatten(args[0] if args else None)[0]
+                 if isinstance(t, torch.Tensor)}
+        unread = {id(t) for t in _named(func, args, kwargs, WRITE_ONLY_ARGS.get(base, ()))}
         for t in flat_in:
-            if write_only and id(t) in written_ids and t is (args[0] if args else None):
+            if write_only and id(t) in written_ids and id(t) in first or id(t) in unread:
                 continue
             if id(t) in written_ids and not write_only:
                 read += _tensor_bytes(t)  # read-modify-write: read here, written below

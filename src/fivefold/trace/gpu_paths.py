@@ -11,7 +11,9 @@ autograd formulas, so the backward is the GPU's too.
 
 `torch.optim.AdamW`: the engine asks for the fused kernel on CUDA and foreach elsewhere
 (parallel/update.py `adamw`); under `gpu_optimizer()` an AdamW of meta parameters that asks
-for foreach is made fused, as on the GPU (torch's fused AdamW has a meta kernel).
+for foreach is made fused, as on the GPU (torch's fused AdamW has a meta kernel). Over fp32
+masters of bf16/fp16 gradients the engine then steps it by its own one-pass op on any device
+but the CPU (parallel/adamw_kernel.py), which the trace sees as on a GPU.
 
 FP8's blockwise GEMM: the engine takes cuBLASLt's blockwise `_scaled_mm` on a GPU of compute
 capability 9.x (numerics/fp8_kernel.py `kernel_support`, asked by lowp/convert.py); under

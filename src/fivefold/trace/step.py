@@ -141,8 +141,11 @@ def trace_step(cfg=None, gpu: str = "h100", steps: int = 2, launch_us: float = D
         from fivefold.models import init as init_mod
         from fivefold.models import loss as loss_mod
 
-        # the fused loss sizes its chunks by the traced GPU's memory (models/loss_chunks.py)
-        stack.enter_context(_patched(loss_mod, "META_DEVICE_MEMORY", dev.memory_gib * 2**30))
+        # the fused loss sizes its chunks by the traced GPU's memory (models/loss_chunks.py;
+        # an older engine traced by bench/train/trace_revision.py has no such setting)
+        if hasattr(loss_mod, "META_DEVICE_MEMORY"):
+            stack.enter_context(_patched(loss_mod, "META_DEVICE_MEMORY",
+                                         dev.memory_gib * 2**30))
 
         stack.enter_context(_patched(init_mod, "init_value", _no_values))
         stack.enter_context(_patched(trainer_mod, "pick_device",

@@ -75,11 +75,18 @@ def ledger_paused(dims):
 
 
 class StopSignal:
-    """SIGTERM sets a flag that the training loop reads at each step boundary.
+    """SIGTERM sets a flag that the training loop reads at step boundaries.
 
     The ranks of a job get the signal at slightly different times, so the decision to stop is
-    taken together: `agreed` all-reduces the flag (max) over every rank, once per step. A
-    second SIGTERM while the first is pending ends the process at once (143).
+    taken together: `agreed` all-reduces the flag (max) over every rank, at the steps the
+    loop names with `check` — the same on every rank (a function of the step number and the
+    config), so every rank stops after the same step. The loop checks where it reads the
+    steps' records anyway (every log.every steps, before a validation or a save, the last
+    step): there the host has waited for the device already, and reading the flag adds no
+    wait; a check at every step would stop the host each step (reading a reduced flag waits
+    for the device's queue). One rank alone needs no collective and stops after the step the
+    signal came in. A second SIGTERM while the first is pending ends the process at once
+    (143).
     """
 
     def __init__(self):
@@ -103,13 +110,17 @@ class StopSignal:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
 
-    def agreed(self, world) -> bool:
-        """True on every rank when any rank has been signalled (a collective over `world`)."""
+    def agreed(self, world, check: bool = True) -> bool:
+        """True on every rank when any rank has been signalled, at a `check` step (a
+        collective over `world` there; every rank passes the same `check`)."""
         from fivefold.parallel import comm
 
         if world.size == 1:
             return self.received
-        flag = torch.tensor([1.0 if self.received else 0.0])
+        if not check:
+            return False
+        device = "cuda" if dist.get_backend(world.pg) == "nccl" else "cpu"
+        flag = torch.full((1,), 1.0 if self.received else 0.0, device=device)
         was, world.ledger.enabled = world.ledger.enabled, False  # not the step's traffic
         try:
             comm.all_reduce(flag, world, op="max")

@@ -275,10 +275,12 @@ def _train(cfg: Config, trainer: Trainer, stop: StopSignal) -> list[dict]:
             evaluate = trainer.val_loader is not None and ev and (
                 step % ev == 0 or step == cfg.train.steps)
             saved = (every and step % every == 0) or step == cfg.train.steps
-            stopping = stop.agreed(trainer.dims["world"])  # SIGTERM: every rank, this step
             # The records are read from the device at the logging cadence (and before a
-            # validation, a save or a stop): train/step_metrics.py
-            if step % cfg.log.every == 0 or step == 1 or evaluate or saved or stopping:
+            # validation, a save or a stop): train/step_metrics.py. A SIGTERM is agreed on
+            # there too, where the host waits for the device anyway (lifecycle.StopSignal)
+            reads = step % cfg.log.every == 0 or step == 1 or evaluate or saved
+            stopping = stop.agreed(trainer.dims["world"], check=reads)
+            if reads or stopping:
                 log_records(trainer.settle(check=False), writer, progress)
                 trainer.book.check_bad_steps()  # after the bad steps are logged
             if planned and len(records) == 1:

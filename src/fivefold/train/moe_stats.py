@@ -4,7 +4,9 @@ Before the micro-batches: every MoE layer learns d(objective)/d(its aux losses),
 loss_scale / (sequences in the global batch) (see models/moe.py), and clears its counts.
 
 After the optimizer step: one all-reduce over dp×cp of [tokens per expert | balance, z]
-for this rank's MoE layers gives the GLOBAL batch's numbers. Expert parallelism carves its
+for this rank's MoE layers gives the GLOBAL batch's numbers, kept on the device: the step's
+record turns them into metrics when it is read (train/step_metrics.py), so the step does
+not wait for the device to copy them to the host. Expert parallelism carves its
 ranks out of dp×cp, so the same reduction covers it; tp ranks hold identical copies. With
 `model.expert_bias_rate` > 0 the global counts update each layer's expert bias
 (aux-loss-free balancing), so this all-reduce is part of the step and in the ledger; without
@@ -50,36 +52,45 @@ class MoEStats:
         for layer in self.layers.values():
             layer.aux_grad_scale = None
 
-    def finish_step(self, global_sequences: int) -> dict:
-        """Global counts (and the bias update), then the step's MoE metrics."""
+    METRIC_KEYS = ("moe_aux_loss", "moe_balance_loss", "moe_z_loss", "moe_imbalance",
+                   "moe_tokens_min", "moe_tokens_max", "moe_max_over_mean")
+
+    def finish_step(self) -> torch.Tensor:
+        """Global counts (and the bias update), on the device: the rows [tokens per expert |
+        balance, z] of every MoE layer of the model, summed over the global batch. Nothing
+        here waits for the device; `metrics(rows.cpu(), ...)` makes the step's MoE metrics
+        when its record is read (train/step_metrics.py, at the logging cadence)."""
         e = self.cfg.num_experts
-        rows = torch.zeros(len(self.all_layers), e + 2)
+        rows = torch.zeros(len(self.all_layers), e + 2, device=self._device())
         for slot, index in enumerate(self.all_layers):
             if index in self.layers:
                 layer = self.layers[index]
-                rows[slot, :e] = layer.tokens_per_expert.float().cpu()
-                rows[slot, e:] = layer.aux_sums[:2].float().cpu()
+                rows[slot, :e] = layer.tokens_per_expert.float()
+                rows[slot, e:] = layer.aux_sums[:2].float()
         owned = [slot for slot, index in enumerate(self.all_layers) if index in self.layers]
-        local = rows[owned].to(self._device())
+        whole = owned == list(range(len(self.all_layers)))
+        local = rows if whole else rows[owned]
         if owned and self.cfg.expert_bias_rate > 0:
             comm.all_reduce(local, self.dims["dp_cp"])
         elif owned:
             with self.paused(self.dims):
                 comm.all_reduce(local, self.dims["dp_cp"])
-        rows[owned] = local.cpu()
+        if owned and not whole:
+            rows[owned] = local
         if owned and self.cfg.expert_bias_rate > 0:
             layers = [self.layers[self.all_layers[s]] for s in owned]
             update_expert_bias(layers, local[:, :e], self.cfg.expert_bias_rate)
         with self.paused(self.dims):
             if self.dims.pp > 1:
                 comm.all_reduce(rows, self.dims["pp"])
-        return self.metrics(rows, global_sequences)
+        return rows
 
     def _device(self):
         layer = next(iter(self.layers.values()), None)
         return layer.tokens_per_expert.device if layer is not None else torch.device("cpu")
 
     def metrics(self, rows: torch.Tensor, global_sequences: int) -> dict:
+        """The MoE metrics (METRIC_KEYS) of a step from its rows (`finish_step`), on the host."""
         e, c = self.cfg.num_experts, self.cfg
         counts = rows[:, :e]
         balance = rows[:, e] / global_sequences

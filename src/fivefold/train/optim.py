@@ -134,19 +134,25 @@ class MasterWeightOptimizer:
         """With fp32 masters each parameter's fp32 gradient is made where the step uses it
         (parallel/step_grads.py), never all at once; in fp32 the gradients are the `.grad`."""
         grads = self._grads()
-        self.step_grads = StepGrads(grads, self.params[0].device, self.mixed, self.master)
+        self.step_grads = StepGrads(grads, self.params[0].device, self.mixed, self.master,
+                                    self.params if self.mixed else None)
         if not self.mixed:
             self.step_grads.bind()
+        step_grads = self.step_grads
         try:
-            stats = clipped_step([(self.optimizer, self.step_grads)], lr, self.tr,
+            stats = clipped_step([(self.optimizer, step_grads)], lr, self.tr,
                                  self.scaler, self.dims["world"], self.global_grad_norm, loss)
         finally:
             self.step_grads = None
         # a step skipped on the device (`update.skips_on_device`) left the masters as they
-        # were: copying them gives the parameters the values they hold (bf16/fp16 of them)
+        # were: copying them gives the parameters the values they hold (bf16/fp16 of them);
+        # those the update wrote itself (parallel/adamw_kernel.py) are not copied again
         if self.mixed and stats.found is not True:
-            with torch.no_grad():
-                torch._foreach_copy_(self.params, self.master)
+            rest = [i for i in range(len(self.params)) if i not in step_grads.written]
+            if rest:
+                with torch.no_grad():
+                    torch._foreach_copy_([self.params[i] for i in rest],
+                                         [self.master[i] for i in rest])
         return stats
 
     # --- checkpoints and accounting -----------------------------------------------------
@@ -215,7 +221,7 @@ class MasterWeightOptimizer:
 
     def step_count(self) -> int:
         if self.own_rule:
-            return self.optimizer.steps
+            return self.optimizer.steps_taken()
         for state in self.optimizer.state.values():
             return int(state["step"])
         return 0

@@ -87,16 +87,21 @@ class StepBook:
         if not self.pending:
             self.throughput.begin()
 
-    def add(self, data: dict, device_values: dict, num_tokens: int, tokens: int
-            ) -> StepMetrics:
+    def add(self, data: dict, device_values: dict, num_tokens: int, tokens: int,
+            later: dict | None = None) -> StepMetrics:
         """A record of `data` (host values; DEVICE_KEYS among them keep their place, their
         values are filled later) and, unread, `device_values`: loss_sum (this step's loss
         summed over the global batch's `num_tokens` target tokens), grad_norm, skipped,
-        loss_scale (0-d tensors, or numbers the host already knew)."""
-        data = {**data, **{k: None for k in DEVICE_KEYS if k not in data}}
-        rec = StepMetrics({k: _PENDING if k in DEVICE_KEYS else v for k, v in data.items()},
-                          self)
+        loss_scale (0-d tensors, or numbers the host already knew). `later`: keys -> (a
+        device tensor, fn(its host copy) -> {key: value}), more keys filled when read (the
+        MoE layers' counts)."""
+        later = later or {}
+        wait = {k for keys in later for k in keys}
+        data = {**data, **{k: None for k in (*DEVICE_KEYS, *wait) if k not in data}}
+        rec = StepMetrics({k: _PENDING if k in DEVICE_KEYS or k in wait else v
+                           for k, v in data.items()}, self)
         rec.bad_in_a_row = 0  # set when read: this step's place in a run of bad steps
+        rec.later = list(later.values())
         self.pending.append((rec, device_values, num_tokens, tokens))
         return rec
 
@@ -128,6 +133,9 @@ class StepBook:
                 "grad_norm": float("nan") if skipped else values["grad_norm"],
                 "skipped": skipped, "bad": bad, "loss_scale": values["loss_scale"],
                 "tokens_per_s": tps, "step_time_s": elapsed / len(pending), "mfu": mfu})
+            for tensor, make in rec.later:  # the device has finished them: copies only
+                rec._data.update(make(tensor.detach().cpu()))
+            rec.later = []
             self.bad_steps = self.bad_steps + 1 if bad else 0
             rec.bad_in_a_row = self.bad_steps
             if self.bad_run is None and self.bad_steps >= self.max_bad_steps:

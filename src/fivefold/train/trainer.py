@@ -291,7 +291,7 @@ class Trainer:
         self.optimizer.finish_grad_sync()
         lr = lr_at(self.step, self.cfg.train)
         stats = self.optimizer.step(lr, loss=loss_sum)
-        moe = self.moe.finish_step(self.cfg.train.gbs) if self.moe is not None else {}
+        moe_rows = self.moe.finish_step() if self.moe is not None else None
         total = self.global_loss_sum(loss_sum)
         self.watchdog.disarm()
         self.step += 1
@@ -302,10 +302,17 @@ class Trainer:
              "skipped": None, "bad": None, "loss_scale": None, "tokens": tokens,
              "tokens_per_s": None, "step_time_s": None, "mfu": None,
              "memory_bytes": memory_bytes(self.device),
-             **moe, **({"memory_reserved_bytes": memory_reserved_bytes(self.device)}
-                       if self.device.type == "cuda" else {})},
+             **({"memory_reserved_bytes": memory_reserved_bytes(self.device)}
+                if self.device.type == "cuda" else {})},
             {"loss_sum": total, "grad_norm": norm, "skipped": skipped, "loss_scale": scale},
-            num_tokens, tokens)
+            num_tokens, tokens, later=self._moe_metrics(moe_rows))
+
+    def _moe_metrics(self, rows) -> dict:
+        """The MoE metrics of the step, made from its rows when the record is read."""
+        if rows is None:
+            return {}
+        gbs, moe = self.cfg.train.gbs, self.moe
+        return {moe.METRIC_KEYS: (rows, lambda host: moe.metrics(host, gbs))}
 
     def settle(self, check: bool = True) -> list[StepMetrics]:
         """Read the records of the steps not read yet (one wait for the device) and return
