@@ -123,7 +123,7 @@ CONVENTIONS: dict[str, Convention] = {
         # the host on its messages, and the spread of a rank's time (stragglers).
         {"activation_reserve": 0.25, "loss_reserve": 0.0, "head_token_bytes": 82.0,
          "host_layer_ms": 4.0, "pp_message_ms": 2.0, "inter_node_rails": 0.25,
-         "pp_blocking_latency_us": 150.0, "straggler_sigma": 0.02,
+         "pp_blocking_latency_us": 200.0, "straggler_sigma": 0.02,
          "memory_headroom_gib": 4.5}),
     "torchtitan": Convention(
         "torchtitan",
