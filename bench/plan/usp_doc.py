@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from usp_calibration import BEFORE, OUT, PREVIOUS, ROOT
+from usp_calibration import BEFORE, OUT, PREVIOUS, ROOT, ROUND
 
 DOC = ROOT / "docs" / "planner-validation.md"
 MARK = ("<!-- usp-calibration: written by bench/plan/usp_calibration.py -->",
@@ -97,9 +97,12 @@ def section(now: dict | None = None, before: dict | None = None,
         "ran). *Before (4030e22)*: the planner before the nanotron convention was "
         "calibrated (`bench/results/usp_calibration_before.json`). *At 0a1a755*: the "
         "time model before issue 44's terms, the one the issue scored (`bench/results/"
-        "usp_calibration_0a1a755.json`). *Now*: with the terms of `plan/network.py` and "
-        "`plan/timing.py` below. *Fitted on N GPUs, judged on N*: the in-sample error the "
-        "cross-fit is held against.",
+        "usp_calibration_0a1a755.json`). *At 9417dbc*: issue 44's terms with nanotron's "
+        "blocked TP waits added to the GPU's time (`bench/results/usp_calibration_9417dbc"
+        ".json`; main at a5f9755 scores the same). *Now*: with the terms of "
+        "`plan/network.py` and `plan/timing.py` below, the blocked waits as host time. "
+        "*Fitted on N GPUs, judged on N*: the in-sample error the cross-fit is held "
+        "against.",
         "",
         "| planner, runs | ok runs | memory median error | memory within 10% | fits right "
         "| pick within 10% | tokens/s median error | tokens/s within 20% | tp>1 & pp>1 "
@@ -114,6 +117,15 @@ def section(now: dict | None = None, before: dict | None = None,
                   _row("at 0a1a755, 128 GPUs", p["128_gpus"])]
         lines += [_row(f"at 0a1a755, {label}", previous["held_out"][name])
                   for name, label in halves_rows if name in previous["held_out"]]
+    if ROUND.exists():
+        r = json.loads(ROUND.read_text())
+        lines += [_row("at 9417dbc, all runs", r["scores"]["all"]),
+                  _row("at 9417dbc, 16 GPUs", r["scores"]["16_gpus"]),
+                  _row("at 9417dbc, 128 GPUs", r["scores"]["128_gpus"])]
+        lines += [_row(f"at 9417dbc, {label}", r["held_out"][name])
+                  for name, label in halves_rows if name in r["held_out"]]
+        lines += [_row(f"at 9417dbc, factors fitted on {g} GPUs, judged on {g}",
+                       r["in_sample"][g]) for g in ("16", "128") if g in r.get("in_sample", {})]
     lines += [
         _row("now, all runs", n["all"]),
         _row("now, 16 GPUs", n["16_gpus"]),
@@ -273,14 +285,19 @@ def section(now: dict | None = None, before: dict | None = None,
 
 
 def breakdown_lines() -> list[str]:
-    """The tokens/s error by GPU count, tp and pp, before and now (bench/plan/usp_breakdown.py's
+    """The tokens/s error by GPU count, tp and pp, and on the 128-GPU runs by layout and the
+    predicted step's largest term, before and now (bench/plan/usp_breakdown.py's
     JSON files), as a table."""
-    now_p, before_p = OUT.parent / "usp_breakdown.json", OUT.parent / "usp_breakdown_05aa091.json"
+    now_p = OUT.parent / "usp_breakdown.json"
+    before_p = OUT.parent / "usp_breakdown_a5f9755.json"
     if not (now_p.exists() and before_p.exists()):
         return []
     now, before = json.loads(now_p.read_text()), json.loads(before_p.read_text())
-    lines = ["", f"Tokens/s by GPU count, tp and pp, all runs, the convention's factors as "
-             f"they stand (`python bench/plan/usp_breakdown.py`; before: the planner at "
+    lines = ["", f"Tokens/s by GPU count, tp and pp over all runs, and on the 128-GPU runs by "
+             f"model, dp, tp, pp, mbs, gradient accumulation, ZeRO stage and the term that "
+             f"dominates the predicted step (compute, tp, dp, or pp: messages and bubble), "
+             f"the convention's factors as they stand (`python bench/plan/usp_breakdown.py`; "
+             f"before: the planner at "
              f"{before['git']}, `bench/results/usp_breakdown_{before['git']}.json`, the "
              f"command in the script's docstring): runs, median predicted/measured, median "
              f"error, share within 20%.", "",

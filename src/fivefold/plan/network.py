@@ -18,8 +18,9 @@ Each term, what it is and where its value comes from:
   whichever its model says is faster (`nccl_algorithms`); point-to-point messages take
   one step. Under a pipeline whose engine blocks the host on its messages, every step of a
   TP call holds the host `pp_blocking_latency_us` (`blocked_host_s`; fitted per engine, 0
-  for the engine itself): host time, which shows only where it outlasts the GPU's work. Inside a node, calibrate's measured call times
-  replace the latency and bandwidth where a profile has them.
+  for the engine itself): host time, which shows only where it outlasts the GPU's work.
+  Inside a node, calibrate's measured call times replace the latency and bandwidth where a
+  profile has them.
 """
 
 from __future__ import annotations
