@@ -217,7 +217,12 @@ def main():
 
     if usp_calibration.OUT.exists():
         lines += ["", *usp_doc.section()]
-    (ROOT / "docs" / "planner-validation.md").write_text("\n".join(lines) + "\n")
+    doc = ROOT / "docs" / "planner-validation.md"
+    # What the page holds after the USP section (the memory section, written by hand from
+    # usp_memory.py's results) stays.
+    old = doc.read_text() if doc.exists() else ""
+    tail = old.split(usp_doc.MARK[1], 1)[1] if usp_doc.MARK[1] in old else ""
+    doc.write_text("\n".join(lines) + (tail if tail.strip() else "\n"))
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True, cwd=ROOT).stdout.strip()
     out = {"machine": platform.node(), "cpu": cpu_label(),
