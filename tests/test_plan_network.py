@@ -115,13 +115,16 @@ def test_pipeline_messages_wait_in_the_bubble():
 
 
 def test_tp_waits_under_a_blocking_pipeline_are_host_time():
-    """pp_blocking_latency_us: every ring step of a TP call holds the host under pp > 1
-    (`blocked_host_s`), never at pp = 1, never for another group, and never as the call's
-    latency on the GPU."""
+    """pp_blocking_latency_us: every ring step of a TP call holds the host under pp > 1 for
+    the slowest of the world's ranks, σ·√(2 ln N) (`blocked_host_s`), never at pp = 1,
+    never for another group, and never as the call's latency on the GPU."""
     a = Assumptions(pp_blocking_latency_us=100.0)
     call = Collective("tp", "all_gather", 2, 1.0, 3, 8, "fwd")
-    assert blocked_host_s(call, a, Layout(tp=8, pp=2)) == pytest.approx(3 * 7 * 100 * US,
-                                                                         rel=1e-12)
+    assert blocked_host_s(call, a, Layout(tp=8, pp=2)) == pytest.approx(
+        3 * 7 * 100 * US * math.sqrt(2 * math.log(16)), rel=1e-12)
+    # the slowest of more ranks: four times the world, √(ln 64 / ln 16) = √1.5 the wait
+    assert blocked_host_s(call, a, Layout(dp=4, tp=8, pp=2)) == pytest.approx(
+        blocked_host_s(call, a, Layout(tp=8, pp=2)) * math.sqrt(1.5), rel=1e-12)
     assert blocked_host_s(call, a, Layout(tp=8)) == 0.0
     dp = Collective("dp_cp", "all_gather", 2, 1.0, 1, 8, "fwd")
     assert blocked_host_s(dp, a, Layout(dp=8, pp=2)) == 0.0

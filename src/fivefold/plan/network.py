@@ -17,8 +17,9 @@ Each term, what it is and where its value comes from:
   NCCL may run an all-reduce as a tree instead, 2·log2(nodes) network steps, and picks
   whichever its model says is faster (`nccl_algorithms`); point-to-point messages take
   one step. Under a pipeline whose engine blocks the host on its messages, every step of a
-  TP call holds the host `pp_blocking_latency_us` (`blocked_host_s`; fitted per engine, 0
-  for the engine itself): host time, which shows only where it outlasts the GPU's work.
+  TP call holds the host until the slowest of the job's N ranks gets there,
+  `pp_blocking_latency_us`·√(2 ln N) (`blocked_host_s`; fitted per engine, 0 for the engine
+  itself): host time, which shows only where it outlasts the GPU's work.
   Inside a node, calibrate's measured call times replace the latency and bandwidth where a
   profile has them.
 """
@@ -182,13 +183,24 @@ def call_latency_s(c: Collective, hw: Hardware, assume: Assumptions, layout: Lay
 
 def blocked_host_s(c: Collective, assume: Assumptions, layout: Layout) -> float:
     """Host seconds all calls of `c` in a step hold the host under a pipeline whose engine
-    blocks it on its point-to-point messages: `pp_blocking_latency_us` per ring step of a TP
-    call (fitted per engine; 0 for the engine itself). They are the host's, not the GPU's:
-    the GPU runs its queued kernels meanwhile, so they show only where the host's time per
-    micro-batch passes the GPU's (`timing.step_time`)."""
+    blocks it on its point-to-point messages: per ring step of a TP call, the wait for the
+    slowest of the job's N ranks, `pp_blocking_latency_us`·√(2 ln N) (the spread of a
+    rank's time per step, fitted per engine; 0 for the engine itself; the blocking couples
+    every rank's host to its pipeline neighbours', and through them and the TP rings to
+    the rest). They are the host's, not the GPU's: the GPU runs its queued kernels
+    meanwhile, so they show only where the host's time per micro-batch passes the GPU's
+    (`timing._blocked_exposed`)."""
     if layout.pp == 1 or c.group != "tp" or not assume.pp_blocking_latency_us:
         return 0.0
-    return c.calls * ring_steps(c.op, c.group_size)[0] * assume.pp_blocking_latency_us * 1e-6
+    return (c.calls * ring_steps(c.op, c.group_size)[0] * assume.pp_blocking_latency_us * 1e-6
+            * expected_max_normal(layout.world_size))
+
+
+def expected_max_normal(n: int) -> float:
+    """√(2 ln n): how many standard deviations the slowest of n ranks lies above their mean
+    (the expected maximum of n normal variables, to leading order; Cramér 1946 §28.6); 0
+    for one rank."""
+    return math.sqrt(2 * math.log(n)) if n > 1 else 0.0
 
 
 def collective_time(c: Collective, hw: Hardware, assume: Assumptions, layout: Layout,
