@@ -190,7 +190,11 @@ def main():
         "ring steps of which the node-crossing ones at the network's latency, a tree "
         "all-reduce across nodes when faster; the pipeline's messages in its bubble; the "
         "spine and stragglers, whose defaults, a non-blocking fat tree and equal ranks, add "
-        "nothing here). Every convention takes them; no factor was fitted to these rows.",
+        "nothing here). Every convention takes them; no factor was fitted to these rows. "
+        "Re-scored after nanotron's blocked TP waits became host time that grows with the "
+        "slowest of N ranks (`plan/network.py` `blocked_host_s`): the rows are unchanged, "
+        "as no other engine's pipeline blocks the host on its messages "
+        "(`pp_blocking_latency_us` = 0).",
         "",
         "| source | run | convention | layout planned | unit | measured | before | error "
         "before | now | error now | note |",
