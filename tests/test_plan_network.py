@@ -12,6 +12,7 @@ from fivefold.plan.comm import Collective
 from fivefold.plan.hardware import CATALOG, Assumptions, get_hardware
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.network import (
+    blocked_host_s,
     call_latency_s,
     collective_time,
     group_link,
@@ -114,18 +115,42 @@ def test_pipeline_messages_wait_in_the_bubble():
     assert slow.bubble - base.bubble == pytest.approx(bubble_ratio(lay, m) * d_pp, rel=1e-6)
 
 
-def test_tp_latency_under_a_blocking_pipeline():
-    """pp_blocking_latency_us: every ring step of a TP call waits it under pp > 1, never
-    at pp = 1 and never for another group."""
+def test_tp_waits_under_a_blocking_pipeline_are_host_time():
+    """pp_blocking_latency_us: every ring step of a TP call holds the host under pp > 1 for
+    the slowest of the world's ranks, σ·√(2 ln N) (`blocked_host_s`), never at pp = 1,
+    never for another group, and never as the call's latency on the GPU."""
     a = Assumptions(pp_blocking_latency_us=100.0)
-    call = Collective("tp", "all_gather", 2, 1.0, 1, 8, "fwd")
-    free = call_latency_s(call, H100, Assumptions(), Layout(tp=8, pp=2), False)
-    assert call_latency_s(call, H100, a, Layout(tp=8, pp=2), False) - free == pytest.approx(
-        7 * 100 * US, rel=1e-9)
-    assert call_latency_s(call, H100, a, Layout(tp=8), False) == pytest.approx(free)
+    call = Collective("tp", "all_gather", 2, 1.0, 3, 8, "fwd")
+    assert blocked_host_s(call, a, Layout(tp=8, pp=2)) == pytest.approx(
+        3 * 7 * 100 * US * math.sqrt(2 * math.log(16)), rel=1e-12)
+    # the slowest of more ranks: four times the world, √(ln 64 / ln 16) = √1.5 the wait
+    assert blocked_host_s(call, a, Layout(dp=4, tp=8, pp=2)) == pytest.approx(
+        blocked_host_s(call, a, Layout(tp=8, pp=2)) * math.sqrt(1.5), rel=1e-12)
+    assert blocked_host_s(call, a, Layout(tp=8)) == 0.0
     dp = Collective("dp_cp", "all_gather", 2, 1.0, 1, 8, "fwd")
-    assert call_latency_s(dp, H100, a, Layout(dp=8, pp=2), False) == pytest.approx(
-        call_latency_s(dp, H100, Assumptions(), Layout(dp=8, pp=2), False))
+    assert blocked_host_s(dp, a, Layout(dp=8, pp=2)) == 0.0
+    assert call_latency_s(call, H100, a, Layout(tp=8, pp=2), False) == pytest.approx(
+        call_latency_s(call, H100, Assumptions(), Layout(tp=8, pp=2), False), rel=1e-12)
+
+
+def test_blocked_waits_show_only_beyond_the_gpus_work():
+    """A micro-batch takes the longer of the GPU's work and the host's: waits far below the
+    GPU's time change nothing; waits far above it set the step's compute + TP time to the
+    slowest rank's host time, the waits themselves (host_layer_ms = 0)."""
+    from fivefold.plan.comm import collectives
+
+    work = Workload(preset("llama-3.2-1b"), seq_len=2048, gbs=32)
+    lay = Layout(dp=2, tp=4, pp=2, sp=True, schedule="1f1b")
+    hw, a = get_hardware("h100")
+    base = step_time(work, lay, hw, a)
+    hidden = step_time(work, lay, hw, dataclasses.replace(a, pp_blocking_latency_us=1e-3))
+    assert hidden.tp_comm == base.tp_comm and hidden.total == base.total
+    big = dataclasses.replace(a, pp_blocking_latency_us=1e5)
+    slow = step_time(work, lay, hw, big)
+    waits = max(sum(blocked_host_s(c, big, lay) for c in collectives(work, lay, r))
+                for r in range(lay.pp))
+    assert waits > 10 * base.total
+    assert slow.compute + slow.tp_comm == pytest.approx(waits, rel=1e-9)
 
 
 def test_validated_range_of_the_usp_file():

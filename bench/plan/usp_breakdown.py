@@ -1,16 +1,20 @@
-"""The planner's tokens/s error on the Ultra-Scale Playbook's runs by GPU count, tp and pp.
+"""The planner's tokens/s error on the Ultra-Scale Playbook's runs by GPU count, tp and pp,
+and on the 128-GPU runs by model, dp, tp, pp, mbs, gradient accumulation, ZeRO stage and the
+term that dominates the predicted step.
 
     python bench/plan/usp_breakdown.py            # writes bench/results/usp_breakdown.json
     python bench/plan/usp_breakdown.py --out PATH
 
 Ok runs the planner plans (`--convention nanotron`, its factors as they stand), grouped by
 each of n_gpus, tp and pp: runs, median predicted/measured, median absolute error and the
-share within 20%. It imports only planner names older revisions have too, so a previous
-revision's planner can be scored with it:
+share within 20%. The term: the largest of the predicted step's compute, TP
+communication, DP communication and pipeline (messages and bubble). It imports only
+planner names older revisions have too, so a previous revision's planner can be scored
+with it:
 
-    git archive 05aa091 src | tar -x -C /tmp/old
-    PYTHONPATH=/tmp/old/src python bench/plan/usp_breakdown.py --rev 05aa091 \
-        --out bench/results/usp_breakdown_05aa091.json
+    git archive a5f9755 src | tar -x -C "$OLD"     # OLD: an empty scratch folder
+    PYTHONPATH="$OLD/src" python bench/plan/usp_breakdown.py --rev a5f9755 \
+        --out bench/results/usp_breakdown_a5f9755.json
 """
 
 from __future__ import annotations
@@ -27,18 +31,36 @@ from usp_calibration import HW, ROOT, _cpu_model, load, run
 
 OUT = ROOT / "bench" / "results" / "usp_breakdown.json"
 DIMENSIONS = ("n_gpus", "tp", "pp")
+HALF = "128"  # the half whose error the goals of this round are about
+HALF_DIMENSIONS = ("model", "dp", "tp", "pp", "mbs", "grad_acc", "zero", "term")
+
+
+def dominant_term(parts: dict) -> str:
+    """The largest of compute, tp, dp and pp (messages + bubble) in a predicted step."""
+    terms = {"compute": parts["compute"], "tp": parts["tp_comm"], "dp": parts["dp_comm"],
+             "pp": parts["pp_comm"] + parts["bubble"]}
+    return max(terms, key=terms.get)
+
+
+def _value(row: dict, p: dict, dim: str):
+    if dim == "term":
+        return dominant_term(p["time_parts"])
+    return row[dim] if dim == "model" else int(row[dim])
 
 
 def breakdown(rows: list[dict], preds: list[dict]) -> dict:
-    """{dimension: {value: {runs, median_ratio, median_abs_error, within_20pct}}}."""
+    """{dimension: {value: {runs, median_ratio, median_abs_error, within_20pct}}}: the
+    DIMENSIONS over all runs, the HALF_DIMENSIONS over the 128-GPU runs ("tp, 128 GPUs")."""
     out: dict = {}
-    for dim in DIMENSIONS:
-        groups: dict[int, list[float]] = defaultdict(list)
+    dims = [(d, None) for d in DIMENSIONS] + [(d, HALF) for d in HALF_DIMENSIONS]
+    for dim, half in dims:
+        groups: dict = defaultdict(list)
         for row, p in zip(rows, preds):
-            if row["status"] == "ok" and p["plannable"]:
-                groups[int(row[dim])].append(p["tokens_per_s_per_gpu"]
-                                             / float(row["tokens_per_s_per_gpu"]))
-        out[dim] = {str(k): {"runs": len(v), "median_ratio": statistics.median(v),
+            if row["status"] == "ok" and p["plannable"] and half in (None, row["n_gpus"]):
+                groups[_value(row, p, dim)].append(p["tokens_per_s_per_gpu"]
+                                                   / float(row["tokens_per_s_per_gpu"]))
+        key = dim if half is None else f"{dim}, {half} GPUs"
+        out[key] = {str(k): {"runs": len(v), "median_ratio": statistics.median(v),
                              "median_abs_error": statistics.median(abs(x - 1) for x in v),
                              "within_20pct": sum(abs(x - 1) <= 0.2 for x in v) / len(v)}
                     for k, v in sorted(groups.items())}

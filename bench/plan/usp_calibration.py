@@ -45,6 +45,8 @@ DATA = ROOT / "bench" / "data" / "usp-calibration.csv"
 OUT = ROOT / "bench" / "results" / "usp_calibration.json"
 BEFORE = ROOT / "bench" / "results" / "usp_calibration_before.json"
 PREVIOUS = ROOT / "bench" / "results" / "usp_calibration_0a1a755.json"
+# The planner before the blocked TP waits became host time (the scores this round started from).
+ROUND = ROOT / "bench" / "results" / "usp_calibration_9417dbc.json"
 # The runs' H100 SXM 80GB: nvidia-smi reports 81,559 MiB (79.6 GiB), below the catalog's 80.
 HW = {"memory_gib": 79.6}
 
@@ -86,7 +88,8 @@ def predict(row: dict, convention: str = "nanotron", hw_overrides: dict | None =
     return {"plannable": True, "fits": plan.fits,
             "rank0_reserved_gib": (sum(items.values()) - plan.context_bytes) / GIB,
             "most_loaded_total_gib": plan.memory_total / GIB,
-            "tokens_per_s_per_gpu": plan.tokens_per_s_per_gpu}
+            "tokens_per_s_per_gpu": plan.tokens_per_s_per_gpu,
+            "time_parts": plan.time.parts()}
 
 
 def _median_abs(errors: list[float]) -> float:

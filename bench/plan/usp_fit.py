@@ -22,7 +22,8 @@ TIME_GRIDS = {
     "host_layer_ms": (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0),  # host ms per layer, micro-batch
     "pp_message_ms": (0.0, 2.0, 5.0, 10.0, 20.0, 40.0),  # fixed ms per pipeline message
     "inter_node_rails": (0.0, 0.25, 0.5, 1.0),  # share of a node's NICs a spanning group uses
-    "pp_blocking_latency_us": (0.0, 50.0, 100.0, 150.0, 200.0, 300.0, 400.0, 600.0),
+    "pp_blocking_latency_us": (0.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 100.0,
+                               120.0),  # µs per ring step, times √(2 ln N)
     "straggler_sigma": (0.0, 0.01, 0.02, 0.04, 0.08),  # relative spread of a rank's time
 }
 TIME_FITTED = tuple(TIME_GRIDS)

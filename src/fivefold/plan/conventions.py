@@ -119,11 +119,12 @@ CONVENTIONS: dict[str, Convention] = {
         # beyond one per GPU, and the GiB the most loaded rank must leave free to fit.
         # The time factors (bench/plan/usp_fit.py, by coordinate descent on the capped mean log
         # error): host ms per layer and micro-batch, ms per pipeline message, the NICs'
-        # share, the latency per ring step a TP call waits while nanotron's pipeline blocks
-        # the host on its messages, and the spread of a rank's time (stragglers).
+        # share, the spread of the host's wait per ring step of a TP call while nanotron's
+        # pipeline blocks the host on its messages (times √(2 ln N) for the slowest of N
+        # ranks), and the spread of a rank's time (stragglers).
         {"activation_reserve": 0.25, "loss_reserve": 0.0, "head_token_bytes": 82.0,
-         "host_layer_ms": 4.0, "pp_message_ms": 2.0, "inter_node_rails": 0.25,
-         "pp_blocking_latency_us": 150.0, "straggler_sigma": 0.02,
+         "host_layer_ms": 4.0, "pp_message_ms": 2.0, "inter_node_rails": 0.5,
+         "pp_blocking_latency_us": 60.0, "straggler_sigma": 0.04,
          "memory_headroom_gib": 4.5}),
     "torchtitan": Convention(
         "torchtitan",

@@ -119,8 +119,10 @@ class Assumptions:
     # Latency a ring step adds when it crosses the spine (µs): two more switch hops, and the
     # queues of every group crossing at once.
     spine_latency_us: float = 0.0
-    # Latency per ring step of a TP collective while the pipeline engine holds the host on
-    # its point-to-point messages (pp > 1; fitted per engine, 0 for the engine itself, whose
+    # Spread per ring step of a TP collective of the host's wait while the pipeline engine
+    # holds it on its point-to-point messages (pp > 1): each step waits
+    # pp_blocking_latency_us·√(2 ln N) for the slowest of N ranks, host time
+    # (plan/network.py blocked_host_s; fitted per engine, 0 for the engine itself, whose
     # pipeline posts its messages without waiting on them).
     pp_blocking_latency_us: float = 0.0
     # Spread of a rank's step time (its relative standard deviation): the step waits for

@@ -16,10 +16,12 @@ Each term, what it is and where its value comes from:
   `spine_latency_us` once the group leaves a leaf) and the rest NVLink's; across nodes
   NCCL may run an all-reduce as a tree instead, 2·log2(nodes) network steps, and picks
   whichever its model says is faster (`nccl_algorithms`); point-to-point messages take
-  one step; under a pipeline whose engine blocks the host on
-  its messages, every step of a TP call also waits `pp_blocking_latency_us` (fitted per
-  engine; 0 for the engine itself). Inside a node, calibrate's measured call times
-  replace the latency and bandwidth where a profile has them.
+  one step. Under a pipeline whose engine blocks the host on its messages, every step of a
+  TP call holds the host until the slowest of the job's N ranks gets there,
+  `pp_blocking_latency_us`·√(2 ln N) (`blocked_host_s`; fitted per engine, 0 for the engine
+  itself): host time, which shows only where it outlasts the GPU's work.
+  Inside a node, calibrate's measured call times replace the latency and bandwidth where a
+  profile has them.
 """
 
 from __future__ import annotations
@@ -165,8 +167,7 @@ def call_latency_s(c: Collective, hw: Hardware, assume: Assumptions, layout: Lay
     """Seconds of latency of one call of `c` under `algorithm`: a fixed time per call
     (`base_latency_us`) and each step's hop (`ring_steps`, `tree_steps`): NVLink's in a
     node, the network's (and the spine's) across; or calibrate's measured call latency
-    inside a node. Under a pipeline whose engine blocks the host on its messages, every
-    step of a TP call also waits `pp_blocking_latency_us`."""
+    inside a node."""
     if not inter and c.op not in ("send", "recv"):
         measured = profile_latency_s(hw, c.group_size)
         if measured:
@@ -175,11 +176,31 @@ def call_latency_s(c: Collective, hw: Hardware, assume: Assumptions, layout: Lay
     nodes = min(nodes, c.group_size)
     steps, across = (tree_steps(c.group_size, nodes) if algorithm == "tree"
                      else ring_steps(c.op, c.group_size, nodes))
-    blocked = (assume.pp_blocking_latency_us * 1e-6 * steps
-               if layout.pp > 1 and c.group == "tp" else 0.0)
     base = 0.0 if c.op in ("send", "recv") else assume.base_latency_us * 1e-6
     return (base + (steps - across) * assume.intra_latency_us * 1e-6
-            + across * hop_latency_s(hw, assume, layout, c.group, True) + blocked)
+            + across * hop_latency_s(hw, assume, layout, c.group, True))
+
+
+def blocked_host_s(c: Collective, assume: Assumptions, layout: Layout) -> float:
+    """Host seconds all calls of `c` in a step hold the host under a pipeline whose engine
+    blocks it on its point-to-point messages: per ring step of a TP call, the wait for the
+    slowest of the job's N ranks, `pp_blocking_latency_us`·√(2 ln N) (the spread of a
+    rank's time per step, fitted per engine; 0 for the engine itself; the blocking couples
+    every rank's host to its pipeline neighbours', and through them and the TP rings to
+    the rest). They are the host's, not the GPU's: the GPU runs its queued kernels
+    meanwhile, so they show only where the host's time per micro-batch passes the GPU's
+    (`timing._blocked_exposed`)."""
+    if layout.pp == 1 or c.group != "tp" or not assume.pp_blocking_latency_us:
+        return 0.0
+    return (c.calls * ring_steps(c.op, c.group_size)[0] * assume.pp_blocking_latency_us * 1e-6
+            * expected_max_normal(layout.world_size))
+
+
+def expected_max_normal(n: int) -> float:
+    """√(2 ln n): how many standard deviations the slowest of n ranks lies above their mean
+    (the expected maximum of n normal variables, to leading order; Cramér 1946 §28.6); 0
+    for one rank."""
+    return math.sqrt(2 * math.log(n)) if n > 1 else 0.0
 
 
 def collective_time(c: Collective, hw: Hardware, assume: Assumptions, layout: Layout,

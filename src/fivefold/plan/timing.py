@@ -42,6 +42,7 @@ from fivefold.plan.memory import (
 )
 from fivefold.plan.network import (  # noqa: F401 (re-exported: timing's names before)
     DP_GROUPS,
+    blocked_host_s,
     call_time,
     collective_time,
     group_link,
@@ -197,6 +198,8 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
         # layers' matmul time) run while the saved shards are gathered again.
         regather = max(0.0, regather - m * rc.gemm_fwd / 2)
         tp = (per["tp"] + regather) * (1 - assume.tp_overlap)
+        tp += _blocked_exposed(work, lay, hw, assume, rank, colls,
+                               rc.forward + rc.backward + (tp + per["ep"]) / m)
         core_runs = 2 if lay.recompute == "full" else 1  # selective leaves the ring core alone
         cp = (max(0.0, cp_fwd - m * core_runs * rc.attention_fwd)
               + max(0.0, cp_bwd - m * 2.5 * rc.attention_fwd) + cp_exposed)
@@ -233,6 +236,25 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
                     optimizer=optimizer_time(work, lay, hw, assume),
                     straggler=straggler_time(lay, assume, compute + bubble),
                     recompute=m * rc.recompute)
+
+
+def _blocked_exposed(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
+                     rank: int, colls: list, gpu_mb: float) -> float:
+    """Seconds per step the host's blocked waits on TP calls (`network.blocked_host_s`)
+    add to a rank. They hold the host, not the GPU: a micro-batch takes the longer of the
+    GPU's work (`gpu_mb`) and the host's (its time per layer, `host_layer_ms`, plus the
+    waits), so they show only by how much the host's passes the GPU's; on a CPU device
+    the same cores run both, so they add."""
+    blocked = sum(blocked_host_s(c, assume, layout) for c in colls)
+    if not blocked:
+        return 0.0
+    if runs_on_host(hw):
+        return blocked
+    m = work.num_microbatches(layout)
+    layers = stage(work.model, layout, rank)[0]
+    host_mb = ((assume.host_layer_ms or profile_host_layer_ms(hw) or 0.0) * 1e-3 * layers
+               + blocked / m)
+    return m * max(0.0, host_mb - gpu_mb)
 
 
 def straggler_time(layout: Layout, assume: Assumptions, busy: float) -> float:
