@@ -187,3 +187,32 @@ def test_fp8_experts_trace_within_budget(name):
         # before: the per-expert loop on w[e] (rev a5f9755): 295 kernels, 7.29x bf16's bytes
         before_kernels, before_bytes = _trace(name, before=True)
         assert kernels * 9 < before_kernels and nbytes * 4.8 < before_bytes
+
+
+# ---- bad input ------------------------------------------------------------------------
+
+def test_blockwise_kernel_with_experts_off_the_128_grid_is_one_line_exit_2(tmp_path):
+    """Expert widths the blockwise kernel cannot take: refused before anything runs. (The
+    rowwise grouped path has no such refusal: widths off the 16-grid run per expert, where
+    numerics/fp8_ops.py pads them.)"""
+    import subprocess
+    import sys
+
+    args = ["train", "--model.preset", "tiny-moe", "--train.precision", "fp8",
+            "--train.fp8_kernel", "scaled_mm", "--train.device", "cuda", "--model.hidden_size",
+            "256", "--model.num_heads", "4", "--model.num_kv_heads", "2",
+            "--model.intermediate_size", "512", "--model.moe_intermediate_size", "40",
+            "--log.dir", str(tmp_path / "log")]
+    proc = subprocess.run([sys.executable, "-c", "import sys; from fivefold.cli import main; "
+                           "sys.exit(main())", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.moe_intermediate_size = 40" in lines[0]
+    assert not (tmp_path / "log").exists()
+
+
+def test_widths_off_the_16_grid_never_take_the_grouped_kernel():
+    from fivefold.numerics.fp8_grouped import _aligned
+
+    assert _aligned(4096, 14336) and not _aligned(4096, 40)

@@ -174,6 +174,12 @@ def grouped_support(device: torch.device) -> tuple[bool, str]:
     return _grouped_probe(torch.device("cuda", index))
 
 
+def _aligned(*dims: int) -> bool:
+    """The grouped kernel takes K and N in multiples of 16 only (GroupedBlas.cpp's checks);
+    other widths run per group, where fp8_ops.py pads them."""
+    return all(d % ALIGN == 0 for d in dims)
+
+
 def _offsets(sizes: list[int], device: torch.device) -> torch.Tensor:
     ends, total = [], 0
     for s in sizes:
@@ -227,7 +233,7 @@ def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                    out_dtype: torch.dtype) -> torch.Tensor:
     """a (T, K) rows grouped by `sizes`, b (G, N, K): a_g · b_gᵀ per group -> (T, N);
     scale_a (T, 1) per row of a, scale_b (G, N) per row of b_g."""
-    if grouped_support(a.device)[0]:
+    if _aligned(a.shape[1], b.shape[1]) and grouped_support(a.device)[0]:
         return _scaled_grouped(a, b.contiguous(), scale_a, scale_b, sizes).to(out_dtype)
     return _per_group_mm(a, b, scale_a, scale_b, sizes, out_dtype)
 
@@ -244,7 +250,7 @@ def fp8_grouped_wgrad_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor
     """a (N, Tp), b (K, Tp), group g's `sizes[g]` columns at its start padded to ALIGN
     (fp8_cast_group_cols' layout); scale_a (G, N), scale_b (G, K): a_g · b_gᵀ per group
     -> (G, N, K), zero for an empty group."""
-    if grouped_support(a.device)[0]:
+    if _aligned(a.shape[0], b.shape[0]) and grouped_support(a.device)[0]:
         return _scaled_grouped_wgrad(a, b, scale_a, scale_b, sizes).to(out_dtype)
     return _per_group_wgrad(a, b, scale_a, scale_b, sizes, out_dtype)
 
