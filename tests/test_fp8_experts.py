@@ -29,7 +29,7 @@ from fivefold.lowp.linear import FP8Recipe
 from fivefold.models.moe import GroupedExperts
 from fivefold.numerics.fp8_grouped import grouped_support, padded_layout
 
-E, H, I = 4, 32, 48
+NE, NH, NI = 4, 32, 48  # the small experts: count, hidden, intermediate
 
 
 class _Ops(TorchDispatchMode):
@@ -44,7 +44,7 @@ class _Ops(TorchDispatchMode):
 
 def _pair(dtype, recipe="rowwise"):
     torch.manual_seed(0)
-    m = GroupedExperts(E, H, I)
+    m = GroupedExperts(NE, NH, NI)
     for w in (m.w_gate, m.w_up, m.w_down):
         torch.nn.init.normal_(w, std=0.2)
     m = m.to(dtype)
@@ -69,8 +69,8 @@ def _run(module, x, g, sizes):
 @pytest.mark.parametrize("sizes", [[5, 0, 27, 12], [0, 0, 40, 0], [16, 16, 16, 16]])
 def test_rowwise_grouped_equals_the_per_expert_loop_bit_for_bit(dtype, sizes):
     grouped, loop = _pair(dtype)
-    x = torch.randn(sum(sizes), H, dtype=dtype) * torch.logspace(-3, 1, H, dtype=dtype)
-    g = torch.randn(sum(sizes), H, dtype=dtype)
+    x = torch.randn(sum(sizes), NH, dtype=dtype) * torch.logspace(-3, 1, NH, dtype=dtype)
+    g = torch.randn(sum(sizes), NH, dtype=dtype)
     got, ops = _run(grouped, x, g, sizes)
     want, loop_ops = _run(loop, x, g, sizes)
     assert "fivefold::fp8_grouped_mm" in ops and "fivefold::fp8_grouped_wgrad_mm" in ops
@@ -86,7 +86,7 @@ def test_other_recipes_keep_the_per_expert_loop():
     for recipe in ("tensorwise", "blockwise"):
         module, _ = _pair(torch.float32, recipe)
         assert not module.uses_grouped_fp8()
-        _, ops = _run(module, torch.randn(8, H), torch.randn(8, H), [3, 0, 5, 0])
+        _, ops = _run(module, torch.randn(8, NH), torch.randn(8, NH), [3, 0, 5, 0])
         assert "fivefold::fp8_grouped_mm" not in ops
 
 
