@@ -56,8 +56,10 @@ def recipe_for(name: str):
 
 
 def trace_experts(experts: int, tokens: int, hidden: int, inter: int, recipe, gpu: str,
-                  before: bool = False) -> tuple[int, int]:
-    """(kernels, bytes) of one forward + backward of the routed experts on meta."""
+                  before: bool = False, grouped_casts: bool = False,
+                  timeline: bool = False) -> tuple:
+    """(kernels, bytes) of one forward + backward of the routed experts on meta, and with
+    `timeline` the roofline's predicted milliseconds on `gpu` (fivefold.trace)."""
     from fivefold.lowp.convert import convert_to_fp8
     from fivefold.models.moe import GroupedExperts
     from fivefold.trace import trace_callable
@@ -71,10 +73,12 @@ def trace_experts(experts: int, tokens: int, hidden: int, inter: int, recipe, gp
     module.use_grouped_mm(x)  # its one-time probe, outside the trace
     if recipe is not None:
         convert_to_fp8(module, recipe)
+        module.fp8_grouped_casts = grouped_casts
         if before:
             module.forward = indexed_loop_forward.__get__(module)
     t = trace_callable(lambda: module(x, counts).backward(g), gpu=gpu)
-    return t.kernels, sum(e.bytes_read + e.bytes_written for e in t.events if e.kind == "kernel")
+    nbytes = sum(e.bytes_read + e.bytes_written for e in t.events if e.kind == "kernel")
+    return (t.kernels, nbytes, t.timeline.step_s * 1e3) if timeline else (t.kernels, nbytes)
 
 
 def git_rev() -> str:
@@ -98,24 +102,30 @@ def main() -> int:
               file=sys.stderr)
         return 2
     shape = (args.experts, args.tokens, args.hidden, args.inter)
-    kernels, bf16 = trace_experts(*shape, None, args.gpu)
+    kernels, bf16, bf16_ms = trace_experts(*shape, None, args.gpu, timeline=True)
     result = {"shape": {"experts": args.experts, "tokens": args.tokens, "hidden": args.hidden,
                         "inter": args.inter}, "gpu": args.gpu, "torch": torch.__version__,
               "git": git_rev(), "machine": platform.machine(), "python": platform.python_version(),
-              "bf16": {"kernels": kernels, "bytes": bf16}, "recipes": {}}
+              "bf16": {"kernels": kernels, "bytes": bf16, "roofline_ms": bf16_ms}, "recipes": {}}
     print(f"routed experts {args.experts} x {args.hidden}->{args.inter}, {args.tokens} tokens, "
           f"forward + backward, traced as {args.gpu}: kernels, bytes / bf16's "
-          f"(bf16 grouped matmul: {kernels} kernels, {bf16 / 2**30:.2f} GiB)")
-    print(f"{'recipe':>10}  {'before':>16}  {'after':>16}")
-    for name in RECIPES:
+          f"(bf16 grouped matmul: {kernels} kernels, {bf16 / 2**30:.2f} GiB, {bf16_ms:.2f} ms "
+          f"on the roofline)")
+    print(f"{'recipe':>24}  {'before':>16}  {'after':>16}  {'roofline ms':>14}")
+    variants = [(name, name, False) for name in RECIPES]
+    variants.append(("blockwise, grouped casts", "blockwise", True))
+    for label, name, grouped_casts in variants:
         row = {}
-        for label, before in (("before", True), ("after", False)):
-            k, nbytes = trace_experts(*shape, recipe_for(name), args.gpu, before)
-            row[label] = {"kernels": k, "bytes": nbytes, "x_bf16": nbytes / bf16}
-        result["recipes"][name] = row
+        for when, before in (("before", True), ("after", False)):
+            k, nbytes, ms = trace_experts(*shape, recipe_for(name), args.gpu, before,
+                                          grouped_casts, timeline=True)
+            row[when] = {"kernels": k, "bytes": nbytes, "x_bf16": nbytes / bf16,
+                         "roofline_ms": ms}
+        result["recipes"][label] = row
         a, b = row["before"], row["after"]
-        print(f"{name:>10}  {a['kernels']:>6} {a['x_bf16']:>7.2f}x  "
-              f"{b['kernels']:>6} {b['x_bf16']:>7.2f}x")
+        print(f"{label:>24}  {a['kernels']:>6} {a['x_bf16']:>7.2f}x  "
+              f"{b['kernels']:>6} {b['x_bf16']:>7.2f}x  {a['roofline_ms']:>6.2f} "
+              f"{b['roofline_ms']:>6.2f}")
     out = ROOT / "bench/results/fp8_experts_trace.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

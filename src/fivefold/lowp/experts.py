@@ -14,10 +14,9 @@ groups, as DeepSeek-V3 runs its experts (arXiv 2412.19437 §3.3). Two paths:
   - tensorwise and blockwise: a loop over the experts with the FP8 linear
     (lowp/linear.py), each expert's weight taken by `unbind` (whose backward is one stack;
     indexing `w[e]` cost a zero-filled copy of the whole stacked weight per expert and
-    projection in backward). Blockwise stays per expert on purpose: its weight gradient
-    needs xᵀ in 1x128 tiles along each expert's own tokens, so a cast over all tokens
-    would need every group padded to 128 tokens (a copy of x); torch has no grouped
-    blockwise FP8 GEMM (docs/fp8.md, "FP8 experts").
+    projection in backward). torch has no grouped blockwise FP8 GEMM, so blockwise GEMMs
+    stay per expert; `fp8_grouped_casts` makes its casts once for all tokens instead
+    (lowp/experts_blockwise.py; off by default, below says why; docs/fp8.md "FP8 experts").
 
 `impl = "loop"` (GroupedExperts' switch) forces the per-expert loop for every recipe: the
 reference the grouped path is tested against. The router and the combine stay in
@@ -32,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from fivefold.lowp import fused
+from fivefold.lowp.experts_blockwise import blockwise_experts_forward
 from fivefold.lowp.linear import FP8Recipe, fp8_linear
 from fivefold.models.moe import GroupedExperts
 from fivefold.numerics.formats import E4M3
@@ -117,15 +117,30 @@ class FP8ExpertsMixin:
     bases: its expert GEMMs run in FP8 (models get it by a class swap: lowp.convert)."""
 
     fp8_recipe: FP8Recipe = FP8Recipe()
+    # blockwise: per-expert GEMMs on casts made once for all tokens (lowp/experts_blockwise.py)
+    # instead of the loop. Off: fewer kernels (167 against 213 at Mixtral's shape) but more
+    # bytes (1.95x bf16's against 1.84x: each projection's output is concatenated), and the
+    # trace's roofline predicts it slower (docs/fp8.md, "FP8 experts"); the GPU run times both.
+    fp8_grouped_casts: bool = False
 
     def uses_grouped_fp8(self) -> bool:
-        return self.fp8_recipe.name == "rowwise" and self.impl != "loop"
+        """Rowwise: grouped GEMMs and casts. Blockwise with `fp8_grouped_casts`: grouped
+        casts, per-expert GEMMs, where both widths are whole 128-blocks (a stacked weight's
+        blocks must not straddle two experts). Otherwise, and with impl = "loop", the loop."""
+        if self.impl == "loop":
+            return False
+        block = self.fp8_recipe.block
+        return self.fp8_recipe.name == "rowwise" or (
+            self.fp8_recipe.name == "blockwise" and self.fp8_grouped_casts
+            and self.hidden % block == 0 and self.inter % block == 0)
 
     def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         sizes = [int(c) for c in counts.tolist()]
-        if self.uses_grouped_fp8():
-            return self._grouped(x_sorted, sizes)
-        return self._loop(x_sorted, sizes)
+        if not self.uses_grouped_fp8():
+            return self._loop(x_sorted, sizes)
+        if self.fp8_recipe.name == "blockwise":
+            return blockwise_experts_forward(self, x_sorted, sizes)
+        return self._grouped(x_sorted, sizes)
 
     def _grouped(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         r = self.fp8_recipe

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fivefold.numerics.fp8_triton import _abs_or_inf, _encode, _multiplier
+from fivefold.numerics.fp8_triton import _abs_or_inf, _decode_e4m3, _encode, _multiplier
 
 
 @triton.jit
@@ -55,3 +55,39 @@ def group_cols_cast_kernel(x_ptr, sxm, sxk, start_ptr, size_ptr, pstart_ptr, psi
         code = _encode(x.to(tl.float32) * m[None, :], MBITS, BIAS)
         code = tl.where(load, code, 0)  # the padding: zero codes even where m is NaN
         tl.store(codes_ptr + base + cols[None, :] * LD + rows[:, None], code, mask=store)
+
+
+@triton.jit
+def group_tiles_cast_kernel(x_ptr, sxm, sxk, tile_ptr, codes_ptr, scale_ptr, codes_t_ptr,
+                            scale_t_ptr, T, K, NT, FMAX: tl.constexpr, EPS: tl.constexpr,
+                            MBITS: tl.constexpr, BIAS: tl.constexpr, REQUANT: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """numerics/fp8_triton.py's tiles_cast_kernel with the token tiles of the transpose
+    starting at each group's first row: program (p, pk) casts rows [row0, row0 + n) of
+    token tile p (tile_ptr: row0, n, and its column in scale_t, NT apart) and columns
+    [pk·BLOCK, +BLOCK). Row tiles along K do not depend on the groups. codes_t is flat:
+    group g's xᵀ (K, size_g) row-major at g's first row times K (tile_ptr: gstart, gsize)."""
+    p, pk = tl.program_id(0), tl.program_id(1)
+    row0 = tl.load(tile_ptr + p)
+    n = tl.load(tile_ptr + NT + p)
+    tcol = tl.load(tile_ptr + 2 * NT + p)
+    gstart = tl.load(tile_ptr + 3 * NT + p)
+    gsize = tl.load(tile_ptr + 4 * NT + p)
+    rows = row0 + tl.arange(0, BLOCK)
+    cols = pk * BLOCK + tl.arange(0, BLOCK)
+    live = tl.arange(0, BLOCK) < n
+    mask = live[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask,
+                other=0.0).to(tl.float32)
+    m, inv = _multiplier(tl.max(_abs_or_inf(x), axis=1), FMAX, EPS, False)
+    code = _encode(x * m[:, None], MBITS, BIAS)
+    tl.store(codes_ptr + rows[:, None] * K + cols[None, :], code, mask=mask)
+    tl.store(scale_ptr + pk * T + rows, inv, mask=live)
+    if REQUANT:
+        src = tl.where(mask, _decode_e4m3(code) * inv[:, None], 0.0)
+    else:
+        src = x
+    m_t, inv_t = _multiplier(tl.max(_abs_or_inf(src), axis=0), FMAX, EPS, False)
+    tl.store(codes_t_ptr + gstart * K + cols[None, :] * gsize + (rows - gstart)[:, None],
+             _encode(src * m_t[None, :], MBITS, BIAS), mask=mask)
+    tl.store(scale_t_ptr + tcol * K + cols, inv_t, mask=cols < K)
