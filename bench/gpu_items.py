@@ -250,7 +250,9 @@ def fp8_experts(ctx: Context) -> dict:
     device has it, else a loop) against the FP8 experts. Before and after in one run:
     rowwise grouped (torch._scaled_grouped_mm where the device has it, lowp/experts.py)
     against rowwise forced through the per-expert loop (`impl = "loop"`), and blockwise
-    per expert (docs/fp8.md, "FP8 experts"); the grouped result checked against the loop's."""
+    per expert with its casts per expert (the default) and once for all tokens
+    (`fp8_grouped_casts`; docs/fp8.md, "FP8 experts"); the grouped results checked against
+    the loop's."""
     from fivefold.lowp.convert import convert_to_fp8
     from fivefold.models.moe import GroupedExperts
     from fivefold.numerics.fp8_grouped import grouped_support
@@ -262,7 +264,7 @@ def fp8_experts(ctx: Context) -> dict:
                     generator=gen)
     g = torch.randn_like(x)
     rates, lines, outputs = {}, {}, {}
-    for variant in ("bf16", "rowwise", "rowwise_loop", "blockwise"):
+    for variant in ("bf16", "rowwise", "rowwise_loop", "blockwise", "blockwise_grouped_casts"):
         module = GroupedExperts(experts, hidden, inter).to(ctx.device, torch.bfloat16)
         for i, w in enumerate((module.w_gate, module.w_up, module.w_down)):  # same each time
             torch.nn.init.normal_(w, std=w.shape[-1] ** -0.5,
@@ -276,19 +278,27 @@ def fp8_experts(ctx: Context) -> dict:
             elif variant == "rowwise":
                 ok, why = grouped_support(ctx.device)
                 lines[variant] += f", grouped: {why}"
+            elif variant == "blockwise_grouped_casts":
+                module.fp8_grouped_casts = True
+                lines[variant] += (", casts for all tokens" if module.uses_grouped_fp8()
+                                   else ", per expert (widths not whole 128-blocks)")
 
         def step(m=module):
             m(x.detach().requires_grad_(), counts).backward(g)
 
         rates[variant] = x.shape[0] / median_time(ctx, step, ctx.shape("rounds"))
-        if variant.startswith("rowwise"):
+        if variant != "bf16":
             outputs[variant] = module(x, counts).detach().float()
-    a, b = outputs["rowwise"], outputs["rowwise_loop"]
+
+    def rel(a, b):
+        return ((outputs[a] - outputs[b]).norm() / outputs[b].norm()).item()
+
     return {"experts": experts, "hidden": hidden, "inter": inter, "rows_per_expert": rows,
             "rows_per_s": rates, "kernels": lines,
-            "rowwise_grouped_vs_loop_rel_diff": ((a - b).norm() / b.norm()).item(),
-            "ratio_vs_bf16": {v: rates[v] / rates["bf16"]
-                              for v in ("rowwise", "rowwise_loop", "blockwise")}}
+            "rowwise_grouped_vs_loop_rel_diff": rel("rowwise", "rowwise_loop"),
+            "blockwise_grouped_casts_vs_loop_rel_diff": rel("blockwise_grouped_casts",
+                                                            "blockwise"),
+            "ratio_vs_bf16": {v: rates[v] / rates["bf16"] for v in rates if v != "bf16"}}
 
 
 def fp8_kernel_float64(ctx: Context) -> dict:
