@@ -1,4 +1,6 @@
-"""The Triton kernel of the grouped column cast (numerics/fp8_grouped.py registers it).
+"""Triton kernels of the grouped FP8 casts: the column cast (registered by
+numerics/fp8_grouped.py, rowwise experts) and the tile cast (numerics/fp8_grouped_tiles.py,
+blockwise experts; its own docstring below).
 
 Routed experts' tokens lie sorted by expert in one (T, K) tensor, expert g's rows at
 [start_g, start_g + size_g). The weight gradient of expert g reads xᵀ of its own rows,
