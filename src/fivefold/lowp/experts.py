@@ -82,8 +82,7 @@ class FP8GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, xq: GroupedFP8, sizes: list[int], recipe: FP8Recipe):
         e, n, k = weight.shape
-        w_codes, w_scale = cast_rows(weight.detach().reshape(e * n, k), recipe,
-                                     E4M3)
+        w_codes, w_scale = cast_rows(weight.detach().reshape(e * n, k), recipe, E4M3)
         y = fp8_grouped_mm(xq.codes, w_codes.view(e, n, k), xq.scale, w_scale.view(e, n),
                            sizes, x.dtype)
         ctx.save_for_backward(xq.codes_t, xq.scale_t, weight)
@@ -103,7 +102,7 @@ class FP8GroupedLinear(torch.autograd.Function):
             # Wᵀ of each expert along N: the columns of the stacked (E·N, K) weight per
             # group of N rows, written as (E, K, N) blocks
             wt_codes, wt_scale = fp8_cast_group_cols(weight.detach().reshape(e * n, k),
-                                                     [n] * e, 1, True, "e4m3", recipe.pow2)
+                                                     [n] * e, 1, True, E4M3.name, recipe.pow2)
             grad_x = fp8_grouped_mm(gq.codes, wt_codes, gq.scale, wt_scale, sizes,
                                     grad.dtype)
         if ctx.needs_input_grad[1]:
