@@ -22,7 +22,9 @@ Items (bench/gpu_items.py; serve_* in bench/gpu_serve.py, the decode profile fir
                          4096->14336, 14336->4096): tokens/s and ratio, and which kernel ran
   fp8_block_stack        the same on a stack of 2 Llama-3.1-8B blocks (bench/fp8/fp8_speed.py)
   fp8_experts            routed experts (Mixtral-8x7B's shape), bf16 grouped matmul vs the
-                         FP8 experts' per-expert GEMMs, rowwise and blockwise
+                         FP8 experts: rowwise grouped (torch._scaled_grouped_mm) and per
+                         expert (before), blockwise per expert (casts per expert or for
+                         all tokens)
   fp8_kernel_float64     tests/test_fp8_kernel.py's GPU test: the blockwise FP8 linear on
                          cuBLASLt's kernel against the float64 reference
   cp_ring_vs_sdpa        context parallelism's portable ring kernel vs SDPA (flash on CUDA):

@@ -247,10 +247,15 @@ def fp8_block_stack(ctx: Context) -> dict:
 
 def fp8_experts(ctx: Context) -> dict:
     """Routed experts, forward + backward: bf16 GroupedExperts (one grouped matmul where the
-    device has it, else a loop) against the FP8 experts, which run per expert (blockwise has
-    no grouped scaled-matmul recipe; docs/fp8.md): the cost of that choice, measured."""
+    device has it, else a loop) against the FP8 experts. Before and after in one run:
+    rowwise grouped (torch._scaled_grouped_mm where the device has it, lowp/experts.py)
+    against rowwise forced through the per-expert loop (`impl = "loop"`), and blockwise
+    per expert with its casts per expert (the default) and once for all tokens
+    (`fp8_grouped_casts`; docs/fp8.md, "FP8 experts"); the grouped results checked against
+    the loop's."""
     from fivefold.lowp.convert import convert_to_fp8
     from fivefold.models.moe import GroupedExperts
+    from fivefold.numerics.fp8_grouped import grouped_support
 
     experts, hidden, inter, rows = ctx.shape("experts")
     gen = torch.Generator(device=ctx.device).manual_seed(0)
@@ -258,23 +263,42 @@ def fp8_experts(ctx: Context) -> dict:
     x = torch.randn(experts * rows, hidden, device=ctx.device, dtype=torch.bfloat16,
                     generator=gen)
     g = torch.randn_like(x)
-    rates, lines = {}, {}
-    for variant in ("bf16", "rowwise", "blockwise"):
+    rates, lines, outputs = {}, {}, {}
+    for variant in ("bf16", "rowwise", "rowwise_loop", "blockwise", "blockwise_grouped_casts"):
         module = GroupedExperts(experts, hidden, inter).to(ctx.device, torch.bfloat16)
-        for w in (module.w_gate, module.w_up, module.w_down):
-            torch.nn.init.normal_(w, std=w.shape[-1] ** -0.5, generator=gen)
+        for i, w in enumerate((module.w_gate, module.w_up, module.w_down)):  # same each time
+            torch.nn.init.normal_(w, std=w.shape[-1] ** -0.5,
+                                  generator=torch.Generator(device=ctx.device).manual_seed(i))
         lines[variant] = "bf16 grouped matmul" if module.use_grouped_mm(x) else "bf16 loop"
         if variant != "bf16":
-            recipe, lines[variant] = fp8_recipe(variant, [module], ctx.device)
+            recipe, lines[variant] = fp8_recipe(variant.split("_")[0], [module], ctx.device)
             convert_to_fp8(module, recipe)
+            if variant == "rowwise_loop":
+                module.impl, lines[variant] = "loop", lines[variant] + ", per expert"
+            elif variant == "rowwise":
+                ok, why = grouped_support(ctx.device)
+                lines[variant] += f", grouped: {why}"
+            elif variant == "blockwise_grouped_casts":
+                module.fp8_grouped_casts = True
+                lines[variant] += (", casts for all tokens" if module.uses_grouped_fp8()
+                                   else ", per expert (widths not whole 128-blocks)")
 
         def step(m=module):
             m(x.detach().requires_grad_(), counts).backward(g)
 
         rates[variant] = x.shape[0] / median_time(ctx, step, ctx.shape("rounds"))
+        if variant != "bf16":
+            outputs[variant] = module(x, counts).detach().float()
+
+    def rel(a, b):
+        return ((outputs[a] - outputs[b]).norm() / outputs[b].norm()).item()
+
     return {"experts": experts, "hidden": hidden, "inter": inter, "rows_per_expert": rows,
             "rows_per_s": rates, "kernels": lines,
-            "ratio_vs_bf16": {v: rates[v] / rates["bf16"] for v in ("rowwise", "blockwise")}}
+            "rowwise_grouped_vs_loop_rel_diff": rel("rowwise", "rowwise_loop"),
+            "blockwise_grouped_casts_vs_loop_rel_diff": rel("blockwise_grouped_casts",
+                                                            "blockwise"),
+            "ratio_vs_bf16": {v: rates[v] / rates["bf16"] for v in rates if v != "bf16"}}
 
 
 def fp8_kernel_float64(ctx: Context) -> dict:

@@ -63,6 +63,9 @@ CASES = {  # name: (reference args, layout args, loss tol, grad-norm tol)
 MOE_CASES = {
     "ep2": (["--train.fp8_recipe", "blockwise", *MOE],
             ["--parallel.dp", "2", "--parallel.ep", "2"], 1e-4, 3e-3),
+    # rowwise experts run grouped (lowp/experts.py): each rank's local experts as groups
+    "ep2-rowwise": (["--train.fp8_recipe", "rowwise", *MOE],
+                    ["--parallel.dp", "2", "--parallel.ep", "2"], 1e-4, 3e-3),
 }
 
 
