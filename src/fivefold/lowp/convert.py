@@ -34,6 +34,7 @@ from torch import nn
 
 from fivefold.config.train import resolve_compile
 from fivefold.errors import ConfigError
+from fivefold.lowp.delayed import add_history
 from fivefold.lowp.experts import FP8ExpertsMixin, FP8GroupedExperts
 from fivefold.lowp.linear import FP8Linear, FP8LinearFn, FP8LinearMixin, FP8Recipe
 from fivefold.models.moe import GroupedExperts
@@ -71,8 +72,14 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe,
     for name, module in targets.items():
         if any(_matches(name, p) for p in (*ALWAYS_KEPT_OUT, *keep_out)):
             continue
+        if recipe.scaling == "delayed" and not isinstance(module, nn.Linear):
+            raise ConfigError(f"train.fp8_scaling = 'delayed': {name} ({type(module).__name__}) "
+                              f"keeps no amax history (linears only); keep it out with "
+                              f"train.fp8_keep_out or use fp8_scaling = 'dynamic'")
         if isinstance(module, nn.Linear):
             _swap(module, FP8LinearMixin).fp8_recipe = recipe
+            if recipe.scaling == "delayed":
+                add_history(module, recipe.history_len)
         elif isinstance(module, GroupedExperts):
             _swap(module, FP8ExpertsMixin).fp8_recipe = recipe
         else:
@@ -100,7 +107,9 @@ def apply_fp8(model: nn.Module, train_cfg, device: torch.device) -> tuple[list[s
     """train.precision = 'fp8': the recipe and keep-out list of [train], on `model`; returns
     the converted names and the line that says which kernel the GEMMs take (the trainer
     prints it on rank 0 unless quiet)."""
-    recipe = FP8Recipe.from_name(train_cfg.fp8_recipe, train_cfg.fp8_grad_format)
+    recipe = FP8Recipe.from_name(train_cfg.fp8_recipe, train_cfg.fp8_grad_format,
+                                 getattr(train_cfg, "fp8_scaling", "dynamic"),
+                                 getattr(train_cfg, "fp8_history_len", 16))
     check_fp8_device(recipe, device)
     check_fp8_compile(recipe, resolve_compile(getattr(train_cfg, "compile", False),
                                               device.type), device)

@@ -129,10 +129,7 @@ class FP8LinearFunction(torch.autograd.Function):
                 state: delayed.DelayedState | None = None):
         # wq: the weight already quantised (ZeRO-3's FP8 all-gather, tensorwise);
         # state: the module's amax histories (delayed scaling, lowp/delayed.py)
-        if state is not None:
-            xq, saved = delayed.input_pair(x.reshape(-1, x.shape[-1]), state)
-        else:
-            xq, saved = _quantized_input(x, recipe)
+        xq, saved = _quantized_input(x, recipe, state)
         if wq is None:
             wq = (delayed.weight(weight, state) if state is not None else
                   fused.weight(weight, recipe) if fused.fused(weight) else
@@ -249,16 +246,21 @@ def _forget(ref: weakref.ref) -> None:
         _LAST[0] = None
 
 
-def _quantized_input(x: torch.Tensor, recipe: FP8Recipe) -> tuple[FP8Tensor, FP8Tensor]:
+def _quantized_input(x: torch.Tensor, recipe: FP8Recipe, state=None
+                     ) -> tuple[FP8Tensor, FP8Tensor]:
     """(the forward's operand, the copy to save for backward): the same tensor except for
-    rowwise, which saves x quantised along the tokens (see the module docstring)."""
+    rowwise, which saves x quantised along the tokens (see the module docstring). Under
+    delayed scaling the first linear to read x casts it with its own input history and
+    records there; the others reading the same x share that cast."""
     last = _LAST[0]
     if last is not None:
         ref, version, last_recipe, pair = last
         if ref() is x and version == x._version and last_recipe == recipe:
             return pair
     x2 = x.reshape(-1, x.shape[-1])
-    if fused.fused(x2):  # saved: the weight gradient's operand as it is (lowp/fused.py)
+    if state is not None:
+        xq, saved = delayed.input_pair(x2, state)
+    elif fused.fused(x2):  # saved: the weight gradient's operand as it is (lowp/fused.py)
         xq, saved = fused.input_pair(x2, recipe)
     else:
         xq = recipe.quantize_act(x2)
@@ -303,6 +305,12 @@ class FP8LinearMixin:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.bias, self.fp8_recipe,
                           getattr(self, "fp8_weight", None), delayed.state_of(self))
+
+    def reset_buffers(self) -> None:
+        """Materialising a meta-built model (models/init.py): an amax history starts empty,
+        in float32 (the model's `.to(dtype)` cast it with the parameters)."""
+        if getattr(self, delayed.BUFFER, None) is not None:
+            delayed.add_history(self, self.fp8_recipe.history_len)
 
     def extra_repr(self) -> str:
         scaling = ", delayed" if self.fp8_recipe.scaling == "delayed" else ""
