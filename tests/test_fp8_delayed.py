@@ -236,3 +236,35 @@ def test_bad_delayed_inputs_give_one_line_exit_2_and_write_nothing(tmp_path, cap
         assert code == 2, (name, lines)
         assert len(lines) == 1 and expected in lines[0], (name, lines)
     assert not (tmp_path / "ck").exists() and not (tmp_path / "log").exists()
+
+
+@pytest.mark.parametrize("name", ["tensorwise_delayed", "rowwise_gw_hp"])
+def test_saved_activations_agree_with_the_planner(name):
+    """One forward of the tiny Llama: the bytes saved for backward, bf16 against FP8, equal
+    the planner's difference (plan/fp8.py) to the byte. Delayed tensorwise saves what
+    dynamic tensorwise saves (q, k and v share one cast of their input); rowwise_gw_hp
+    saves what bf16 saves (the input, for its bf16 weight gradient)."""
+    from fivefold.lowp.convert import convert_to_fp8
+    from fivefold.models.init import build_model
+    from fivefold.models.presets import preset
+    from fivefold.parallel.memory import SavedActivations
+    from fivefold.plan.activations import activation_bytes_per_microbatch
+
+    recipe = (FP8Recipe.from_name("tensorwise", scaling="delayed") if name.endswith("delayed")
+              else FP8Recipe.from_name(name))
+    plan_name = "tensorwise" if name.endswith("delayed") else name
+    cfg = preset("tiny")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 64))
+    saved = {}
+    for precision in ("bf16", "fp8"):
+        model = build_model(cfg, seed=0, dtype=torch.bfloat16)
+        if precision == "fp8":
+            convert_to_fp8(model, recipe)
+        with SavedActivations(model.parameters()) as meter:
+            model(tokens, tokens)
+        saved[precision] = meter.bytes
+    planned = {p: activation_bytes_per_microbatch(cfg, 2, 64, dtype_bytes=2, fp8_recipe=r)
+               for p, r in (("bf16", ""), ("fp8", plan_name))}
+    assert cfg.num_layers * (planned["bf16"].layer - planned["fp8"].layer) == (
+        saved["bf16"] - saved["fp8"])
+    assert (saved["bf16"] == saved["fp8"]) == (name == "rowwise_gw_hp")
