@@ -188,12 +188,13 @@ def test_resume_keeps_the_amax_histories_bit_exact(tmp_path):
     assert all(torch.equal(want_hist[k], got_hist[k]) for k in want_hist)
 
 
-@pytest.mark.parametrize("name", ["tensorwise_delayed",
-                                  pytest.param("rowwise_gw_hp", marks=pytest.mark.slow)])
-def test_compiled_on_a_cpu_is_bit_equal_to_eager(name):
-    """torch.compile of one linear, three steps (delayed: the second and third cast from
-    the history): outputs, gradients and histories bit-equal to eager."""
-    recipe = DELAYED if name == "tensorwise_delayed" else FP8Recipe.from_name(name)
+@pytest.mark.slow
+def test_rowwise_gw_hp_compiled_on_a_cpu_is_bit_equal_to_eager():
+    """torch.compile of one rowwise_gw_hp linear, three steps: outputs and gradients
+    bit-equal to eager. (Three training steps of the tiny Llama, compiled per block with
+    inductor's emulate_precision_casts, gave eager's losses and gradient norms bit for bit
+    too; docs/fp8.md. Delayed scaling compiled per block did not, and is refused.)"""
+    recipe = FP8Recipe.from_name("rowwise_gw_hp")
     runs = []
     for compiled in (False, True):
         torch._dynamo.reset()
@@ -204,10 +205,9 @@ def test_compiled_on_a_cpu_is_bit_equal_to_eager(name):
             torch.manual_seed(step)
             x = (torch.randn(32, 128) * torch.logspace(-2, 1, 128) * (step + 1)).bfloat16()
             out += list(_step(f, x, torch.randn(32, 64).bfloat16()))
-        runs.append((out, getattr(m, "fp8_amax_history", torch.zeros(1)).clone()))
+        runs.append(out)
     torch._dynamo.reset()
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
-    assert torch.equal(runs[0][1], runs[1][1])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def test_bad_delayed_inputs_give_one_line_exit_2_and_write_nothing(tmp_path, capsys):
@@ -229,6 +229,8 @@ def test_bad_delayed_inputs_give_one_line_exit_2_and_write_nothing(tmp_path, cap
         "with experts": ([*tw, "--model.preset", "tiny-moe"], "routed experts"),
         "without fp8": (["--train.precision", "bf16", "--train.fp8_scaling", "delayed"],
                         "needs train.precision = 'fp8'"),
+        "compiled": ([*tw, "--train.compile", "true", "--train.device", "cpu"],
+                     "train.compile with train.fp8_scaling = 'delayed'"),
     }
     for name, (args, expected) in cases.items():
         code = main(["train", *out, *args])
