@@ -23,6 +23,9 @@ When each operand casts and records:
     own record; W's transposed copy for the input gradient is cast again in the backward
     (the weight is not saved in FP8, lowp/linear.py) from W's row after the forward's
     record, which holds W's own amax (W has not changed since): it never saturates.
+  - Each micro-batch's forward and backward record (gradient accumulation over 4
+    micro-batches moves the history 4 places a step), as Transformer Engine records per
+    forward; the run is deterministic for a given micro-batch split, not across splits.
   - Records happen only under autograd (training); an evaluation forward under no_grad
     casts with the history and leaves it as it is, so evaluation does not move training.
   - The first cast of a row with no record yet (a fresh model) takes its own amax, as the
