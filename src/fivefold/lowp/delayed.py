@@ -31,12 +31,14 @@ When each operand casts and records:
   - The first cast of a row with no record yet (a fresh model) takes its own amax, as the
     dynamic recipe does: the first step is dynamic tensorwise, bit for bit. Transformer
     Engine starts instead from scale = 1 with a zero history (its `scale` buffers start at
-    ones, `_default_sf_compute` keeps the old scale while the amax is 0), which on its
-    first step flushes gradients below E5M2's 2^-16 to zero. Which rows hold a record is
+    ones, transformer_engine/pytorch/module/base.py, and the update kernel of
+    transformer_engine/common/recipe/delayed_scaling.cu keeps the previous scale unless
+    max(history) is finite and > 0), which on its first step flushes gradients below
+    E5M2's smallest subnormal (2^-16) to zero. Which rows hold a record is
     read from the history once per process (one host sync, `filled`), then kept here.
   - A NaN or inf amax makes max(history) non-finite and the multiplier NaN (as dynamic
     scaling does for that one step) for the next H casts, until it leaves the history;
-    Transformer Engine keeps the previous scale instead.
+    Transformer Engine keeps the previous scale instead (the same kernel).
 
 The histories are buffers of the module (`fp8_amax_history`, not persistent: a model's
 state_dict, its HF export and inference loads do not see them) and training state in the
