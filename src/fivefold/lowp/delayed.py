@@ -65,7 +65,7 @@ from fivefold.numerics.formats import E4M3, FloatFormat
 from fivefold.numerics.fp8 import FP8Tensor
 
 SCALINGS = ("dynamic", "delayed")
-DEFAULT_HISTORY_LEN = 16  # torchao's former delayed scaling (history_len = 16); TE's is 1024
+DEFAULT_HISTORY_LEN = 16  # torchao float8 DelayedScalingConfig.history_len (removed); TE: 1024
 BUFFER = "fp8_amax_history"
 ROW = {"input": 0, "weight": 1, "grad": 2}
 
