@@ -186,6 +186,11 @@ def test_resume_keeps_the_amax_histories_bit_exact(tmp_path):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
     assert want_hist.keys() == got_hist.keys() and len(want_hist) == 14  # 7 linears x 2
     assert all(torch.equal(want_hist[k], got_hist[k]) for k in want_hist)
+    # training state only: an inference load of the same checkpoint leaves them unread
+    from fivefold.train.checkpoint import load_model_for_inference
+
+    model, _, _ = load_model_for_inference(str(tmp_path / "b" / "ckpt"))
+    assert not histories(model)
 
 
 @pytest.mark.slow

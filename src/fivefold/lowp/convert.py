@@ -135,7 +135,8 @@ def choose_kernel(choice: str, recipe: FP8Recipe, modules: list[nn.Module],
     `choice`: train.fp8_kernel (auto | scaled_mm | emulated)."""
     if recipe.name != "blockwise":
         where = "cuBLASLt" if device.type == "cuda" else f"torch's {device.type} kernel"
-        return "emulated", f"fp8: {recipe.name} GEMMs on torch._scaled_mm ({where})"
+        delayed = ", delayed scaling" if recipe.scaling == "delayed" else ""
+        return "emulated", f"fp8: {recipe.name}{delayed} GEMMs on torch._scaled_mm ({where})"
     emulated = "fp8: blockwise GEMMs emulated in 128-wide K slices, fp32 accumulation"
     if choice == "emulated":
         return "emulated", f"{emulated} (train.fp8_kernel = 'emulated')"
