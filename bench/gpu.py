@@ -17,9 +17,10 @@ Items (bench/gpu_items.py; serve_* in bench/gpu_serve.py, the decode profile fir
                          torch's fused AdamW, and its time (bench/gpu_step.py)
   trace_vs_measured      `fivefold trace`'s predicted step beside both train items' measured
                          ones (bench/gpu_trace.py)
-  fp8_gemms              one linear, forward + backward, bf16 vs FP8 tensorwise, rowwise and
-                         blockwise on Llama-3-8B's GEMMs (8192 tokens x 4096->4096,
-                         4096->14336, 14336->4096): tokens/s and ratio, and which kernel ran
+  fp8_gemms              one linear, forward + backward, bf16 vs FP8 tensorwise, rowwise,
+                         blockwise, tensorwise with delayed scaling and rowwise_gw_hp on
+                         Llama-3-8B's GEMMs (8192 tokens x 4096->4096, 4096->14336,
+                         14336->4096): tokens/s and ratio, and which kernel ran
   fp8_block_stack        the same on a stack of 2 Llama-3.1-8B blocks (bench/fp8/fp8_speed.py)
   fp8_experts            routed experts (Mixtral-8x7B's shape), bf16 grouped matmul vs the
                          FP8 experts: rowwise grouped (torch._scaled_grouped_mm) and per

@@ -138,7 +138,8 @@ def mfu_vs_plan(ctx: Context) -> dict:
 
 # ---- FP8 ----------------------------------------------------------------------------------
 
-RECIPES = ("tensorwise", "rowwise", "blockwise")
+# tensorwise_delayed: tensorwise with delayed scaling (lowp/delayed.py)
+RECIPES = ("tensorwise", "rowwise", "blockwise", "tensorwise_delayed", "rowwise_gw_hp")
 
 
 def fp8_recipe(name: str, modules: list, device: torch.device):
@@ -146,7 +147,9 @@ def fp8_recipe(name: str, modules: list, device: torch.device):
     from fivefold.lowp.convert import choose_kernel
     from fivefold.lowp.linear import FP8Recipe
 
-    recipe = FP8Recipe.from_name(name)
+    delayed = name == "tensorwise_delayed"
+    recipe = FP8Recipe.from_name("tensorwise" if delayed else name,
+                                 scaling="delayed" if delayed else "dynamic")
     kernel, line = choose_kernel("auto", recipe, modules, device)
     return dataclasses.replace(recipe, kernel=kernel), line
 
@@ -159,6 +162,7 @@ def fp8_gemms(ctx: Context) -> dict:
 
 
 def _gemm_row(ctx: Context, tokens: int, k: int, n: int) -> dict:
+    from fivefold.lowp.delayed import DelayedState
     from fivefold.lowp.linear import fp8_linear
 
     gen = torch.Generator(device=ctx.device).manual_seed(0)
@@ -181,8 +185,11 @@ def _gemm_row(ctx: Context, tokens: int, k: int, n: int) -> dict:
                                            ctx.device)
         for on in (False, True):  # before: the step-by-step casts; after: the fused ones
             fused.FUSED_ON_DEVICE = on
+            state = (DelayedState(torch.zeros(3, 16, device=ctx.device), [False] * 3, True)
+                     if recipe.scaling == "delayed" else None)  # its first step dynamic
             rate = tokens / median_time(
-                ctx, lambda r=recipe: step(lambda v: fp8_linear(v, w, None, r)), rounds)
+                ctx, lambda r=recipe, s=state: step(lambda v: fp8_linear(v, w, None, r, None, s)),
+                rounds)
             (row if on else before)[name] = rate
     return {"tokens_per_s": row, "kernels": kernels,
             "ratio_vs_bf16": {r: row[r] / row["bf16"] for r in RECIPES},

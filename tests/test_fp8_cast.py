@@ -67,7 +67,32 @@ for dtype in (torch.float32, torch.float16) if sys.argv[1] == "casts" else ():
                 r.setdefault("blocks", []).extend([same(c, q.data), same(s, q.scale)])
             report[key] = r
 
-if sys.argv[1] == "casts":
+# delayed scaling's cast (a scale from a history, saturating, recording tile amaxes), its
+# history push, and the tensorwise cast with a power-of-two scale (rowwise_gw_hp's Wᵀ)
+from fivefold.numerics.fp8 import quantize_with_amax
+for dtype in (torch.float32, torch.float16) if sys.argv[1] == "delayed" else ():
+    x = cases(dtype)["random"]
+    own = x.float().abs().nan_to_num(nan=float("inf"))
+    finite = own[own.isfinite()].max()
+    for fmt in ("e4m3", "e5m2"):
+        F, r = FP8_FORMATS[fmt], {}
+        # a history below x's amax (codes saturate), one above, one all zero (EPS)
+        for label, hist in (("below", torch.tensor([finite / 8, 0.0, finite / 4, 1e-3])),
+                            ("above", torch.tensor([finite * 3, finite])),
+                            ("zero", torch.zeros(3))):
+            c, ct, s, amax = C.fp8_cast_delayed(x, hist, fmt, True, True)
+            q = quantize_with_amax(x, hist.max(), F)
+            h = hist.clone()
+            C.fp8_history_push(h, amax)
+            r[label] = [same(c, q.data), same(ct, q.data.t()), same(s, q.scale),
+                        bool(amax.max() == own.max()),
+                        bool(torch.equal(h, torch.cat([own.max().reshape(1), hist[:-1]])))]
+        c, ct, s = C.fp8_cast_tensorwise(x, C.fp8_amax_partials(x), fmt, True, True, True)
+        q = quantize(x, F, "tensorwise", True)
+        r["tensorwise pow2"] = [same(c, q.data), same(ct, q.data.t()), same(s, q.scale)]
+        report[f"{dtype}/{fmt}"] = r
+
+if sys.argv[1] in ("casts", "delayed"):
     print(json.dumps(report))
     sys.exit(0)
 
@@ -111,6 +136,33 @@ for name, grad_format in (("tensorwise", "e5m2"), ("rowwise", "e4m3"), ("blockwi
     recipe = FP8Recipe.from_name(name, grad_format)
     ref, got = run(recipe, False), run(recipe, True)
     linears[f"{name}/{grad_format}"] = [bool(torch.equal(a, b)) for a, b in zip(ref, got)]
+# delayed tensorwise over three steps (the first dynamic, then from the history) and
+# rowwise_gw_hp: outputs, gradients and the histories equal on both paths
+from fivefold.lowp.delayed import add_history
+from fivefold.lowp.linear import FP8Linear
+
+def run_module(recipe, use_fused):
+    fused.fused = (lambda t: True) if use_fused else (lambda t: False)
+    linear._LAST[0] = None
+    torch.manual_seed(1)
+    m = FP8Linear(136, 144)
+    m.fp8_recipe = recipe
+    if recipe.scaling == "delayed":
+        add_history(m, 4)
+    out = []
+    for step in range(3):
+        x = (torch.randn(40, 136) * torch.logspace(-2, 1, 136) * (1 + step)).requires_grad_()
+        m.zero_grad()
+        y = m(x)
+        y.backward(torch.randn(40, 144))
+        out += [y.detach(), x.grad, m.weight.grad.clone(), m.bias.grad.clone()]
+    return out + [getattr(m, "fp8_amax_history", torch.zeros(1))]
+
+for name, recipe in (("tensorwise delayed", FP8Recipe.from_name("tensorwise", scaling="delayed",
+                                                                 history_len=4)),
+                     ("rowwise_gw_hp", FP8Recipe.from_name("rowwise_gw_hp"))):
+    ref, got = run_module(recipe, False), run_module(recipe, True)
+    linears[name] = [bool(torch.equal(a, b)) for a, b in zip(ref, got)]
 report["linear"] = linears
 print(json.dumps(report))
 """
@@ -133,15 +185,28 @@ def test_fused_casts_in_the_interpreter_are_byte_equal_to_the_reference():
     assert not bad, bad
 
 
+def test_delayed_cast_and_history_push_in_the_interpreter():
+    """fp8_cast_delayed's codes, transposed codes and scale byte-equal to
+    numerics.fp8.quantize_with_amax given the history (below x's amax: saturated codes;
+    above; all zero), its tile amaxes' maximum x's (NaN as inf), the push putting it first;
+    and the power-of-two tensorwise cast equal to quantize(..., pow2=True)."""
+    report = _interpreted("delayed")
+    assert len(report) == 2 * 2, sorted(report)  # dtypes x formats
+    bad = {f"{case}: {op}": flags for case, ops in report.items()
+           for op, flags in ops.items() if not all(flags)}
+    assert not bad, bad
+
+
 @pytest.mark.slow
 def test_fp8_linear_on_the_fused_casts_in_the_interpreter():
     """The fakes' shapes, dtypes and strides equal the real outputs'; the FP8 linear's
     output and three gradients on the fused casts bit-equal to its step-by-step path, for
-    each recipe (and e5m2 gradients on the row and column kernels)."""
+    each recipe (and e5m2 gradients on the row and column kernels), delayed tensorwise over
+    three steps with its histories, and rowwise_gw_hp."""
     report = _interpreted("linear")
     linear, fakes = report["linear"], report["fakes"]
     assert all(fakes.values()) and len(fakes) == 6, fakes
-    assert len(linear) == 4 and all(all(v) for v in linear.values()), linear
+    assert len(linear) == 6 and all(all(v) for v in linear.values()), linear
 
 
 def test_fused_path_is_the_gpus_and_not_the_cpus():

@@ -1,8 +1,9 @@
 """FP8 numerics and the FP8 linear layer against their oracles.
 
-- tensorwise and rowwise: torchao 0.18's `Float8Linear` on the same weights, inputs and
-  output gradient. Both compute the same thing (same scales, same casts, `torch._scaled_mm`
-  with fp32 accumulation), so the tolerance is zero: outputs and the three gradients are
+- tensorwise, rowwise and rowwise_gw_hp: torchao 0.18's `Float8Linear` on the same weights,
+  inputs and output gradient (rowwise_gw_hp: its recipe ROWWISE_WITH_GW_HP). Both compute
+  the same thing (same scales, same casts, `torch._scaled_mm` with fp32 accumulation), so
+  the tolerance is zero: outputs and the three gradients are
   bit-for-bit equal in bf16 and fp32. One documented exception: torchao's rowwise path
   returns a bf16 result even for fp32 inputs (float8_ops.py, "work around torch._scaled_mm
   not having float32 output type") and adds the bias after that rounding, so for fp32 the
@@ -26,10 +27,12 @@ from fivefold.numerics.formats import E4M3, E5M2
 from fivefold.numerics.fp8 import dequantize, fp8_mm, quantize
 from fivefold.numerics.scaling import amax_to_scale
 
+TORCHAO_NAMES = {"rowwise_gw_hp": "rowwise_with_gw_hp"}
+
 
 def _torchao_linear(lin: nn.Linear, recipe: str) -> nn.Module:
     float8 = pytest.importorskip("torchao.float8")
-    cfg = float8.Float8LinearConfig.from_recipe_name(recipe)
+    cfg = float8.Float8LinearConfig.from_recipe_name(TORCHAO_NAMES.get(recipe, recipe))
     return float8.convert_to_float8_training(copy.deepcopy(lin), config=cfg)
 
 
@@ -40,11 +43,13 @@ def _run(fn, x, g):
     return y.detach(), x.grad
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_gw_hp"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_matches_torchao_float8_linear(recipe, dtype):
     torch.manual_seed(0)
-    rounded = recipe == "rowwise" and dtype == torch.float32  # torchao's bf16 workaround
+    # torchao's bf16 workaround (rowwise GEMMs; rowwise_gw_hp's high-precision weight
+    # gradient is not one, and is compared unrounded below)
+    rounded = recipe.startswith("rowwise") and dtype == torch.float32
     lin = nn.Linear(256, 192, bias=not rounded).to(dtype)
     ref = _torchao_linear(lin, recipe)
     x = torch.randn(3, 40, 256, dtype=dtype) * 3
@@ -57,7 +62,7 @@ def test_matches_torchao_float8_linear(recipe, dtype):
     theirs = [y_ref, gx_ref, ref.weight.grad] + ([] if rounded else [ref.bias.grad])
     for name, a, b_ in zip(["y", "grad_x", "grad_w", "grad_b"], ours, theirs):
         assert a.dtype == b_.dtype, name
-        if rounded:
+        if rounded and not (recipe == "rowwise_gw_hp" and name == "grad_w"):
             a, b_ = a.bfloat16(), b_.bfloat16()
         assert torch.equal(a, b_), f"{recipe} {dtype} {name}: max diff {(a - b_).abs().max()}"
 
@@ -180,6 +185,26 @@ def test_fp8_input_is_saved_not_the_high_precision_one():
         fp8 = saved_bytes(lambda r=recipe: fp8_linear(x, w, None, FP8Recipe.from_name(r)))
         assert bf16 == x.numel() * 2
         assert 0.5 <= fp8 / bf16 < 0.52, (recipe, fp8 / bf16)
+    # rowwise_gw_hp's weight gradient takes the input in bf16: it saves what bf16 saves
+    gw_hp = saved_bytes(lambda: fp8_linear(x, w, None, FP8Recipe.from_name("rowwise_gw_hp")))
+    assert gw_hp == bf16
+
+
+def test_rowwise_gw_hp_with_outlier_channels_is_bit_equal_to_torchao():
+    """rowwise_gw_hp on channels over six decades: the forward and the input gradient in
+    FP8 (Wᵀ with one power-of-two scale), the weight gradient torch.mm(∂yᵀ, x) in bf16."""
+    torch.manual_seed(5)
+    lin = nn.Linear(256, 128, bias=True).bfloat16()
+    ref = _torchao_linear(lin, "rowwise_gw_hp")
+    x = (torch.randn(192, 256) * torch.logspace(-3, 3, 256)).bfloat16()
+    g = (torch.randn(192, 128) * 1e-3).bfloat16()
+    y_ref, gx_ref = _run(ref, x, g)
+    w = lin.weight.detach().clone().requires_grad_()
+    b = lin.bias.detach().clone().requires_grad_()
+    y, gx = _run(lambda v: fp8_linear(v, w, b, FP8Recipe.from_name("rowwise_gw_hp")), x, g)
+    assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref)
+    assert torch.equal(w.grad, ref.weight.grad) and torch.equal(b.grad, ref.bias.grad)
+    assert torch.equal(w.grad, (g.t() @ x))  # the weight gradient in bf16, no FP8 in it
 
 
 def test_rowwise_wgrad_with_outlier_channels_is_bit_equal_to_torchao():

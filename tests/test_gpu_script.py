@@ -45,7 +45,8 @@ def test_dry_run_gives_every_item_numbers_or_a_reason(tmp_path, capsys):
     gemms = items["fp8_gemms"]
     assert len([k for k in gemms if "->" in k]) == 3
     for shape in (k for k in gemms if "->" in k):
-        assert set(gemms[shape]["ratio_vs_bf16"]) == {"tensorwise", "rowwise", "blockwise"}
+        assert set(gemms[shape]["ratio_vs_bf16"]) == {"tensorwise", "rowwise", "blockwise",
+                                                      "tensorwise_delayed", "rowwise_gw_hp"}
         assert "emulated" in gemms[shape]["kernels"]["blockwise"]  # the CPU path, said so
     assert items["cp_ring_vs_sdpa"]["within_bf16"]
     serve = items["serve_vs_transformers"]

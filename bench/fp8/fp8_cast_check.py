@@ -30,7 +30,7 @@ def check(device: torch.device, tokens: int, k: int) -> dict:
     """{cast: [codes equal, scales equal, ...]} for each fused cast, bf16 input."""
     from fivefold.numerics import fp8_cast as C
     from fivefold.numerics.formats import FP8_FORMATS
-    from fivefold.numerics.fp8 import dequantize, quantize
+    from fivefold.numerics.fp8 import dequantize, quantize, quantize_with_amax
 
     gen = torch.Generator().manual_seed(0)
     x_cpu = (torch.randn(tokens, k, generator=gen) * torch.logspace(-3, 3, k)).to(torch.bfloat16)
@@ -52,6 +52,20 @@ def check(device: torch.device, tokens: int, k: int) -> dict:
             qt = quantize((dequantize(q) if requant else x_cpu).t(), F, "tiles")
             out[f"tiles requant={requant}/{fmt}"] = [_equal(c, q.data), _equal(s, q.scale),
                                                      _equal(ct, qt.data), _equal(st, qt.scale)]
+        # delayed scaling: a history below x's amax (saturating codes), the push; and
+        # rowwise_gw_hp's power-of-two tensorwise cast
+        hist = torch.tensor([x_cpu.float().abs().max().item() / 8, 0.0, 1e-3])
+        c, ct, s, amax = C.fp8_cast_delayed(x, hist.to(device), fmt, True, True)
+        q = quantize_with_amax(x_cpu, hist.max(), F)
+        h = hist.to(device)
+        C.fp8_history_push(h, amax)
+        pushed = torch.cat([x_cpu.float().abs().max().reshape(1), hist[:-1]])
+        out[f"delayed/{fmt}"] = [_equal(c, q.data), _equal(ct, q.data.t()), _equal(s, q.scale),
+                                 _equal(h, pushed)]
+        c, ct, s = C.fp8_cast_tensorwise(x, C.fp8_amax_partials(x), fmt, True, True, True)
+        q = quantize(x_cpu, F, "tensorwise", True)
+        out[f"tensorwise pow2/{fmt}"] = [_equal(c, q.data), _equal(ct, q.data.t()),
+                                         _equal(s, q.scale)]
     c, s = C.fp8_cast_blocks(x.t(), "e4m3")
     q = quantize(x_cpu.t(), FP8_FORMATS["e4m3"], "blocks")
     out["blocks of xᵀ/e4m3"] = [_equal(c, q.data), _equal(s, q.scale)]

@@ -4,6 +4,8 @@
     blockwise   fp8, DeepSeek-V3's 1x128 tiles and 128x128 weight blocks, E4M3 gradients
     rowwise     fp8, torchao's rowwise recipe (power-of-two scales, E4M3 gradients)
     tensorwise  fp8, torchao's tensorwise recipe (E5M2 gradients)
+    tensorwise_delayed  tensorwise with delayed scaling (an amax history of 16 steps)
+    rowwise_gw_hp       torchao's ROWWISE_WITH_GW_HP (the weight gradient in bf16)
 
     python bench/fp8/fp8_convergence.py [--steps 300]
     python bench/fp8/fp8_convergence.py --variants blockwise --parts DIR   # one run, saved in DIR
@@ -36,6 +38,9 @@ VARIANTS = {
     "blockwise": ["--train.precision", "fp8", "--train.fp8_recipe", "blockwise"],
     "rowwise": ["--train.precision", "fp8", "--train.fp8_recipe", "rowwise"],
     "tensorwise": ["--train.precision", "fp8", "--train.fp8_recipe", "tensorwise"],
+    "tensorwise_delayed": ["--train.precision", "fp8", "--train.fp8_recipe", "tensorwise",
+                           "--train.fp8_scaling", "delayed"],
+    "rowwise_gw_hp": ["--train.precision", "fp8", "--train.fp8_recipe", "rowwise_gw_hp"],
 }
 
 
@@ -91,7 +96,7 @@ def main() -> None:
         summary[name] = {"val_loss": res["val_loss"], "rel_vs_bf16": rel,
                          "final_train_loss": res["final_train_loss"],
                          "seconds": res["seconds"], "git": res.get("git", "")}
-        print(f"{name:>10}: final val_loss {res['val_loss']:.4f}  vs bf16 {rel * 100:+.2f}%  "
+        print(f"{name:>18}: final val_loss {res['val_loss']:.4f}  vs bf16 {rel * 100:+.2f}%  "
               f"(train loss {res['final_train_loss']:.4f}, {res['seconds']:.0f} s)")
     rev = git_revision()
     result = {"machine": f"{cpu_label()} (shared), "

@@ -4,7 +4,12 @@
                              optimizer states (as bf16), and FP8 GEMMs in every linear
                              layer not kept out (lowp/)
     fp8_recipe               "blockwise" (DeepSeek-V3: 1x128 tiles, 128x128 weight blocks),
-                             "rowwise" or "tensorwise" (torchao's recipes)
+                             "rowwise", "rowwise_gw_hp" (the weight gradient in bf16:
+                             torchao's ROWWISE_WITH_GW_HP) or "tensorwise" (torchao's)
+    fp8_scaling              "dynamic" (default: each cast's scale from the tensor's own
+                             amax) or "delayed" (tensorwise only: from an amax history of
+                             earlier steps, Transformer Engine's DelayedScaling; lowp/delayed.py)
+    fp8_history_len          delayed scaling's history length in steps (default 16, 1..1024)
     fp8_grad_format          "auto" (the recipe's own: e5m2 for tensorwise, e4m3 for the
                              others), "e4m3" or "e5m2": the format of the output gradient
     fp8_keep_out             comma list of module-name patterns whose linears stay in bf16,
@@ -34,6 +39,12 @@ Rules, each a one-line ConfigError:
     "cpu" or a model width (hidden, q/o, k/v, MLP, expert widths; per tp rank) that is not
     a multiple of 128. Whether the device has the kernel is known only on it: lowp/convert.py
     refuses there, in one line too.
+  - fp8_scaling = "delayed" with a recipe other than tensorwise; fp8_history_len outside
+    1..1024 or set with dynamic scaling; delayed scaling with parallel.fp8_allgather (its
+    scales are computed after the optimizer step, dynamically), with any parallelism (dp,
+    tp, pp, cp > 1: each rank would keep its own history, no amax reduction over ranks is
+    done), with train.recompute other than "none" (a recomputed forward records again
+    and casts with another scale) or with routed experts (no histories for them).
 A keep-out pattern that matches no linear of the model is refused when the model is built
 (lowp/convert.py), where the module names exist.
 """
@@ -43,12 +54,14 @@ from __future__ import annotations
 from fivefold.config.rules import choice
 from fivefold.errors import ConfigError
 
-FP8_RECIPES = ("blockwise", "rowwise", "tensorwise")
+FP8_RECIPES = ("blockwise", "rowwise", "rowwise_gw_hp", "tensorwise")
+FP8_SCALINGS = ("dynamic", "delayed")
+MAX_HISTORY_LEN = 1024  # Transformer Engine's default amax_history_len
 FP8_GRAD_FORMATS = ("auto", "e4m3", "e5m2")
 FP8_BLOCK = 128  # DeepSeek-V3's tile and block edge (numerics/formats.py, which needs torch)
 FP8_KERNELS = ("auto", "scaled_mm", "emulated")
 FP8_DEFAULTS = {"fp8_recipe": "blockwise", "fp8_grad_format": "auto", "fp8_keep_out": "",
-                "fp8_kernel": "auto"}
+                "fp8_kernel": "auto", "fp8_scaling": "dynamic", "fp8_history_len": 16}
 
 
 def check_fp8(cfg, mc) -> None:
@@ -62,6 +75,10 @@ def check_fp8(cfg, mc) -> None:
                           f"= '{tr.fp8_recipe}'); set those or parallel.fp8_allgather = false")
     choice("train.fp8_grad_format", tr.fp8_grad_format, FP8_GRAD_FORMATS)
     choice("train.fp8_kernel", tr.fp8_kernel, FP8_KERNELS)
+    choice("train.fp8_scaling", tr.fp8_scaling, FP8_SCALINGS)
+    if not (isinstance(tr.fp8_history_len, int) and 1 <= tr.fp8_history_len <= MAX_HISTORY_LEN):
+        raise ConfigError(f"train.fp8_history_len = {tr.fp8_history_len} must be an integer in "
+                          f"1..{MAX_HISTORY_LEN} (steps of amax history); e.g. 16")
     if tr.precision != "fp8":
         for key, default in FP8_DEFAULTS.items():
             value = getattr(tr, key)
@@ -80,6 +97,41 @@ def check_fp8(cfg, mc) -> None:
                           f"torch._scaled_mm); drop train.fp8_kernel")
     if tr.fp8_kernel == "scaled_mm":
         check_kernel_shapes(cfg, mc)
+    check_scaling(cfg, mc)
+
+
+def check_scaling(cfg, mc) -> None:
+    """train.fp8_scaling and fp8_history_len (the module docstring's rules)."""
+    tr, par = cfg.train, cfg.parallel
+    if tr.fp8_scaling == "dynamic":
+        if tr.fp8_history_len != FP8_DEFAULTS["fp8_history_len"]:
+            raise ConfigError(f"train.fp8_history_len = {tr.fp8_history_len} applies to "
+                              f"train.fp8_scaling = 'delayed' only; set fp8_scaling = 'delayed' "
+                              f"or drop train.fp8_history_len")
+        return
+    if tr.fp8_recipe != "tensorwise":
+        raise ConfigError(f"train.fp8_scaling = 'delayed' with train.fp8_recipe = "
+                          f"'{tr.fp8_recipe}': delayed scaling keeps one amax per tensor, for "
+                          f"the tensorwise recipe only; set fp8_recipe = 'tensorwise' or "
+                          f"fp8_scaling = 'dynamic'")
+    if par.fp8_allgather:
+        raise ConfigError("train.fp8_scaling = 'delayed' with parallel.fp8_allgather = true: "
+                          "the FP8 all-gather casts with scales computed after the optimizer "
+                          "step (dynamic); set fp8_scaling = 'dynamic' or fp8_allgather = false")
+    split = {k: getattr(par, k) for k in ("dp", "tp", "pp", "cp") if getattr(par, k) > 1}
+    if split:
+        dims = ", ".join(f"parallel.{k} = {v}" for k, v in split.items())
+        raise ConfigError(f"train.fp8_scaling = 'delayed' with {dims}: each rank would keep "
+                          f"its own amax history (no amax reduction over ranks); use one "
+                          f"device or fp8_scaling = 'dynamic'")
+    if tr.recompute != "none":
+        raise ConfigError(f"train.fp8_scaling = 'delayed' with train.recompute = "
+                          f"'{tr.recompute}': a recomputed forward would record its amax again "
+                          f"and cast with another scale; set recompute = 'none' or "
+                          f"fp8_scaling = 'dynamic'")
+    if mc.num_experts:
+        raise ConfigError("train.fp8_scaling = 'delayed' with routed experts (model.num_experts "
+                          "> 0): they keep no amax history; use fp8_scaling = 'dynamic'")
 
 
 def check_kernel_shapes(cfg, mc) -> None:

@@ -28,10 +28,12 @@ class TrainSection:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
     precision: str = "auto"  # auto | fp32 | bf16 | fp16 | fp8 (bf16 with FP8 GEMMs)
-    fp8_recipe: str = "blockwise"  # blockwise | rowwise | tensorwise (config/fp8.py)
+    fp8_recipe: str = "blockwise"  # blockwise | rowwise | rowwise_gw_hp | tensorwise
     fp8_grad_format: str = "auto"  # auto | e4m3 | e5m2: the output gradient's FP8 format
     fp8_keep_out: str = ""  # comma list of module-name patterns whose linears stay bf16
     fp8_kernel: str = "auto"  # blockwise GEMMs: auto | scaled_mm | emulated (config/fp8.py)
+    fp8_scaling: str = "dynamic"  # tensorwise: dynamic | delayed (amax history, config/fp8.py)
+    fp8_history_len: int = 16  # fp8_scaling = delayed: the amax history's length in steps
     recompute: str = "none"  # none | selective | full | auto (per layer, under memory_budget_gib)
     memory_budget_gib: float = 0.0  # recompute = auto: the peak allocated GiB per rank to fit
     compile: str = "auto"  # auto (on CUDA each block compiled, on a CPU eager) | true | false

@@ -34,6 +34,7 @@ from torch import nn
 
 from fivefold.config.train import resolve_compile
 from fivefold.errors import ConfigError
+from fivefold.lowp.delayed import add_history
 from fivefold.lowp.experts import FP8ExpertsMixin, FP8GroupedExperts
 from fivefold.lowp.linear import FP8Linear, FP8LinearFn, FP8LinearMixin, FP8Recipe
 from fivefold.models.moe import GroupedExperts
@@ -71,8 +72,14 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe,
     for name, module in targets.items():
         if any(_matches(name, p) for p in (*ALWAYS_KEPT_OUT, *keep_out)):
             continue
+        if recipe.scaling == "delayed" and not isinstance(module, nn.Linear):
+            raise ConfigError(f"train.fp8_scaling = 'delayed': {name} ({type(module).__name__}) "
+                              f"keeps no amax history (linears only); keep it out with "
+                              f"train.fp8_keep_out or use fp8_scaling = 'dynamic'")
         if isinstance(module, nn.Linear):
             _swap(module, FP8LinearMixin).fp8_recipe = recipe
+            if recipe.scaling == "delayed":
+                add_history(module, recipe.history_len)
         elif isinstance(module, GroupedExperts):
             _swap(module, FP8ExpertsMixin).fp8_recipe = recipe
         else:
@@ -100,7 +107,9 @@ def apply_fp8(model: nn.Module, train_cfg, device: torch.device) -> tuple[list[s
     """train.precision = 'fp8': the recipe and keep-out list of [train], on `model`; returns
     the converted names and the line that says which kernel the GEMMs take (the trainer
     prints it on rank 0 unless quiet)."""
-    recipe = FP8Recipe.from_name(train_cfg.fp8_recipe, train_cfg.fp8_grad_format)
+    recipe = FP8Recipe.from_name(train_cfg.fp8_recipe, train_cfg.fp8_grad_format,
+                                 getattr(train_cfg, "fp8_scaling", "dynamic"),
+                                 getattr(train_cfg, "fp8_history_len", 16))
     check_fp8_device(recipe, device)
     check_fp8_compile(recipe, resolve_compile(getattr(train_cfg, "compile", False),
                                               device.type), device)
@@ -126,7 +135,8 @@ def choose_kernel(choice: str, recipe: FP8Recipe, modules: list[nn.Module],
     `choice`: train.fp8_kernel (auto | scaled_mm | emulated)."""
     if recipe.name != "blockwise":
         where = "cuBLASLt" if device.type == "cuda" else f"torch's {device.type} kernel"
-        return "emulated", f"fp8: {recipe.name} GEMMs on torch._scaled_mm ({where})"
+        delayed = ", delayed scaling" if recipe.scaling == "delayed" else ""
+        return "emulated", f"fp8: {recipe.name}{delayed} GEMMs on torch._scaled_mm ({where})"
     emulated = "fp8: blockwise GEMMs emulated in 128-wide K slices, fp32 accumulation"
     if choice == "emulated":
         return "emulated", f"{emulated} (train.fp8_kernel = 'emulated')"
@@ -168,10 +178,17 @@ def check_fp8_device(recipe: FP8Recipe, device: torch.device) -> None:
 
 
 def check_fp8_compile(recipe: FP8Recipe, compiled: bool, device: torch.device) -> None:
-    """train.compile with FP8: tensorwise and rowwise compile on any device (their GEMMs are
-    custom ops, numerics/fp8_ops.py); blockwise compiles on CUDA, but on a CPU inductor's
-    C++ code generation fails on its 128-wide slices (torch 2.13: AssertionError in
-    cpp.py `try_loop_split`), so that is refused before the first step."""
+    """train.compile with FP8: tensorwise, rowwise and rowwise_gw_hp compile on any device
+    (their GEMMs are custom ops, numerics/fp8_ops.py); blockwise compiles on CUDA, but on a
+    CPU inductor's C++ code generation fails on its 128-wide slices (torch 2.13:
+    AssertionError in cpp.py `try_loop_split`), so that is refused before the first step;
+    delayed scaling is refused compiled on any device (train.compile = auto compiles on
+    CUDA: it must be set to false there)."""
+    if compiled and recipe.scaling == "delayed":
+        raise ConfigError("train.compile with train.fp8_scaling = 'delayed': the amax "
+                          "histories' bookkeeping (which rows hold a record) is Python state "
+                          "that compiled blocks do not keep (3 compiled steps gave other losses "
+                          "than eager); set train.compile = false or fp8_scaling = 'dynamic'")
     if compiled and recipe.name == "blockwise" and device.type == "cpu":
         raise ConfigError("train.compile = true with train.fp8_recipe = 'blockwise' on a CPU: "
                           "inductor cannot compile the blockwise FP8 linear there; use "

@@ -10,6 +10,11 @@ Each function returns the same FP8Tensors as the FP8 linear's step-by-step path
     W (backward)       amax + cast: Wᵀ         rows of the view Wᵀ     blocks of the view Wᵀ
     ∂y (backward)      amax + cast: ∂y, ∂yᵀ    rows + columns          tiles: ∂y, ∂yᵀ
 
+rowwise_gw_hp casts x, W and ∂y by rows only (no column copies: its weight gradient is a
+high-precision GEMM of ∂yᵀ and the saved input), and Wᵀ tensorwise with a power-of-two
+scale (`weight_t_tensorwise`). Delayed tensorwise scaling casts with one kernel per
+operand, its scale from an amax history (lowp/delayed.py).
+
 The copy of x saved for backward is the weight gradient's operand as it is (xᵀ quantised
 along the tokens), so the backward makes no copy of it. The weight is quantised again in
 backward rather than saved in FP8 (lowp/linear.py says why).
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from fivefold.lowp.quantize import quantize
 from fivefold.numerics import fp8_cast
 from fivefold.numerics.formats import E4M3, FloatFormat
 from fivefold.numerics.fp8 import FP8Tensor
@@ -36,9 +42,9 @@ def _tensor(data, scale, granularity, fmt, recipe) -> FP8Tensor:
 
 
 def _tensorwise(x: torch.Tensor, fmt: FloatFormat, write: bool, write_t: bool,
-                amax_of: torch.Tensor | None = None):
-    partials = fp8_cast.fp8_amax_partials(x if amax_of is None else amax_of)
-    return fp8_cast.fp8_cast_tensorwise(x, partials, fmt.name, write, write_t)
+                pow2: bool = False):
+    partials = fp8_cast.fp8_amax_partials(x)
+    return fp8_cast.fp8_cast_tensorwise(x, partials, fmt.name, write, write_t, pow2)
 
 
 def _both(x: torch.Tensor, recipe, fmt: FloatFormat, requant: bool, want: bool = True,
@@ -49,7 +55,7 @@ def _both(x: torch.Tensor, recipe, fmt: FloatFormat, requant: bool, want: bool =
         codes, codes_t, scale = _tensorwise(x, fmt, want, want_t)
         return ((_tensor(codes, scale, kind, fmt, recipe) if want else None),
                 (_tensor(codes_t, scale, kind, fmt, recipe) if want_t else None))
-    if recipe.name == "rowwise":
+    if recipe.name.startswith("rowwise"):
         codes, scale, colpart = fp8_cast.fp8_cast_rows(x, fmt.name, recipe.pow2, want_t)
         xq = _tensor(codes, scale, kind, fmt, recipe)
         if not want_t:
@@ -61,10 +67,12 @@ def _both(x: torch.Tensor, recipe, fmt: FloatFormat, requant: bool, want: bool =
                                                              recipe)
 
 
-def input_pair(x2: torch.Tensor, recipe) -> tuple[FP8Tensor, FP8Tensor]:
+def input_pair(x2: torch.Tensor, recipe) -> tuple[FP8Tensor, FP8Tensor | None]:
     """(the forward's x, the weight gradient's xᵀ): blockwise re-quantises the forward's
-    tiles (DeepSeek-V3 §3.3.4), the others quantise x itself."""
-    return _both(x2, recipe, E4M3, requant=recipe.name == "blockwise")
+    tiles (DeepSeek-V3 §3.3.4), the others quantise x itself; rowwise_gw_hp has no xᵀ
+    (its weight gradient takes the high-precision x)."""
+    return _both(x2, recipe, E4M3, requant=recipe.name == "blockwise",
+                 want_t=not recipe.hp_wgrad)
 
 
 def grad_pair(g2: torch.Tensor, recipe, dgrad: bool,
@@ -81,8 +89,18 @@ def weight(w: torch.Tensor, recipe, transposed: bool = False) -> FP8Tensor:
         codes, codes_t, scale = _tensorwise(w, E4M3, not transposed, transposed)
         return _tensor(codes_t if transposed else codes, scale, kind, E4M3, recipe)
     view = w.t() if transposed else w
-    if recipe.name == "rowwise":
+    if recipe.name.startswith("rowwise"):
         codes, scale, _ = fp8_cast.fp8_cast_rows(view, E4M3.name, recipe.pow2, False)
     else:
         codes, scale = fp8_cast.fp8_cast_blocks(view, E4M3.name)
     return _tensor(codes, scale, kind, E4M3, recipe)
+
+
+def weight_t_tensorwise(w: torch.Tensor) -> FP8Tensor:
+    """Wᵀ (K, N) in E4M3 with one power-of-two scale: rowwise_gw_hp's input-gradient
+    operand (torchao's `cast_config_weight_for_grad_input`, tensorwise, scales rounded
+    down to powers of two); an amax pass and a cast pass writing Wᵀ on the fused path."""
+    if not fused(w):
+        return quantize(w.t(), E4M3, "tensorwise", pow2=True)
+    _, codes_t, scale = _tensorwise(w, E4M3, False, True, pow2=True)
+    return FP8Tensor(codes_t, scale, "tensorwise", E4M3)

@@ -56,18 +56,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fivefold.lowp import fused
+from fivefold.lowp import delayed, fused
 from fivefold.lowp.quantize import dequantize, quantize
 from fivefold.numerics.formats import E4M3, FP8_BLOCK, FP8_FORMATS, FloatFormat
 from fivefold.numerics.fp8 import FP8Tensor, fp8_mm
 
-RECIPES = ("blockwise", "rowwise", "tensorwise")
+RECIPES = ("blockwise", "rowwise", "rowwise_gw_hp", "tensorwise")
 _GRANULARITY = {  # recipe -> (activations and gradients, weights)
     "tensorwise": ("tensorwise", "tensorwise"),
     "rowwise": ("rowwise", "rowwise"),
+    "rowwise_gw_hp": ("rowwise", "rowwise"),
     "blockwise": ("tiles", "blocks"),
 }
-_DEFAULT_GRAD_FORMAT = {"tensorwise": "e5m2", "rowwise": "e4m3", "blockwise": "e4m3"}
+_DEFAULT_GRAD_FORMAT = {"tensorwise": "e5m2", "rowwise": "e4m3", "rowwise_gw_hp": "e4m3",
+                        "blockwise": "e4m3"}
 
 
 @dataclass(frozen=True)
@@ -79,16 +81,30 @@ class FP8Recipe:
     pow2: bool = False
     block: int = FP8_BLOCK
     kernel: str = "emulated"  # blockwise only: "emulated" or "scaled_mm" (numerics/fp8.py)
+    scaling: str = "dynamic"  # tensorwise only: "delayed" scales from an amax history
+    history_len: int = delayed.DEFAULT_HISTORY_LEN  # (lowp/delayed.py)
 
     @staticmethod
-    def from_name(name: str, grad_format: str = "auto") -> FP8Recipe:
+    def from_name(name: str, grad_format: str = "auto", scaling: str = "dynamic",
+                  history_len: int = delayed.DEFAULT_HISTORY_LEN) -> FP8Recipe:
         """The recipe's defaults; `grad_format` 'auto' takes the recipe's own (see above)."""
         if name not in RECIPES:
             raise ValueError(f"unknown FP8 recipe '{name}'; one of {', '.join(RECIPES)}")
         fmt = _DEFAULT_GRAD_FORMAT[name] if grad_format == "auto" else grad_format
         if fmt not in FP8_FORMATS:
             raise ValueError(f"unknown FP8 gradient format '{grad_format}'; e4m3 or e5m2")
-        return FP8Recipe(name, FP8_FORMATS[fmt], pow2=name == "rowwise")
+        if scaling not in delayed.SCALINGS or (scaling == "delayed" and name != "tensorwise"):
+            raise ValueError(f"FP8 scaling '{scaling}' with recipe '{name}': delayed scaling "
+                             f"is for the tensorwise recipe; dynamic for every recipe")
+        if history_len < 1:
+            raise ValueError(f"an amax history of {history_len} steps; at least 1")
+        return FP8Recipe(name, FP8_FORMATS[fmt], pow2=name.startswith("rowwise"),
+                         scaling=scaling, history_len=history_len)
+
+    @property
+    def hp_wgrad(self) -> bool:
+        """rowwise_gw_hp: the weight gradient in high precision, from the saved input."""
+        return self.name == "rowwise_gw_hp"
 
     @property
     def act_granularity(self) -> str:
@@ -109,20 +125,27 @@ class FP8LinearFunction(torch.autograd.Function):
     """y = x Wᵀ + b; saves the FP8 input (data and scales), not the high-precision one."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: FP8Recipe, wq: FP8Tensor | None = None):
-        # wq: the weight already quantised (ZeRO-3's FP8 all-gather, tensorwise)
-        xq, saved = _quantized_input(x, recipe)
+    def forward(ctx, x, weight, bias, recipe: FP8Recipe, wq: FP8Tensor | None = None,
+                state: delayed.DelayedState | None = None):
+        # wq: the weight already quantised (ZeRO-3's FP8 all-gather, tensorwise);
+        # state: the module's amax histories (delayed scaling, lowp/delayed.py)
+        xq, saved = _quantized_input(x, recipe, state)
         if wq is None:
-            wq = fused.weight(weight, recipe) if fused.fused(weight) else (
-                recipe.quantize_weight(weight))
+            wq = (delayed.weight(weight, state) if state is not None else
+                  fused.weight(weight, recipe) if fused.fused(weight) else
+                  recipe.quantize_weight(weight))
             ctx.wq = None
         else:
             ctx.wq = wq  # its data is a view of ZeRO-3's gathered bytes, gathered again
         y = fp8_mm(xq, wq, out_dtype=x.dtype, kernel=recipe.kernel)
         if bias is not None:
             y = y + bias
-        ctx.save_for_backward(saved.data, saved.scale, weight)
+        if recipe.hp_wgrad:  # the input as it came: the weight gradient's operand
+            ctx.save_for_backward(x, x.new_empty(0), weight)
+        else:
+            ctx.save_for_backward(saved.data, saved.scale, weight)
         ctx.recipe, ctx.has_bias, ctx.x_shape = recipe, bias is not None, x.shape
+        ctx.state = state
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -131,6 +154,8 @@ class FP8LinearFunction(torch.autograd.Function):
         recipe: FP8Recipe = ctx.recipe
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
+        if ctx.state is not None or recipe.hp_wgrad:
+            return _backward(ctx, g2, x_data, x_scale, weight, grad)
         if fused.fused(g2):
             return _fused_backward(ctx, g2, x_data, x_scale, weight, grad)
         gq = None
@@ -150,7 +175,35 @@ class FP8LinearFunction(torch.autograd.Function):
             grad_w = fp8_mm(gt, xt, out_dtype=weight.dtype, kernel=recipe.kernel)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(grad.dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def _backward(ctx, g2, x_data, x_scale, weight, grad):
+    """The backward of delayed tensorwise (lowp/delayed.py) and of rowwise_gw_hp, on
+    either path: ∂y cast once (with its transposed copy for delayed), Wᵀ cast again, the
+    weight gradient in FP8 from the saved xᵀ (delayed) or in high precision from the saved
+    input (rowwise_gw_hp: torch.mm(∂yᵀ, x), as torchao's recipe computes it)."""
+    recipe: FP8Recipe = ctx.recipe
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_x = grad_w = grad_b = None
+    if ctx.state is not None:
+        gq, gt = delayed.grad_pair(g2, ctx.state, recipe.grad_format)
+        wt = delayed.weight(weight, ctx.state, transposed=True) if need_x else None
+    else:
+        gq = (fused.grad_pair(g2, recipe, True, False)[0] if fused.fused(g2)
+              else recipe.quantize_act(g2, recipe.grad_format)) if need_x else None
+        wt = fused.weight_t_tensorwise(weight) if need_x else None
+    if need_x:
+        grad_x = fp8_mm(gq, wt, out_dtype=grad.dtype, kernel=recipe.kernel).view(ctx.x_shape)
+    if need_w:
+        if recipe.hp_wgrad:
+            grad_w = torch.mm(g2.t(), x_data.reshape(-1, x_data.shape[-1])).to(weight.dtype)
+        else:
+            xt = FP8Tensor(x_data, x_scale, "tensorwise", E4M3)
+            grad_w = fp8_mm(gt, xt if fused.fused(g2) else xt.t(), out_dtype=weight.dtype)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_b = g2.sum(0).to(grad.dtype)
+    return grad_x, grad_w, grad_b, None, None, None
 
 
 def _fused_backward(ctx, g2, x_data, x_scale, weight, grad):
@@ -168,7 +221,7 @@ def _fused_backward(ctx, g2, x_data, x_scale, weight, grad):
         grad_w = fp8_mm(gt, xt, out_dtype=weight.dtype, kernel=recipe.kernel)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_b = g2.sum(0).to(grad.dtype)
-    return grad_x, grad_w, grad_b, None, None
+    return grad_x, grad_w, grad_b, None, None, None
 
 
 def _wgrad_input(saved: FP8Tensor, recipe: FP8Recipe) -> FP8Tensor:
@@ -193,28 +246,39 @@ def _forget(ref: weakref.ref) -> None:
         _LAST[0] = None
 
 
-def _quantized_input(x: torch.Tensor, recipe: FP8Recipe) -> tuple[FP8Tensor, FP8Tensor]:
+def _quantized_input(x: torch.Tensor, recipe: FP8Recipe, state=None
+                     ) -> tuple[FP8Tensor, FP8Tensor]:
     """(the forward's operand, the copy to save for backward): the same tensor except for
-    rowwise, which saves x quantised along the tokens (see the module docstring)."""
+    rowwise, which saves x quantised along the tokens (see the module docstring). Under
+    delayed scaling the first linear to read x casts it with its own input history and
+    records there; the others reading the same x share that cast."""
     last = _LAST[0]
     if last is not None:
         ref, version, last_recipe, pair = last
         if ref() is x and version == x._version and last_recipe == recipe:
             return pair
     x2 = x.reshape(-1, x.shape[-1])
-    if fused.fused(x2):  # saved: the weight gradient's operand as it is (lowp/fused.py)
+    if state is not None:
+        xq, saved = delayed.input_pair(x2, state)
+    elif fused.fused(x2):  # saved: the weight gradient's operand as it is (lowp/fused.py)
         xq, saved = fused.input_pair(x2, recipe)
     else:
         xq = recipe.quantize_act(x2)
         saved = recipe.quantize_act(x2.t()) if recipe.name == "rowwise" else xq
+    # (rowwise_gw_hp saves x itself, not `saved`: FP8LinearFunction.forward)
     _LAST[0] = (weakref.ref(x, _forget), x._version, recipe, (xq, saved))
     return xq, saved
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               recipe: FP8Recipe, wq: FP8Tensor | None = None) -> torch.Tensor:
-    """F.linear with FP8 GEMMs (`wq`: the weight already quantised, if it is)."""
-    return FP8LinearFunction.apply(x, weight, bias, recipe, wq)
+               recipe: FP8Recipe, wq: FP8Tensor | None = None,
+               state: delayed.DelayedState | None = None) -> torch.Tensor:
+    """F.linear with FP8 GEMMs (`wq`: the weight already quantised, if it is; `state`: the
+    amax histories of delayed scaling, lowp/delayed.py)."""
+    if (state is None) != (recipe.scaling == "dynamic"):
+        raise ValueError(f"FP8 {recipe.scaling} scaling needs "
+                         f"{'an amax history' if state is None else 'no amax history'}")
+    return FP8LinearFunction.apply(x, weight, bias, recipe, wq, state)
 
 
 class FP8LinearFn:
@@ -240,10 +304,17 @@ class FP8LinearMixin:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.bias, self.fp8_recipe,
-                          getattr(self, "fp8_weight", None))
+                          getattr(self, "fp8_weight", None), delayed.state_of(self))
+
+    def reset_buffers(self) -> None:
+        """Materialising a meta-built model (models/init.py): an amax history starts empty,
+        in float32 (the model's `.to(dtype)` cast it with the parameters)."""
+        if getattr(self, delayed.BUFFER, None) is not None:
+            delayed.add_history(self, self.fp8_recipe.history_len)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8={self.fp8_recipe.name}"
+        scaling = ", delayed" if self.fp8_recipe.scaling == "delayed" else ""
+        return f"{super().extra_repr()}, fp8={self.fp8_recipe.name}{scaling}"
 
 
 class FP8Linear(FP8LinearMixin, nn.Linear):

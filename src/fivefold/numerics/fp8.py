@@ -103,6 +103,19 @@ def quantize(x: torch.Tensor, fmt: FloatFormat = E4M3, granularity: str = "tenso
                      fmt, block)
 
 
+def quantize_with_amax(x: torch.Tensor, amax: torch.Tensor, fmt: FloatFormat = E4M3,
+                       pow2: bool = False) -> FP8Tensor:
+    """Tensorwise cast of a 2-D x with the multiplier of a given `amax` (delayed scaling:
+    the amax of earlier steps, Transformer Engine's `DelayedScaling`), not x's own: x · m
+    may then exceed the format's range, and the clamp saturates it (here it does work)."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize takes a 2-D tensor, got shape {tuple(x.shape)}")
+    multiplier = amax_to_scale(amax.detach().float().reshape(()), fmt, pow2)
+    scaled = (x.float() * multiplier).clamp(-fmt.max, fmt.max)
+    return FP8Tensor(scaled.to(fmt.dtype).contiguous(), multiplier.reciprocal(), "tensorwise",
+                     fmt)
+
+
 def dequantize(q: FP8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """data · scale, in `dtype` (for tests and for re-quantising along another axis)."""
     full = expand_scale(q.scale, q.shape, q.granularity, q.block)
@@ -121,6 +134,11 @@ def fp8_mm(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype = torch.float32,
     kinds = (a.granularity, b.granularity)
     if kinds in (("tensorwise", "tensorwise"), ("rowwise", "rowwise")):
         scale_b = b.scale if b.granularity == "tensorwise" else b.scale.reshape(1, -1)
+        return fp8_scaled_mm(a.data, b.data, a.scale, scale_b, out_dtype)
+    if kinds == ("rowwise", "tensorwise"):  # rowwise_gw_hp's input gradient: b's one
+        # scale repeated per row of b, as torchao does (float8_ops.py preprocess_addmm:
+        # _scaled_mm takes both operands at one granularity)
+        scale_b = b.scale.reshape(1).repeat(b.shape[0]).reshape(1, -1)
         return fp8_scaled_mm(a.data, b.data, a.scale, scale_b, out_dtype)
     if a.granularity in ("tiles", "blocks") and b.granularity in ("tiles", "blocks"):
         if kernel == "scaled_mm":

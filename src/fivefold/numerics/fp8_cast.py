@@ -10,6 +10,9 @@ torch.compile keeps it as a call:
     op                     reads            writes                               passes
     fp8_amax_partials      x                <= 256 partial amaxes                  1
     fp8_cast_tensorwise    x, partials      codes and/or codesᵀ, scale ()          1
+    fp8_cast_delayed       x, history       codes and/or codesᵀ, scale (),         1
+                                            each 64x64 tile's amax
+    fp8_history_push       history, amaxes  history (H floats)                     -
     fp8_cast_rows          x                codes, scale (M, 1), column partials   1 (*)
     fp8_cast_cols          x, partials      codesᵀ (K, M), scale (K, 1)            1
     fp8_cast_tiles         x                codes, (M, K/128); codesᵀ, (K, M/128)  1
@@ -18,7 +21,8 @@ torch.compile keeps it as a call:
 (*) a program sweeps its 32 rows twice, for their amax and then the cast; the second sweep
 reads the 32 rows again, from the cache if they are still there (the trace counts x once).
 
-Tensorwise needs the whole tensor's amax before the first code, so it is two kernels; a
+Tensorwise needs the whole tensor's amax before the first code, so it is two kernels
+(delayed scaling takes the amax from earlier steps' history instead: one, lowp/delayed.py); a
 tile's or a block's amax lies within the tile, so blockwise is one. Rowwise needs each
 row's amax (within a program) and, for the transposed copy, each column's: the row kernel
 leaves each column's amax over its rows behind, and the column kernel reduces those.
@@ -37,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from fivefold.numerics.formats import FP8_BLOCK, FP8_FORMATS, SCALE_EPS
-from fivefold.numerics.fp8 import quantize
+from fivefold.numerics.fp8 import quantize, quantize_with_amax
 
 try:
     import triton
@@ -115,27 +119,36 @@ def _tensorwise_shapes(x, write, write_t):
     return (m, k) if write else (0, 0), (k, m) if write_t else (0, 0)
 
 
+def _launch_tensorwise(x, source, fmt, write, write_t, codes, codes_t, scale, amax,
+                       pow2=False, saturate=False):
+    """The tensorwise cast kernel with its multiplier from max(source) (Triton)."""
+    m, k = x.shape
+    grid = (_cdiv(m, 64), _cdiv(k, 64))
+    kernels.tensorwise_cast_kernel[grid](
+        # an output not written passes another tensor's pointer (an empty tensor may
+        # have none); the WRITE/RECORD flags remove its stores at compile time
+        x, x.stride(0), x.stride(1), source, source.numel(),
+        _bytes_view(codes) if write else scale, _bytes_view(codes_t) if write_t else scale,
+        scale, amax if amax is not None else scale, m, k, **_constants(fmt), POW2=pow2,
+        WRITE=write, WRITE_T=write_t, SATURATE=saturate, RECORD=amax is not None,
+        PB=triton.next_power_of_2(source.numel()), BLOCK=64)
+
+
 @torch.library.custom_op("fivefold::fp8_cast_tensorwise", mutates_args=())
 def fp8_cast_tensorwise(x: torch.Tensor, partials: torch.Tensor, fmt: str, write: bool,
-                        write_t: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes (M, K) if `write`, codesᵀ (K, M) if `write_t`, the scale ()) of x."""
+                        write_t: bool, pow2: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes (M, K) if `write`, codesᵀ (K, M) if `write_t`, the scale ()) of x; `pow2`
+    rounds the multiplier down to a power of two (the rowwise_gw_hp recipe's Wᵀ)."""
     dtype = FP8_FORMATS[fmt].dtype
     shape, shape_t = _tensorwise_shapes(x, write, write_t)
     codes = torch.empty(shape, dtype=dtype, device=x.device)
     codes_t = torch.empty(shape_t, dtype=dtype, device=x.device)
     scale = torch.empty((), dtype=torch.float32, device=x.device)
-    m, k = x.shape
     if triton_usable(x.device):
-        grid = (_cdiv(m, 64), _cdiv(k, 64))
-        kernels.tensorwise_cast_kernel[grid](
-            # an output not written passes another tensor's pointer (an empty tensor may
-            # have none); the WRITE flags remove its stores at compile time
-            x, x.stride(0), x.stride(1), partials, partials.numel(),
-            _bytes_view(codes) if write else scale, _bytes_view(codes_t) if write_t else scale,
-            scale, m, k, **_constants(fmt), WRITE=write,
-            WRITE_T=write_t, PB=triton.next_power_of_2(partials.numel()), BLOCK=64)
+        _launch_tensorwise(x, partials, fmt, write, write_t, codes, codes_t, scale, None, pow2)
         return codes, codes_t, scale
-    q = quantize(x, FP8_FORMATS[fmt], "tensorwise")
+    q = quantize(x, FP8_FORMATS[fmt], "tensorwise", pow2)
     if write:
         codes.copy_(q.data)
     if write_t:
@@ -144,11 +157,71 @@ def fp8_cast_tensorwise(x: torch.Tensor, partials: torch.Tensor, fmt: str, write
 
 
 @fp8_cast_tensorwise.register_fake
-def _(x, partials, fmt, write, write_t):
+def _(x, partials, fmt, write, write_t, pow2=False):
     dtype = FP8_FORMATS[fmt].dtype
     shape, shape_t = _tensorwise_shapes(x, write, write_t)
     return (x.new_empty(shape, dtype=dtype), x.new_empty(shape_t, dtype=dtype),
             x.new_empty((), dtype=torch.float32))
+
+
+# ---- delayed tensorwise: the cast with a scale from the amax history, then its record ---
+
+def _tiles64(x) -> int:
+    return _cdiv(x.shape[0], 64) * _cdiv(x.shape[1], 64)
+
+
+@torch.library.custom_op("fivefold::fp8_cast_delayed", mutates_args=())
+def fp8_cast_delayed(x: torch.Tensor, history: torch.Tensor, fmt: str, write: bool,
+                     write_t: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes if `write`, codesᵀ if `write_t`, the scale (), each 64x64 tile's amax) of x,
+    cast with the multiplier of amax = max(history) and saturated to the format's range
+    (numerics.fp8.quantize_with_amax's bytes), in one pass that also records x's amax."""
+    dtype = FP8_FORMATS[fmt].dtype
+    shape, shape_t = _tensorwise_shapes(x, write, write_t)
+    codes = torch.empty(shape, dtype=dtype, device=x.device)
+    codes_t = torch.empty(shape_t, dtype=dtype, device=x.device)
+    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    amax = torch.empty(_tiles64(x), dtype=torch.float32, device=x.device)
+    if triton_usable(x.device):
+        _launch_tensorwise(x, history, fmt, write, write_t, codes, codes_t, scale, amax,
+                           saturate=True)
+        return codes, codes_t, scale, amax
+    q = quantize_with_amax(x, history.max(), FP8_FORMATS[fmt])
+    if write:
+        codes.copy_(q.data)
+    if write_t:
+        codes_t.copy_(q.data.t())
+    amax.fill_(0.0)
+    amax[0] = x.detach().float().abs().nan_to_num(nan=float("inf")).max()
+    return codes, codes_t, scale.copy_(q.scale), amax
+
+
+@fp8_cast_delayed.register_fake
+def _(x, history, fmt, write, write_t):
+    dtype = FP8_FORMATS[fmt].dtype
+    shape, shape_t = _tensorwise_shapes(x, write, write_t)
+    return (x.new_empty(shape, dtype=dtype), x.new_empty(shape_t, dtype=dtype),
+            x.new_empty((), dtype=torch.float32), x.new_empty((_tiles64(x),),
+                                                              dtype=torch.float32))
+
+
+@torch.library.custom_op("fivefold::fp8_history_push", mutates_args=("history",))
+def fp8_history_push(history: torch.Tensor, amax: torch.Tensor) -> None:
+    """history[1:] = history[:-1]; history[0] = max(amax): one amax history row (H,) takes
+    the newest amax, the oldest falls out."""
+    if triton_usable(history.device):
+        kernels.history_push_kernel[(1,)](history, history.numel(), amax, amax.numel(),
+                                          HB=triton.next_power_of_2(history.numel()),
+                                          PB=min(1024, triton.next_power_of_2(amax.numel())))
+        return
+    newest = amax.max().reshape(1)
+    history.copy_(torch.cat([newest, history[:-1]]))
+
+
+@fp8_history_push.register_fake
+def _(history, amax):
+    return None
 
 
 # ---- rowwise: the row cast (with column partials), then the column cast ----------------

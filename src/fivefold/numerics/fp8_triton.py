@@ -100,25 +100,52 @@ def amax_partials_kernel(x_ptr, sxm, sxk, part_ptr, M, K, ROWS: tl.constexpr,
 
 @triton.jit
 def tensorwise_cast_kernel(x_ptr, sxm, sxk, part_ptr, P, codes_ptr, codes_t_ptr, scale_ptr,
-                           M, K, FMAX: tl.constexpr, EPS: tl.constexpr, MBITS: tl.constexpr,
-                           BIAS: tl.constexpr, WRITE: tl.constexpr, WRITE_T: tl.constexpr,
-                           PB: tl.constexpr, BLOCK: tl.constexpr):
-    """One tile of the tensorwise cast: the codes (M, K) and/or their transpose (K, M)."""
+                           amax_ptr, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
+                           MBITS: tl.constexpr, BIAS: tl.constexpr, POW2: tl.constexpr,
+                           WRITE: tl.constexpr, WRITE_T: tl.constexpr, SATURATE: tl.constexpr,
+                           RECORD: tl.constexpr, PB: tl.constexpr, BLOCK: tl.constexpr):
+    """One tile of the tensorwise cast: the codes (M, K) and/or their transpose (K, M), with
+    the multiplier from max(part[:P]): this tensor's partial amaxes (dynamic scaling) or an
+    amax history (delayed scaling, whose scale may be below this tensor's amax: SATURATE
+    clamps x · m to ±FMAX as the reference does). RECORD writes the tile's own amax to
+    amax[program] (NaN as inf), the value delayed scaling records."""
     pm, pk = tl.program_id(0), tl.program_id(1)
     parts = tl.load(part_ptr + tl.arange(0, PB), mask=tl.arange(0, PB) < P, other=0.0)
     amax = tl.max(parts, axis=0)
-    m, inv = _multiplier(amax, FMAX, EPS, False)
+    m, inv = _multiplier(amax, FMAX, EPS, POW2)
     if (pm == 0) & (pk == 0):
         tl.store(scale_ptr, inv)
     rows = pm * BLOCK + tl.arange(0, BLOCK)
     cols = pk * BLOCK + tl.arange(0, BLOCK)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
-    code = _encode(x.to(tl.float32) * m, MBITS, BIAS)
+    x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask,
+                other=0.0).to(tl.float32)
+    y = x * m
+    if SATURATE:  # a NaN fails both comparisons and stays NaN
+        y = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))
+    code = _encode(y, MBITS, BIAS)
     if WRITE:
         tl.store(codes_ptr + rows[:, None] * K + cols[None, :], code, mask=mask)
     if WRITE_T:
         tl.store(codes_t_ptr + cols[None, :] * M + rows[:, None], code, mask=mask)
+    if RECORD:
+        tile = tl.max(tl.max(_abs_or_inf(x), axis=1), axis=0)
+        tl.store(amax_ptr + pm * tl.num_programs(1) + pk, tile)
+
+
+@triton.jit
+def history_push_kernel(hist_ptr, H, amax_ptr, P, HB: tl.constexpr, PB: tl.constexpr):
+    """One program: hist[1:] = hist[:-1], hist[0] = max(amax[:P]) (the newest amax first,
+    Transformer Engine's amax_history order); all reads happen before the writes."""
+    acc = tl.zeros([PB], tl.float32)
+    for p0 in range(0, P, PB):
+        idx = p0 + tl.arange(0, PB)
+        acc = tl.maximum(acc, tl.load(amax_ptr + idx, mask=idx < P, other=0.0))
+    newest = tl.max(acc, axis=0)
+    h = tl.arange(0, HB)
+    old = tl.load(hist_ptr + h - 1, mask=(h >= 1) & (h < H), other=0.0)
+    tl.debug_barrier()
+    tl.store(hist_ptr + h, tl.where(h == 0, newest, old), mask=h < H)
 
 
 @triton.jit

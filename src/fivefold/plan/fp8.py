@@ -11,7 +11,8 @@ scales, instead of the compute dtype's B bytes. Per dense layer, with recompute 
 
 Scales per saved input of K channels (fp32): tensorwise 4 bytes; rowwise 4 per channel (it
 saves x quantised along the tokens, for the weight gradient: lowp/linear.py);
-blockwise 4 per token per 128 channels (DeepSeek-V3's 1x128 tiles). The engine checks this
+blockwise 4 per token per 128 channels (DeepSeek-V3's 1x128 tiles); rowwise_gw_hp saves the
+input in the compute dtype (nothing changes). The engine checks this
 to the byte (tests/test_fp8_train.py); MoE experts and selective/full recomputation keep
 their bf16 terms here (not modelled for FP8).
 
@@ -49,7 +50,11 @@ def saved_input(recipe: str, tokens: float, channels: float) -> float:
 def apply_fp8_terms(terms: dict[str, float], *, recipe: str, tokens: float, h: int, q: float,
                     f: float, dtype_bytes: int, swiglu: bool, qkv_tokens: float) -> None:
     """Rewrite a dense layer's recompute = none terms (plan/activations.py) in place.
-    `qkv_tokens`: the rows of the column linears' saved input (all T under SP)."""
+    `qkv_tokens`: the rows of the column linears' saved input (all T under SP).
+    rowwise_gw_hp saves its input in the compute dtype, as bf16 does (its weight gradient
+    is a bf16 GEMM of that input): the terms stay as they are."""
+    if recipe == "rowwise_gw_hp":
+        return
     terms["qkv_input"] = saved_input(recipe, qkv_tokens, h)
     terms["mlp_input"] = saved_input(recipe, qkv_tokens, h)
     terms["attn_out"] = saved_input(recipe, tokens, q)

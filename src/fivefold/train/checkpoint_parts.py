@@ -41,7 +41,18 @@ def logical_tensors(trainer) -> dict[str, torch.Tensor]:
     if trainer.moe is not None:  # the aux-loss-free biases are training state too
         for name, bias in trainer.moe.expert_biases().items():
             out[f"buffer/{name}"] = bias.detach().clone()
+    for key, history in fp8_histories(trainer).items():
+        out[key] = history.detach().clone()
     return out
+
+
+def fp8_histories(trainer) -> dict[str, torch.Tensor]:
+    """Delayed FP8 scaling's amax histories (lowp/delayed.py), training state: one model
+    chunk (delayed scaling runs without pipeline stages, config/fp8.py)."""
+    from fivefold.lowp.delayed import histories
+
+    return {f"fp8/{name}.amax_history": h for chunk in trainer.model.chunks
+            for name, h in histories(chunk).items()}
 
 
 def checkpoint_parts(trainer, load: bool = False, convert_from: str | None = None
@@ -78,6 +89,8 @@ def checkpoint_parts(trainer, load: bool = False, convert_from: str | None = Non
         for name, bias in trainer.moe.expert_biases().items():
             out[f"buffer/{name}"] = ckpt.Chunked(tuple(bias.shape),
                                                  [((0,) * bias.dim(), bias.detach())])
+    for key, history in fp8_histories(trainer).items():  # loaded in place
+        out[key] = ckpt.Chunked(tuple(history.shape), [((0, 0), history)])
     return out
 
 
@@ -155,6 +168,10 @@ def load_checkpoint(trainer, path) -> str | None:
     if problem is not None:
         return problem
     trainer.optimizer.loaded(state["optim_step"])
+    from fivefold.lowp.delayed import forget_filled
+
+    for chunk in trainer.model.chunks:  # the histories were written: read them again
+        forget_filled(chunk)
     trainer.loader.load_state_dict(state["loader"])
     trainer.scaler.load_state_dict(state["scaler"])
     trainer.step = state["step"]
