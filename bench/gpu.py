@@ -5,7 +5,8 @@ one H100, each item on its own (one failing records its one-line reason; the res
     python bench/gpu.py --dry-run      # on CPU, tiny shapes, the same code paths where a CPU
                                        # has them (tests/test_gpu_script.py runs this)
 
-Items (bench/gpu_items.py; serve_* in bench/gpu_serve.py, the decode profile first):
+Items (bench/gpu_items.py; FP8 in bench/gpu_fp8.py; serve_* in bench/gpu_serve.py, the
+decode profile first):
   train_default          a bf16 training step of the default job's model (Trainer, as
                          `fivefold train` runs it) inside a world of one: NCCL on CUDA
   train_8b_blocks        the same for a Llama-3.1-8B-shaped model of 2 blocks, 8192 tokens
@@ -61,6 +62,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import gpu_fp8  # noqa: E402
 import gpu_items as items  # noqa: E402
 import gpu_serve  # noqa: E402
 import gpu_step  # noqa: E402
@@ -78,11 +80,11 @@ ITEMS = [("serve_decode_profile", gpu_serve.serve_decode_profile, True),  # firs
          ("step_profile", gpu_step.step_profile, True),
          ("adamw_one_pass", gpu_step.adamw_one_pass, False),
          ("trace_vs_measured", gpu_trace.trace_vs_measured, True),
-         ("fp8_cast_bytes", items.fp8_cast_bytes, False),
-         ("fp8_gemms", items.fp8_gemms, True),
-         ("fp8_block_stack", items.fp8_block_stack, True),
-         ("fp8_experts", items.fp8_experts, True),
-         ("fp8_kernel_float64", items.fp8_kernel_float64, False),
+         ("fp8_cast_bytes", gpu_fp8.fp8_cast_bytes, False),
+         ("fp8_gemms", gpu_fp8.fp8_gemms, True),
+         ("fp8_block_stack", gpu_fp8.fp8_block_stack, True),
+         ("fp8_experts", gpu_fp8.fp8_experts, True),
+         ("fp8_kernel_float64", gpu_fp8.fp8_kernel_float64, False),
          ("cp_ring_vs_sdpa", items.cp_ring_vs_sdpa, True),
          ("peak_memory_vs_plan", items.peak_memory_vs_plan, True),
          ("serve_vs_transformers", items.serve_vs_transformers, True),

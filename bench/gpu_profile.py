@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import gpu  # noqa: E402
+import gpu_fp8  # noqa: E402
 import gpu_items as items  # noqa: E402
 
 
@@ -88,7 +89,7 @@ def fp8(ctx: items.Context, rows: int) -> None:
     w = (torch.randn(n, k, device=ctx.device, dtype=torch.bfloat16) / k ** 0.5).requires_grad_()
     g = torch.randn(tokens, n, device=ctx.device, dtype=torch.bfloat16)
     for name in ("tensorwise", "blockwise"):
-        recipe, line = items.fp8_recipe(name, [torch.nn.Linear(k, n, device="meta")],
+        recipe, line = gpu_fp8.fp8_recipe(name, [torch.nn.Linear(k, n, device="meta")],
                                         ctx.device)
 
         def step(r=recipe):
