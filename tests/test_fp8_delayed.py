@@ -275,3 +275,29 @@ def test_saved_activations_agree_with_the_planner(name):
     assert cfg.num_layers * (planned["bf16"].layer - planned["fp8"].layer) == (
         saved["bf16"] - saved["fp8"])
     assert (saved["bf16"] == saved["fp8"]) == (name == "rowwise_gw_hp")
+
+
+def test_a_dynamic_checkpoint_resumes_under_delayed_scaling(tmp_path):
+    """Switching to delayed scaling on resume: the dynamic run saved no histories, so they
+    start empty (the first cast of each operand is dynamic, as on a fresh run); another
+    history length than the checkpoint's is one ModelMismatch line naming the key to set."""
+    from fivefold.train.checkpoint_planners import ModelMismatch
+
+    dynamic = [a for a in SMALL if a not in ("delayed", "--train.fp8_scaling",
+                                             "--train.fp8_history_len", "3")]
+    first = Trainer(small_config(tmp_path / "b", *dynamic, "--train.steps", "4"), quiet=True)
+    [first.train_step() for _ in range(2)]
+    first.save_checkpoint()
+    first.close()
+    resumed = Trainer(small_config(tmp_path / "b", *SMALL, "--train.steps", "4",
+                                   "--checkpoint.resume", "latest"), quiet=True)
+    assert resumed.step == 2 and all(not h.any() for h in
+                                     histories(resumed.model.chunks[0]).values())
+    resumed.train_step()
+    assert all(h.any() for h in histories(resumed.model.chunks[0]).values())
+    resumed.save_checkpoint()
+    resumed.close()
+    longer = [a if a != "3" else "5" for a in SMALL]
+    with pytest.raises(ModelMismatch, match="fp8_history_len = 3"):
+        Trainer(small_config(tmp_path / "b", *longer, "--train.steps", "4",
+                             "--checkpoint.resume", "latest"), quiet=True)

@@ -105,6 +105,12 @@ class ChunkedLoadPlanner(DefaultLoadPlanner):
         items = []
         for key, c in self.chunked.items():
             saved = self.metadata.state_dict_metadata.get(key)
+            if key.startswith("fp8/") and not isinstance(saved, TensorStorageMetadata):
+                continue  # saved without delayed FP8 scaling: its histories start empty
+            if key.startswith("fp8/") and tuple(saved.size) != tuple(c.size):
+                raise ModelMismatch(f"checkpoint {self.path} holds FP8 amax histories of "
+                                    f"length {saved.size[-1]}, this run's are {c.size[-1]}; "
+                                    f"set train.fp8_history_len = {saved.size[-1]}")
             if not isinstance(saved, TensorStorageMetadata):
                 raise ModelMismatch(f"checkpoint {self.path} has no tensor {key}: it holds "
                                     f"another model; use a checkpoint of this model")
