@@ -84,7 +84,7 @@ def test_awq_with_a_calibration_file(work, capsys):
                             "--calib-seq-len", "64", "--out", str(out))
     assert code == 0, err
     assert "AWQ: calibrating on 8 x 64 tokens" in stdout
-    assert "8 linear groups scaled" in stdout
+    assert "8 linear groups searched" in stdout
     code, _, err = run(capsys, "generate", "--checkpoint", str(out), "--prompt", "the",
                        "--max-new-tokens", "4", "--greedy")
     assert code == 0, err
