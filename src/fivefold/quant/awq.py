@@ -71,7 +71,10 @@ from fivefold.quant.awq_search import (  # noqa: F401  (re-exported: quant.awq's
 )
 
 SELECTS = ("layer", "logits")  # what the held-out choice measures
-HELD_OUT = 0.5       # share of calibration sequences the choice of scale is measured on
+# Share of calibration sequences each group's choice of scale is measured on. 0 (llm-awq's
+# choice on all of them) measured better on the default model's validation split than 0.5
+# (docs/quantization.md, "AWQ at every injection site"), so it is the default.
+HELD_OUT = 0.0
 
 
 @dataclass
@@ -192,13 +195,15 @@ def apply_awq(model: nn.Module, tokens: torch.Tensor, group_size: int = 128,
     """Rescale (and clip) the float weights of every decoder layer of a fivefold Llama in
     place for int4 quantisation; `tokens` (n, seq) is the calibration batch.
 
-    `held_out` (default 0.5) is the share of calibration sequences kept apart from the
-    search (`split_calibration`): each scale family's α is searched on the others, and the
-    group's scale is chosen among α = 0 (RTN) and each family's best by the error of the
-    decoder layer's output on the held-out sequences, with the group's linears clipped and
-    rounded (and the layer's earlier groups as chosen). 0 keeps the first family's best α,
-    as llm-awq does. `duo`: None tries both llm-awq's s = mean|x|^α and AutoAWQ's duo
-    scaling (see `scale_for`; only llm-awq's when held_out = 0), True or False one of them.
+    `held_out` (default 0, llm-awq's choice: the best α on all the sequences) > 0 is the
+    share of calibration sequences kept apart from the search (`split_calibration`): each
+    scale family's α is searched on the others, and the group's scale is chosen among
+    α = 0 (RTN) and each family's best by an error on the held-out sequences (`select`:
+    "layer", the decoder layer's output MSE, or "logits", the KL of the model's next-token
+    distributions from the float model's), with the group's linears clipped and rounded and
+    the layer's earlier groups as chosen. `duo`: None tries both llm-awq's s = mean|x|^α
+    and AutoAWQ's duo scaling (see `scale_for`; only llm-awq's when held_out = 0), True or
+    False one of them.
     `loss` is where the α search measures a group's error: "module" (llm-awq/AutoAWQ: the
     attention, the MLP, or the linear itself) or "layer" (the whole decoder layer's output,
     residuals included). `levels` < 15 searches with a grid of fewer bits (asymmetric;
