@@ -26,13 +26,20 @@ auto_scale.py`, `auto_clip.py`) does:
    the query heads that read it; llm-awq skips this group there), up_proj's output rows
    before down_proj (SwiGLU multiplies up's
    output linearly; a GeLU MLP has no such fold and keeps down_proj unscaled).
-4. Optional clipping search (llm-awq's auto_clip, not applied to q and k): per output row
-   and group, shrink the range the grid spans by 0%, 5%, ..., 45% and keep the one with the
-   smallest error of that group's partial products on 512 calibration tokens. As in
-   llm-awq the clip is [-r·max|w|, r·max|w|]; `clip_mode="range"` shrinks both ends of an
-   asymmetric grid's [min w, max w] instead (measured worse at int4: docs/quantization.md).
+4. Optional clipping search (llm-awq's auto_clip, not applied to q and k), right after the
+   group's scale (scale, then clip): per output row and group, shrink the range the grid
+   spans by 0%, 5%, ..., 45% and keep the one with the smallest error of that group's
+   partial products on 512 calibration tokens. As in llm-awq the clip is
+   [-r·max|w|, r·max|w|]; `clip_mode="range"` shrinks both ends of an asymmetric grid's
+   [min w, max w] instead (measured worse at int4: docs/quantization.md).
 5. The next layer's input is this layer's float output (llm-awq computes it before scaling;
    the fold leaves it unchanged).
+
+Optionally (`held_out` > 0) the choice of step 2 is made on calibration sequences held
+apart from those α is searched on: α = 0, llm-awq's best and duo scaling's best compete,
+each folded, clipped and rounded, by the decoder layer's output error (or the logits' KL)
+on the held-out sequences. It measured worse than llm-awq's choice on the default model's
+validation split (docs/quantization.md), so it is not the default.
 
 The model is then quantised with int4 RTN (quant/convert.py); AWQ only changed the float
 weights it rounds.
