@@ -2,6 +2,7 @@
 
     python bench/quant/awq_outliers.py --checkpoint DIR [--scales 10 30 100] [--bits 4]
         [--sites none norms v_o up_down] [--duo | --no-duo] [--calib-samples N]
+        [--held-out F] [--select layer|logits]
 
 The models trained here have only mild outlier channels, so AWQ closes 4-43% of RTN's gap
 on them (bench/quant/awq_bits.py, docs/quantization.md). `inject_outliers` multiplies ~1% of each

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import json
 import statistics
 import sys
@@ -89,6 +90,16 @@ def main() -> None:
     except json.JSONDecodeError as e:
         print(f"error: --variants NAME=JSON: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    known = set(inspect.signature(apply_awq).parameters) - {"model", "tokens", "group_size"}
+    for name, options in variants.items():
+        if not isinstance(options, dict) or set(options) - known:
+            print(f"error: --variants {name}: give a JSON object of apply_awq options "
+                  f"({', '.join(sorted(known))})", file=sys.stderr)
+            raise SystemExit(2)
+    if not step_dir(args.checkpoint).joinpath("meta.json").is_file():
+        print(f"error: --checkpoint {args.checkpoint} is not a fivefold checkpoint",
+              file=sys.stderr)
+        raise SystemExit(2)
     torch.set_num_threads(1)
     step = step_dir(args.checkpoint)
     model, spaced = calibration(step, 128 * args.draws + 128, 128)
