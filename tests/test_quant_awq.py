@@ -101,7 +101,8 @@ def test_layer_loss_measures_the_decoder_layer_output():
         expected = float((layer(hidden, cos, sin) - reference).pow(2).mean())
         for n in names:
             layer.get_submodule(n).weight.copy_(originals[n])
-    report = apply_awq(copy.deepcopy(model), calib, group_size=128, clip=False, loss="layer")
+    report = apply_awq(copy.deepcopy(model), calib, group_size=128, clip=False, loss="layer",
+                       held_out=0)
     assert report.groups[0].linears == names
     assert report.groups[0].error_rtn == pytest.approx(expected, rel=1e-5)
 
@@ -131,7 +132,7 @@ def test_grouped_query_attention_folds_v_into_o_exactly(options):
     model = build_model(cfg, seed=1).eval()
     calib = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(4))
     scaled = copy.deepcopy(model)
-    report = apply_awq(scaled, calib, group_size=128, clip=False, **options)
+    report = apply_awq(scaled, calib, group_size=128, clip=False, held_out=0, **options)
     o_groups = [g for g in report.groups if g.linears == ["self_attn.o_proj"]]
     assert len(o_groups) == 2 and all(g.alpha > 0 for g in o_groups)  # a scale was folded
     with torch.no_grad():

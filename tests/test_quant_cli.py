@@ -84,7 +84,7 @@ def test_awq_with_a_calibration_file(work, capsys):
                             "--calib-seq-len", "64", "--out", str(out))
     assert code == 0, err
     assert "AWQ: calibrating on 8 x 64 tokens" in stdout
-    assert "8 linear groups scaled" in stdout
+    assert "8 linear groups searched" in stdout
     code, _, err = run(capsys, "generate", "--checkpoint", str(out), "--prompt", "the",
                        "--max-new-tokens", "4", "--greedy")
     assert code == 0, err
@@ -116,6 +116,32 @@ def test_awq_search_options_reach_the_search(work, capsys):
         assert torch.equal(model(probe), expected(probe))
 
 
+def test_held_out_choice_reaches_the_search(work, capsys):
+    """--awq-held-out 0.5 --awq-select logits: the written model equals apply_awq with those
+    options in memory, and the manifest records the choice of every group."""
+    from fivefold.quant.awq import apply_awq
+    from fivefold.quant.cli import build_parser, calibration_tokens
+
+    out = work / "q-awq-held-out"
+    argv = [*hf_byte(work), "--method", "awq", "--calib", str(work / "calib.bin"),
+            "--calib-samples", "4", "--calib-seq-len", "32", "--awq-held-out", "0.5",
+            "--awq-select", "logits", "--alpha-grid", "5", "--out", str(out)]
+    code, stdout, err = run(capsys, "quantize", *argv)
+    assert code == 0, err
+    manifest = json.loads((out / "quantized.json").read_text())["awq"]
+    assert (manifest["held_out"], manifest["select"]) == (0.5, "logits")
+    assert set(manifest["choices"]) <= {"rtn", "plain", "duo"}
+    assert "on 2 held-out sequences" in stdout
+    expected = build_model(CFG, seed=3)
+    tokens = calibration_tokens(build_parser().parse_args(argv), CFG, "byte", None)
+    apply_awq(expected, tokens, n_grid=5, held_out=0.5, select="logits")
+    quantize_(expected, "awq")
+    model, _, _ = load_quantized(out)
+    probe = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(probe), expected(probe))
+
+
 def bad_inputs(work):
     hf = str(work / "hf"), "--tokenizer", "byte"
     existing = work / "existing"
@@ -137,6 +163,15 @@ def bad_inputs(work):
         "awq option without awq": (["quantize", "--hf", *hf, "--method", "int4", "--duo",
                                     "--out", str(work / "x11")],
                                    "--duo applies to --method awq only"),
+        "held-out share": (["quantize", "--hf", *hf, "--method", "awq", "--awq-held-out",
+                            "1.5", "--out", str(work / "x12")],
+                           "--awq-held-out 1.5 must be in [0, 1)"),
+        "select without held-out": (["quantize", "--hf", *hf, "--method", "awq",
+                                     "--awq-select", "logits", "--out", str(work / "x13")],
+                                    "--awq-select chooses on held-out sequences"),
+        "nothing to hold out": (["quantize", "--hf", *hf, "--method", "awq", "--calib-samples",
+                                 "1", "--awq-held-out", "0.5", "--out", str(work / "x14")],
+                                "cannot be split"),
         "existing output": (["quantize", "--hf", *hf, "--method", "int8", "--out",
                              str(existing)], "already exists"),
         "quantised to train (hf_path)": (["train", "--model.hf_path", str(work / "q-int8"),
@@ -170,7 +205,7 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(work, capsys):
         lines = err.strip().splitlines()
         assert len(lines) == 1 and expected in lines[0], (case, err)
     assert before == {d: digest(work / d) for d in ("existing", "q-int8", "hf")}
-    assert not any((work / f"x{i}").exists() for i in range(1, 12))
+    assert not any((work / f"x{i}").exists() for i in range(1, 15))
 
 
 def test_awq_from_a_training_checkpoint_calibrates_on_its_training_split(tmp_path, capsys):

@@ -2,6 +2,7 @@
 
     python bench/quant/awq_outliers.py --checkpoint DIR [--scales 10 30 100] [--bits 4]
         [--sites none norms v_o up_down] [--duo | --no-duo] [--calib-samples N]
+        [--held-out F] [--select layer|logits]
 
 The models trained here have only mild outlier channels, so AWQ closes 4-43% of RTN's gap
 on them (bench/quant/awq_bits.py, docs/quantization.md). `inject_outliers` multiplies ~1% of each
@@ -48,7 +49,7 @@ from quant_quality import calibration, step_dir  # noqa: E402
 
 from fivefold.evaluate.perplexity import checkpoint_validation, perplexity  # noqa: E402
 from fivefold.host import cpu_model  # noqa: E402
-from fivefold.quant.awq import CLIP_MODES, apply_awq  # noqa: E402
+from fivefold.quant.awq import CLIP_MODES, SELECTS, apply_awq  # noqa: E402
 from fivefold.quant.cli import DEFAULT_CALIB_SAMPLES  # noqa: E402
 from fivefold.quant.outliers import SITES, inject_outliers  # noqa: E402
 from fivefold.train.bench import git_revision, machine  # noqa: E402
@@ -86,7 +87,10 @@ def close_gap(model, calib, tokens, seq_len: int, base: float, bits: int,
     p_awq = perplexity(scaled, tokens, seq_len).perplexity
     closes = (p_rtn - p_awq) / (p_rtn - base) if p_rtn != base else None
     return {"rtn": p_rtn, "awq": p_awq, "closes": closes,
-            "calib_error_vs_rtn": report.error_ratio()}, searched
+            "calib_error_vs_rtn": report.error_ratio(),
+            "held_out_error_vs_rtn": report.held_out_ratio(),
+            "choices": {c: sum(g.choice == c for g in report.groups)
+                        for c in ("rtn", "plain", "duo")}}, searched
 
 
 def run(path: str, scales: list[float], bits: list[int], group_size: int, samples: int,
@@ -162,7 +166,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--duo", action=argparse.BooleanOptionalAction, default=None,
                     help="AWQ's duo scaling (default: apply_awq's)")
+    ap.add_argument("--select", choices=SELECTS, default=None,
+                    help="what the held-out choice measures (default: apply_awq's)")
     ap.add_argument("--no-clip", action="store_true", help="AWQ without the clip search")
+    ap.add_argument("--held-out", type=float, default=None,
+                    help="share of calibration sequences the scale is chosen on (default: "
+                    "apply_awq's; 0: llm-awq's choice on the search tokens)")
     ap.add_argument("--clip-mode", choices=CLIP_MODES, default=None,
                     help="what AWQ's clip search shrinks (default absmax, llm-awq's "
                     "[-max|w|, max|w|]; range: the asymmetric grid's [min w, max w])")
@@ -179,6 +188,10 @@ def main() -> None:
     options = {"clip_mode": args.clip_mode, "clip": not args.no_clip}
     if args.duo is not None:
         options["duo"] = args.duo
+    if args.held_out is not None:
+        options["held_out"] = args.held_out
+    if args.select is not None:
+        options["select"] = args.select
     result = run(args.checkpoint, args.scales, args.bits, args.group_size,
                  args.calib_samples, args.fraction, args.seed, args.sites, options)
     record = {"benchmark": "awq_outliers", "result": result,

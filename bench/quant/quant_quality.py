@@ -157,12 +157,15 @@ def bench_checkpoint(item: str, args, tmp: Path) -> tuple[str, dict]:
 # (the run's training split) and one more option, written and read back as the main rows are:
 # the error measured on the decoder layer's output instead of the attention/MLP/linear
 # (llm-awq and AutoAWQ measure the module), and AutoAWQ's duo scaling
-# s = mean|x|^α / mean|w|^(1-α) (awq.scale_for), each with and without the clip search.
+# s = mean|x|^α / mean|w|^(1-α) (awq.scale_for), each with and without the clip search;
+# and the held-out choice (awq.apply_awq's held_out: each group's scale chosen among α = 0,
+# llm-awq's and duo's best by the decoder layer's error on half the calibration sequences).
 AWQ_VARIANTS = {"module, no clip": ["--no-clip"],
                 "layer loss": ["--awq-loss", "layer"],
                 "layer loss, no clip": ["--awq-loss", "layer", "--no-clip"],
                 "duo scaling": ["--duo"],
-                "duo scaling, no clip": ["--duo", "--no-clip"]}
+                "duo scaling, no clip": ["--duo", "--no-clip"],
+                "held-out choice": ["--awq-held-out", "0.5"]}
 
 
 def awq_variants(step: Path, samples: int, calib_len: int, tokens, calib, seq_len: int, args,
@@ -181,7 +184,9 @@ def awq_variants(step: Path, samples: int, calib_len: int, tokens, calib, seq_le
         model, _, _ = load_quantized(directory)
         manifest = json.loads((directory / "quantized.json").read_text())["awq"]
         row = {**evaluate(model, tokens, seq_len, calib), "quantize_s": quantize_s,
-               "flags": flags, "options": {k: manifest[k] for k in ("clip", "duo", "loss")},
+               "flags": flags,
+               "options": {k: manifest.get(k)
+                           for k in ("clip", "duo", "loss", "held_out", "select")},
                "alphas": manifest["alphas"],
                "calib_error_vs_rtn": manifest["calib_error_vs_rtn"]}
         row["share_of_rtn_gap_closed"] = ((rtn - row["perplexity"]) / (rtn - fp32)

@@ -5,6 +5,7 @@ checkpoint out, with its size report.
                       [--group-size 128] [--symmetric] [--calib TOKENS]
                       [--calib-samples 128] [--calib-seq-len 512] [--no-clip]
                       [--duo] [--awq-loss module|layer] [--alpha-grid 20]
+                      [--awq-held-out 0] [--awq-select layer|logits]
                       [--include-head] --out Q [--overwrite]
 
 Every input is checked before the model is changed and before anything is written: the
@@ -26,7 +27,7 @@ import torch
 from fivefold.config import ArgumentParser, ConfigError, suggest
 from fivefold.data.tokenizer import HF_TOKENIZER_HELP, hf_tokenizer_spec
 from fivefold.numerics.intx import DEFAULT_GROUP_SIZE
-from fivefold.quant.awq import ALPHA_GRID, LOSSES
+from fivefold.quant.awq import ALPHA_GRID, HELD_OUT, LOSSES, SELECTS, split_calibration
 from fivefold.quant.convert import METHODS, QuantSpec, check_shapes, quantize_
 
 DEFAULT_CALIB_SAMPLES = 128    # AWQ §4: 128 samples of 512 tokens (from the Pile)
@@ -56,12 +57,21 @@ def build_parser() -> ArgumentParser:
                         f"--calib, at most the train.seq_len it was trained at)")
     p.add_argument("--no-clip", action="store_true", help="awq: skip the clipping search")
     p.add_argument("--duo", action="store_true",
-                   help="awq: AutoAWQ's duo scaling s = mean|x|^a / mean|w|^(1-a) instead of "
-                        "llm-awq's s = mean|x|^a")
+                   help="awq: AutoAWQ's duo scaling s = mean|x|^a / mean|w|^(1-a) instead "
+                        "of llm-awq's s = mean|x|^a (with --awq-held-out: duo only)")
     p.add_argument("--awq-loss", default=None,
                    help="awq: where each group's error is measured: module (default: the "
                         "attention, the MLP or the linear, as llm-awq) or layer (the decoder "
                         "layer's output)")
+    p.add_argument("--awq-held-out", type=float, default=None,
+                   help=f"awq: share of the calibration sequences each group's scale is chosen "
+                        f"on (among alpha 0, llm-awq's and duo scaling's best), apart from "
+                        f"those alpha is searched on (default {HELD_OUT:g}: llm-awq's choice, on "
+                        f"all of them)")
+    p.add_argument("--awq-select", default=None,
+                   help="awq: what the held-out choice measures: layer (default: the decoder "
+                        "layer's output error) or logits (the float model's next-token "
+                        "distribution against the model's, KL)")
     p.add_argument("--alpha-grid", type=int, default=None,
                    help=f"awq: N, the alpha search's points i/N for i < N (default "
                         f"{ALPHA_GRID}, llm-awq's)")
@@ -184,7 +194,9 @@ def check_awq_options(args) -> None:
     be ignored silently). Fills in the defaults."""
     given = [flag for flag, value in (("--no-clip", args.no_clip), ("--duo", args.duo),
                                       ("--awq-loss", args.awq_loss),
-                                      ("--alpha-grid", args.alpha_grid))
+                                      ("--alpha-grid", args.alpha_grid),
+                                      ("--awq-held-out", args.awq_held_out),
+                                      ("--awq-select", args.awq_select))
              if value not in (None, False)]
     if args.method != "awq" and given:
         raise ConfigError(f"{given[0]} applies to --method awq only, not {args.method}; "
@@ -194,6 +206,25 @@ def check_awq_options(args) -> None:
     elif args.awq_loss not in LOSSES:
         raise ConfigError(f"--awq-loss '{args.awq_loss}' is unknown"
                           f"{suggest(args.awq_loss, LOSSES)}; use one of {', '.join(LOSSES)}")
+    if args.awq_held_out is None:
+        args.awq_held_out = HELD_OUT
+    elif not 0 <= args.awq_held_out < 1:
+        raise ConfigError(f"--awq-held-out {args.awq_held_out:g} must be in [0, 1) (a share "
+                          f"of the calibration sequences; default {HELD_OUT:g})")
+    if args.awq_select is not None and args.awq_held_out == 0:
+        raise ConfigError("--awq-select chooses on held-out sequences; give --awq-held-out "
+                          "(for example 0.5) or drop it")
+    if args.awq_select is None:
+        args.awq_select = "layer"
+    elif args.awq_select not in SELECTS:
+        raise ConfigError(f"--awq-select '{args.awq_select}' is unknown"
+                          f"{suggest(args.awq_select, SELECTS)}; use one of {', '.join(SELECTS)}")
+    try:
+        if args.calib_samples >= 1:     # below 1: refused with the calibration's length
+            split_calibration(torch.zeros(args.calib_samples, 1), args.awq_held_out)
+    except ValueError as e:
+        raise ConfigError(f"--calib-samples {args.calib_samples} with --awq-held-out "
+                          f"{args.awq_held_out:g}: {e}") from None
     if args.alpha_grid is None:
         args.alpha_grid = ALPHA_GRID
     elif args.alpha_grid < 2:
@@ -224,14 +255,17 @@ def run(args) -> int:
         print(f"AWQ: calibrating on {tokens.shape[0]} x {tokens.shape[1]} tokens", flush=True)
         report = apply_awq(model, tokens, spec.group_size, spec.symmetric,
                            clip=not args.no_clip, n_grid=args.alpha_grid,
-                           log=lambda line: print(line, flush=True), duo=args.duo,
-                           loss=args.awq_loss)
+                           log=lambda line: print(line, flush=True),
+                           duo=True if args.duo else None, loss=args.awq_loss,
+                           held_out=args.awq_held_out, select=args.awq_select)
         print(report.summary())
         extra["awq"] = {"calib_samples": int(tokens.shape[0]),
                         "calib_seq_len": int(tokens.shape[1]), "clip": not args.no_clip,
                         "duo": args.duo, "loss": args.awq_loss,
                         "alpha_grid": args.alpha_grid,
+                        "held_out": args.awq_held_out, "select": args.awq_select,
                         "alphas": [g.alpha for g in report.groups],
+                        "choices": [g.choice for g in report.groups],
                         "calib_error_vs_rtn": report.error_ratio()}
     names = quantize_(model, spec)
     size = size_report(float_bytes, 4, model)   # loaded in fp32
