@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import json
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -81,15 +80,9 @@ def trace_experts(experts: int, tokens: int, hidden: int, inter: int, recipe, gp
     return (t.kernels, nbytes, t.timeline.step_s * 1e3) if timeline else (t.kernels, nbytes)
 
 
-def git_rev() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> int:
+    from fivefold.train.bench import git_revision
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=8192)
@@ -105,7 +98,8 @@ def main() -> int:
     kernels, bf16, bf16_ms = trace_experts(*shape, None, args.gpu, timeline=True)
     result = {"shape": {"experts": args.experts, "tokens": args.tokens, "hidden": args.hidden,
                         "inter": args.inter}, "gpu": args.gpu, "torch": torch.__version__,
-              "git": git_rev(), "machine": platform.machine(), "python": platform.python_version(),
+              "git": git_revision(), "machine": platform.machine(),
+              "python": platform.python_version(),
               "bf16": {"kernels": kernels, "bytes": bf16, "roofline_ms": bf16_ms}, "recipes": {}}
     print(f"routed experts {args.experts} x {args.hidden}->{args.inter}, {args.tokens} tokens, "
           f"forward + backward, traced as {args.gpu}: kernels, bytes / bf16's "

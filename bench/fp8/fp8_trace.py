@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -61,15 +60,9 @@ def recipe_of(name: str):
     return recipe, None
 
 
-def git_rev() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> int:
+    from fivefold.train.bench import git_revision
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--k", type=int, default=4096)
@@ -80,7 +73,7 @@ def main() -> int:
 
     _, bf16 = trace_linear(args.tokens, args.k, args.n, None, args.gpu)
     result = {"shape": [args.tokens, args.k, args.n], "gpu": args.gpu, "torch": torch.__version__,
-              "git": git_rev(), "bf16_bytes": bf16, "recipes": {}}
+              "git": git_revision(), "bf16_bytes": bf16, "recipes": {}}
     print(f"FP8 linear {args.tokens}x{args.k}->{args.n}, forward + backward, traced as "
           f"{args.gpu}: kernels, bytes / bf16's ({bf16 / 2**20:.0f} MiB in 3 kernels)")
     print(f"{'recipe':>29}  {'step-by-step casts':>20}  {'fused casts':>14}")
