@@ -32,15 +32,15 @@ def group_cols_cast_kernel(x_ptr, sxm, sxk, start_ptr, size_ptr, pstart_ptr, psi
                            FMAX: tl.constexpr, EPS: tl.constexpr, MBITS: tl.constexpr,
                            BIAS: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr,
                            BK: tl.constexpr):
-    g, pk = tl.program_id(0), tl.program_id(1)
-    start = tl.load(start_ptr + g)
+    g, pk = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64 offsets past 2^31
+    start = tl.load(start_ptr + g).to(tl.int64)
     size = tl.load(size_ptr + g)
-    pstart = tl.load(pstart_ptr + g)
+    pstart = tl.load(pstart_ptr + g).to(tl.int64)
     psize = tl.load(psize_ptr + g)
     cols = pk * BK + tl.arange(0, BK)
     acc = tl.zeros([BM, BK], tl.float32)
     for m0 in range(0, size, BM):
-        rows = m0 + tl.arange(0, BM)
+        rows = (m0 + tl.arange(0, BM)).to(tl.int64)
         mask = (rows < size)[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + (start + rows)[:, None] * sxm + cols[None, :] * sxk, mask=mask,
                     other=0.0)
@@ -49,7 +49,7 @@ def group_cols_cast_kernel(x_ptr, sxm, sxk, start_ptr, size_ptr, pstart_ptr, psi
     tl.store(scale_ptr + g * K + cols, inv, mask=cols < K)
     base = pstart * BASE_MUL
     for m0 in range(0, psize, BM):
-        rows = m0 + tl.arange(0, BM)
+        rows = (m0 + tl.arange(0, BM)).to(tl.int64)
         load = (rows < size)[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + (start + rows)[:, None] * sxm + cols[None, :] * sxk, mask=load,
                     other=0.0)
@@ -69,11 +69,11 @@ def group_tiles_cast_kernel(x_ptr, sxm, sxk, tile_ptr, codes_ptr, scale_ptr, cod
     token tile p (tile_ptr: row0, n, and its column in scale_t, NT apart) and columns
     [pk·BLOCK, +BLOCK). Row tiles along K do not depend on the groups. codes_t is flat:
     group g's xᵀ (K, size_g) row-major at g's first row times K (tile_ptr: gstart, gsize)."""
-    p, pk = tl.program_id(0), tl.program_id(1)
-    row0 = tl.load(tile_ptr + p)
+    p, pk = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64 offsets past 2^31
+    row0 = tl.load(tile_ptr + p).to(tl.int64)
     n = tl.load(tile_ptr + NT + p)
-    tcol = tl.load(tile_ptr + 2 * NT + p)
-    gstart = tl.load(tile_ptr + 3 * NT + p)
+    tcol = tl.load(tile_ptr + 2 * NT + p).to(tl.int64)
+    gstart = tl.load(tile_ptr + 3 * NT + p).to(tl.int64)
     gsize = tl.load(tile_ptr + 4 * NT + p)
     rows = row0 + tl.arange(0, BLOCK)
     cols = pk * BLOCK + tl.arange(0, BLOCK)

@@ -81,7 +81,7 @@ def _rows_amax(x_ptr, sxm, sxk, rows, M, K, ROWS: tl.constexpr, BK: tl.constexpr
     """max |x| of each of `rows` of a (M, K) x, swept BK columns at a time (NaN as inf)."""
     acc = tl.zeros([ROWS, BK], tl.float32)
     for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
+        cols = (k0 + tl.arange(0, BK)).to(tl.int64)
         mask = (rows < M)[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
         acc = tl.maximum(acc, _abs_or_inf(x.to(tl.float32)))
@@ -92,7 +92,7 @@ def _rows_amax(x_ptr, sxm, sxk, rows, M, K, ROWS: tl.constexpr, BK: tl.constexpr
 def amax_partials_kernel(x_ptr, sxm, sxk, part_ptr, M, K, ROWS: tl.constexpr,
                          BK: tl.constexpr):
     """part[p] = max |x| over rows [p·ROWS, (p+1)·ROWS) of a (M, K) x (NaN as inf)."""
-    p = tl.program_id(0)
+    p = tl.program_id(0).to(tl.int64)  # offsets past 2^31 elements stay exact
     rows = p * ROWS + tl.arange(0, ROWS)
     amax = _rows_amax(x_ptr, sxm, sxk, rows, M, K, ROWS, BK)
     tl.store(part_ptr + p, tl.max(amax, axis=0))
@@ -109,7 +109,7 @@ def tensorwise_cast_kernel(x_ptr, sxm, sxk, part_ptr, P, codes_ptr, codes_t_ptr,
     amax history (delayed scaling, whose scale may be below this tensor's amax: SATURATE
     clamps x · m to ±FMAX as the reference does). RECORD writes the tile's own amax to
     amax[program] (NaN as inf), the value delayed scaling records."""
-    pm, pk = tl.program_id(0), tl.program_id(1)
+    pm, pk = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     parts = tl.load(part_ptr + tl.arange(0, PB), mask=tl.arange(0, PB) < P, other=0.0)
     amax = tl.max(parts, axis=0)
     m, inv = _multiplier(amax, FMAX, EPS, POW2)
@@ -156,13 +156,13 @@ def rows_cast_kernel(x_ptr, sxm, sxk, codes_ptr, scale_ptr, colpart_ptr, M, K,
     """ROWS rows of x cast with one scale per row; with COLS also each column's amax over
     these rows (colpart, (cdiv(M, ROWS), K)) for the column cast. Two sweeps over the rows:
     the amax, then the cast (the rows are read again, from cache)."""
-    p = tl.program_id(0)
+    p = tl.program_id(0).to(tl.int64)  # offsets past 2^31 elements stay exact
     rows = p * ROWS + tl.arange(0, ROWS)
     amax = _rows_amax(x_ptr, sxm, sxk, rows, M, K, ROWS, BK)
     m, inv = _multiplier(amax, FMAX, EPS, POW2)
     tl.store(scale_ptr + rows, inv, mask=rows < M)
     for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
+        cols = (k0 + tl.arange(0, BK)).to(tl.int64)
         mask = (rows < M)[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask,
                     other=0.0).to(tl.float32)
@@ -179,7 +179,7 @@ def cols_cast_kernel(x_ptr, sxm, sxk, colpart_ptr, P, codes_t_ptr, scale_t_ptr, 
                      BK: tl.constexpr):
     """BK columns of x cast with one scale per column (their amax from the row kernel's
     partials), written transposed: codes_t (K, M), scale_t (K, 1)."""
-    pk = tl.program_id(0)
+    pk = tl.program_id(0).to(tl.int64)
     cols = pk * BK + tl.arange(0, BK)
     acc = tl.zeros([BM, BK], tl.float32)
     for p0 in range(0, P, BM):
@@ -190,7 +190,7 @@ def cols_cast_kernel(x_ptr, sxm, sxk, colpart_ptr, P, codes_t_ptr, scale_t_ptr, 
     m, inv = _multiplier(tl.max(acc, axis=0), FMAX, EPS, POW2)
     tl.store(scale_t_ptr + cols, inv, mask=cols < K)
     for m0 in range(0, M, BM):
-        rows = m0 + tl.arange(0, BM)
+        rows = (m0 + tl.arange(0, BM)).to(tl.int64)
         mask = (rows < M)[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
         tl.store(codes_t_ptr + cols[None, :] * M + rows[:, None],
@@ -205,7 +205,7 @@ def tiles_cast_kernel(x_ptr, sxm, sxk, codes_ptr, scale_ptr, codes_t_ptr, scale_
     stored column by column), and its columns cast in 1xBLOCK tiles of the transpose
     (codes_t (K, M), scale_t (K, MB) column by column), from x itself or, with REQUANT,
     from the dequantised row codes (DeepSeek-V3's re-quantisation; E4M3 only)."""
-    pm, pk = tl.program_id(0), tl.program_id(1)
+    pm, pk = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     rows = pm * BLOCK + tl.arange(0, BLOCK)
     cols = pk * BLOCK + tl.arange(0, BLOCK)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
@@ -230,7 +230,7 @@ def blocks_cast_kernel(x_ptr, sxm, sxk, codes_ptr, scale_ptr, M, K, KB,
                        FMAX: tl.constexpr, EPS: tl.constexpr, MBITS: tl.constexpr,
                        BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """One BLOCK x BLOCK block with one scale: codes (M, K), scale (MB, KB) row-major."""
-    pm, pk = tl.program_id(0), tl.program_id(1)
+    pm, pk = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     rows = pm * BLOCK + tl.arange(0, BLOCK)
     cols = pk * BLOCK + tl.arange(0, BLOCK)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
