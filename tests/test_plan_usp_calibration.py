@@ -257,6 +257,39 @@ def test_memory_breakdown_groups_made_up_runs():
     assert misses[0]["planned_most_loaded_gib"] == 2.0 and misses[1]["refused"] == "no block"
 
 
+def test_crash_witnesses_on_made_up_runs():
+    """bench/plan/usp_memory.py `crash_witnesses`: three crashed 1B ZeRO-0 runs called
+    fitting. The first has a duplicate that ran and a 3B in its layout that ran (every rank
+    witnessed); the second only a ZeRO-1 twin that logged 10 GiB, and ZeRO-0 plans 5 GiB
+    more on rank 0, 10 + 5 + the context well inside 79.6 GiB (rank 0 alone witnessed); the
+    third a ZeRO-1 twin that logged 72 GiB, and 72 + 8 + the 1.5 GiB context passes the GPU: no
+    witness. A crashed run called not fitting is no miss and is not listed."""
+    import usp_memory
+
+    def pred(gib, fits=True):
+        return {"plannable": True, "fits": fits, "rank0_reserved_gib": gib,
+                "most_loaded_total_gib": gib + 1}
+
+    lay = {"dp": 2, "pp": 2, "grad_acc": 64}
+    rows = [_run("1B", 16, "crashed_or_oom", **lay), _run("1B", 16, "ok", "9", "1", **lay),
+            _run("3B", 16, "ok", "30", "1", **lay),
+            _run("1B", 16, "crashed_or_oom", tp=2, **lay),
+            _run("1B", 16, "ok", "10", "1", tp=2, zero=1, **lay),
+            _run("1B", 16, "crashed_or_oom", tp=4, **lay),
+            _run("1B", 16, "ok", "72", "1", tp=4, zero=1, **lay),
+            _run("1B", 16, "crashed_or_oom", tp=8, **lay)]
+    preds = [pred(12), pred(12), pred(35), pred(20), pred(15), pred(60), pred(52),
+             pred(90, fits=False)]
+    out = usp_memory.crash_witnesses(rows, preds)
+    assert [len(m["witness"]) for m in out["runs"]] == [2, 1, 0]
+    assert out["runs"][0]["witness"][1].startswith("3B ran in this layout, logged 30.0")
+    assert out["runs"][1]["witness"] == ["ZeRO-1 twin logged 10.0 GiB, + 5.0 planned for "
+                                         "ZeRO-0"]
+    assert out["by_group"] == {"zero 0, pp > 1": {"crashed_called_fitting": 3,
+                                                  "with_witness": 2,
+                                                  "every_rank_witnessed": 1}}
+
+
 def test_released_cache_by_hand():
     """allocator.released_cache: nothing below the limit; above it, the excess, but never
     more than the cache itself (what is left is tensors: the run does not fit)."""
