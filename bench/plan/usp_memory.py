@@ -257,6 +257,15 @@ def main(argv: list[str] | None = None) -> dict:
     for m in crashes["runs"]:
         print(f"  {m['run']:<40} planned {m['planned_most_loaded_gib']:5.1f} GiB  "
               + ("; ".join(m["witness"]) or "no witness"))
+    witnessed = sum(any(not w.startswith("ZeRO-1") for w in m["witness"])
+                    for m in crashes["runs"])
+    right = len(rows) - len(misses)
+    crashes["fits_right"] = {"all_runs": right / len(rows),
+                             "without_every_rank_witnessed_crashes":
+                                 right / (len(rows) - witnessed)}
+    print(f"  fits-or-not right on {right} of {len(rows)} runs ({right / len(rows):.1%}); "
+          f"on the {len(rows) - witnessed} runs left when the {witnessed} crashes every rank "
+          f"of which is witnessed are set aside, {right / (len(rows) - witnessed):.1%}")
     for k, v in crashes["by_group"].items():
         print(f"  {k}: {v['crashed_called_fitting']} crashed runs called fitting, "
               f"{v['with_witness']} with a witness ({v['every_rank_witnessed']} for every "
