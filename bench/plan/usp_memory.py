@@ -218,6 +218,32 @@ def crash_witnesses(rows: list[dict], preds: list[dict]) -> dict:
                                       for k, (a, b, c) in sorted(groups.items())}}
 
 
+def zero_twins(rows: list[dict], preds: list[dict]) -> dict:
+    """ZeRO-0 against ZeRO-1 in the same layout (model, GPU count, dp, tp, pp, micro-batch
+    size), both ok: the logged difference on rank 0 in bytes per parameter the rank holds,
+    against the planned difference (ZeRO-0 keeps the fp32 master and Adam moments whole,
+    12·(1 − 1/dp) bytes per parameter more). Medians of planned − logged, by pp = 1 and
+    pp > 1, and of ZeRO-1's signed error in the same pairs."""
+    from fivefold.plan.model_states import rank_param_counts
+
+    pairs: dict = defaultdict(dict)
+    for row, p in zip(rows, preds):
+        if row["status"] == "ok" and p["plannable"]:
+            pairs[tuple(row[k] for k in ("model", "n_gpus", "dp", "tp", "pp", "mbs"))][
+                row["zero"]] = (row, p)
+    gaps: dict = defaultdict(list)
+    for pair in pairs.values():
+        if "0" in pair and "1" in pair:
+            (r0, p0), (r1, p1) = pair["0"], pair["1"]
+            work, layout = workload_layout(r1)
+            n = rank_param_counts(work.model, layout, 0)["dense"]
+            logged = (float(r0["gpu_memory_GB"]) - float(r1["gpu_memory_GB"])) * GIB / n
+            planned = (p0["rank0_reserved_gib"] - p1["rank0_reserved_gib"]) * GIB / n
+            gaps["pp 1" if r1["pp"] == "1" else "pp > 1"].append(planned - logged)
+    return {k: {"pairs": len(v), "median_planned_minus_logged_bytes_per_param":
+                statistics.median(v)} for k, v in sorted(gaps.items())}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=OUT)
@@ -270,6 +296,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {k}: {v['crashed_called_fitting']} crashed runs called fitting, "
               f"{v['with_witness']} with a witness ({v['every_rank_witnessed']} for every "
               "rank: the same run or a larger model ran)")
+    zeros = zero_twins(*sets["convention"])
+    print("\nZeRO-0 against ZeRO-1 in the same layout, both ok (planned - logged difference, "
+          "bytes per parameter on rank 0, median):")
+    for k, v in zeros.items():
+        print(f"  {k}: {v['pairs']} pairs, "
+              f"{v['median_planned_minus_logged_bytes_per_param']:+.2f}")
     print("\nrank 0 beyond the traced bytes (memory factors at 0) by tp x pp: runs, median "
           "share of the planned activations, bytes per token, hidden unit, layer and "
           "micro-batch in flight, GiB at one sequence per micro-batch, GPU counts")
@@ -291,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
            "git": rev, "data": "bench/data/usp-calibration.csv",
            "fitted_from": str(CALIBRATION.relative_to(ROOT)), "breakdown": result,
            "verdict_misses": misses, "same_work": same, "crash_witnesses": crashes,
-           "residuals": extra}
+           "zero_twins": zeros, "residuals": extra}
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     return out
 
