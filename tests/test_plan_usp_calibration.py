@@ -290,6 +290,34 @@ def test_crash_witnesses_on_made_up_runs():
                                                   "every_rank_witnessed": 1}}
 
 
+def test_zero_twins_by_hand():
+    """bench/plan/usp_memory.py `zero_twins`: an 8B dp4 tp4 pp2 layout under ZeRO-0 and
+    ZeRO-1, both ok. Rank 0 holds n parameters; the plan puts ZeRO-0 9 bytes per parameter
+    above ZeRO-1 (12 · (1 − 1/4)), the runs logged 8 bytes per parameter apart: planned −
+    logged = +1 byte per parameter, in the pp > 1 group; a pair with one run crashed and a
+    run alone count nowhere."""
+    import usp_memory
+
+    from fivefold.plan.hardware import GIB
+    from fivefold.plan.model_states import rank_param_counts
+
+    shape = dict(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=14336, vocab=131072,
+                 seq=4096, gbs_samples=256, tied_embeddings="False", dp=4, tp=4, pp=2)
+    work, layout = usp.workload_layout(_run("8B", 128, "ok", zero=1, **shape))
+    n = rank_param_counts(work.model, layout, 0)["dense"]
+    rows = [_run("8B", 128, "ok", str(20 + 8 * n / GIB), zero=0, **shape),
+            _run("8B", 128, "ok", "20", zero=1, **shape),
+            _run("8B", 128, "crashed_or_oom", zero=0, **{**shape, "mbs": 2}),
+            _run("8B", 128, "ok", "30", zero=1, **{**shape, "mbs": 2})]
+    preds = [{"plannable": True, "rank0_reserved_gib": 21 + 9 * n / GIB},
+             {"plannable": True, "rank0_reserved_gib": 21.0},
+             {"plannable": True, "rank0_reserved_gib": 40.0},
+             {"plannable": True, "rank0_reserved_gib": 30.0}]
+    out = usp_memory.zero_twins(rows, preds)
+    assert list(out) == ["pp > 1"] and out["pp > 1"]["pairs"] == 1
+    assert out["pp > 1"]["median_planned_minus_logged_bytes_per_param"] == pytest.approx(1.0)
+
+
 def test_released_cache_by_hand():
     """allocator.released_cache: nothing below the limit; above it, the excess, but never
     more than the cache itself (what is left is tensors: the run does not fit)."""
