@@ -13,7 +13,9 @@ convention's (fitted on the whole file), and the ones `bench/plan/usp_calibratio
 on one half of the file, judged on the other (read from bench/results/usp_calibration.json,
 so this runs in seconds). Then the runs the fits-or-not verdict gets wrong, ok runs planned
 as not fitting and crashed runs planned as fitting, with the planned total of the most
-loaded rank.
+loaded rank; the crashed ones an ok run shows were not for memory (`crash_witnesses`); ZeRO-0
+against ZeRO-1 in the same layout (`zero_twins`); and what rank 0 logged beyond the traced
+bytes (`residuals`), by tp x pp cell too.
 """
 
 from __future__ import annotations
