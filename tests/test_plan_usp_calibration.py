@@ -257,6 +257,67 @@ def test_memory_breakdown_groups_made_up_runs():
     assert misses[0]["planned_most_loaded_gib"] == 2.0 and misses[1]["refused"] == "no block"
 
 
+def test_crash_witnesses_on_made_up_runs():
+    """bench/plan/usp_memory.py `crash_witnesses`: three crashed 1B ZeRO-0 runs called
+    fitting. The first has a duplicate that ran and a 3B in its layout that ran (every rank
+    witnessed); the second only a ZeRO-1 twin that logged 10 GiB, and ZeRO-0 plans 5 GiB
+    more on rank 0, 10 + 5 + the context well inside 79.6 GiB (rank 0 alone witnessed); the
+    third a ZeRO-1 twin that logged 72 GiB, and 72 + 8 + the 1.5 GiB context passes the GPU: no
+    witness. A crashed run called not fitting is no miss and is not listed."""
+    import usp_memory
+
+    def pred(gib, fits=True):
+        return {"plannable": True, "fits": fits, "rank0_reserved_gib": gib,
+                "most_loaded_total_gib": gib + 1}
+
+    lay = {"dp": 2, "pp": 2, "grad_acc": 64}
+    rows = [_run("1B", 16, "crashed_or_oom", **lay), _run("1B", 16, "ok", "9", "1", **lay),
+            _run("3B", 16, "ok", "30", "1", **lay),
+            _run("1B", 16, "crashed_or_oom", tp=2, **lay),
+            _run("1B", 16, "ok", "10", "1", tp=2, zero=1, **lay),
+            _run("1B", 16, "crashed_or_oom", tp=4, **lay),
+            _run("1B", 16, "ok", "72", "1", tp=4, zero=1, **lay),
+            _run("1B", 16, "crashed_or_oom", tp=8, **lay)]
+    preds = [pred(12), pred(12), pred(35), pred(20), pred(15), pred(60), pred(52),
+             pred(90, fits=False)]
+    out = usp_memory.crash_witnesses(rows, preds)
+    assert [len(m["witness"]) for m in out["runs"]] == [2, 1, 0]
+    assert out["runs"][0]["witness"][1].startswith("3B ran in this layout, logged 30.0")
+    assert out["runs"][1]["witness"] == ["ZeRO-1 twin logged 10.0 GiB, + 5.0 planned for "
+                                         "ZeRO-0"]
+    assert out["by_group"] == {"zero 0, pp > 1": {"crashed_called_fitting": 3,
+                                                  "with_witness": 2,
+                                                  "every_rank_witnessed": 1}}
+
+
+def test_zero_twins_by_hand():
+    """bench/plan/usp_memory.py `zero_twins`: an 8B dp4 tp4 pp2 layout under ZeRO-0 and
+    ZeRO-1, both ok. Rank 0 holds n parameters; the plan puts ZeRO-0 9 bytes per parameter
+    above ZeRO-1 (12 · (1 − 1/4)), the runs logged 8 bytes per parameter apart: planned −
+    logged = +1 byte per parameter, in the pp > 1 group; a pair with one run crashed and a
+    run alone count nowhere."""
+    import usp_memory
+
+    from fivefold.plan.hardware import GIB
+    from fivefold.plan.model_states import rank_param_counts
+
+    shape = dict(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=14336, vocab=131072,
+                 seq=4096, gbs_samples=256, tied_embeddings="False", dp=4, tp=4, pp=2)
+    work, layout = usp.workload_layout(_run("8B", 128, "ok", zero=1, **shape))
+    n = rank_param_counts(work.model, layout, 0)["dense"]
+    rows = [_run("8B", 128, "ok", str(20 + 8 * n / GIB), zero=0, **shape),
+            _run("8B", 128, "ok", "20", zero=1, **shape),
+            _run("8B", 128, "crashed_or_oom", zero=0, **{**shape, "mbs": 2}),
+            _run("8B", 128, "ok", "30", zero=1, **{**shape, "mbs": 2})]
+    preds = [{"plannable": True, "rank0_reserved_gib": 21 + 9 * n / GIB},
+             {"plannable": True, "rank0_reserved_gib": 21.0},
+             {"plannable": True, "rank0_reserved_gib": 40.0},
+             {"plannable": True, "rank0_reserved_gib": 30.0}]
+    out = usp_memory.zero_twins(rows, preds)
+    assert list(out) == ["pp > 1"] and out["pp > 1"]["pairs"] == 1
+    assert out["pp > 1"]["median_planned_minus_logged_bytes_per_param"] == pytest.approx(1.0)
+
+
 def test_released_cache_by_hand():
     """allocator.released_cache: nothing below the limit; above it, the excess, but never
     more than the cache itself (what is left is tensors: the run does not fit)."""

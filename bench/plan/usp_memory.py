@@ -13,7 +13,9 @@ convention's (fitted on the whole file), and the ones `bench/plan/usp_calibratio
 on one half of the file, judged on the other (read from bench/results/usp_calibration.json,
 so this runs in seconds). Then the runs the fits-or-not verdict gets wrong, ok runs planned
 as not fitting and crashed runs planned as fitting, with the planned total of the most
-loaded rank.
+loaded rank; the crashed ones an ok run shows were not for memory (`crash_witnesses`); ZeRO-0
+against ZeRO-1 in the same layout (`zero_twins`); and what rank 0 logged beyond the traced
+bytes (`residuals`), by tp x pp cell too.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from usp_fit import MEMORY_FITTED
 from fivefold.plan.hardware import GIB, get_hardware
 from fivefold.plan.layout import check_layout
 from fivefold.plan.memory import memory_items
+from fivefold.plan.placement import inflight_microbatches, stage
 
 OUT = ROOT / "bench" / "results" / "usp_memory.json"
 DIMENSIONS = ("n_gpus", "model", "tp", "pp", "tp_pp", "zero", "mbs", "microbatches")
@@ -121,8 +124,11 @@ def residuals(rows: list[dict]) -> dict:
         planned = (sum(items.values()) - assume.context_gib * GIB) / GIB
         extra = float(row["gpu_memory_GB"]) - planned
         tokens_h = layout.mbs * work.seq_len * work.model.hidden_size
+        inflight = inflight_microbatches(layout, work.num_microbatches(layout), 0)
+        layers = stage(work.model, layout, 0)[0]
         runs.append({"row": row, "residual_gib": extra,
                      "per_token_hidden": extra * GIB / tokens_h,
+                     "per_token_hidden_layer": extra * GIB / (tokens_h * layers * inflight),
                      "of_activations": extra * GIB / items["activations"]})
     head: dict = defaultdict(list)
     for r in runs:
@@ -135,11 +141,109 @@ def residuals(rows: list[dict]) -> dict:
         if int(row["tp"]) >= 8 and int(row["pp"]) >= 4:
             layouts["{model} dp{dp} tp{tp} pp{pp} z{zero}".format(**row)].append(
                 r["of_activations"])
-    return {"pp1_tp4plus_bytes_per_token_hidden": {
+    cells: dict = defaultdict(list)
+    for r in runs:
+        cells[f"{int(r['row']['tp']):02d}x{int(r['row']['pp']):02d}"].append(r)
+    return {"by_tp_pp": {k: _cell(v) for k, v in sorted(cells.items())},
+            "pp1_tp4plus_bytes_per_token_hidden": {
                 k: {"runs": len(v), "median": statistics.median(v)} for k, v in head.items()},
             "tp8plus_pp4plus_share_of_activations": {
                 k: {"runs": len(v), "min": min(v), "max": max(v)}
                 for k, v in sorted(layouts.items()) if len(v) > 1}}
+
+
+def _cell(runs: list[dict]) -> dict:
+    """One tp x pp cell of `residuals`: the medians of the residual as a share of the planned
+    activations, in bytes per token, hidden unit, layer and micro-batch in flight on rank 0
+    (a tensor tp does not shard would read the same at every tp), and in GiB at one sequence
+    per micro-batch (the most any term that does not grow with the micro-batch can be: NCCL's
+    buffers per communicator, the CUDA context's growth with the ranks), and the GPU counts."""
+    one = [r["residual_gib"] for r in runs if r["row"]["mbs"] == "1"]
+    return {"runs": len(runs),
+            "of_activations": statistics.median(r["of_activations"] for r in runs),
+            "per_token_hidden_layer": statistics.median(r["per_token_hidden_layer"]
+                                                        for r in runs),
+            "mbs1_residual_gib": statistics.median(one) if one else None,
+            "n_gpus": sorted({r["row"]["n_gpus"] for r in runs}, key=int)}
+
+
+def crash_witnesses(rows: list[dict], preds: list[dict]) -> dict:
+    """Crashed runs the planner calls fitting, and whether the file itself says the crash
+    was not for memory. A witness is an ok run that needs at least as much memory on every
+    rank: the same run logged ok (a duplicate row); a larger model (more and wider layers,
+    the same vocabulary: every item of every rank larger) in the same layout, GPU count and
+    ZeRO stage. And, for ZeRO-0, a ZeRO-1 twin (the same layout) that ran and logged so
+    little that rank 0's planned difference (ZeRO-0 keeps the fp32 master and Adam moments
+    whole, 12 bytes per parameter instead of 12/dp) and the CUDA context still fit in the
+    GPU: rank 0 (the one logged) would fit, the other ranks are not witnessed. Summary by
+    ZeRO stage and pp > 1."""
+    def layout(r, *skip):
+        return tuple(r[k] for k in ("n_gpus", "dp", "tp", "pp", "mbs", "zero", "model")
+                     if k not in skip)
+    ok = [(r, p) for r, p in zip(rows, preds) if r["status"] == "ok"]
+    size = {"1B": 1, "3B": 3, "8B": 8, "80B": 80}
+    _, assume = get_hardware("h100-sxm", HW)
+    usable, context = HW["memory_gib"], assume.context_gib
+    out = []
+    for row, p in zip(rows, preds):
+        if row["status"] == "ok" or not p["fits"]:
+            continue
+        why = []
+        if any(layout(r) == layout(row) for r, _ in ok):
+            why.append("the same run logged ok")
+        for r, q in ok:
+            if row["zero"] == "0" and r["zero"] == "1" and layout(r, "zero") == layout(
+                    row, "zero"):
+                need = float(r["gpu_memory_GB"]) + (p["rank0_reserved_gib"]
+                                                    - q["rank0_reserved_gib"])
+                if need + context <= usable:
+                    why.append(f"ZeRO-1 twin logged {float(r['gpu_memory_GB']):.1f} GiB, "
+                               f"+ {p['rank0_reserved_gib'] - q['rank0_reserved_gib']:.1f} "
+                               "planned for ZeRO-0")
+        bigger = [r for r, _ in ok if layout(r, "model") == layout(row, "model")
+                  and size[r["model"]] > size[row["model"]]]
+        if bigger:
+            why.append(f"{bigger[0]['model']} ran in this layout, logged "
+                       f"{float(bigger[0]['gpu_memory_GB']):.1f} GiB")
+        out.append({"run": "{model}/{n_gpus} dp{dp} tp{tp} pp{pp} z{zero} mbs{mbs} "
+                           "ga{grad_acc}".format(**row),
+                    "planned_most_loaded_gib": p["most_loaded_total_gib"], "witness": why})
+    groups: dict = defaultdict(lambda: [0, 0, 0])
+    for m, row in zip(out, [r for r, p in zip(rows, preds)
+                            if r["status"] != "ok" and p["fits"]]):
+        g = groups[f"zero {row['zero']}, pp {'> 1' if row['pp'] != '1' else '1'}"]
+        g[0] += 1
+        g[1] += bool(m["witness"])
+        g[2] += any(not w.startswith("ZeRO-1") for w in m["witness"])  # every rank's
+    return {"runs": out, "by_group": {k: {"crashed_called_fitting": a, "with_witness": b,
+                                          "every_rank_witnessed": c}
+                                      for k, (a, b, c) in sorted(groups.items())}}
+
+
+def zero_twins(rows: list[dict], preds: list[dict]) -> dict:
+    """ZeRO-0 against ZeRO-1 in the same layout (model, GPU count, dp, tp, pp, micro-batch
+    size), both ok: the logged difference on rank 0 in bytes per parameter the rank holds,
+    against the planned difference (ZeRO-0 keeps the fp32 master and Adam moments whole,
+    12·(1 − 1/dp) bytes per parameter more). Medians of planned − logged, by pp = 1 and
+    pp > 1, and of ZeRO-1's signed error in the same pairs."""
+    from fivefold.plan.model_states import rank_param_counts
+
+    pairs: dict = defaultdict(dict)
+    for row, p in zip(rows, preds):
+        if row["status"] == "ok" and p["plannable"]:
+            pairs[tuple(row[k] for k in ("model", "n_gpus", "dp", "tp", "pp", "mbs"))][
+                row["zero"]] = (row, p)
+    gaps: dict = defaultdict(list)
+    for pair in pairs.values():
+        if "0" in pair and "1" in pair:
+            (r0, p0), (r1, p1) = pair["0"], pair["1"]
+            work, layout = workload_layout(r1)
+            n = rank_param_counts(work.model, layout, 0)["dense"]
+            logged = (float(r0["gpu_memory_GB"]) - float(r1["gpu_memory_GB"])) * GIB / n
+            planned = (p0["rank0_reserved_gib"] - p1["rank0_reserved_gib"]) * GIB / n
+            gaps["pp 1" if r1["pp"] == "1" else "pp > 1"].append(planned - logged)
+    return {k: {"pairs": len(v), "median_planned_minus_logged_bytes_per_param":
+                statistics.median(v)} for k, v in sorted(gaps.items())}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -176,6 +280,37 @@ def main(argv: list[str] | None = None) -> dict:
     for t in same["groups"]:
         if t["spread"] > 0.10:
             print(f"  {t['work']:<36} {'; '.join(t['runs'])}  ({t['spread']:+.0%})")
+    crashes = crash_witnesses(*sets["convention"])
+    print("\ncrashed runs planned as fitting, and an ok run that needs as much memory:")
+    for m in crashes["runs"]:
+        print(f"  {m['run']:<40} planned {m['planned_most_loaded_gib']:5.1f} GiB  "
+              + ("; ".join(m["witness"]) or "no witness"))
+    witnessed = sum(any(not w.startswith("ZeRO-1") for w in m["witness"])
+                    for m in crashes["runs"])
+    right = len(rows) - len(misses)
+    crashes["fits_right"] = {"all_runs": right / len(rows),
+                             "without_every_rank_witnessed_crashes":
+                                 right / (len(rows) - witnessed)}
+    print(f"  fits-or-not right on {right} of {len(rows)} runs ({right / len(rows):.1%}); "
+          f"on the {len(rows) - witnessed} runs left when the {witnessed} crashes every rank "
+          f"of which is witnessed are set aside, {right / (len(rows) - witnessed):.1%}")
+    for k, v in crashes["by_group"].items():
+        print(f"  {k}: {v['crashed_called_fitting']} crashed runs called fitting, "
+              f"{v['with_witness']} with a witness ({v['every_rank_witnessed']} for every "
+              "rank: the same run or a larger model ran)")
+    zeros = zero_twins(*sets["convention"])
+    print("\nZeRO-0 against ZeRO-1 in the same layout, both ok (planned - logged difference, "
+          "bytes per parameter on rank 0, median):")
+    for k, v in zeros.items():
+        print(f"  {k}: {v['pairs']} pairs, "
+              f"{v['median_planned_minus_logged_bytes_per_param']:+.2f}")
+    print("\nrank 0 beyond the traced bytes (memory factors at 0) by tp x pp: runs, median "
+          "share of the planned activations, bytes per token, hidden unit, layer and "
+          "micro-batch in flight, GiB at one sequence per micro-batch, GPU counts")
+    for k, c in extra["by_tp_pp"].items():
+        one = "-" if c["mbs1_residual_gib"] is None else f"{c['mbs1_residual_gib']:.1f}"
+        print(f"  {k}  {c['runs']:3d}  {c['of_activations']:5.2f}  "
+              f"{c['per_token_hidden_layer']:5.2f}  {one:>5}  {'/'.join(c['n_gpus'])}")
     print("\nrank 0 beyond the traced bytes (memory factors at 0):")
     for k, v in extra["pp1_tp4plus_bytes_per_token_hidden"].items():
         print(f"  pp 1, tp >= 4, micro-batches per step {k}: {v['runs']} runs, median "
@@ -189,8 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
                        "python": platform.python_version()},
            "git": rev, "data": "bench/data/usp-calibration.csv",
            "fitted_from": str(CALIBRATION.relative_to(ROOT)), "breakdown": result,
-           "verdict_misses": misses, "same_work": same,
-           "residuals": extra}
+           "verdict_misses": misses, "same_work": same, "crash_witnesses": crashes,
+           "zero_twins": zeros, "residuals": extra}
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     return out
 

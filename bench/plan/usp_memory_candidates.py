@@ -24,6 +24,16 @@ agreement tests see none of them):
   one micro-batch (1F1B frees activations out of the order it allocated them);
 - `live_blocks`: a fitted number of MiB per live activation block (the caching allocator's
   segments pinned by a live block, as opposed to a share of the bytes);
+- `inflight_tokens`: a fitted number of bytes per token, hidden unit and layer for every
+  micro-batch in flight beyond the first (a pipeline rank's blocks that 1F1B's interleaved
+  forwards and backwards pin; nothing at pp 1, where the head's reserve stands);
+- `inflight_gathered`: the same, times 1 − 1/tp: blocks the size of a REDUCE_SCATTER
+  linear's all-gathered input (freed after the linear, then split to hold the next
+  micro-batch's sharded tensors, so the next gather needs a new segment);
+- `ddp_buckets`: torch's DistributedDataParallel, which nanotron wraps the model in when
+  dp > 1, keeps its gradient buckets as a copy of the gradients (`gradient_as_bucket_view`
+  off by default, torch/nn/parallel/distributed.py): 2 more bytes per parameter on the
+  rank, argued, not fitted;
 - `reserve_released`: all the fitted reserves (the activation reserve too, not only the
   head's) are cached blocks the allocator releases before it fails (CUDACachingAllocator
   frees cached blocks and retries a failed cudaMalloc), so the planned reserved peak never
@@ -37,6 +47,7 @@ import dataclasses
 import json
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 import usp_calibration as uc
@@ -46,6 +57,7 @@ import fivefold.plan.memory as memory
 from fivefold.plan import conventions
 from fivefold.plan.hardware import GIB, get_hardware
 from fivefold.plan.layout import check_layout
+from fivefold.plan.model_states import rank_param_counts
 from fivefold.plan.placement import inflight_microbatches, stage
 
 OUT = uc.ROOT / "bench" / "results" / "usp_memory_candidates.json"
@@ -79,8 +91,18 @@ def _live_blocks(work, layout, rank, items):
         work.model, layout, rank)[0] * MIB
 
 
+def _inflight_tokens(work, layout, rank, items):
+    n = inflight_microbatches(layout, work.num_microbatches(layout), rank)
+    return max(n - 1, 0) * stage(work.model, layout, rank)[0] * _tokens_h(work, layout)
+
+
+def _inflight_gathered(work, layout, rank, items):
+    return _inflight_tokens(work, layout, rank, items) * (1 - 1 / layout.tp)
+
+
 COLUMNS = {"layer_tokens": _layer_tokens, "embed_tokens": _embed_tokens,
-           "pipeline_reserve": _pipeline_reserve, "live_blocks": _live_blocks}
+           "pipeline_reserve": _pipeline_reserve, "live_blocks": _live_blocks,
+           "inflight_tokens": _inflight_tokens, "inflight_gathered": _inflight_gathered}
 
 
 class Candidate:
@@ -97,6 +119,10 @@ class Candidate:
         if self.name == "grads_freed":
             items["grads"] = max(0.0, items["grads"] - items["activations"]
                                  - items["logits_loss"])
+        elif self.name == "ddp_buckets":
+            if layout.dp * layout.cp > 1:
+                items["comm_buffers"] += rank_param_counts(work.model, layout, rank)[
+                    "dense"] * work.dtype_bytes
         elif self.name in COLUMNS:
             items["overhead"] += self.coef * COLUMNS[self.name](work, layout, rank, items)
         elif self.name == "reserve_released":
@@ -191,10 +217,20 @@ def ceiling(rows: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="these candidates alone "
+                    "(and the baseline); the ceiling is computed either way")
     args = ap.parse_args(argv)
     rows = uc.load()
     split = uc.halves(rows)
-    names = ("baseline", "sp_saved_full", "grads_freed", *COLUMNS, "reserve_released")
+    names = ("baseline", "sp_saved_full", "grads_freed", *COLUMNS, "ddp_buckets",
+             "reserve_released")
+    if args.only:
+        unknown = sorted(set(args.only) - set(names))
+        if unknown:
+            print(f"usp_memory_candidates.py: no candidate {', '.join(unknown)} "
+                  f"(candidates: {', '.join(names)})", file=sys.stderr)
+            raise SystemExit(2)
+        names = ("baseline", *[n for n in names if n in args.only and n != "baseline"])
     nanotron = conventions.CONVENTIONS["nanotron"]
     result = {}
     print("candidate: fitted on 16 judged on 128 | fitted on 128 judged on 16 "
