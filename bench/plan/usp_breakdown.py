@@ -4,6 +4,8 @@ term that dominates the predicted step.
 
     python bench/plan/usp_breakdown.py            # writes bench/results/usp_breakdown.json
     python bench/plan/usp_breakdown.py --out PATH
+    python bench/plan/usp_breakdown.py --fitted 16 --out bench/results/usp_breakdown_fit16.json
+                                   # the factors fitted on the 16-GPU runs alone
 
 Ok runs the planner plans (`--convention nanotron`, its factors as they stand), grouped by
 each of n_gpus, tp and pp: runs, median predicted/measured, median absolute error and the
@@ -53,9 +55,10 @@ def dominant_term(parts: dict) -> str:
 def _value(row: dict, p: dict, dim: str):
     if dim == "term":
         return dominant_term(p["time_parts"])
-    if dim in ("tp_pp", "zero_pp"):
-        first = "tp" if dim == "tp_pp" else "zero"
-        return f"{first}{row[first]} pp{row['pp']}"
+    if dim == "tp_pp":
+        return f"tp{row['tp']} pp{row['pp']}"
+    if dim == "zero_pp":
+        return f"zero{row['zero']} pp{row['pp']} dp{'>1' if int(row['dp']) > 1 else '1'}"
     return row[dim] if dim == "model" else int(row[dim])
 
 
@@ -118,9 +121,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--rev", help="the revision the planner on PYTHONPATH is (default: git's "
                     "HEAD where it lies)")
+    ap.add_argument("--fitted", choices=("all", "16", "128"), help="the factors "
+                    "bench/plan/usp_calibration.py fitted on these runs instead of the "
+                    "convention's (e.g. 16: the cross-fit's error on the 128-GPU runs)")
     args = ap.parse_args(argv)
     rows = load()
-    table = breakdown(rows, run(rows, hw_overrides=HW))
+    factors = {}
+    if args.fitted:
+        factors = json.loads((ROOT / "bench" / "results" / "usp_calibration.json")
+                             .read_text())["fitted"][args.fitted]
+    table = breakdown(rows, run(rows, hw_overrides={**HW, **factors}))
     import fivefold
 
     src = Path(fivefold.__file__).resolve().parent.parent.parent
@@ -135,9 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
     print("ms per layer per micro-batch, pp 1, mbs 1 (measured, median): " + "; ".join(
         f"{n} GPUs " + ", ".join(f"tp {tp} {v:.1f}" for tp, v in g.items())
         for n, g in layers.items()))
-    scale = {"now": scale_table(rows)}
+    scale = {"now": scale_table(rows, factors)}
     if "tp_inter_step_us" in {f.name for f in dataclasses.fields(Assumptions)}:
-        scale["tp_inter_step_us 0"] = scale_table(rows, {"tp_inter_step_us": 0.0})
+        scale["tp_inter_step_us 0"] = scale_table(rows, {**factors, "tp_inter_step_us": 0.0})
     print(f"8B, ZeRO-1, mbs 1, {SCALE_GBS} sequences per step: predicted tokens/s per GPU "
           "at " + ", ".join(map(str, SCALE_GPUS)) + " GPUs")
     for name, entries in scale.items():
@@ -145,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  {name:<20} {e['layout']:<9} " + " ".join(
                 f"{e[str(n)]:>7,.0f}" if e[str(n)] else "      –" for n in SCALE_GPUS))
     out = {"machine": {"host": platform.node(), "cpu": _cpu_model(),
-                       "python": platform.python_version()}, "git": rev, "by": table,
+                       "python": platform.python_version()}, "git": rev,
+           "fitted": args.fitted or "convention", "by": table,
            "layer_ms_pp1_mbs1": layers, "scale_8b": scale}
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     return out
