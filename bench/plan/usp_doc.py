@@ -416,7 +416,33 @@ def _misses(now: dict) -> list[str]:
         "at pp 4 on 128 GPUs is tp 32 over four nodes), so neither DDP's all-reduce per "
         "micro-batch (its bytes fall with pp) nor a latency fits it; the fit caps each "
         "run's error at 2x so that they do not set the factors.",
-    ]
+    ] + _scale_line(b)
+
+
+def _scale_line(b: dict) -> list[str]:
+    """Beyond the file: the 8B model's predicted tokens/s per GPU at 128 to 512 GPUs
+    (bench/plan/usp_breakdown.py `scale_table`), with and without the TP steps' time."""
+    scale = b.get("scale_8b", {})
+    if "now" not in scale:
+        return []
+    gpus = [k for k in scale["now"][0] if k != "layout"]
+
+    def row(e: dict) -> str:
+        return f"{e['layout']} " + "/".join(f"{e[n]:,.0f}" if e[n] else "–" for n in gpus)
+
+    off = scale.get("tp_inter_step_us 0", [])
+    return [
+        "- Beyond the file's GPU counts (`python bench/plan/usp_breakdown.py` prints it): "
+        "the 8B model, ZeRO-1, micro-batches of one sequence, 512 sequences per step, "
+        f"predicted tokens/s per GPU at {'/'.join(gpus)} GPUs: "
+        + "; ".join(row(e) for e in scale["now"])
+        + (" (without the TP steps' time: " + "; ".join(row(e) for e in off) + ")"
+           if off else "")
+        + ". The TP steps' time counts the nodes of a TP group, not of the job, so it "
+        "does not grow with the GPU count; what lowers the throughput per GPU at a fixed "
+        "512 sequences per step is fewer micro-batches per rank to share the ZeRO-1 "
+        "gradient and parameter syncs (which grow with the DP ring across more nodes) and "
+        "the pipeline's bubble, and the slowest of more ranks (√(2 ln N))."]
 
 
 def breakdown_lines() -> list[str]:
