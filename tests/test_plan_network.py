@@ -240,3 +240,31 @@ def test_bad_convention_or_negative_term_is_one_line_exit_2(args, says, capsys):
     err = err.strip().splitlines()
     assert code == 2 and out == ""  # refused before anything is planned or printed
     assert len(err) == 1 and says in err[0], err
+
+
+def test_tp_steps_between_nodes_pay_the_engines_fitted_step_time():
+    """tp_inter_step_us: a TP call's node-crossing ring steps take that much longer each
+    (nodes − 1 of an all-gather: 1 for tp 16 over two nodes, 3 for tp 32 over four, 2·3 of
+    an all-reduce); steps inside a node and other groups' calls are untouched, and at the
+    default 0 nothing moves."""
+    a = Assumptions()
+    slow = dataclasses.replace(a, tp_inter_step_us=150.0)
+    for tp, nodes in ((16, 2), (32, 4)):
+        lay = Layout(dp=128 // tp, tp=tp)
+        for op, crossings in (("all_gather", nodes - 1), ("all_reduce", 2 * (nodes - 1))):
+            call = Collective("tp", op, 2, 1.0, 1, tp, "fwd")
+            assert call_latency_s(call, H100, slow, lay, True) - call_latency_s(
+                call, H100, a, lay, True) == pytest.approx(crossings * 150 * US, rel=1e-9)
+    inside = Collective("tp", "all_gather", 2, 1.0, 1, 8, "fwd")
+    assert call_latency_s(inside, H100, slow, Layout(dp=16, tp=8), False) == call_latency_s(
+        inside, H100, a, Layout(dp=16, tp=8), False)
+    dp = Collective("dp_cp", "all_gather", 2, 1.0, 1, 16, "fwd")
+    assert call_latency_s(dp, H100, slow, Layout(dp=16), True) == call_latency_s(
+        dp, H100, a, Layout(dp=16), True)
+    work = Workload(preset("llama-3.2-1b"), seq_len=2048, gbs=64)
+    lay = Layout(dp=2, tp=16, sp=True)
+    hw, base = get_hardware("h100")
+    assert step_time(work, lay, hw, base).total == step_time(
+        work, lay, hw, dataclasses.replace(base, tp_inter_step_us=0.0)).total
+    assert step_time(work, lay, hw, dataclasses.replace(base, tp_inter_step_us=150.0)
+                     ).tp_comm > step_time(work, lay, hw, base).tp_comm

@@ -194,7 +194,10 @@ def main():
         "Re-scored after nanotron's blocked TP waits became host time that grows with the "
         "slowest of N ranks (`plan/network.py` `blocked_host_s`): the rows are unchanged, "
         "as no other engine's pipeline blocks the host on its messages "
-        "(`pp_blocking_latency_us` = 0).",
+        "(`pp_blocking_latency_us` = 0); and again after a TP call's ring steps between "
+        "nodes took nanotron's fitted time (`tp_inter_step_us`): unchanged, as the other "
+        "conventions keep NCCL's latency (`tp_inter_step_us` = 0), and no row here has a "
+        "TP group across nodes.",
         "",
         "| source | run | convention | layout planned | unit | measured | before | error "
         "before | now | error now | note |",

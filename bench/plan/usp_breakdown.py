@@ -4,6 +4,8 @@ term that dominates the predicted step.
 
     python bench/plan/usp_breakdown.py            # writes bench/results/usp_breakdown.json
     python bench/plan/usp_breakdown.py --out PATH
+    python bench/plan/usp_breakdown.py --fitted 16 --out bench/results/usp_breakdown_fit16.json
+                                   # the factors fitted on the 16-GPU runs alone
 
 Ok runs the planner plans (`--convention nanotron`, its factors as they stand), grouped by
 each of n_gpus, tp and pp: runs, median predicted/measured, median absolute error and the
@@ -20,6 +22,7 @@ with it:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -27,12 +30,19 @@ import subprocess
 from collections import defaultdict
 from pathlib import Path
 
-from usp_calibration import HW, ROOT, _cpu_model, load, run
+from usp_calibration import HW, ROOT, _cpu_model, load, predict, run
+
+from fivefold.plan.hardware import Assumptions
 
 OUT = ROOT / "bench" / "results" / "usp_breakdown.json"
 DIMENSIONS = ("n_gpus", "tp", "pp")
 HALF = "128"  # the half whose error the goals of this round are about
-HALF_DIMENSIONS = ("model", "dp", "tp", "pp", "mbs", "grad_acc", "zero", "term")
+HALF_DIMENSIONS = ("model", "dp", "tp", "pp", "mbs", "grad_acc", "zero", "term", "tp_pp",
+                   "zero_pp")
+# Beyond the file: 8B layouts at 128, 256 and 512 GPUs (mbs 1, 512 sequences per step).
+SCALE_GPUS = (128, 256, 512)
+SCALE_LAYOUTS = ((8, 1), (16, 1), (32, 1), (8, 4), (16, 2))  # (tp, pp)
+SCALE_GBS = 512
 
 
 def dominant_term(parts: dict) -> str:
@@ -45,6 +55,10 @@ def dominant_term(parts: dict) -> str:
 def _value(row: dict, p: dict, dim: str):
     if dim == "term":
         return dominant_term(p["time_parts"])
+    if dim == "tp_pp":
+        return f"tp{row['tp']} pp{row['pp']}"
+    if dim == "zero_pp":
+        return f"zero{row['zero']} pp{row['pp']} dp{'>1' if int(row['dp']) > 1 else '1'}"
     return row[dim] if dim == "model" else int(row[dim])
 
 
@@ -67,14 +81,56 @@ def breakdown(rows: list[dict], preds: list[dict]) -> dict:
     return out
 
 
+def layer_ms(rows: list[dict]) -> dict:
+    """Measured ms per layer per micro-batch of the ok runs at pp 1 and micro-batches of one
+    sequence, median by GPU count and tp: what a TP group's nodes cost when the step is
+    host-bound ({"16": {"8": 4.6, ...}, ...})."""
+    groups: dict = defaultdict(list)
+    for r in rows:
+        if r["status"] == "ok" and r["pp"] == "1" and r["mbs"] == "1":
+            tokens = int(r["gbs_samples"]) * int(r["seq"]) / int(r["n_gpus"])
+            step = tokens / float(r["tokens_per_s_per_gpu"])
+            groups[(r["n_gpus"], r["tp"])].append(
+                step / int(r["grad_acc"]) / int(r["layers"]) * 1e3)
+    out: dict = defaultdict(dict)
+    for (n, tp), v in sorted(groups.items(), key=lambda kv: (int(kv[0][0]), int(kv[0][1]))):
+        out[n][tp] = statistics.median(v)
+    return dict(out)
+
+
+def scale_table(rows: list[dict], factors: dict | None = None) -> list[dict]:
+    """Predicted tokens/s per GPU of the 8B model beyond the file's GPU counts (SCALE_GPUS,
+    SCALE_LAYOUTS, ZeRO-1), with the convention's factors (`factors` overrides them)."""
+    template = next(r for r in rows if r["model"] == "8B")
+    out = []
+    for tp, pp in SCALE_LAYOUTS:
+        entry = {"layout": f"tp{tp} pp{pp}"}
+        for n in SCALE_GPUS:
+            dp = n // (tp * pp)
+            row = {**template, "n_gpus": str(n), "dp": str(dp), "tp": str(tp), "pp": str(pp),
+                   "mbs": "1", "zero": "1", "gbs_samples": str(SCALE_GBS),
+                   "grad_acc": str(SCALE_GBS // dp)}
+            p = predict(row, hw_overrides={**HW, **(factors or {})})
+            entry[str(n)] = p["tokens_per_s_per_gpu"] if p["plannable"] else None
+        out.append(entry)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--rev", help="the revision the planner on PYTHONPATH is (default: git's "
                     "HEAD where it lies)")
+    ap.add_argument("--fitted", choices=("all", "16", "128"), help="the factors "
+                    "bench/plan/usp_calibration.py fitted on these runs instead of the "
+                    "convention's (e.g. 16: the cross-fit's error on the 128-GPU runs)")
     args = ap.parse_args(argv)
     rows = load()
-    table = breakdown(rows, run(rows, hw_overrides=HW))
+    factors = {}
+    if args.fitted:
+        factors = json.loads((ROOT / "bench" / "results" / "usp_calibration.json")
+                             .read_text())["fitted"][args.fitted]
+    table = breakdown(rows, run(rows, hw_overrides={**HW, **factors}))
     import fivefold
 
     src = Path(fivefold.__file__).resolve().parent.parent.parent
@@ -85,8 +141,23 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{dim} {value:>4}: {g['runs']:>3} runs, predicted/measured "
                   f"{g['median_ratio']:.2f}, median error {g['median_abs_error']:.1%}, "
                   f"within 20% {g['within_20pct']:.0%}")
+    layers = layer_ms(rows)
+    print("ms per layer per micro-batch, pp 1, mbs 1 (measured, median): " + "; ".join(
+        f"{n} GPUs " + ", ".join(f"tp {tp} {v:.1f}" for tp, v in g.items())
+        for n, g in layers.items()))
+    scale = {"now": scale_table(rows, factors)}
+    if "tp_inter_step_us" in {f.name for f in dataclasses.fields(Assumptions)}:
+        scale["tp_inter_step_us 0"] = scale_table(rows, {**factors, "tp_inter_step_us": 0.0})
+    print(f"8B, ZeRO-1, mbs 1, {SCALE_GBS} sequences per step: predicted tokens/s per GPU "
+          "at " + ", ".join(map(str, SCALE_GPUS)) + " GPUs")
+    for name, entries in scale.items():
+        for e in entries:
+            print(f"  {name:<20} {e['layout']:<9} " + " ".join(
+                f"{e[str(n)]:>7,.0f}" if e[str(n)] else "      –" for n in SCALE_GPUS))
     out = {"machine": {"host": platform.node(), "cpu": _cpu_model(),
-                       "python": platform.python_version()}, "git": rev, "by": table}
+                       "python": platform.python_version()}, "git": rev,
+           "fitted": args.fitted or "convention", "by": table,
+           "layer_ms_pp1_mbs1": layers, "scale_8b": scale}
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     return out
 

@@ -25,6 +25,9 @@ TIME_GRIDS = {
     "pp_blocking_latency_us": (0.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 100.0,
                                120.0),  # µs per ring step, times √(2 ln N)
     "straggler_sigma": (0.0, 0.01, 0.02, 0.04, 0.08),  # relative spread of a rank's time
+    "tp_inter_step_us": (0.0, 50.0, 100.0, 125.0, 150.0, 175.0, 200.0, 250.0, 300.0,
+                         400.0),  # µs per
+    # node-crossing step of a TP call beyond the network's hop
 }
 TIME_FITTED = tuple(TIME_GRIDS)
 FITTED = MEMORY_FITTED + TIME_FITTED + ("memory_headroom_gib",)

@@ -121,11 +121,12 @@ CONVENTIONS: dict[str, Convention] = {
         # error): host ms per layer and micro-batch, ms per pipeline message, the NICs'
         # share, the spread of the host's wait per ring step of a TP call while nanotron's
         # pipeline blocks the host on its messages (times √(2 ln N) for the slowest of N
-        # ranks), and the spread of a rank's time (stragglers).
+        # ranks), the spread of a rank's time (stragglers), and the time a TP call's ring
+        # step between nodes takes beyond the network's hop (150 µs on either half alone).
         {"activation_reserve": 0.25, "loss_reserve": 0.0, "head_token_bytes": 82.0,
          "host_layer_ms": 4.0, "pp_message_ms": 2.0, "inter_node_rails": 0.5,
          "pp_blocking_latency_us": 60.0, "straggler_sigma": 0.04,
-         "memory_headroom_gib": 4.5}),
+         "tp_inter_step_us": 150.0, "memory_headroom_gib": 4.5}),
     "torchtitan": Convention(
         "torchtitan",
         # FSDP2 mixed precision: sharded fp32 parameters (the master copy), bf16 compute

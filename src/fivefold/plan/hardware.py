@@ -129,6 +129,11 @@ class Assumptions:
     # the slowest of N ranks, E[max] ≈ mean·(1 + σ·√(2 ln N)) for N normal times (the
     # extreme value of N Gaussians; e.g. Cramér 1946 §28.6). 0: every rank alike.
     straggler_sigma: float = 0.0
+    # Time a TP call's ring step between nodes takes beyond the network's hop latency (µs):
+    # a TP group that spans k nodes pays it on k − 1 steps of each all-gather or
+    # reduce-scatter (2(k − 1) of an all-reduce), every call on the critical path
+    # (plan/network.py hop_latency_s; fitted per engine, 0 for the engine itself).
+    tp_inter_step_us: float = 0.0
     price_per_gpu_hour: float = 0.0  # for the whole-run cost (--tokens); 0: not priced
 
 
@@ -178,7 +183,8 @@ _MAY_BE_ZERO = ("fp8_tflops", "compute_overhead", "intra_latency_us", "inter_lat
                 "context_gib", "tp_overlap", "fragmentation", "price_per_gpu_hour",
                 "activation_reserve", "loss_reserve", "head_token_bytes", "host_layer_ms",
                 "pp_message_ms", "host_memory_gib", "inter_node_rails", "memory_headroom_gib",
-                "leaf_nodes", "spine_latency_us", "straggler_sigma", "pp_blocking_latency_us")
+                "leaf_nodes", "spine_latency_us", "straggler_sigma", "pp_blocking_latency_us",
+                "tp_inter_step_us")
 _AT_MOST_ONE = ("tp_overlap", "inter_node_rails")
 
 

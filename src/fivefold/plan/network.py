@@ -148,11 +148,14 @@ def tree_steps(n: int, nodes: int) -> tuple[int, int]:
 def hop_latency_s(hw: Hardware, assume: Assumptions, layout: Layout, group: str,
                   inter: bool) -> float:
     """Seconds per step of a collective of `group`: NVLink's inside a node, a NIC's across
-    nodes, plus a spine switch's once the group leaves a leaf."""
+    nodes, plus a spine switch's once the group leaves a leaf, plus, for a TP call,
+    `tp_inter_step_us` (fitted per engine: the time its node-crossing steps take beyond
+    the network's hop, 0 for the engine itself)."""
     if not inter:
         return assume.intra_latency_us * 1e-6
     spine = assume.spine_latency_us if crosses_spine(hw, layout, group) else 0.0
-    return (assume.inter_latency_us + spine) * 1e-6
+    tp = assume.tp_inter_step_us if group == "tp" else 0.0
+    return (assume.inter_latency_us + spine + tp) * 1e-6
 
 
 def nccl_algorithms(op: str, inter: bool) -> tuple[str, ...]:
