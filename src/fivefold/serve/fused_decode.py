@@ -74,6 +74,9 @@ def decode_layers(fused, h: torch.Tensor, positions: torch.Tensor, cache, first:
     qk = qkv.as_strided((T, H + KV, d), (W, d, 1), base)
     qk4 = qkv.as_strided((T, H + KV, 2, half), (W, d, half, 1), base)
     kv = qkv.as_strided((2, T, KV, d), (KV * d, W, d, 1), base + H * d)
+    # rotate_half without its signs (they are in sin±): the halves swapped by two copies
+    rot = h.new_empty(T, H + KV, d)
+    swaps = ((rot[..., :half], qk4.select(2, 1)), (rot[..., half:], qk4.select(2, 0)))
     gate_up = h.new_empty(T, 2 * ffn)
     gate, up = gate_up.chunk(2, 1)
     act = h.new_empty(T, ffn)
@@ -101,7 +104,7 @@ def decode_layers(fused, h: torch.Tensor, positions: torch.Tensor, cache, first:
     scales = fused.norm_scales
     vector_norm, mul, mm, index_select = torch.linalg.vector_norm, torch.mul, torch.mm, \
         torch.index_select
-    sdpa = F.scaled_dot_product_attention
+    sdpa, silu = F.scaled_dot_product_attention, torch._C._nn.silu
     for i in range(first, end):
         layer, j = fused.layers[i], i - first
         g1, g2 = scales[i]
@@ -110,7 +113,8 @@ def decode_layers(fused, h: torch.Tensor, positions: torch.Tensor, cache, first:
             mm(x, layer.qkv_t, out=qkv)
         else:
             torch.addmm(layer.qkv_b, x, layer.qkv_t, out=qkv)
-        rot = qk4.flip(2).view(T, H + KV, d)  # rotate_half without its signs (in sin±)
+        for dst, src in swaps:
+            dst.copy_(src)
         qk.mul_(cos).addcmul_(rot, sin)
         kv_layers[j].index_copy_(1, slots, kv)
         for g in groups:
@@ -123,6 +127,6 @@ def decode_layers(fused, h: torch.Tensor, positions: torch.Tensor, cache, first:
         hv.addmm_(attn, layer.o_t)
         mul(hv, g2, out=x).div_(vector_norm(hx, 2, 1, True))
         mm(x, layer.gate_up_t, out=gate_up)
-        mul(F.silu(gate), up, out=act)
+        silu(gate, out=act).mul_(up)
         hv.addmm_(act, layer.down_t)
     return hv
