@@ -31,16 +31,22 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fivefold.serve import paged_attention
+
 
 def applies(fused, h: torch.Tensor, cache) -> bool:
     """Whether this step runs here: float32, every row a decode of a group whose rows are
-    one run (a slice), the K/V in float32 (not FP8), no paged kernel (that is CUDA's)."""
+    one run (a slice), the K/V in float32 (not FP8) on the CPU, and not the paged kernel's
+    step (serve/fused.py takes it where the kernel is available)."""
     batch = cache.batch
     if h.dtype != torch.float32 or cache.fp8 or batch is None or batch.prefills or \
             not batch.decodes or not fused.same_ffn:
         return False
     if cache.k.dtype != torch.float32 or cache.k.device.type != "cpu":
         return False
+    bs = cache.block_size
+    if paged_attention.available(cache.k.device) and bs & (bs - 1) == 0:
+        return False  # the paged kernel's path (Triton's interpreter on a CPU)
     groups = batch.decodes
     return all(g.span is not None for g in groups) and \
         sum(g.span[1] - g.span[0] for g in groups) == h.shape[0]
