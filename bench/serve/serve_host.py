@@ -6,14 +6,16 @@ transformers' `generate` on a model so narrow that its arithmetic is small.
 The model: Llama-shaped, hidden 64, 30 layers, 4 heads (2 KV heads), vocabulary 256, fp32,
 one thread; 16 greedy sequences, each prompt `--prompt` tokens. For each prompt length:
 
-- the engine, fused forward (serve/fused.py, the default) and the model's own forward
-  (`fuse=False`): CPU milliseconds of each decode step (`engine.step()`: scheduling, the
+- the engine: the fused forward as served (serve/fused.py, its decode steps in float32 by
+  serve/fused_decode.py), the fused forward's general layer loop for decodes too (as
+  before serve/fused_decode.py: "fused loop") and the model's own forward (`fuse=False`):
+  CPU milliseconds of each decode step (`engine.step()`: scheduling, the
   inputs, the forward, sampling; median over `--steps` steps after the prefill);
 - transformers: CPU milliseconds of `generate` for `--steps` + 1 new tokens minus that for
   1 new token, over `--steps` (the prefill and the set-up cancel): its time per decode step.
 
-Rounds alternate the three, the medians of the rounds are printed with the ratios to
-transformers (goal: <= 0.5x), and whether the greedy tokens of all three agree. Beside the
+Rounds alternate the four, the medians of the rounds are printed with the ratios to
+transformers (goal: <= 0.5x), and whether the greedy tokens of all four agree. Beside the
 times, a count that does not depend on the machine's load: the aten ops one decode step
 dispatches (a step of the engine after the prefill; transformers: `generate` of 2 new tokens
 minus that of 1), all of them and the kernels among them (not views, metadata or
@@ -49,12 +51,23 @@ CFG = ModelConfig(name="narrow-64x30", vocab_size=256, hidden_size=64, intermedi
                   num_layers=30, num_heads=4, num_kv_heads=2, max_seq_len=1024,
                   tie_embeddings=True)
 SEQUENCES = 16
+ENGINES = ("fused", "fused_loop", "modules")
 
 
-def engine_step_ms(model, prompts, steps: int, fuse: bool) -> tuple[float, list[list[int]]]:
-    """Median CPU ms of a decode step, and every sequence's first `steps` + 1 tokens."""
+def make_engine(model, prompts, variant: str) -> Engine:
+    """variant: "fused" (the default engine), "fused_loop" (the fused forward's general
+    layer loop for decodes too, serve/fused.py, as before serve/fused_decode.py), "modules"."""
     engine = Engine(model, max_num_seqs=len(prompts), max_model_len=CFG.max_seq_len,
-                    num_blocks=len(prompts) * (CFG.max_seq_len // 16) + 8, fuse=fuse)
+                    num_blocks=len(prompts) * (CFG.max_seq_len // 16) + 8,
+                    fuse=variant != "modules")
+    if variant == "fused_loop":
+        engine.runner.fused.lean_decode = False
+    return engine
+
+
+def engine_step_ms(model, prompts, steps: int, variant: str) -> tuple[float, list[list[int]]]:
+    """Median CPU ms of a decode step, and every sequence's first `steps` + 1 tokens."""
+    engine = make_engine(model, prompts, variant)
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     final = {}
@@ -86,10 +99,9 @@ class OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def engine_step_ops(model, prompts, fuse: bool) -> tuple[int, int]:
+def engine_step_ops(model, prompts, variant: str) -> tuple[int, int]:
     """Aten ops and kernels of the engine's second decode step."""
-    engine = Engine(model, max_num_seqs=len(prompts), max_model_len=CFG.max_seq_len,
-                    num_blocks=len(prompts) * (CFG.max_seq_len // 16) + 8, fuse=fuse)
+    engine = make_engine(model, prompts, variant)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
@@ -147,36 +159,40 @@ def main(argv=None) -> int:
         g = torch.Generator().manual_seed(length)
         prompts = [torch.randint(3, CFG.vocab_size, (length,), generator=g).tolist()
                    for _ in range(SEQUENCES)]
-        times = {"fused": [], "modules": [], "transformers": []}
+        times = {name: [] for name in ENGINES + ("transformers",)}
         tokens = {}
-        for _ in range(args.rounds):  # alternating: load drifts hit all three alike
-            for fuse, name in ((True, "fused"), (False, "modules")):
-                ms, tokens[name] = engine_step_ms(model, prompts, args.steps, fuse)
+        for _ in range(args.rounds):  # alternating: load drifts hit all alike
+            for name in ENGINES:
+                ms, tokens[name] = engine_step_ms(model, prompts, args.steps, name)
                 times[name].append(ms)
             ms, tokens["transformers"] = transformers_step_ms(hf, prompts, args.steps)
             times["transformers"].append(ms)
         ms = {name: statistics.median(t) for name, t in times.items()}
-        ops = {"fused": engine_step_ops(model, prompts, True),
-               "modules": engine_step_ops(model, prompts, False),
-               "transformers": transformers_step_ops(hf, prompts)}
+        ops = {name: engine_step_ops(model, prompts, name) for name in ENGINES}
+        ops["transformers"] = transformers_step_ops(hf, prompts)
         case = {"prompt_tokens": length, "sequences": SEQUENCES, "decode_steps": args.steps,
                 "step_cpu_ms": ms, "step_cpu_ms_rounds": times,
                 "step_aten_ops": {k: v[0] for k, v in ops.items()},
                 "step_kernels": {k: v[1] for k, v in ops.items()},
                 "fused_over_transformers": ms["fused"] / ms["transformers"],
+                "fused_loop_over_transformers": ms["fused_loop"] / ms["transformers"],
                 "modules_over_transformers": ms["modules"] / ms["transformers"],
                 "identical_greedy_fused_vs_transformers": sum(
                     a == b for a, b in zip(tokens["fused"], tokens["transformers"])),
                 "identical_greedy_fused_vs_modules": sum(
-                    a == b for a, b in zip(tokens["fused"], tokens["modules"]))}
+                    a == b for a, b in zip(tokens["fused"], tokens["modules"])),
+                "identical_greedy_fused_vs_fused_loop": sum(
+                    a == b for a, b in zip(tokens["fused"], tokens["fused_loop"]))}
         cases.append(case)
         print(f"prompts of {length} tokens, {SEQUENCES} sequences, CPU ms a decode step: "
-              f"fused {ms['fused']:.2f}, modules {ms['modules']:.2f}, transformers "
-              f"{ms['transformers']:.2f}; fused / transformers "
-              f"{case['fused_over_transformers']:.2f}x (modules "
+              f"fused {ms['fused']:.2f}, fused loop {ms['fused_loop']:.2f}, modules "
+              f"{ms['modules']:.2f}, transformers {ms['transformers']:.2f}; fused / "
+              f"transformers {case['fused_over_transformers']:.2f}x (fused loop "
+              f"{case['fused_loop_over_transformers']:.2f}x, modules "
               f"{case['modules_over_transformers']:.2f}x); identical greedy tokens: fused vs "
               f"transformers {case['identical_greedy_fused_vs_transformers']}/{SEQUENCES}, "
-              f"fused vs modules {case['identical_greedy_fused_vs_modules']}/{SEQUENCES}")
+              f"vs fused loop {case['identical_greedy_fused_vs_fused_loop']}/{SEQUENCES}, "
+              f"vs modules {case['identical_greedy_fused_vs_modules']}/{SEQUENCES}")
         print("  aten ops (kernels) a decode step: " + ", ".join(
             f"{name} {n} ({k})" for name, (n, k) in ops.items()))
     info = machine(torch.device("cpu"))

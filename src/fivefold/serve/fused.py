@@ -33,7 +33,7 @@ from torch import nn
 
 from fivefold.models.llama import Llama, RMSNorm
 from fivefold.models.mlp import MLP
-from fivefold.serve import paged_attention
+from fivefold.serve import fused_decode, paged_attention
 
 RMS_NORM = getattr(torch, "rms_norm", None)  # torch >= 2.4
 
@@ -127,6 +127,12 @@ class FusedLlama:
         self.norm = model.norm.weight
         self.head = model.output_weight()
         self.inv_freq = model.rotary.inv_freq
+        # the float32 decode step of serve/fused_decode.py (lean_decode False: this loop)
+        self.lean_decode = True
+        self.same_ffn = len({layer.ffn for layer in self.layers}) == 1
+        self.norm_scales = fused_decode.norm_scales(self)
+        self.norm_column = torch.full((1, 1), (cfg.hidden_size * self.eps) ** 0.5,
+                                      dtype=torch.float32, device=self.embed.device)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -149,7 +155,7 @@ class FusedLlama:
         return self.logits(h, logits_index)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(1, T) ids -> (T, hidden): a fresh tensor, which the layers update in place."""
+        """(1, T) ids -> (T, hidden): a fresh tensor, which the layers may update in place."""
         return F.embedding(tokens[0], self.embed)
 
     def logits(self, h: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
@@ -162,7 +168,11 @@ class FusedLlama:
                        end: int, attend=None) -> torch.Tensor:
         """Layers first..end-1 on h (T, hidden), in place; the cache holds those layers'
         K/V as its layers 0, 1, ... (a pipeline stage's, serve/pp_worker.py). `attend`
-        (layer, q, k, v) -> (T, heads · d): by default the step's (cache.batch)."""
+        (layer, q, k, v) -> (T, heads · d): by default the step's (cache.batch). Returns
+        the result: h itself, or (a float32 step of decodes, serve/fused_decode.py) a view
+        of a new tensor."""
+        if attend is None and self.lean_decode and fused_decode.applies(self, h, cache):
+            return fused_decode.decode_layers(self, h, positions, cache, first, end)
         T = h.shape[0]
         cos, sin = self._rope_tables(positions, h.dtype)
         H, KV, d = self.heads, self.kv_heads, self.head_dim
