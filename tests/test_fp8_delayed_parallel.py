@@ -1,0 +1,123 @@
+"""Delayed FP8 scaling (lowp/delayed.py) under data and context parallelism and under
+recomputation, against the single-device delayed run of the same global batch.
+
+The error model. Within a step every cast of an operand takes one scale: the history's as
+the step began (after one all_reduce(max) of the previous step's records over dp x cp, the
+same on every rank and the single device's), or on the first step each tensor's own amax.
+Every micro-batch a dp rank runs is a micro-batch the single device runs, so each FP8 cast
+and GEMM of a micro-batch is the single device's, bit for bit. What differs is only where
+the micro-batches' weight gradients are summed: the single device accumulates 4 in one
+buffer, dp2 accumulates 2 per rank and sums the ranks'. So:
+  - step 1's amax records are bit-equal (its forward and backward are the single
+    device's), and its loss differs only by the order of the fp32 sum of the micro-batches'
+    token losses over ranks: 1e-6 relative (a few float32 roundings, 2^-24 each);
+  - later steps differ by the rounding of gradients summed in another order, as any dp run
+    does: the tolerances of the dynamic dp2 + ZeRO-3 case of tests/test_fp8_parallel.py,
+    loss 1e-4 and gradient norm 3e-3 relative per step (bf16 gradients; a changed last bit
+    of a weight may move a weight's amax, and with it that weight's scale, in later steps,
+    as it moves a dynamic scale);
+  - every rank's histories are bit-equal to every other rank's after every step (the
+    all-reduced records).
+cp2 is not bit-equal at step 1: each rank holds half of every sequence, so on the first
+step (no history yet) a tensor's own amax is its half's, not the whole sequence's (as
+dynamic tensorwise under cp); from step 2 the scales are the reduced histories'. Its
+tolerance is the dynamic cp2 case's: loss 1e-4, gradient norm 5e-3.
+"""
+
+import pathlib
+
+import torch
+from common import small_config
+from harness import run_ranks
+
+from fivefold.lowp.delayed import histories
+from fivefold.parallel.mesh import ParallelDims
+from fivefold.plan.comm import ledger_volume
+from fivefold.plan.inputs import training_plan_inputs
+from fivefold.train.trainer import Trainer
+
+DELAYED = ["--train.precision", "fp8", "--train.fp8_recipe", "tensorwise",
+           "--train.fp8_scaling", "delayed", "--train.fp8_history_len", "4",
+           "--train.gbs", "8", "--parallel.mbs", "2", "--train.lr", "1e-3"]
+STEPS = 3
+
+
+def train(rank, world, tmp, args, steps=STEPS):
+    """STEPS delayed steps: (loss, grad norm) per step, the histories after step 1 and
+    after the last step, and the last step's dp_cp all-reduces (ledger and planner)."""
+    cfg = small_config(pathlib.Path(tmp), *DELAYED, *args)
+    dims = ParallelDims.from_config(cfg.parallel) if world > 1 else ParallelDims.single()
+    trainer = Trainer(cfg, dims, quiet=True)
+    dims.ledger.enabled = True
+    runs, after = [], []
+    for _ in range(steps):
+        rec = trainer.train_step()
+        runs.append((rec["loss"], rec["grad_norm"]))
+        after.append({k: h.clone() for k, h in histories(trainer.model.chunks[0]).items()})
+    amax = [e for e in dims.ledger.entries  # (the gradients' are bf16, the norm's float64)
+            if (e.group, e.op, e.dtype) == ("dp_cp", "all_reduce", "float32")]
+    trainer.close()
+    work, layout = training_plan_inputs(cfg)
+    planned = ledger_volume(work, layout).get("dp_cp", {}).get("all_reduce", 0)
+    reduced = sum(e.bytes for e in dims.ledger.entries
+                  if (e.group, e.op) == ("dp_cp", "all_reduce"))
+    return {"runs": runs, "first": after[0], "last": after[-1],
+            "amax": [(e.elements, e.bytes) for e in amax], "linears": len(after[0]),
+            "ledger": reduced, "planned": planned}
+
+
+def every_layout(rank, world, tmp, layouts):
+    return {name: train(rank, world, f"{tmp}/{name}", args) for name, args in layouts.items()}
+
+
+def rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+LAYOUTS = {"dp2": ["--parallel.dp", "2"],
+           "dp2-zero1": ["--parallel.dp", "2", "--parallel.zero", "1"],
+           "dp2-zero3": ["--parallel.dp", "2", "--parallel.zero", "3"]}
+
+
+def test_delayed_dp2_zero1_zero3_track_the_single_device_delayed_run(tmp_path):
+    ref = train(0, 1, str(tmp_path / "ref"), [])
+    assert ref["amax"] == []  # one device: nothing to reduce
+    ranks = run_ranks(every_layout, 2, str(tmp_path), LAYOUTS)
+    for name in LAYOUTS:
+        a, b = ranks[0][name], ranks[1][name]
+        assert a["runs"] == b["runs"], name
+        for k in ref["first"]:  # step 1's records: the single device's; then one scale
+            assert all(torch.equal(r["first"][k], ref["first"][k]) for r in (a, b)), (name, k)
+            assert torch.equal(a["last"][k], b["last"][k]), (name, k)
+        # step 1: the same casts and GEMMs; only the fp32 sums of the loss over ranks
+        assert rel(a["runs"][0][0], ref["runs"][0][0]) <= 1e-6, name
+        for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(a["runs"],
+                                                                        ref["runs"])):
+            assert rel(loss, ref_loss) <= 1e-4, (name, step, loss, ref_loss)
+            assert rel(norm, ref_norm) <= 3e-3, (name, step, norm, ref_norm)
+        # one all_reduce(max) a step of every linear's 3 fp32 records; the planner's too
+        assert a["amax"] == [(3 * a["linears"], 12 * a["linears"])], (name, a["amax"])
+        assert a["planned"] == a["ledger"], (name, a["planned"], a["ledger"])
+
+
+def test_delayed_cp2_tracks_the_single_device_delayed_run(tmp_path):
+    ref = train(0, 1, str(tmp_path / "ref"), [])
+    ranks = run_ranks(every_layout, 2, str(tmp_path), {"cp2": ["--parallel.cp", "2"]})
+    a, b = ranks[0]["cp2"], ranks[1]["cp2"]
+    assert a["runs"] == b["runs"]
+    assert all(torch.equal(a["last"][k], b["last"][k]) for k in a["last"])
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(a["runs"], ref["runs"])):
+        assert rel(loss, ref_loss) <= 1e-4, (step, loss, ref_loss)
+        assert rel(norm, ref_norm) <= 5e-3, (step, norm, ref_norm)
+
+
+def test_recompute_is_bit_equal_to_no_recompute(tmp_path):
+    """A recomputed forward casts with the step's one scale and folds the same amax again:
+    losses, gradient norms and histories bit-equal to the run without recomputation (full
+    and selective), tolerance 0."""
+    plain = train(0, 1, str(tmp_path / "plain"), [], steps=2)  # step 2 casts from history
+    assert all(h.any() for h in plain["last"].values())
+    for recompute in ("full", "selective"):
+        again = train(0, 1, str(tmp_path / recompute), ["--train.recompute", recompute], 2)
+        assert again["runs"] == plain["runs"], recompute
+        assert all(torch.equal(again["last"][k], plain["last"][k]) for k in plain["last"])
