@@ -121,7 +121,8 @@ def test_fp8_linear_trace_within_its_budget(name):
 def test_delayed_first_step_is_dynamic_plus_the_records():
     """No history yet: each cast takes its own amax (one amax pass each over x, W and ∂y,
     as dynamic tensorwise) and records it; the steady state is the same ops without those
-    three passes (W's backward copy reads the history the forward filled)."""
+    three passes (W's backward copy takes the amax the forward folded into the step's
+    record)."""
     recipe, state = recipe_of("tensorwise_delayed")
     state.filled[:] = [False] * 3
     first, first_bytes = _trace(recipe, state)

@@ -193,9 +193,13 @@ def cast(x: torch.Tensor, state: DelayedState, row: str, fmt: FloatFormat, want:
     i = ROW[row]
     hist = state.history[i]
     first = not state.filled[i]
+    # Wᵀ on a first step: W's own amax is what the forward folded into the pending record
+    # (W is the same in every micro-batch of the step), so no second amax pass over W
+    pending = first and not record and state.recorded[i]
     record = record and state.record
     if _fused(x):
-        source = fp8_cast.fp8_amax_partials(x) if first else hist
+        source = (state.pending[i:i + 1] if pending else
+                  fp8_cast.fp8_amax_partials(x) if first else hist)
         codes, codes_t, scale, amax = fp8_cast.fp8_cast_delayed(x, source, fmt.name, want,
                                                                 want_t)
         if record:
@@ -203,7 +207,8 @@ def cast(x: torch.Tensor, state: DelayedState, row: str, fmt: FloatFormat, want:
         q = FP8Tensor(codes, scale, "tensorwise", fmt) if want else None
         qt = FP8Tensor(codes_t, scale, "tensorwise", fmt) if want_t else None
     else:
-        own = group_amax(x, "tensorwise").float().nan_to_num(nan=float("inf"))
+        own = (state.pending[i] if pending else
+               group_amax(x, "tensorwise").float().nan_to_num(nan=float("inf")))
         q = _cpu_cast(x, own if first else hist.max(), fmt)
         if record:
             torch.maximum(state.pending[i], own.reshape(()), out=state.pending[i])
