@@ -236,7 +236,6 @@ def test_bad_delayed_inputs_give_one_line_exit_2_and_write_nothing(tmp_path, cap
                                   "--train.fp8_history_len", "8"], "applies to"),
         "with fp8_allgather": ([*tw, "--parallel.zero", "3", "--parallel.fp8_allgather",
                                 "true"], "fp8_allgather = true"),
-        "under tp": ([*tw, "--parallel.tp", "2"], "parallel.tp = 2"),
         "under pp": ([*tw, "--parallel.pp", "2"], "parallel.pp = 2"),
         "with experts": ([*tw, "--model.preset", "tiny-moe"], "routed experts"),
         "without fp8": (["--train.precision", "bf16", "--train.fp8_scaling", "delayed"],

@@ -41,11 +41,11 @@ Rules, each a one-line ConfigError:
     refuses there, in one line too.
   - fp8_scaling = "delayed" with a recipe other than tensorwise; fp8_history_len outside
     1..1024 or set with dynamic scaling; delayed scaling with parallel.fp8_allgather (its
-    scales are computed after the optimizer step, dynamically), with tp > 1 (the
-    tensor-parallel linears keep no history), with pp > 1 (the checkpoint names histories
-    by one chunk's modules) or with routed experts (no histories for them). Under dp and
-    cp the step's amax records are reduced over dp x cp (lowp/delayed.py); recomputation
-    records idempotently (the same scale, the same amax folded again).
+    scales are computed after the optimizer step, dynamically), with pp > 1 (the
+    checkpoint names histories by one chunk's modules) or with routed experts (no
+    histories for them). Under dp, cp and tp the step's amax records are reduced over all
+    ranks (lowp/delayed.py); recomputation records idempotently (the same scale, the same
+    amax folded again).
 A keep-out pattern that matches no linear of the model is refused when the model is built
 (lowp/convert.py), where the module names exist.
 """
@@ -119,14 +119,10 @@ def check_scaling(cfg, mc) -> None:
         raise ConfigError("train.fp8_scaling = 'delayed' with parallel.fp8_allgather = true: "
                           "the FP8 all-gather casts with scales computed after the optimizer "
                           "step (dynamic); set fp8_scaling = 'dynamic' or fp8_allgather = false")
-    if par.tp > 1:
-        raise ConfigError(f"train.fp8_scaling = 'delayed' with parallel.tp = {par.tp}: the "
-                          f"tensor-parallel linears keep no amax history; use tp = 1 (dp and "
-                          f"cp are fine) or fp8_scaling = 'dynamic'")
     if par.pp > 1:
         raise ConfigError(f"train.fp8_scaling = 'delayed' with parallel.pp = {par.pp}: the "
                           f"checkpoint keeps the amax histories of one model chunk only; use "
-                          f"pp = 1 (dp and cp are fine) or fp8_scaling = 'dynamic'")
+                          f"pp = 1 (dp, cp and tp are fine) or fp8_scaling = 'dynamic'")
     if mc.num_experts:
         raise ConfigError("train.fp8_scaling = 'delayed' with routed experts (model.num_experts "
                           "> 0): they keep no amax history; use fp8_scaling = 'dynamic'")

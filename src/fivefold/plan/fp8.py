@@ -91,9 +91,9 @@ def fp8_gather_terms(work, layout, dense: float, moe: float, kv_heads: int
 
 def delayed_amax_records(work, layers: float) -> float:
     """The fp32 amax records delayed scaling (train.fp8_scaling = delayed, lowp/delayed.py)
-    reduces in its one all_reduce(max) over dp x cp a step: x, W and ∂y of every FP8 linear
-    of the `layers` on this pipeline rank (q, k, v, o and the MLP's; delayed scaling runs
-    without tp and routed experts). A train.fp8_keep_out linear records nothing; this still
+    reduces in its one all_reduce(max) over every rank a step: x, W and ∂y of every FP8
+    linear of the `layers` (q, k, v, o and the MLP's, a tp shard each; delayed scaling runs
+    without pp and routed experts). A train.fp8_keep_out linear records nothing; this still
     counts it (a few bytes)."""
     if work.precision != "fp8" or getattr(work, "fp8_scaling", "dynamic") != "delayed":
         return 0.0

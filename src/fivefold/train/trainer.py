@@ -211,9 +211,10 @@ class Trainer:
         return shard_batch(micro_batches, self.cfg.parallel.cp_layout, self.dims["cp"])
 
     def _amax_max(self, records: torch.Tensor) -> None:
-        """Delayed FP8 scaling's records: one all_reduce(max) over dp x cp, whose ranks saw
-        other tokens of the same weights (Transformer Engine's amax reduction group)."""
-        group = self.dims["dp_cp"]
+        """Delayed FP8 scaling's records: one all_reduce(max) over every rank (delayed
+        scaling runs without pp): dp and cp ranks saw other tokens of the same tensors, tp
+        ranks other slices of them (Transformer Engine's amax reduction group)."""
+        group = self.dims["world"]
         if group.size > 1:
             comm.all_reduce(records, group, op="max")
 
