@@ -27,9 +27,10 @@ When each operand casts and records:
     per optimizer step, pushes it into the history: the history moves one place a step,
     whatever the micro-batch split. (torchao's delayed Float8Linear kept the scale for the
     whole step too, updating it in `sync_float8_amax_and_scale_history` once per step.)
-  - Under data and context parallelism each rank sees other tokens of the same tensors:
-    `end_step` takes the maximum of every linear's pending record over those ranks in ONE
-    all_reduce(max) (Transformer Engine's amax reduction group: `fp8_group` of
+  - Under data and context parallelism each rank sees other tokens of the same tensors,
+    under tensor parallelism other slices of them (a weight's shard, a row-parallel input's
+    channels, a column-parallel output gradient's): `end_step` takes the maximum of every
+    linear's pending record over all those ranks in ONE all_reduce(max) (Transformer Engine's amax reduction group: `fp8_group` of
     `fp8_autocast`, reduced in `FP8GlobalStateManager.reduce_and_update_fp8_tensors`,
     transformer_engine/pytorch/fp8.py), so every rank pushes the same record and casts with
     the same scale, the single device's for the same global batch.
@@ -58,9 +59,10 @@ checkpoint (train/checkpoint_parts.py, `fp8/NAME.amax_history`), so a resumed ru
 the uninterrupted one did (tests/test_fp8_delayed.py). The pending record is empty between
 steps, where checkpoints are taken.
 
-Not here: tensor parallelism (its linears take a pluggable GEMM and keep no history),
-pipeline stages (the checkpoint names the histories by one chunk's module names) and
-routed experts: config/fp8.py refuses them.
+Not here: pipeline stages (the checkpoint names the histories by one chunk's module names)
+and routed experts: config/fp8.py refuses them. On a first step under tensor parallelism a
+shard's own amax is its slice's (as dynamic tensorwise under tp); the whole tensor's from
+the second step on.
 """
 
 from __future__ import annotations
