@@ -142,3 +142,36 @@ def test_recompute_is_bit_equal_to_no_recompute(tmp_path):
                       steps=2)
         assert again["runs"] == plain["runs"], recompute
         assert all(torch.equal(again["last"][k], plain["last"][k]) for k in plain["last"])
+
+
+def straight_and_resumed(rank, world, tmp, layouts):
+    """Per layout: 4 steps straight; 2 steps, a checkpoint, 2 resumed steps."""
+    out = {}
+    for name, layout in layouts.items():
+        runs = {}
+        for run, where, steps, extra in (("straight", "a", 4, []), ("first", "b", 2, []),
+                                         ("resumed", "b", 2, ["--checkpoint.resume", "latest"])):
+            cfg = small_config(pathlib.Path(tmp) / name / where, *DELAYED, *layout,
+                               "--train.steps", "4", *extra)
+            trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel), quiet=True)
+            records = [trainer.train_step() for _ in range(steps)]
+            runs[run] = ([(r["loss"], r["grad_norm"]) for r in records],
+                         {k: h.clone() for k, h in histories(trainer.model.chunks[0]).items()})
+            if run == "first":
+                trainer.save_checkpoint()
+            trainer.close()
+        out[name] = runs
+    return out
+
+
+def test_resume_under_dp_zero3_and_tp_keeps_the_run_bit_exact(tmp_path):
+    """The histories (equal on every rank after the reduction) are saved and loaded with
+    the checkpoint: the resumed steps' losses, gradient norms and histories are the
+    uninterrupted run's, bit for bit."""
+    layouts = {"dp2-zero3": ["--parallel.dp", "2", "--parallel.zero", "3"],
+               "tp2": ["--parallel.tp", "2"]}
+    for result in run_ranks(straight_and_resumed, 2, str(tmp_path), layouts):
+        for name, runs in result.items():
+            (straight, want), (resumed, got) = runs["straight"], runs["resumed"]
+            assert straight[2:] == resumed, name
+            assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
