@@ -68,7 +68,8 @@ for dtype in (torch.float32, torch.float16) if sys.argv[1] == "casts" else ():
             report[key] = r
 
 # delayed scaling's cast (a scale from a history, saturating, recording tile amaxes), its
-# history push, and the tensorwise cast with a power-of-two scale (rowwise_gw_hp's Wᵀ)
+# history push, its amax fold, and the tensorwise cast with a power-of-two scale
+# (rowwise_gw_hp's Wᵀ)
 from fivefold.numerics.fp8 import quantize_with_amax
 for dtype in (torch.float32, torch.float16) if sys.argv[1] == "delayed" else ():
     x = cases(dtype)["random"]
