@@ -30,10 +30,11 @@ When each operand casts and records:
   - Under data and context parallelism each rank sees other tokens of the same tensors,
     under tensor parallelism other slices of them (a weight's shard, a row-parallel input's
     channels, a column-parallel output gradient's): `end_step` takes the maximum of every
-    linear's pending record over all those ranks in ONE all_reduce(max) (Transformer Engine's amax reduction group: `fp8_group` of
-    `fp8_autocast`, reduced in `FP8GlobalStateManager.reduce_and_update_fp8_tensors`,
-    transformer_engine/pytorch/fp8.py), so every rank pushes the same record and casts with
-    the same scale, the single device's for the same global batch.
+    linear's pending record over all those ranks in ONE all_reduce(max) (Transformer
+    Engine's amax reduction group: `fp8_group` of `fp8_autocast`, reduced in
+    `FP8GlobalStateManager.reduce_and_update_fp8_tensors`, transformer_engine/pytorch/
+    fp8.py), so every rank pushes the same record and casts with the same scale, the single
+    device's for the same global batch.
   - x and W in the forward, ∂y in the backward; W's transposed copy for the input gradient
     is cast again in the backward (the weight is not saved in FP8, lowp/linear.py) with the
     forward's scale (W has not changed since), so its codes are the forward's, moved.
