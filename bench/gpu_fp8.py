@@ -59,8 +59,12 @@ def _gemm_row(ctx: Context, tokens: int, k: int, n: int) -> dict:
                                            ctx.device)
         for on in (False, True):  # before: the step-by-step casts; after: the fused ones
             fused.FUSED_ON_DEVICE = on
-            state = (DelayedState(torch.zeros(3, 16, device=ctx.device), [False] * 3, True)
-                     if recipe.scaling == "delayed" else None)  # its first step dynamic
+            # delayed: the steady state, a history holding x's, W's and ∂y's amaxes (the
+            # step's records fold into `pending`, pushed once per optimizer step)
+            history = torch.zeros(3, 16, device=ctx.device)
+            history[:, 0] = torch.stack([t.detach().abs().amax().float() for t in (x, w, g)])
+            state = (DelayedState(history, [True] * 3, True)
+                     if recipe.scaling == "delayed" else None)
             rate = tokens / median_time(
                 ctx, lambda r=recipe, s=state: step(lambda v: fp8_linear(v, w, None, r, None, s)),
                 rounds)

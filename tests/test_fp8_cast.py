@@ -68,7 +68,8 @@ for dtype in (torch.float32, torch.float16) if sys.argv[1] == "casts" else ():
             report[key] = r
 
 # delayed scaling's cast (a scale from a history, saturating, recording tile amaxes), its
-# history push, and the tensorwise cast with a power-of-two scale (rowwise_gw_hp's Wᵀ)
+# history push, its amax fold, and the tensorwise cast with a power-of-two scale
+# (rowwise_gw_hp's Wᵀ)
 from fivefold.numerics.fp8 import quantize_with_amax
 for dtype in (torch.float32, torch.float16) if sys.argv[1] == "delayed" else ():
     x = cases(dtype)["random"]
@@ -84,9 +85,14 @@ for dtype in (torch.float32, torch.float16) if sys.argv[1] == "delayed" else ():
             q = quantize_with_amax(x, hist.max(), F)
             h = hist.clone()
             C.fp8_history_push(h, amax)
+            folded = [hist[:1].clone(), torch.full((1,), float(own.max()) * 2)]
+            for pending in folded:  # below x's amax, above it
+                C.fp8_amax_fold(pending, amax)
             r[label] = [same(c, q.data), same(ct, q.data.t()), same(s, q.scale),
                         bool(amax.max() == own.max()),
-                        bool(torch.equal(h, torch.cat([own.max().reshape(1), hist[:-1]])))]
+                        bool(torch.equal(h, torch.cat([own.max().reshape(1), hist[:-1]]))),
+                        bool(folded[0] == torch.maximum(hist[0], own.max())),
+                        bool(folded[1] == own.max() * 2)]
         c, ct, s = C.fp8_cast_tensorwise(x, C.fp8_amax_partials(x), fmt, True, True, True)
         q = quantize(x, F, "tensorwise", True)
         r["tensorwise pow2"] = [same(c, q.data), same(ct, q.data.t()), same(s, q.scale)]
@@ -138,7 +144,7 @@ for name, grad_format in (("tensorwise", "e5m2"), ("rowwise", "e4m3"), ("blockwi
     linears[f"{name}/{grad_format}"] = [bool(torch.equal(a, b)) for a, b in zip(ref, got)]
 # delayed tensorwise over three steps (the first dynamic, then from the history) and
 # rowwise_gw_hp: outputs, gradients and the histories equal on both paths
-from fivefold.lowp.delayed import add_history
+from fivefold.lowp.delayed import add_history, end_step
 from fivefold.lowp.linear import FP8Linear
 
 def run_module(recipe, use_fused):
@@ -155,6 +161,7 @@ def run_module(recipe, use_fused):
         m.zero_grad()
         y = m(x)
         y.backward(torch.randn(40, 144))
+        end_step([m])
         out += [y.detach(), x.grad, m.weight.grad.clone(), m.bias.grad.clone()]
     return out + [getattr(m, "fp8_amax_history", torch.zeros(1))]
 

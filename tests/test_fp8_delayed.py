@@ -8,6 +8,8 @@ oracles are the references written from the definition:
     multiplied in float64: within fp32 accumulation error (1e-5 relative, as the blockwise
     test in tests/test_fp8_linear.py);
   - the first call (no record yet) is dynamic tensorwise, bit for bit.
+`end_step` (the trainer's, once per optimizer step) pushes a step's record into the history;
+here each `_step` is one optimizer step.
 """
 
 import math
@@ -17,7 +19,7 @@ import torch
 from common import small_config
 
 from fivefold.cli import main
-from fivefold.lowp.delayed import add_history, histories
+from fivefold.lowp.delayed import add_history, end_step, histories
 from fivefold.lowp.linear import FP8Linear, FP8Recipe, fp8_linear
 from fivefold.numerics.formats import E4M3, E5M2
 from fivefold.numerics.fp8 import fp8_mm, quantize_with_amax
@@ -35,11 +37,15 @@ def _linear(k=96, n=80, dtype=torch.bfloat16, recipe=DELAYED):
     return m
 
 
-def _step(m, x, g):
+def _step(m, x, g, end=True):
+    """One forward and backward; with `end`, the end of an optimizer step (its record
+    pushed into the history)."""
     x = x.detach().clone().requires_grad_()
     m.weight.grad = None
     y = m(x)
     y.backward(g)
+    if end:
+        end_step([m])
     return y.detach(), x.grad, m.weight.grad.clone()
 
 
@@ -83,7 +89,7 @@ def test_later_calls_cast_with_the_history_byte_for_byte():
         hist[0].append(_amax(x))
         hist[1].append(_amax(w))
         gq = quantize_with_amax(g, amax_g, E5M2)
-        wt = quantize_with_amax(w.t(), torch.stack(hist[1][-4:]).max())  # after W's record
+        wt = quantize_with_amax(w.t(), amax_w)  # the forward's scale: W's codes, moved
         assert torch.equal(gx, fp8_mm(gq, wt, torch.bfloat16)), step
         assert torch.equal(gw, fp8_mm(gq.t(), xq.t(), torch.bfloat16)), step
         hist[2].append(_amax(g))
@@ -157,6 +163,7 @@ def test_q_k_v_share_one_delayed_cast_of_their_input():
     a, b = _linear(), _linear()
     x = torch.randn(16, 96).bfloat16().requires_grad_()
     (a(x).sum() + b(x).sum()).backward()
+    end_step([a, b])
     assert a.fp8_amax_history[0, 0] > 0 and not b.fp8_amax_history[0].any()
     assert b.fp8_amax_history[1, 0] > 0 and b.fp8_amax_history[2, 0] > 0
 
@@ -229,8 +236,7 @@ def test_bad_delayed_inputs_give_one_line_exit_2_and_write_nothing(tmp_path, cap
                                   "--train.fp8_history_len", "8"], "applies to"),
         "with fp8_allgather": ([*tw, "--parallel.zero", "3", "--parallel.fp8_allgather",
                                 "true"], "fp8_allgather = true"),
-        "under dp": ([*tw, "--parallel.dp", "2"], "parallel.dp = 2"),
-        "with recompute": ([*tw, "--train.recompute", "full"], "train.recompute = 'full'"),
+        "under pp": ([*tw, "--parallel.pp", "2"], "parallel.pp = 2"),
         "with experts": ([*tw, "--model.preset", "tiny-moe"], "routed experts"),
         "without fp8": (["--train.precision", "bf16", "--train.fp8_scaling", "delayed"],
                         "needs train.precision = 'fp8'"),

@@ -56,6 +56,10 @@ CASES = {  # name: (reference args, layout args, loss tol, grad-norm tol)
     "tp2-rowwise": (["--train.fp8_recipe", "rowwise"], ["--parallel.tp", "2"], 3e-4, 1e-2),
     "tp2-sp-rowwise": (["--train.fp8_recipe", "rowwise"],
                        ["--parallel.tp", "2", "--parallel.sp", "true"], 3e-4, 1e-2),
+    # rowwise_gw_hp: rowwise's forward and input gradient (the same cut row scales), the
+    # weight gradient in bf16 from the whole local shard
+    "tp2-rowwise_gw_hp": (["--train.fp8_recipe", "rowwise_gw_hp"], ["--parallel.tp", "2"],
+                          3e-4, 1e-2),
     "cp2": (["--train.fp8_recipe", "blockwise"], ["--parallel.cp", "2"], 1e-4, 5e-3),
     "tp2-blockwise": (["--train.fp8_recipe", "blockwise", *ALIGNED], ["--parallel.tp", "2"],
                       1e-3, 1e-2),

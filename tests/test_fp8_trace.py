@@ -32,8 +32,9 @@ amax of x and ∂y is computed there (those two reads alone are 128 MiB = 0.27x 
                 cast records this step's amax in the same pass: x, ∂y one pass writing
                 both copies, 4S each; W cast in forward and Wᵀ in backward, 6 S_w
                 -> 352 MiB; total 672 MiB = 1.40x (+ 32 KiB of tile amaxes, the history
-                rows); kernels 3 + 4 casts + 3 history pushes (a few KiB each) = 10.
-                Its first step (no history yet) is dynamic: tensorwise's 11 + 3 pushes,
+                rows); kernels 3 + 4 casts + 3 amax folds into the step's record (a few
+                KiB each; the history moves once per optimizer step, outside) = 10.
+                Its first step (no history yet) is dynamic: tensorwise's 11 + 3 folds,
                 1.73x (the x, ∂y copies written together, so 0.07x below dynamic's).
     rowwise_gw_hp (torchao ROWWISE_WITH_GW_HP): x, W, ∂y cast by rows only, 3S, 3S_w,
                 3S; Wᵀ tensorwise (power-of-two scale): amax 2S_w + cast 3S_w; the weight
@@ -121,7 +122,8 @@ def test_fp8_linear_trace_within_its_budget(name):
 def test_delayed_first_step_is_dynamic_plus_the_records():
     """No history yet: each cast takes its own amax (one amax pass each over x, W and ∂y,
     as dynamic tensorwise) and records it; the steady state is the same ops without those
-    three passes (W's backward copy reads the history the forward filled)."""
+    three passes (W's backward copy takes the amax the forward folded into the step's
+    record)."""
     recipe, state = recipe_of("tensorwise_delayed")
     state.filled[:] = [False] * 3
     first, first_bytes = _trace(recipe, state)

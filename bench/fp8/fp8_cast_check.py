@@ -60,8 +60,11 @@ def check(device: torch.device, tokens: int, k: int) -> dict:
         h = hist.to(device)
         C.fp8_history_push(h, amax)
         pushed = torch.cat([x_cpu.float().abs().max().reshape(1), hist[:-1]])
+        pending = hist[:1].to(device)  # the step's record: max with this cast's tile amaxes
+        C.fp8_amax_fold(pending, amax)
+        folded = torch.maximum(hist[:1], x_cpu.float().abs().max().reshape(1))
         out[f"delayed/{fmt}"] = [_equal(c, q.data), _equal(ct, q.data.t()), _equal(s, q.scale),
-                                 _equal(h, pushed)]
+                                 _equal(h, pushed), _equal(pending, folded)]
         c, ct, s = C.fp8_cast_tensorwise(x, C.fp8_amax_partials(x), fmt, True, True, True)
         q = quantize(x_cpu, F, "tensorwise", True)
         out[f"tensorwise pow2/{fmt}"] = [_equal(c, q.data), _equal(ct, q.data.t()),

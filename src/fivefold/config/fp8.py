@@ -41,10 +41,11 @@ Rules, each a one-line ConfigError:
     refuses there, in one line too.
   - fp8_scaling = "delayed" with a recipe other than tensorwise; fp8_history_len outside
     1..1024 or set with dynamic scaling; delayed scaling with parallel.fp8_allgather (its
-    scales are computed after the optimizer step, dynamically), with any parallelism (dp,
-    tp, pp, cp > 1: each rank would keep its own history, no amax reduction over ranks is
-    done), with train.recompute other than "none" (a recomputed forward records again
-    and casts with another scale) or with routed experts (no histories for them).
+    scales are computed after the optimizer step, dynamically), with pp > 1 (the
+    checkpoint names histories by one chunk's modules) or with routed experts (no
+    histories for them). Under dp, cp and tp the step's amax records are reduced over all
+    ranks (lowp/delayed.py); recomputation records idempotently (the same scale, the same
+    amax folded again).
 A keep-out pattern that matches no linear of the model is refused when the model is built
 (lowp/convert.py), where the module names exist.
 """
@@ -118,17 +119,10 @@ def check_scaling(cfg, mc) -> None:
         raise ConfigError("train.fp8_scaling = 'delayed' with parallel.fp8_allgather = true: "
                           "the FP8 all-gather casts with scales computed after the optimizer "
                           "step (dynamic); set fp8_scaling = 'dynamic' or fp8_allgather = false")
-    split = {k: getattr(par, k) for k in ("dp", "tp", "pp", "cp") if getattr(par, k) > 1}
-    if split:
-        dims = ", ".join(f"parallel.{k} = {v}" for k, v in split.items())
-        raise ConfigError(f"train.fp8_scaling = 'delayed' with {dims}: each rank would keep "
-                          f"its own amax history (no amax reduction over ranks); use one "
-                          f"device or fp8_scaling = 'dynamic'")
-    if tr.recompute != "none":
-        raise ConfigError(f"train.fp8_scaling = 'delayed' with train.recompute = "
-                          f"'{tr.recompute}': a recomputed forward would record its amax again "
-                          f"and cast with another scale; set recompute = 'none' or "
-                          f"fp8_scaling = 'dynamic'")
+    if par.pp > 1:
+        raise ConfigError(f"train.fp8_scaling = 'delayed' with parallel.pp = {par.pp}: the "
+                          f"checkpoint keeps the amax histories of one model chunk only; use "
+                          f"pp = 1 (dp, cp and tp are fine) or fp8_scaling = 'dynamic'")
     if mc.num_experts:
         raise ConfigError("train.fp8_scaling = 'delayed' with routed experts (model.num_experts "
                           "> 0): they keep no amax history; use fp8_scaling = 'dynamic'")

@@ -36,7 +36,13 @@ from fivefold.config.train import resolve_compile
 from fivefold.errors import ConfigError
 from fivefold.lowp.delayed import add_history
 from fivefold.lowp.experts import FP8ExpertsMixin, FP8GroupedExperts
-from fivefold.lowp.linear import FP8Linear, FP8LinearFn, FP8LinearMixin, FP8Recipe
+from fivefold.lowp.linear import (
+    FP8Linear,
+    FP8LinearFn,
+    FP8LinearMixin,
+    FP8Recipe,
+    FP8ShardMixin,
+)
 from fivefold.models.moe import GroupedExperts
 from fivefold.numerics.fp8_kernel import kernel_shape_problem, kernel_support
 
@@ -72,7 +78,7 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe,
     for name, module in targets.items():
         if any(_matches(name, p) for p in (*ALWAYS_KEPT_OUT, *keep_out)):
             continue
-        if recipe.scaling == "delayed" and not isinstance(module, nn.Linear):
+        if recipe.scaling == "delayed" and isinstance(module, GroupedExperts):
             raise ConfigError(f"train.fp8_scaling = 'delayed': {name} ({type(module).__name__}) "
                               f"keeps no amax history (linears only); keep it out with "
                               f"train.fp8_keep_out or use fp8_scaling = 'dynamic'")
@@ -82,8 +88,11 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe,
                 add_history(module, recipe.history_len)
         elif isinstance(module, GroupedExperts):
             _swap(module, FP8ExpertsMixin).fp8_recipe = recipe
-        else:
-            module.linear_fn = FP8LinearFn(recipe)
+        else:  # a tensor-parallel shard; under delayed scaling it keeps its own history
+            if recipe.scaling == "delayed":
+                _swap(module, FP8ShardMixin)
+                add_history(module, recipe.history_len)
+            module.linear_fn = FP8LinearFn(recipe, module)
         converted.append(name)
     return converted
 
@@ -161,7 +170,7 @@ def set_recipe(modules: list[nn.Module], recipe: FP8Recipe) -> None:
         if isinstance(module, (FP8LinearMixin, FP8ExpertsMixin)):
             module.fp8_recipe = recipe
         else:
-            module.linear_fn = FP8LinearFn(recipe)
+            module.linear_fn = FP8LinearFn(recipe, module)
 
 
 def check_fp8_device(recipe: FP8Recipe, device: torch.device) -> None:

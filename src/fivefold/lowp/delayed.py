@@ -11,44 +11,59 @@ newest first:
     m    = fmt.max / max(history)           (numerics.scaling.amax_to_scale, float64)
     q    = fp8(clamp(float32(x) · m, ±fmt.max))   x may now exceed the history's amax:
                                                   the clamp saturates it
-    push = history[1:] <- history[:-1]; history[0] <- amax(x)  (NaN recorded as inf)
+    fold = pending <- max(pending, amax(x))    (NaN recorded as inf), every cast
+    push = history[1:] <- history[:-1]; history[0] <- pending   once per optimizer step
 
 Byte for byte `numerics.fp8.quantize_with_amax(x, max(history), fmt)` on either path: the
 GPU's (numerics/fp8_cast.py `fp8_cast_delayed` writes the codes, their transpose and each
-64x64 tile's amax in one pass, `fp8_history_push` folds them into the row) and the CPU's
-(an aminmax pass for the record, then multiply, clamp and cast).
+64x64 tile's amax in one pass, `fp8_amax_fold` folds them into the pending record) and the
+CPU's (an aminmax pass for the record, then multiply, clamp and cast).
 
 When each operand casts and records:
-  - x and W in the forward, ∂y in the backward, each with the history as it was before its
-    own record; W's transposed copy for the input gradient is cast again in the backward
-    (the weight is not saved in FP8, lowp/linear.py) from W's row after the forward's
-    record, which holds W's own amax (W has not changed since): it never saturates.
-  - Each micro-batch's forward and backward record (gradient accumulation over 4
-    micro-batches moves the history 4 places a step), as Transformer Engine records per
-    forward; the run is deterministic for a given micro-batch split, not across splits.
+  - Within one optimizer step every cast of an operand takes the same scale: from the
+    history as the step began (or, with no record yet, from the tensor's own amax). The
+    step's casts fold their amaxes into a pending record (`fp8_amax_step`, (3,) float32:
+    the maximum over the step's micro-batches, forward and backward), and `end_step`, once
+    per optimizer step, pushes it into the history: the history moves one place a step,
+    whatever the micro-batch split. (torchao's delayed Float8Linear kept the scale for the
+    whole step too, updating it in `sync_float8_amax_and_scale_history` once per step.)
+  - Under data and context parallelism each rank sees other tokens of the same tensors,
+    under tensor parallelism other slices of them (a weight's shard, a row-parallel input's
+    channels, a column-parallel output gradient's): `end_step` takes the maximum of every
+    linear's pending record over all those ranks in ONE all_reduce(max) (Transformer
+    Engine's amax reduction group: `fp8_group` of `fp8_autocast`, reduced in
+    `FP8GlobalStateManager.reduce_and_update_fp8_tensors`, transformer_engine/pytorch/
+    fp8.py), so every rank pushes the same record and casts with the same scale, the single
+    device's for the same global batch.
+  - x and W in the forward, ∂y in the backward; W's transposed copy for the input gradient
+    is cast again in the backward (the weight is not saved in FP8, lowp/linear.py) with the
+    forward's scale (W has not changed since), so its codes are the forward's, moved.
+  - A recomputed forward (train.recompute) casts with the same scale as the first one and
+    folds the same amax again: max(a, a) = a, so recomputation changes no bit.
   - Records happen only under autograd (training); an evaluation forward under no_grad
     casts with the history and leaves it as it is, so evaluation does not move training.
-  - The first cast of a row with no record yet (a fresh model) takes its own amax, as the
-    dynamic recipe does: the first step is dynamic tensorwise, bit for bit. Transformer
-    Engine starts instead from scale = 1 with a zero history (its `scale` buffers start at
-    ones, transformer_engine/pytorch/module/base.py, and the update kernel of
-    transformer_engine/common/recipe/delayed_scaling.cu keeps the previous scale unless
+  - The first step of a row with no record yet (a fresh model) casts with each tensor's
+    own amax, as the dynamic recipe does: the first step is dynamic tensorwise, bit for
+    bit. Transformer Engine starts instead from scale = 1 with a zero history (its `scale`
+    buffers start at ones, transformer_engine/pytorch/module/base.py, and the update kernel
+    of transformer_engine/common/recipe/delayed_scaling.cu keeps the previous scale unless
     max(history) is finite and > 0), which on its first step flushes gradients below
-    E5M2's smallest subnormal (2^-16) to zero. Which rows hold a record is
-    read from the history once per process (one host sync, `filled`), then kept here.
+    E5M2's smallest subnormal (2^-16) to zero. Which rows hold a record is read from the
+    history once per process (one host sync, `filled`), then kept here.
   - A NaN or inf amax makes max(history) non-finite and the multiplier NaN (as dynamic
-    scaling does for that one step) for the next H casts, until it leaves the history;
+    scaling does for that one step) for the next H steps, until it leaves the history;
     Transformer Engine keeps the previous scale instead (the same kernel).
 
 The histories are buffers of the module (`fp8_amax_history`, not persistent: a model's
 state_dict, its HF export and inference loads do not see them) and training state in the
 checkpoint (train/checkpoint_parts.py, `fp8/NAME.amax_history`), so a resumed run casts as
-the uninterrupted one did (tests/test_fp8_delayed.py).
+the uninterrupted one did (tests/test_fp8_delayed.py). The pending record is empty between
+steps, where checkpoints are taken.
 
-Not here: an amax reduction over data-parallel or tensor-parallel ranks (Transformer
-Engine's `reduce_amax`), so config/fp8.py refuses delayed scaling under any parallelism,
-with recomputation (a recomputed forward would record twice and cast with another scale)
-and with routed experts.
+Not here: pipeline stages (the checkpoint names the histories by one chunk's module names)
+and routed experts: config/fp8.py refuses them. On a first step under tensor parallelism a
+shard's own amax is its slice's (as dynamic tensorwise under tp); the whole tensor's from
+the second step on.
 """
 
 from __future__ import annotations
@@ -67,25 +82,39 @@ from fivefold.numerics.fp8 import FP8Tensor
 SCALINGS = ("dynamic", "delayed")
 DEFAULT_HISTORY_LEN = 16  # torchao float8 DelayedScalingConfig.history_len (removed); TE: 1024
 BUFFER = "fp8_amax_history"
+PENDING = "fp8_amax_step"
 ROW = {"input": 0, "weight": 1, "grad": 2}
 
 
 @dataclass
 class DelayedState:
     """What one call of the FP8 linear needs: the module's history buffer, which of its
-    rows hold a record (the module's own list, updated here) and whether to record."""
+    rows hold a record (the module's own list, updated by `end_step`), whether to record,
+    and the step's pending record with which of its rows this step has folded into."""
 
     history: torch.Tensor
     filled: list
     record: bool
+    pending: torch.Tensor | None = None
+    recorded: list | None = None
+
+    def __post_init__(self):
+        if self.pending is None:  # a state made by hand (a trace): its own pending record
+            self.pending = torch.zeros(3, dtype=torch.float32, device=self.history.device)
+        if self.recorded is None:
+            self.recorded = [False] * 3
 
 
 def add_history(module: nn.Module, history_len: int) -> None:
-    """Give an FP8 linear its amax histories: (3, history_len) float32 zeros (no record)."""
+    """Give an FP8 linear its amax histories: (3, history_len) float32 zeros (no record),
+    and the step's pending record, (3,) zeros."""
     device = module.weight.device
     module.register_buffer(BUFFER, torch.zeros(3, history_len, dtype=torch.float32,
                                                device=device), persistent=False)
+    module.register_buffer(PENDING, torch.zeros(3, dtype=torch.float32, device=device),
+                           persistent=False)
     module._fp8_filled = None
+    module._fp8_recorded = [False] * 3
 
 
 def state_of(module: nn.Module) -> DelayedState | None:
@@ -96,7 +125,13 @@ def state_of(module: nn.Module) -> DelayedState | None:
         # (a trace on meta has no values: it shows the steady state, every row recorded)
         module._fp8_filled = ([True] * 3 if history.device.type == "meta"
                               else (history.amax(dim=1) > 0).tolist())
-    return DelayedState(history, module._fp8_filled, torch.is_grad_enabled())
+    return DelayedState(history, module._fp8_filled, torch.is_grad_enabled(),
+                        getattr(module, PENDING), module._fp8_recorded)
+
+
+def delayed_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of a model that keep an amax history, in module order."""
+    return [m for m in model.modules() if getattr(m, BUFFER, None) is not None]
 
 
 def histories(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -107,9 +142,35 @@ def histories(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def forget_filled(model: nn.Module) -> None:
     """After a checkpoint load wrote the histories: read which rows hold a record again."""
-    for m in model.modules():
-        if getattr(m, BUFFER, None) is not None:
-            m._fp8_filled = None
+    for m in delayed_modules(model):
+        m._fp8_filled = None
+
+
+def end_step(modules: list[nn.Module], reduce_max=None) -> None:
+    """Once per optimizer step: every module's pending record, reduced to its maximum over
+    the ranks that saw other tokens of the same tensors by `reduce_max` (an in-place
+    all_reduce(max) of one (L, 3) float32 tensor: the trainer's, over dp x cp), pushed into
+    its history; the pending records emptied.
+    Which rows recorded is host state that every rank of the group shares (they ran the
+    same code), so no rank waits on a value to decide what to push."""
+    modules = [m for m in modules if getattr(m, BUFFER, None) is not None]
+    if not modules:
+        return
+    pending = torch.stack([getattr(m, PENDING) for m in modules])  # (L, 3), one copy
+    if reduce_max is not None:
+        reduce_max(pending)
+    for m, record in zip(modules, pending):
+        history, rows = getattr(m, BUFFER), m._fp8_recorded
+        if all(rows):
+            history.copy_(torch.cat([record.unsqueeze(1), history[:, :-1]], dim=1))
+        else:
+            for row in (r for r in range(3) if rows[r]):
+                history[row].copy_(torch.cat([record[row:row + 1], history[row, :-1]]))
+        if any(rows):
+            filled = m._fp8_filled if m._fp8_filled is not None else [False] * 3
+            m._fp8_filled = [f or r for f, r in zip(filled, rows)]
+        getattr(m, PENDING).zero_()
+        m._fp8_recorded = [False] * 3
 
 
 def _fused(t: torch.Tensor) -> bool:
@@ -129,28 +190,35 @@ def cast(x: torch.Tensor, state: DelayedState, row: str, fmt: FloatFormat, want:
          want_t: bool = False, record: bool = True) -> tuple[FP8Tensor | None,
                                                              FP8Tensor | None]:
     """(x's codes if `want`, xᵀ's codes if `want_t`), one scale, from the history row (or,
-    with no record yet, from x's own amax); records x's amax when `record` and the state
-    records. On the CPU path xᵀ is the codes transposed (the same bytes)."""
-    hist = state.history[ROW[row]]
-    first = not state.filled[ROW[row]]
+    with no record yet, from x's own amax); folds x's amax into the step's pending record
+    when `record` and the state records. On the CPU path xᵀ is the codes transposed (the
+    same bytes)."""
+    i = ROW[row]
+    hist = state.history[i]
+    first = not state.filled[i]
+    # Wᵀ on a first step: W's own amax is what the forward folded into the pending record
+    # (W is the same in every micro-batch of the step), so no second amax pass over W
+    pending = first and not record and state.recorded[i]
     record = record and state.record
     if _fused(x):
-        source = fp8_cast.fp8_amax_partials(x) if first else hist
+        source = (state.pending[i:i + 1] if pending else
+                  fp8_cast.fp8_amax_partials(x) if first else hist)
         codes, codes_t, scale, amax = fp8_cast.fp8_cast_delayed(x, source, fmt.name, want,
                                                                 want_t)
         if record:
-            fp8_cast.fp8_history_push(hist, amax)
+            fp8_cast.fp8_amax_fold(state.pending[i:i + 1], amax)
         q = FP8Tensor(codes, scale, "tensorwise", fmt) if want else None
         qt = FP8Tensor(codes_t, scale, "tensorwise", fmt) if want_t else None
     else:
-        own = group_amax(x, "tensorwise").float().nan_to_num(nan=float("inf"))
+        own = (state.pending[i] if pending else
+               group_amax(x, "tensorwise").float().nan_to_num(nan=float("inf")))
         q = _cpu_cast(x, own if first else hist.max(), fmt)
         if record:
-            hist.copy_(torch.cat([own.reshape(1), hist[:-1]]))
+            torch.maximum(state.pending[i], own.reshape(()), out=state.pending[i])
         qt = q.t() if want_t else None
         q = q if want else None
     if record:
-        state.filled[ROW[row]] = True
+        state.recorded[i] = True
     return q, qt
 
 
@@ -162,7 +230,8 @@ def input_pair(x2: torch.Tensor, state: DelayedState) -> tuple[FP8Tensor, FP8Ten
 
 
 def weight(w: torch.Tensor, state: DelayedState, transposed: bool = False) -> FP8Tensor:
-    """W (forward: cast and recorded) or Wᵀ (backward: from the row after that record)."""
+    """W (forward: cast and recorded) or Wᵀ (backward: the forward's scale, not recorded
+    again)."""
     q, qt = cast(w, state, "weight", E4M3, not transposed, transposed,
                  record=not transposed)
     return qt if transposed else q

@@ -285,11 +285,13 @@ class FP8LinearFn:
     """A callable (x, weight, bias) -> y with FP8 GEMMs, for modules that take a pluggable
     GEMM (the tensor-parallel linears' `linear_fn`)."""
 
-    def __init__(self, recipe: FP8Recipe):
+    def __init__(self, recipe: FP8Recipe, module: nn.Module | None = None):
         self.recipe = recipe
+        self.module = module  # delayed scaling: the module whose amax histories it uses
 
     def __call__(self, x, weight, bias=None):
-        return fp8_linear(x, weight, bias, self.recipe)
+        state = delayed.state_of(self.module) if self.module is not None else None
+        return fp8_linear(x, weight, bias, self.recipe, None, state)
 
     def __repr__(self) -> str:
         return f"FP8LinearFn({self.recipe.name})"
@@ -315,6 +317,16 @@ class FP8LinearMixin:
     def extra_repr(self) -> str:
         scaling = ", delayed" if self.fp8_recipe.scaling == "delayed" else ""
         return f"{super().extra_repr()}, fp8={self.fp8_recipe.name}{scaling}"
+
+
+class FP8ShardMixin:
+    """Put before a tensor-parallel linear's class (its GEMM is `linear_fn`) under delayed
+    scaling: the module keeps the amax histories of its shard's operands, and materialising
+    a meta-built model (models/init.py) starts them empty."""
+
+    def reset_buffers(self) -> None:
+        if getattr(self, delayed.BUFFER, None) is not None:
+            delayed.add_history(self, self.linear_fn.recipe.history_len)
 
 
 class FP8Linear(FP8LinearMixin, nn.Linear):

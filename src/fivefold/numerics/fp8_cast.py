@@ -13,6 +13,7 @@ torch.compile keeps it as a call:
     fp8_cast_delayed       x, history       codes and/or codesᵀ, scale (),         1
                                             each 64x64 tile's amax
     fp8_history_push       history, amaxes  history (H floats)                     -
+    fp8_amax_fold          pending, amaxes  pending (1 float): max with the amaxes  -
     fp8_cast_rows          x                codes, scale (M, 1), column partials   1 (*)
     fp8_cast_cols          x, partials      codesᵀ (K, M), scale (K, 1)            1
     fp8_cast_tiles         x                codes, (M, K/128); codesᵀ, (K, M/128)  1
@@ -221,6 +222,22 @@ def fp8_history_push(history: torch.Tensor, amax: torch.Tensor) -> None:
 
 @fp8_history_push.register_fake
 def _(history, amax):
+    return None
+
+
+@torch.library.custom_op("fivefold::fp8_amax_fold", mutates_args=("pending",))
+def fp8_amax_fold(pending: torch.Tensor, amax: torch.Tensor) -> None:
+    """pending[0] = max(pending[0], max(amax)): a step's pending amax record (1,) takes one
+    more cast's tile amaxes (delayed scaling folds every cast of a step, lowp/delayed.py)."""
+    if triton_usable(pending.device):
+        kernels.amax_fold_kernel[(1,)](pending, amax, amax.numel(),
+                                       PB=min(1024, triton.next_power_of_2(amax.numel())))
+        return
+    pending.copy_(torch.maximum(pending, amax.max().reshape(1)))
+
+
+@fp8_amax_fold.register_fake
+def _(pending, amax):
     return None
 
 

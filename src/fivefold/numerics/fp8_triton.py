@@ -149,6 +149,16 @@ def history_push_kernel(hist_ptr, H, amax_ptr, P, HB: tl.constexpr, PB: tl.const
 
 
 @triton.jit
+def amax_fold_kernel(pending_ptr, amax_ptr, P, PB: tl.constexpr):
+    """One program: pending[0] = max(pending[0], max(amax[:P])) (the step's record)."""
+    acc = tl.zeros([PB], tl.float32)
+    for p0 in range(0, P, PB):
+        idx = p0 + tl.arange(0, PB)
+        acc = tl.maximum(acc, tl.load(amax_ptr + idx, mask=idx < P, other=0.0))
+    tl.store(pending_ptr, tl.maximum(tl.load(pending_ptr), tl.max(acc, axis=0)))
+
+
+@triton.jit
 def rows_cast_kernel(x_ptr, sxm, sxk, codes_ptr, scale_ptr, colpart_ptr, M, K,
                      FMAX: tl.constexpr, EPS: tl.constexpr, MBITS: tl.constexpr,
                      BIAS: tl.constexpr, POW2: tl.constexpr, COLS: tl.constexpr,

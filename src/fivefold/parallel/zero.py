@@ -417,6 +417,7 @@ class DataParallelOptimizer:
             "grad_buffer": grad_buffer,
             "comm_buffers": lambda: [*reducer.staging.values(),
                                      *(gatherer.full if gatherer is not None else []),
+                                     *(gatherer.fp8_buffers() if gatherer is not None else []),
                                      *(self.frozen.full if self.frozen is not None else []),
                                      *self._optimizer_gathered()]}
 

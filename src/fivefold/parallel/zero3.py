@@ -224,6 +224,16 @@ class ParamGatherer:
         return ([u for u in last_first if self.units[u].kind == "block"]
                 + [u for u in last_first if self.units[u].kind == "rest"])
 
+    def fp8_buffers(self) -> list[torch.Tensor]:
+        """The FP8 gather's own memory (zero3_fp8.py), beside the units' buffers: each
+        gathered FP8 unit's codes (1 byte per element of the unit; 0 once freed) and the
+        messages of a gather in flight (its send and receive buffers)."""
+        held = [unit.bytes for unit in self.fp8.values()]
+        for handle in self.handles.values():  # an FP8 unit's pending gather holds both
+            held += [t for t in (getattr(handle, "out", None), getattr(handle, "send", None))
+                     if t is not None]
+        return held
+
     def gathered_tensors(self) -> list[torch.Tensor]:
         return [self.shard, *self.full]
 

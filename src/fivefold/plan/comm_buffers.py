@@ -5,6 +5,7 @@ parallelism's K/V blocks and expert parallelism's dispatch buffers."""
 from __future__ import annotations
 
 from fivefold.plan.activations import kv_heads_per_rank
+from fivefold.plan.fp8 import fp8_gather_terms
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.model_states import bytes_per_param, layer_param_counts, rank_param_counts
 from fivefold.plan.placement import chunk_layer_counts, num_chunks, rank_chunks
@@ -69,6 +70,7 @@ def _dp_bucket_bytes(work: Workload, layout: Layout, rank: int) -> float:
             sum(layer_param_counts(mc, layout.tp, layout.ep).values())), shards)
     layers, chunks = chunk_layer_counts(mc, layout), rank_chunks(layout, rank)
     last = num_chunks(layout) - 1
+    fp8_pair = fp8_gather_buffers(work, layout, per_layer)
     # A tied head on another rank than the embedding holds its own copy; on the same rank
     # it uses the embedding (the same weight, or borrowed and gathered again: DualPipeV).
     tied_across = mc.tie_embeddings and layout.pp > 1 and ((0 in chunks) != (last in chunks))
@@ -81,13 +83,13 @@ def _dp_bucket_bytes(work: Workload, layout: Layout, rank: int) -> float:
             borrowed = vocab if mc.tie_embeddings and c != 0 and 0 in chunks else 0.0
         gathered = (rest + borrowed) * bpp.param
         peak = max(peak, gathered + min(2, layers[c]) * per_layer * bpp.param
-                   + min(2, layers[c]) * frozen)
+                   + min(2, layers[c]) * frozen + fp8_pair(min(2, layers[c])))
         if not tied_across:
             staged = (rest if c == last else 0.0) * bpp.grad
-            blocks = max((min(2, n + 1) * bpp.param
-                          + (1 + min(k - 1, layers[c] - 1 - n)) * bpp.grad
-                          for n in range(layers[c])), default=0)
-            peak = max(peak, gathered + staged + blocks * per_layer)
+            blocks = max(((min(2, n + 1) * bpp.param
+                           + (1 + min(k - 1, layers[c] - 1 - n)) * bpp.grad) * per_layer
+                          + fp8_pair(min(2, n + 1)) for n in range(layers[c])), default=0)
+            peak = max(peak, gathered + staged + blocks)
             if frozen:  # blocks n and n-1's frozen bases are gathered with their adapters
                 peak = max(peak, gathered + staged + max(
                     min(2, n + 1) * (bpp.param * per_layer + frozen)
@@ -118,3 +120,23 @@ def comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
     if layout.ep > 1:
         total += 2 * tokens * mc.experts_top_k * mc.hidden_size * B
     return total
+
+
+def fp8_gather_buffers(work: Workload, layout: Layout, per_layer: float):
+    """parallel.fp8_allgather's own bytes beside m gathered blocks (parallel/zero3.py
+    `fp8_buffers`), as a function of m: the block in use holds its FP8 codes (a byte per
+    element of its unit), the prefetched one, its gather in flight, the messages: the
+    receive buffer of every rank's message and this rank's send buffer, (n + 1)/n of the
+    unit's FP8 weights at 1 byte and its other elements at their dtype's (n: dp x cp). Each
+    message is padded to the longest rank's and to the dtype's alignment: a few hundred
+    bytes the planner leaves out (tests/test_fp8_gather_memory.py bounds them)."""
+    shards = layout.dp * layout.cp
+    mc = work.model
+    moe_layers = mc.num_experts > 0  # a MoE model's blocks: mostly MoE layers
+    fp8 = fp8_gather_terms(work, layout, 0.0 if moe_layers else 1.0, 1.0 if moe_layers else 0.0,
+                           kv_heads_per_rank(mc, layout.tp))[0]
+    if not fp8:
+        return lambda m: 0.0
+    param = bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes).param
+    flight = (shards + 1) / shards * (fp8 + param * (per_layer - fp8))
+    return lambda m: 0.0 if m < 1 else per_layer + (m - 1) * flight

@@ -87,3 +87,15 @@ def fp8_gather_terms(work, layout, dense: float, moe: float, kv_heads: int
     elements = (dense + moe) * attn + dense * mlp + moe * linears * h * shared
     weights = 4 * (dense + moe) + linears * (dense + (moe if shared else 0))
     return elements, weights
+
+
+def delayed_amax_records(work, layers: float) -> float:
+    """The fp32 amax records delayed scaling (train.fp8_scaling = delayed, lowp/delayed.py)
+    reduces in its one all_reduce(max) over every rank a step: x, W and ∂y of every FP8
+    linear of the `layers` (q, k, v, o and the MLP's, a tp shard each; delayed scaling runs
+    without pp and routed experts). A train.fp8_keep_out linear records nothing; this still
+    counts it (a few bytes)."""
+    if work.precision != "fp8" or getattr(work, "fp8_scaling", "dynamic") != "delayed":
+        return 0.0
+    linears = 4 + (3 if work.model.mlp == "swiglu" else 2)
+    return 3 * linears * layers

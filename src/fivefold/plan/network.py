@@ -48,8 +48,11 @@ def group_shape(layout: Layout, group: str) -> tuple[int, int]:
     """(size, stride) of a group in the rank grid, ranks placed in `layout.rank_order`
     (tp fastest, then cp, dp, pp for the engine; Layout.stride). EP groups are carved from cp
     first, then dp. dp × cp spans the farther of the two dimensions; its members sit the
-    nearer one's stride apart. pp: two neighbours one pp step apart."""
+    nearer one's stride apart. pp: two neighbours one pp step apart. world: every rank
+    (delayed FP8 scaling's amax records, whose runs have no pp)."""
     lay = layout
+    if group == "world":
+        return lay.dp * lay.cp * lay.tp * lay.pp, 1
     if group == "tp":
         return lay.tp, lay.stride("tp")
     if group == "cp":

@@ -25,6 +25,7 @@ from fivefold.finetune.attach import (
     frozen_state,
     lora_enabled,
 )
+from fivefold.lowp.delayed import delayed_modules, end_step
 from fivefold.models.init import build_meta
 from fivefold.parallel import comm, peak
 from fivefold.parallel.apply import ParallelModel, parallelize
@@ -106,6 +107,8 @@ class Trainer:
                                  recompute_policies=self.recompute_policies)
         if self.is_logger and self.model.fp8_line:
             print(self.model.fp8_line, flush=True)
+        # delayed FP8 scaling: the linears whose amax records end_step folds each step
+        self.fp8_delayed = [m for chunk in self.model.chunks for m in delayed_modules(chunk)]
         if cfg.model.hf_path:
             self._load_hf_weights()
         elif cfg.model.init_from:
@@ -207,6 +210,14 @@ class Trainer:
 
         return shard_batch(micro_batches, self.cfg.parallel.cp_layout, self.dims["cp"])
 
+    def _amax_max(self, records: torch.Tensor) -> None:
+        """Delayed FP8 scaling's records: one all_reduce(max) over every rank (delayed
+        scaling runs without pp): dp and cp ranks saw other tokens of the same tensors, tp
+        ranks other slices of them (Transformer Engine's amax reduction group)."""
+        group = self.dims["world"]
+        if group.size > 1:
+            comm.all_reduce(records, group, op="max")
+
     def forward_backward(self, micro_batches, num_tokens: int) -> torch.Tensor:
         """Run every micro-batch; returns this rank's summed loss (0 off the last stage)."""
         if self.pipeline is not None:
@@ -288,6 +299,8 @@ class Trainer:
         if self.moe is not None:
             self.moe.begin_step(self.scaler.scale, self.cfg.train.gbs)
         loss_sum = self.forward_backward(micro_batches, num_tokens)
+        # the step's amax records, max over the ranks that saw other tokens (lowp/delayed.py)
+        end_step(self.fp8_delayed, self._amax_max)
         self.optimizer.finish_grad_sync()
         lr = lr_at(self.step, self.cfg.train)
         stats = self.optimizer.step(lr, loss=loss_sum)
