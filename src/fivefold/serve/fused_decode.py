@@ -60,7 +60,7 @@ def norm_scales(fused) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 class _Group:
-    __slots__ = ("buf", "index", "q", "kb", "vb", "bias", "out")
+    __slots__ = ("buf", "index", "src", "q", "kb", "vb", "bias", "out")
 
 
 def decode_layers(fused, h: torch.Tensor, positions: torch.Tensor, cache, first: int,
@@ -107,10 +107,14 @@ def decode_layers(fused, h: torch.Tensor, positions: torch.Tensor, cache, first:
         else:  # every layer's K and V of the group: views of the pool, nothing gathered
             first_block, stride = group.stripe
             pool = cache.kv_ext.narrow(2, first_block * bs, (hi - lo) * stride * bs)
-            pool = pool.view(2, -1, hi - lo, stride * bs, KV, d).narrow(3, 0, width)
+            pool = pool.view(2, -1, hi - lo, stride * bs, KV, d)
             g.index = None
-            g.kb, g.vb = (x.transpose(2, 3).unbind(0) for x in pool.unbind(0))
-            g.bias = cache.decode_bias(group, g.kb[0])
+            g.src = pool.narrow(3, 0, nb * bs).permute(1, 0, 2, 3, 4, 5).unbind(0)
+            g.buf = rows.new_empty(2, hi - lo, nb * bs, KV, d)
+            kb, vb = g.buf.unbind(0)
+            kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)
+            g.bias = cache.decode_bias(group, kb)
+            g.kb, g.vb = kb.narrow(2, 0, width), vb.narrow(2, 0, width)
         g.q = qkv.as_strided((hi - lo, KV, rep, d), (W, rep * d, d, 1), base + lo * W)
         g.out = None if single else attn[lo:hi].view(hi - lo, KV, rep, d)
         groups.append(g)
@@ -132,10 +136,10 @@ def decode_layers(fused, h: torch.Tensor, positions: torch.Tensor, cache, first:
         kv_layers[j].index_copy_(1, slots, kv)
         for g in groups:
             if g.index is None:
-                o = sdpa(g.q, g.kb[j], g.vb[j], attn_mask=g.bias)
+                g.buf.copy_(g.src[j])
             else:
                 index_select(rows, 0, g.index[j], out=g.buf)
-                o = sdpa(g.q, g.kb, g.vb, attn_mask=g.bias)
+            o = sdpa(g.q, g.kb, g.vb, attn_mask=g.bias)
             if single:
                 attn = o.view(T, H * d)
             else:
