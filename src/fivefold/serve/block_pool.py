@@ -44,19 +44,13 @@ class BlockPool:
     def cached_block(self, block_hash: int) -> KVBlock | None:
         return self._cached.get(block_hash)
 
-    def allocate(self, count: int, prefer: list[int] | None = None) -> list[KVBlock]:
-        """`count` fresh blocks (reference count 1); the caller checked `num_free` first.
-        `prefer`: the id wanted for each, taken where that block is free and holds no
-        cached content (a stripe, kv_cache_manager.py), else the free list's first."""
+    def allocate(self, count: int) -> list[KVBlock]:
+        """`count` fresh blocks (reference count 1); the caller checked `num_free` first."""
         if count > len(self._free):
             raise RuntimeError(f"asked for {count} blocks with {len(self._free)} free")
         out = []
-        for i in range(count):
-            want = self._free.get(prefer[i]) if prefer is not None else None
-            if want is not None and want.block_hash is None:
-                block = self._free.pop(want.block_id)
-            else:
-                _, block = self._free.popitem(last=False)
+        for _ in range(count):
+            _, block = self._free.popitem(last=False)
             if block.block_hash is not None:  # its old content is about to be overwritten
                 if self._cached.get(block.block_hash) is block:
                     del self._cached[block.block_hash]

@@ -127,11 +127,6 @@ class Engine:
             self.runner.static = StaticDecode(self.runner.fused, self.cache,
                                               self.max_model_len, max_num_seqs,
                                               capture=cuda_graphs != "static")
-        # the float32 CPU decode step reads a batch admitted together as a strided view of
-        # the pool when its blocks lie in stripes (kv_cache_manager.py, fused_decode.py)
-        if self.runner.fused is not None and self.runner.static is None and \
-                self.device.type == "cpu" and store == torch.float32 and dtype == torch.float32:
-            self.kv.set_stripe(cdiv(self.max_model_len, block_size))
         self.detokenize = detokenize
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(seed)

@@ -60,7 +60,7 @@ def norm_scales(fused) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 class _Group:
-    __slots__ = ("buf", "index", "src", "q", "kb", "vb", "bias", "out")
+    __slots__ = ("buf", "index", "q", "kb", "vb", "bias", "out")
 
 
 def decode_layers(fused, h: torch.Tensor, positions: torch.Tensor, cache, first: int,
@@ -96,25 +96,14 @@ def decode_layers(fused, h: torch.Tensor, positions: torch.Tensor, cache, first:
         g = _Group()
         lo, hi = group.span
         nb = group.tables.shape[1]
-        width = group.length if group.uniform else nb * bs
-        if group.stripe is None:
-            g.index = (group.tables.view(1, 1, -1) + offsets).flatten(1).unbind(0)
-            g.buf = rows.new_empty(2 * (hi - lo) * nb, rows.shape[1])
-            kb, vb = g.buf.view(2, hi - lo, nb * bs, KV, d).unbind(0)
-            kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)
-            g.bias = cache.decode_bias(group, kb)
-            g.kb, g.vb = kb.narrow(2, 0, width), vb.narrow(2, 0, width)
-        else:  # every layer's K and V of the group: views of the pool, nothing gathered
-            first_block, stride = group.stripe
-            pool = cache.kv_ext.narrow(2, first_block * bs, (hi - lo) * stride * bs)
-            pool = pool.view(2, -1, hi - lo, stride * bs, KV, d)
-            g.index = None
-            g.src = pool.narrow(3, 0, nb * bs).permute(1, 0, 2, 3, 4, 5).unbind(0)
-            g.buf = rows.new_empty(2, hi - lo, nb * bs, KV, d)
-            kb, vb = g.buf.unbind(0)
-            kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)
-            g.bias = cache.decode_bias(group, kb)
-            g.kb, g.vb = kb.narrow(2, 0, width), vb.narrow(2, 0, width)
+        g.index = (group.tables.view(1, 1, -1) + offsets).flatten(1).unbind(0)
+        g.buf = rows.new_empty(2 * (hi - lo) * nb, rows.shape[1])
+        kb, vb = g.buf.view(2, hi - lo, nb * bs, KV, d).unbind(0)
+        kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)
+        g.bias = cache.decode_bias(group, kb)
+        if group.uniform:
+            kb, vb = kb.narrow(2, 0, group.length), vb.narrow(2, 0, group.length)
+        g.kb, g.vb = kb, vb
         g.q = qkv.as_strided((hi - lo, KV, rep, d), (W, rep * d, d, 1), base + lo * W)
         g.out = None if single else attn[lo:hi].view(hi - lo, KV, rep, d)
         groups.append(g)
@@ -135,10 +124,7 @@ def decode_layers(fused, h: torch.Tensor, positions: torch.Tensor, cache, first:
         qk.mul_(cos).addcmul_(rot, sin)
         kv_layers[j].index_copy_(1, slots, kv)
         for g in groups:
-            if g.index is None:
-                g.buf.copy_(g.src[j])
-            else:
-                index_select(rows, 0, g.index[j], out=g.buf)
+            index_select(rows, 0, g.index[j], out=g.buf)
             o = sdpa(g.q, g.kb, g.vb, attn_mask=g.bias)
             if single:
                 attn = o.view(T, H * d)

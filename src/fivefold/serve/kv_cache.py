@@ -95,9 +95,6 @@ class DecodeGroup:
     length: int  # the longest context
     uniform: bool  # every length the same: keys cut at it, no mask
     bias: torch.Tensor | None = None  # (g, 1, 1, nb · block_size): 0 or -inf, set by layer 0
-    # (first block b, stride S) when the group's K/V is one strided view of the pool
-    # (sequence i's blocks b + i·S, b + i·S + 1, ...): read there, no gather (fused_decode)
-    stripe: tuple[int, int] | None = None
 
 
 @dataclass

@@ -8,24 +8,12 @@ prompt's full blocks already in the cache, by the chained hash of each block's t
 shared, partly filled last block it gets a private copy first (copy-on-write), and the copy
 is queued in `pending_copies` for the runner to perform before the next forward.
 
-Stripes (`stripe = S` blocks, set by the engine for the CPU's float32 decode step,
-serve/fused_decode.py): the pool is cut into regions of S blocks, a request gets the lowest
-free region when it first takes blocks, and its j-th block is the region's j-th where that
-block is free and holds no cached content. Requests admitted together then sit in
-consecutive regions, each sequence's context in one run of slots at a fixed stride, so a
-decode step can read the batch's K/V as a strided view of the pool, with no gather.
-`region_base(rid)` is the first block of the request's region while every block of its table
-is there (None once one is not: a prefix hit, a fork, a copy-on-write, or a block taken by
-another request); only which free blocks are handed out changes, never how many.
-
 Sources: vLLM v1 `kv_cache_manager.py` (allocate_slots returns None; full blocks are hashed
 when allocated, so requests admitted in the same step share them), nano-vllm
 `block_manager.py`. This module imports no torch.
 """
 
 from __future__ import annotations
-
-import bisect
 
 from fivefold.serve.block_pool import BlockPool, KVBlock
 from fivefold.serve.request import Request
@@ -51,21 +39,6 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (source block, destination block)
         self.prefix_hit_tokens = 0
-        self.stripe: int | None = None  # blocks a region (see the module docstring)
-        self._region: dict[str, int] = {}  # request -> its region's index
-        self._striped: dict[str, bool] = {}  # every block of its table in its region
-        self._free_regions: list[int] = []
-
-    def set_stripe(self, blocks: int | None) -> None:
-        """Stripes of `blocks` blocks a region (None: off); before any request."""
-        self.stripe = blocks
-        self._free_regions = list(range(self.num_blocks // blocks)) if blocks else []
-
-    def region_base(self, request_id: str) -> int | None:
-        """The first block of the request's region while its whole table lies there."""
-        if not self._striped.get(request_id):
-            return None
-        return self._region[request_id] * self.stripe
 
     @property
     def num_blocks(self) -> int:
@@ -123,23 +96,7 @@ class KVCacheManager:
             self.pending_copies.append((blocks[index].block_id, copy.block_id))
             self.pool.release([blocks[index]])
             blocks[index] = copy
-        prefer = None
-        if self.stripe and not blocks and request.request_id not in self._region and \
-                self._free_regions:
-            self._region[request.request_id] = self._free_regions.pop(0)
-            self._striped[request.request_id] = True
-        rid = request.request_id
-        if computed_blocks or cow:
-            self._striped[rid] = False
-        if self._striped.get(rid):
-            first = self._region[rid] * self.stripe + len(blocks)
-            prefer = list(range(first, first + max(num_new_blocks, 0)))
-            prefer = prefer if len(blocks) + len(prefer) <= self.stripe else None
-        new_blocks = self.pool.allocate(max(num_new_blocks, 0), prefer)
-        if prefer is not None:
-            self._striped[rid] = all(b.block_id == i for b, i in zip(new_blocks, prefer))
-        elif new_blocks and rid in self._striped:
-            self._striped[rid] = False
+        new_blocks = self.pool.allocate(max(num_new_blocks, 0))
         blocks.extend(new_blocks)
         if self.enable_prefix_caching:
             self._register_full_blocks(request, total)
@@ -167,9 +124,6 @@ class KVCacheManager:
         free list hands out a sequence's last blocks before its shared prefix."""
         rid = request.request_id
         self.pool.release(reversed(self.req_blocks.pop(rid, [])))
-        if rid in self._region:
-            self._striped.pop(rid)
-            bisect.insort(self._free_regions, self._region.pop(rid))
         self._hashes.pop(rid, None)
         self._num_registered.pop(rid, None)
 

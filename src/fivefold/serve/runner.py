@@ -79,7 +79,6 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         rows, lens, tables, prefills = [], [], [], []
-        bases, stripe = [], self.kv.stripe  # regions of the striped layout (kv_cache_manager)
         sample_rows, sample_ids = [], []
         for request, num_new in out.scheduled:
             begin, start = len(tokens), request.num_computed_tokens
@@ -97,7 +96,6 @@ class ModelRunner:
                 rows.append(begin)
                 lens.append(end)
                 tables.append(table[:start // bs + 1])
-                bases.append(stripe and self.kv.region_base(request.request_id))
             else:  # a fresh prompt needs no table: it attends to its own new keys
                 prefills.append((begin, begin + num_new, start, list(table) if start else []))
             if end == request.num_tokens:
@@ -114,14 +112,13 @@ class ModelRunner:
                     stale.extend(range(table[-1] * bs + (length - 1) % bs + 1,
                                        (table[-1] + 1) * bs))
             groups.append((first, size, width,
-                           [b for t in group_tables for b in t + t[-1:] * (width - len(t))],
-                           self._striped(bases[first:first + size], group_tables, width)))
+                           [b for t in group_tables for b in t + t[-1:] * (width - len(t))]))
             first += size
         tokens_t, positions_t, slots_t, sample_t, rows_t, lens_t, stale_t, *rest = self._upload(
             [tokens, positions, slots, sample_rows, rows, lens, stale,
-             *(group[3] for group in groups), *(table for *_, table in prefills)])
+             *(padded for *_, padded in groups), *(table for *_, table in prefills)])
         batch = PagedBatch(slot_mapping=slots_t, stale_slots=stale_t if stale else None)
-        for (first, size, width, _, base), tables_t in zip(groups, rest):
+        for (first, size, width, _), tables_t in zip(groups, rest):
             last = first + size - 1
             span = (rows[first], rows[last] + 1) if rows[last] - rows[first] == size - 1 \
                 else None  # one run of rows: a slice, no gather
@@ -129,24 +126,11 @@ class ModelRunner:
             batch.decodes.append(DecodeGroup(
                 rows_t[first:first + size], span, lens_t[first:first + size],
                 tables_t.view(size, width), max(group_lens),
-                min(group_lens) == max(group_lens), stripe=base))
+                min(group_lens) == max(group_lens)))
         contexts = rest[len(groups):]
         batch.prefills = [Prefill(begin, end, start, context if start else None)
                           for (begin, end, start, _), context in zip(prefills, contexts)]
         return StepInputs(tokens_t[None], positions_t, batch, sample_t, sample_ids)
-
-    def _striped(self, bases: list, tables: list[list[int]],
-                 width: int) -> tuple[int, int] | None:
-        """(first block, blocks between rows) of a decode group's K/V when it is one strided
-        view of the pool:
-        its rows' regions consecutive and each table as wide as the group's (so what the
-        view reads past a length is the sequence's own last block, zeroed); else None."""
-        if not bases or bases[0] is None or self.fused is None or \
-                any(len(t) != width for t in tables):
-            return None
-        stride, first = self.kv.stripe, bases[0]
-        ok = all(b == first + i * stride for i, b in enumerate(bases))
-        return (first, stride) if ok else None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepLogits:
