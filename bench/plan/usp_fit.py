@@ -28,8 +28,6 @@ TIME_GRIDS = {
     "tp_inter_step_us": (0.0, 50.0, 100.0, 125.0, 150.0, 175.0, 200.0, 250.0, 300.0,
                          400.0),  # µs per
     # node-crossing step of a TP call beyond the network's hop
-    "ddp_pp_message_ms": (0.0, 100.0, 200.0, 250.0, 300.0, 350.0),  # ms each pipeline
-    # message holds the host under DDP (ZeRO-0, dp > 1)
 }
 TIME_FITTED = tuple(TIME_GRIDS)
 FITTED = MEMORY_FITTED + TIME_FITTED + ("memory_headroom_gib",)
