@@ -6,15 +6,17 @@ import math
 
 import pytest
 
+from fivefold.errors import ConfigError
 from fivefold.models.presets import preset
 from fivefold.plan.cli_entry import main
-from fivefold.plan.comm import Collective
+from fivefold.plan.comm import Collective, collectives
 from fivefold.plan.hardware import CATALOG, Assumptions, get_hardware
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.network import (
     blocked_host_s,
     call_latency_s,
     collective_time,
+    ddp_pp_message_s,
     group_link,
     nccl_algorithms,
     ring_steps,
@@ -268,3 +270,29 @@ def test_tp_steps_between_nodes_pay_the_engines_fitted_step_time():
         work, lay, hw, dataclasses.replace(base, tp_inter_step_us=0.0)).total
     assert step_time(work, lay, hw, dataclasses.replace(base, tp_inter_step_us=150.0)
                      ).tp_comm > step_time(work, lay, hw, base).tp_comm
+
+
+def test_ddp_pipeline_messages_hold_the_host_each_in_turn():
+    """ddp_pp_message_ms: under DDP (ZeRO-0, dp > 1) each of a pipeline rank's sends and
+    receives holds the host that long, one after the other: per micro-batch 2 on the first
+    and last stage, 4 on an interior one, which then paces the pipeline. ZeRO-1, dp = 1 and
+    the default 0 move nothing."""
+    work = Workload(preset("llama-3.2-1b"), seq_len=2048, gbs=64)
+    hw, base = get_hardware("h100")
+    held = dataclasses.replace(base, ddp_pp_message_ms=300.0)
+    for pp, inner in ((2, 2), (4, 4)):
+        lay = Layout(dp=4, pp=pp, zero=0, mbs=1, schedule="1f1b")
+        m = work.num_microbatches(lay)
+        per_rank = [sum(ddp_pp_message_s(c, held, lay) for c in collectives(work, lay, r))
+                    for r in range(pp)]
+        assert per_rank[0] == per_rank[-1] == pytest.approx(2 * m * 0.3, rel=1e-12)
+        assert max(per_rank) == pytest.approx(inner * m * 0.3, rel=1e-12)
+        plain, slow = step_time(work, lay, hw, base), step_time(work, lay, hw, held)
+        assert inner * m * 0.3 <= slow.pp_comm <= inner * m * 0.3 + 2 * plain.pp_comm
+        assert step_time(work, lay, hw, dataclasses.replace(
+            base, ddp_pp_message_ms=0.0)).total == plain.total
+        for other in (lay.replace(zero=1), lay.replace(dp=1)):
+            assert step_time(work, other, hw, held).total == step_time(
+                work, other, hw, base).total
+    with pytest.raises(ConfigError):
+        get_hardware("h100", {"ddp_pp_message_ms": -1.0})

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from usp_calibration import BEFORE, OUT, PREVIOUS, ROOT, ROUND
+from usp_doc_pipeline import pipeline_lines
 
 DOC = ROOT / "docs" / "planner-validation.md"
 # The planner before TP steps between nodes took nanotron's fitted time (tp_inter_step_us).
@@ -400,23 +401,14 @@ def _misses(now: dict) -> list[str]:
         f"{r(ratio, 'tp32 pp1')} at pp 1 and tp 16 over two {r(ratio, 'tp16 pp1')} "
         f"(tp 8 {r(ratio, 'tp8 pp1')}); with pp > 1, tp 32 reads {r(ratio, 'tp32 pp2')} "
         f"at pp 2 and {r(ratio, 'tp32 pp4')} at pp 4, the ZeRO-0 runs below.",
-        "- What no term here explains: pipeline runs that take 1.2-1.4 s per micro-batch "
-        "whatever the model (e.g. 3B dp4 tp4 pp8 mbs1, 1,174 ms; 8B dp4 tp4 pp8 mbs1, "
-        "1,208 ms), most of them ZeRO-0 with dp > 1 (3B dp16 tp1 pp8 mbs1 on 128: 378 "
-        "tokens/s per GPU with ZeRO-0, 9,504 with ZeRO-1). On the 128-GPU runs ZeRO-0 "
-        f"with dp > 1 reads {r(zero, 'zero0 pp1 dp>1')} at pp 1, "
+    ] + pipeline_lines(now, (
+        f"ZeRO-0 with dp > 1 {r(zero, 'zero0 pp1 dp>1')} at pp 1, "
         f"{r(zero, 'zero0 pp2 dp>1')} at pp 2, {r(zero, 'zero0 pp4 dp>1')} at pp 4, "
-        f"{r(zero, 'zero0 pp8 dp>1')} at pp 8 and {r(zero, 'zero0 pp16 dp>1')} at pp 16 "
-        f"(with dp 1: {r(zero, 'zero0 pp2 dp1')}, {r(zero, 'zero0 pp4 dp1')}, "
-        f"{r(zero, 'zero0 pp8 dp1')} at pp 2, 4, 8; ZeRO-1 with dp > 1: "
+        f"{r(zero, 'zero0 pp8 dp>1')} at pp 8, {r(zero, 'zero0 pp16 dp>1')} at pp 16; "
+        f"with dp 1 {r(zero, 'zero0 pp2 dp1')}, {r(zero, 'zero0 pp4 dp1')}, "
+        f"{r(zero, 'zero0 pp8 dp1')} at pp 2, 4, 8; ZeRO-1 with dp > 1 "
         f"{r(zero, 'zero1 pp2 dp>1')}, {r(zero, 'zero1 pp4 dp>1')}, "
-        f"{r(zero, 'zero1 pp8 dp>1')}): with dp > 1 the slowdown grows with the "
-        "pipeline's depth while each stage's gradients shrink, on 16 GPUs it shows with "
-        "dp 4 and 8 but not dp 2, and it strikes runs without any DP all-reduce too (dp 1 "
-        "at pp 4 on 128 GPUs is tp 32 over four nodes), so neither DDP's all-reduce per "
-        "micro-batch (its bytes fall with pp) nor a latency fits it; the fit caps each "
-        "run's error at 2x so that they do not set the factors.",
-    ] + _scale_line(b)
+        f"{r(zero, 'zero1 pp8 dp>1')}")) + _scale_line(b)
 
 
 def _scale_line(b: dict) -> list[str]:

@@ -123,6 +123,10 @@ CONVENTIONS: dict[str, Convention] = {
         # pipeline blocks the host on its messages (times √(2 ln N) for the slowest of N
         # ranks), the spread of a rank's time (stragglers), and the time a TP call's ring
         # step between nodes takes beyond the network's hop (150 µs on either half alone).
+        # `ddp_pp_message_ms` stays 0: the wait per pipeline message under DDP (ZeRO-0,
+        # dp > 1; trainer.py `_init_model`, pipeline_parallel/state.py `run_communication`)
+        # fits 0 on the 16-GPU runs and 250 ms on the 128-GPU ones, so it does not carry
+        # (docs/planner-validation.md; bench/results/usp_calibration_ddp_trial.json).
         {"activation_reserve": 0.25, "loss_reserve": 0.0, "head_token_bytes": 82.0,
          "host_layer_ms": 4.0, "pp_message_ms": 2.0, "inter_node_rails": 0.5,
          "pp_blocking_latency_us": 60.0, "straggler_sigma": 0.04,

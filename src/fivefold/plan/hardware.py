@@ -134,6 +134,12 @@ class Assumptions:
     # reduce-scatter (2(k − 1) of an all-reduce), every call on the critical path
     # (plan/network.py hop_latency_s; fitted per engine, 0 for the engine itself).
     tp_inter_step_us: float = 0.0
+    # Host time each pipeline send or receive of a rank takes when ZeRO-0 runs data
+    # parallel under DDP (dp > 1, pp > 1), in ms, on every micro-batch's critical path: an
+    # engine whose pipeline passes one blocking message at a time pays it 2 times per
+    # micro-batch on its first and last stage, 4 times in between (plan/network.py
+    # call_time; fitted per engine, 0 for the engine itself).
+    ddp_pp_message_ms: float = 0.0
     price_per_gpu_hour: float = 0.0  # for the whole-run cost (--tokens); 0: not priced
 
 
@@ -184,7 +190,7 @@ _MAY_BE_ZERO = ("fp8_tflops", "compute_overhead", "intra_latency_us", "inter_lat
                 "activation_reserve", "loss_reserve", "head_token_bytes", "host_layer_ms",
                 "pp_message_ms", "host_memory_gib", "inter_node_rails", "memory_headroom_gib",
                 "leaf_nodes", "spine_latency_us", "straggler_sigma", "pp_blocking_latency_us",
-                "tp_inter_step_us")
+                "tp_inter_step_us", "ddp_pp_message_ms")
 _AT_MOST_ONE = ("tp_overlap", "inter_node_rails")
 
 

@@ -236,8 +236,24 @@ def call_time(c: Collective, hw: Hardware, assume: Assumptions, layout: Layout,
               bucket_bytes: float) -> float:
     """`collective_time` of one of a rank's collectives as a step pays it: the gradient
     groups' in buckets; a pipeline message duplex (send ∥ recv), each with its fixed
-    overhead (`assume.pp_message_ms`)."""
+    overhead (`assume.pp_message_ms`), and, under DDP, each message's hold on the host
+    (`ddp_pp_message_s`)."""
     if c.group == "pp":
-        return (collective_time(c, hw, assume, layout)
-                + c.calls * assume.pp_message_ms * 1e-3) / 2
+        return ((collective_time(c, hw, assume, layout)
+                 + c.calls * assume.pp_message_ms * 1e-3) / 2
+                + ddp_pp_message_s(c, assume, layout))
     return collective_time(c, hw, assume, layout, bucket_bytes if c.group in DP_GROUPS else 0.0)
+
+
+def ddp_pp_message_s(c: Collective, assume: Assumptions, layout: Layout) -> float:
+    """Seconds a rank's pipeline sends or receives (`c`) hold the host in a step when
+    ZeRO-0 trains data parallel under DDP: `ddp_pp_message_ms` per message, not halved
+    as a duplex pair is, since an engine that passes one blocking message at a time
+    (nanotron: parallel/pipeline_parallel/state.py `run_communication`, p2p.py
+    `send_tensors`, `recv_tensors`) waits on each in turn: 2 per micro-batch on the first
+    and last stage, 4 in between. Fitted per engine (the wait's size is not in the code);
+    0 for the engine itself, and where there is no DDP (ZeRO ≥ 1, dp = 1)."""
+    if (c.group != "pp" or c.op not in ("send", "recv") or layout.zero != 0
+            or layout.dp == 1 or not assume.ddp_pp_message_ms):
+        return 0.0
+    return c.calls * assume.ddp_pp_message_ms * 1e-3

@@ -45,6 +45,7 @@ from fivefold.plan.network import (  # noqa: F401 (re-exported: timing's names b
     blocked_host_s,
     call_time,
     collective_time,
+    ddp_pp_message_s,
     group_link,
     rail_gbps,
 )
@@ -173,7 +174,7 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
     m = work.num_microbatches(lay)
     bucket = work.bucket_mb * 1e6
     worst = None
-    for rank in critical_ranks(work.model, lay):
+    for rank in _timed_ranks(work, lay, assume):
         rc = rank_compute(work, lay, hw, assume, rank)
         colls = collectives(work, lay, rank)
         per = {"tp": 0.0, "cp": 0.0, "ep": 0.0, "pp": 0.0}
@@ -219,8 +220,10 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
                           + max(0.0, dp["step"] - rc.forward))
         if any(dp.values()):
             exposed_dp = max(exposed_dp, _one_bucket(work, lay, hw, assume, bucket))
-        entry = (mb + (tp + cp + per["ep"]) / m, rc, tp, cp, per["ep"], per["pp"], exposed_dp,
-                 rank)
+        # The messages' hold on the host under DDP makes an interior rank the slowest.
+        held = sum(ddp_pp_message_s(c, assume, lay) for c in colls)
+        entry = (mb + (tp + cp + per["ep"] + held) / m, rc, tp, cp, per["ep"], per["pp"],
+                 exposed_dp, rank)
         if worst is None or entry[0] > worst[0]:
             worst = entry
     mb_time, rc, tp, cp, ep, pp, exposed_dp, slowest = worst
@@ -236,6 +239,19 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
                     optimizer=optimizer_time(work, lay, hw, assume),
                     straggler=straggler_time(lay, assume, compute + bubble),
                     recompute=m * rc.recompute)
+
+
+def _timed_ranks(work: Workload, layout: Layout, assume: Assumptions) -> tuple[int, ...]:
+    """The pipeline ranks whose step `step_time` plans: the critical ones, and where each
+    pipeline message holds the host under DDP (`network.ddp_pp_message_s`), the interior
+    rank with the most layers too, which passes twice the first and last stage's
+    messages."""
+    ranks = critical_ranks(work.model, layout)
+    if (layout.pp < 3 or layout.zero != 0 or layout.dp == 1
+            or not assume.ddp_pp_message_ms):
+        return ranks
+    inner = max(range(1, layout.pp - 1), key=lambda r: stage(work.model, layout, r)[0])
+    return tuple(sorted(set(ranks) | {inner}))
 
 
 def _blocked_exposed(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
