@@ -49,7 +49,13 @@ from quant_quality import calibration, step_dir  # noqa: E402
 
 from fivefold.evaluate.perplexity import checkpoint_validation, perplexity  # noqa: E402
 from fivefold.host import cpu_model  # noqa: E402
-from fivefold.quant.awq import CLIP_MODES, ROUNDINGS, SELECTS, apply_awq  # noqa: E402
+from fivefold.quant.awq import (  # noqa: E402
+    CLIP_MODES,
+    ROUNDING,
+    ROUNDINGS,
+    SELECTS,
+    apply_awq,
+)
 from fivefold.quant.cli import DEFAULT_CALIB_SAMPLES  # noqa: E402
 from fivefold.quant.outliers import SITES, inject_outliers  # noqa: E402
 from fivefold.train.bench import git_revision, machine  # noqa: E402
@@ -176,8 +182,8 @@ def main() -> None:
                     help="what AWQ's clip search shrinks (default absmax, llm-awq's "
                     "[-max|w|, max|w|]; range: the asymmetric grid's [min w, max w])")
     ap.add_argument("--rounding", choices=ROUNDINGS, default=None,
-                    help="how AWQ's scaled weights are rounded (default: apply_awq's, rtn; "
-                    "gptq: error-compensating, quant/gptq.py)")
+                    help=f"how AWQ's scaled weights are rounded (default {ROUNDING}, "
+                    f"apply_awq's: error-compensating, quant/gptq.py; rtn: to nearest)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "awq_outliers.json"))
     ap.add_argument("--combine", nargs="+", metavar="JSON",
                     help="merge the scales of earlier runs (one process per scale) into --out")
@@ -195,8 +201,7 @@ def main() -> None:
         options["held_out"] = args.held_out
     if args.select is not None:
         options["select"] = args.select
-    if args.rounding is not None:
-        options["rounding"] = args.rounding
+    options["rounding"] = args.rounding or ROUNDING
     result = run(args.checkpoint, args.scales, args.bits, args.group_size,
                  args.calib_samples, args.fraction, args.seed, args.sites, options)
     record = {"benchmark": "awq_outliers", "result": result,

@@ -32,6 +32,7 @@ from fivefold.quant.awq import (
     ALPHA_GRID,
     HELD_OUT,
     LOSSES,
+    ROUNDING,
     ROUNDINGS,
     SELECTS,
     split_calibration,
@@ -81,8 +82,9 @@ def build_parser() -> ArgumentParser:
                         "layer's output error) or logits (the float model's next-token "
                         "distribution against the model's, KL)")
     p.add_argument("--awq-rounding", default=None,
-                   help="awq: how the scaled weights are rounded: rtn (default: to nearest) "
-                        "or gptq (error-compensating, on the calibration inputs)")
+                   help=f"awq: how the scaled weights are rounded: gptq (error-compensating, "
+                        f"on the calibration inputs) or rtn (to nearest, llm-awq's); default "
+                        f"{ROUNDING}")
     p.add_argument("--alpha-grid", type=int, default=None,
                    help=f"awq: N, the alpha search's points i/N for i < N (default "
                         f"{ALPHA_GRID}, llm-awq's)")
@@ -232,7 +234,7 @@ def check_awq_options(args) -> None:
         raise ConfigError(f"--awq-select '{args.awq_select}' is unknown"
                           f"{suggest(args.awq_select, SELECTS)}; use one of {', '.join(SELECTS)}")
     if args.awq_rounding is None:
-        args.awq_rounding = "rtn"
+        args.awq_rounding = ROUNDING
     elif args.awq_rounding not in ROUNDINGS:
         raise ConfigError(f"--awq-rounding '{args.awq_rounding}' is unknown"
                           f"{suggest(args.awq_rounding, ROUNDINGS)}; use one of "
