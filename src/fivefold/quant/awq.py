@@ -39,7 +39,7 @@ Optionally (`held_out` > 0) the choice of step 2 is made on calibration sequence
 apart from those α is searched on: α = 0, llm-awq's best and duo scaling's best compete,
 each folded, clipped and rounded, by the decoder layer's output error (or the logits' KL)
 on the held-out sequences. It measured worse than llm-awq's choice on the default model's
-validation split (docs/quantization.md), so it is not the default.
+validation split (docs/awq-outliers.md), so it is not the default.
 
 The model is then quantised with int4 RTN (quant/convert.py). With `rounding="gptq"` (the
 default) each layer's linears are first rounded by GPTQ after their scales and clips
@@ -85,11 +85,11 @@ SELECTS = ("layer", "logits")  # what the held-out choice measures
 ROUNDINGS = ("rtn", "gptq")    # how the scaled, clipped weights are rounded (quant/gptq.py)
 # GPTQ after the scales closed 88-100% of int4 RTN's validation gap on the default model at
 # every injection site and uninjected, where rounding to nearest closed 30-93%
-# (docs/quantization.md, "AWQ at every injection site"), so it is the default.
+# (docs/awq-outliers.md, "AWQ at every injection site"), so it is the default.
 ROUNDING = "gptq"
 # Share of calibration sequences each group's choice of scale is measured on. 0 (llm-awq's
 # choice on all of them) measured better on the default model's validation split than 0.5
-# (docs/quantization.md, "AWQ at every injection site"), so it is the default.
+# (docs/awq-outliers.md, "AWQ at every injection site"), so it is the default.
 HELD_OUT = 0.0
 
 
