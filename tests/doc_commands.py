@@ -44,7 +44,8 @@ PAGE_ORDER = [
     "docs/pipeline.md", "docs/context.md", "docs/moe.md", "docs/expert.md",
     "docs/memory-wall.md", "docs/fp8.md", "docs/planner.md", "docs/planner-table.md",
     "docs/planner-validation.md", "docs/benchmarks.md", "docs/lora.md",
-    "docs/quantization.md", "docs/evaluation.md", "docs/serving.md", "docs/development.md",
+    "docs/quantization.md", "docs/awq-outliers.md", "docs/evaluation.md", "docs/serving.md",
+    "docs/development.md",
 ]
 
 SHELL_LANGS = {"bash", "sh", "console"}

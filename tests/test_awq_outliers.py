@@ -62,7 +62,10 @@ def test_awq_closes_half_of_rtns_gap_on_injected_outliers(tmp_path):
             round_linears(rtn, levels)
             p_rtn = perplexity(rtn, val, SEQ).perplexity
             awq = copy.deepcopy(injected)
-            apply_awq(awq, calib, GROUP, levels=levels)
+            # AWQ's scales and clips, rounded to nearest: the search is what this measures.
+            # Rounded by GPTQ (the default) this toy's share is lower: 45% at int4 and 64% at
+            # int3 (docs/awq-outliers.md, "AWQ at every injection site").
+            apply_awq(awq, calib, GROUP, levels=levels, rounding="rtn")
             round_linears(awq, levels)
             p_awq = perplexity(awq, val, SEQ).perplexity
             assert p_rtn > base * (1 + 1e-4), (bits, p_rtn, base)  # a gap that is there

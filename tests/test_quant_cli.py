@@ -142,6 +142,30 @@ def test_held_out_choice_reaches_the_search(work, capsys):
         assert torch.equal(model(probe), expected(probe))
 
 
+def test_awq_rounding_reaches_the_search(work, capsys):
+    """--awq-rounding gptq: the written model equals apply_awq(rounding="gptq") in memory
+    (GPTQ's values lie on the grid the int4 layer stores), and the manifest records it."""
+    from fivefold.quant.awq import apply_awq
+    from fivefold.quant.cli import build_parser, calibration_tokens
+
+    out = work / "q-awq-gptq"
+    argv = [*hf_byte(work), "--method", "awq", "--calib", str(work / "calib.bin"),
+            "--calib-samples", "4", "--calib-seq-len", "32", "--alpha-grid", "5",
+            "--awq-rounding", "gptq", "--out", str(out)]
+    code, stdout, err = run(capsys, "quantize", *argv)
+    assert code == 0, err
+    assert "rounded by GPTQ" in stdout
+    assert json.loads((out / "quantized.json").read_text())["awq"]["rounding"] == "gptq"
+    expected = build_model(CFG, seed=3)
+    tokens = calibration_tokens(build_parser().parse_args(argv), CFG, "byte", None)
+    apply_awq(expected, tokens, n_grid=5, rounding="gptq")
+    quantize_(expected, "awq")
+    model, _, _ = load_quantized(out)
+    probe = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(probe), expected(probe))
+
+
 def bad_inputs(work):
     hf = str(work / "hf"), "--tokenizer", "byte"
     existing = work / "existing"
@@ -169,6 +193,12 @@ def bad_inputs(work):
         "select without held-out": (["quantize", "--hf", *hf, "--method", "awq",
                                      "--awq-select", "logits", "--out", str(work / "x13")],
                                     "--awq-select chooses on held-out sequences"),
+        "unknown awq rounding": (["quantize", "--hf", *hf, "--method", "awq",
+                                  "--awq-rounding", "gptqq", "--out", str(work / "x15")],
+                                 "--awq-rounding 'gptqq' is unknown"),
+        "rounding without awq": (["quantize", "--hf", *hf, "--method", "int4",
+                                  "--awq-rounding", "gptq", "--out", str(work / "x16")],
+                                 "--awq-rounding applies to --method awq only"),
         "nothing to hold out": (["quantize", "--hf", *hf, "--method", "awq", "--calib-samples",
                                  "1", "--awq-held-out", "0.5", "--out", str(work / "x14")],
                                 "cannot be split"),

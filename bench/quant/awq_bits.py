@@ -1,6 +1,7 @@
 """AWQ against round-to-nearest at 4 and 3 bits (group 128), on fivefold checkpoints.
 
     python bench/quant/awq_bits.py --checkpoint NAME=DIR [--checkpoint ...] [--bits 4 3]
+        [--rounding rtn|gptq]
 
 At int4 g128 the models this project can train on its bundled corpus lose under 0.7%
 perplexity to RTN, too little to judge AWQ by (docs/quantization.md#quality); at 3 bits RTN
@@ -10,10 +11,12 @@ Table 4; LLaMA-7B WikiText-2 at INT4-g128: fp16 5.68, RTN 5.96, AWQ 5.78, 64% of
 
 Both arms are fake-quantised (`numerics.intx.fake_quantize_int4` with levels = 2^b - 1:
 asymmetric with a zero point, per group of 128 input columns), so they differ only in AWQ's
-scaling and clipping (`quant.awq.apply_awq` with its defaults, searching with the same
-`b`-bit grid) applied first. Calibration: 128 x 128 tokens of the run's training split,
-as `fivefold quantize` takes them; evaluation: the run's validation split. Results go to
-bench/results/awq_bits.json with the machine and git revision.
+scaling and clipping (`quant.awq.apply_awq`'s defaults, searching with the same `b`-bit
+grid) applied first, and AWQ's arm rounded to nearest (`--rounding rtn`, the default here:
+its JSONs were measured so; `--rounding gptq`, apply_awq's default, rounds it by GPTQ).
+Calibration: 128 x 128 tokens of the run's training split, as `fivefold quantize` takes
+them; evaluation: the run's validation split. Results go to bench/results/awq_bits.json
+with the machine and git revision.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ def round_linears(model: torch.nn.Module, levels: int, group_size: int) -> None:
             module.weight.copy_(fake_quantize_int4(module.weight, group_size, levels=levels))
 
 
-def run(name: str, path: str, bits: list[int], group_size: int) -> dict:
+def run(name: str, path: str, bits: list[int], group_size: int, rounding: str = "rtn"
+        ) -> dict:
     step = step_dir(path)
     model, calib = calibration(step, 128, 128)
     tokens, _, seq_len = checkpoint_validation(read_meta(step))
@@ -60,7 +64,8 @@ def run(name: str, path: str, bits: list[int], group_size: int) -> dict:
         round_linears(rtn, levels, group_size)
         p_rtn = perplexity(rtn, tokens, seq_len).perplexity
         scaled = copy.deepcopy(model)
-        apply_awq(scaled, calib, group_size, levels=levels)  # searching with the b-bit grid
+        # searching with the b-bit grid
+        apply_awq(scaled, calib, group_size, levels=levels, rounding=rounding)
         round_linears(scaled, levels, group_size)
         p_awq = perplexity(scaled, tokens, seq_len).perplexity
         closes = (p_rtn - p_awq) / (p_rtn - base) if p_rtn != base else None
@@ -77,13 +82,14 @@ def main() -> None:
     ap.add_argument("--checkpoint", action="append", required=True, help="NAME=DIR")
     ap.add_argument("--bits", type=int, nargs="+", default=[4, 3])
     ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--rounding", choices=("rtn", "gptq"), default="rtn")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "awq_bits.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
     results = {}
     for item in args.checkpoint:
         name, _, path = item.partition("=")
-        results[name] = run(name, path, args.bits, args.group_size)
+        results[name] = run(name, path, args.bits, args.group_size, args.rounding)
     record = {"benchmark": "awq_bits", "results": results, "machine": machine(torch.device("cpu")),
               "git_revision": git_revision(), "command": "python bench/quant/awq_bits.py "
               + " ".join(sys.argv[1:])}

@@ -2,7 +2,7 @@
 
     python bench/quant/awq_outliers.py --checkpoint DIR [--scales 10 30 100] [--bits 4]
         [--sites none norms v_o up_down] [--duo | --no-duo] [--calib-samples N]
-        [--held-out F] [--select layer|logits]
+        [--held-out F] [--select layer|logits] [--rounding rtn|gptq]
 
 The models trained here have only mild outlier channels, so AWQ closes 4-43% of RTN's gap
 on them (bench/quant/awq_bits.py, docs/quantization.md). `inject_outliers` multiplies ~1% of each
@@ -49,7 +49,13 @@ from quant_quality import calibration, step_dir  # noqa: E402
 
 from fivefold.evaluate.perplexity import checkpoint_validation, perplexity  # noqa: E402
 from fivefold.host import cpu_model  # noqa: E402
-from fivefold.quant.awq import CLIP_MODES, SELECTS, apply_awq  # noqa: E402
+from fivefold.quant.awq import (  # noqa: E402
+    CLIP_MODES,
+    ROUNDING,
+    ROUNDINGS,
+    SELECTS,
+    apply_awq,
+)
 from fivefold.quant.cli import DEFAULT_CALIB_SAMPLES  # noqa: E402
 from fivefold.quant.outliers import SITES, inject_outliers  # noqa: E402
 from fivefold.train.bench import git_revision, machine  # noqa: E402
@@ -175,6 +181,9 @@ def main() -> None:
     ap.add_argument("--clip-mode", choices=CLIP_MODES, default=None,
                     help="what AWQ's clip search shrinks (default absmax, llm-awq's "
                     "[-max|w|, max|w|]; range: the asymmetric grid's [min w, max w])")
+    ap.add_argument("--rounding", choices=ROUNDINGS, default=None,
+                    help=f"how AWQ's scaled weights are rounded (default {ROUNDING}, "
+                    f"apply_awq's: error-compensating, quant/gptq.py; rtn: to nearest)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "awq_outliers.json"))
     ap.add_argument("--combine", nargs="+", metavar="JSON",
                     help="merge the scales of earlier runs (one process per scale) into --out")
@@ -192,6 +201,7 @@ def main() -> None:
         options["held_out"] = args.held_out
     if args.select is not None:
         options["select"] = args.select
+    options["rounding"] = args.rounding or ROUNDING
     result = run(args.checkpoint, args.scales, args.bits, args.group_size,
                  args.calib_samples, args.fraction, args.seed, args.sites, options)
     record = {"benchmark": "awq_outliers", "result": result,

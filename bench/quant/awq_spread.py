@@ -48,8 +48,8 @@ from fivefold.quant.awq import apply_awq, fold_scale, layer_groups  # noqa: E402
 from fivefold.train.bench import git_revision, machine  # noqa: E402
 from fivefold.train.checkpoint import read_meta  # noqa: E402
 
-VARIANTS = {"llm-awq's choice (held_out 0, the default)": {"held_out": 0},
-            "held-out choice (held_out 0.5)": {"held_out": 0.5}}
+VARIANTS = {"llm-awq's choice (held_out 0, the default)": {"held_out": 0, "rounding": "rtn"},
+            "held-out choice (held_out 0.5)": {"held_out": 0.5, "rounding": "rtn"}}
 
 
 def summary(values: list[float]) -> dict:

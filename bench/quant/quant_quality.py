@@ -160,7 +160,9 @@ def bench_checkpoint(item: str, args, tmp: Path) -> tuple[str, dict]:
 # s = mean|x|^α / mean|w|^(1-α) (awq.scale_for), each with and without the clip search;
 # and the held-out choice (awq.apply_awq's held_out: each group's scale chosen among α = 0,
 # llm-awq's and duo's best by the decoder layer's error on half the calibration sequences).
-AWQ_VARIANTS = {"module, no clip": ["--no-clip"],
+# All but the first round by the default, GPTQ; the first rounds to nearest, as llm-awq.
+AWQ_VARIANTS = {"rounded to nearest (llm-awq's)": ["--awq-rounding", "rtn"],
+                "module, no clip": ["--no-clip"],
                 "layer loss": ["--awq-loss", "layer"],
                 "layer loss, no clip": ["--awq-loss", "layer", "--no-clip"],
                 "duo scaling": ["--duo"],
@@ -186,7 +188,7 @@ def awq_variants(step: Path, samples: int, calib_len: int, tokens, calib, seq_le
         row = {**evaluate(model, tokens, seq_len, calib), "quantize_s": quantize_s,
                "flags": flags,
                "options": {k: manifest.get(k)
-                           for k in ("clip", "duo", "loss", "held_out", "select")},
+                           for k in ("clip", "duo", "loss", "held_out", "select", "rounding")},
                "alphas": manifest["alphas"],
                "calib_error_vs_rtn": manifest["calib_error_vs_rtn"]}
         row["share_of_rtn_gap_closed"] = ((rtn - row["perplexity"]) / (rtn - fp32)

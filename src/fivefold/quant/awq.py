@@ -39,10 +39,13 @@ Optionally (`held_out` > 0) the choice of step 2 is made on calibration sequence
 apart from those α is searched on: α = 0, llm-awq's best and duo scaling's best compete,
 each folded, clipped and rounded, by the decoder layer's output error (or the logits' KL)
 on the held-out sequences. It measured worse than llm-awq's choice on the default model's
-validation split (docs/quantization.md), so it is not the default.
+validation split (docs/awq-outliers.md), so it is not the default.
 
-The model is then quantised with int4 RTN (quant/convert.py); AWQ only changed the float
-weights it rounds.
+The model is then quantised with int4 RTN (quant/convert.py). With `rounding="gptq"` (the
+default) each layer's linears are first rounded by GPTQ after their scales and clips
+(quant/gptq.py; the AWQ paper's §5 composes the two), onto the grid that round to nearest
+then reproduces, so the checkpoint stores GPTQ's rounding. With "rtn" (llm-awq's) AWQ only
+changes the float weights that round to nearest rounds.
 """
 
 from __future__ import annotations
@@ -76,11 +79,17 @@ from fivefold.quant.awq_search import (  # noqa: F401  (re-exported: quant.awq's
     search_scale,
     weight_mean,
 )
+from fivefold.quant.gptq import gptq_round, hessian
 
 SELECTS = ("layer", "logits")  # what the held-out choice measures
+ROUNDINGS = ("rtn", "gptq")    # how the scaled, clipped weights are rounded (quant/gptq.py)
+# GPTQ after the scales closed 67-102% of int4 RTN's validation gap on the default model at
+# every injection site and uninjected, where rounding to nearest closed 30-93%
+# (docs/awq-outliers.md, "AWQ at every injection site"), so it is the default.
+ROUNDING = "gptq"
 # Share of calibration sequences each group's choice of scale is measured on. 0 (llm-awq's
 # choice on all of them) measured better on the default model's validation split than 0.5
-# (docs/quantization.md, "AWQ at every injection site"), so it is the default.
+# (docs/awq-outliers.md, "AWQ at every injection site"), so it is the default.
 HELD_OUT = 0.0
 
 
@@ -100,6 +109,7 @@ class GroupResult:
 class AWQReport:
     groups: list[GroupResult] = field(default_factory=list)
     clipped: list[str] = field(default_factory=list)
+    gptq: list[str] = field(default_factory=list)   # linears rounded by GPTQ
     held_out: int = 0        # calibration sequences the choice was measured on
 
     def held_out_ratio(self) -> float | None:
@@ -120,7 +130,8 @@ class AWQReport:
                 f"{chosen['duo']} duo, {chosen['rtn']} unscaled), output error {mean:.3f}x "
                 f"RTN's on the search data (mean)"
                 + ("" if held is None else f", {held:.3f}x on {self.held_out} held-out "
-                   f"sequences") + f", {len(self.clipped)} linears clipped")
+                   f"sequences") + f", {len(self.clipped)} linears clipped"
+                + (f", {len(self.gptq)} rounded by GPTQ" if self.gptq else ""))
 
 
 def split_calibration(tokens: torch.Tensor, held_out: float
@@ -198,7 +209,8 @@ def apply_awq(model: nn.Module, tokens: torch.Tensor, group_size: int = 128,
               symmetric: bool = False, clip: bool = True, n_grid: int = ALPHA_GRID,
               log: Callable[[str], None] | None = None, duo: bool | None = None,
               loss: str = "module", levels: int = INT4_LEVELS, clip_mode: str | None = None,
-              held_out: float = HELD_OUT, select: str = "layer") -> AWQReport:
+              held_out: float = HELD_OUT, select: str = "layer",
+              rounding: str = ROUNDING) -> AWQReport:
     """Rescale (and clip) the float weights of every decoder layer of a fivefold Llama in
     place for int4 quantisation; `tokens` (n, seq) is the calibration batch.
 
@@ -214,9 +226,15 @@ def apply_awq(model: nn.Module, tokens: torch.Tensor, group_size: int = 128,
     `loss` is where the α search measures a group's error: "module" (llm-awq/AutoAWQ: the
     attention, the MLP, or the linear itself) or "layer" (the whole decoder layer's output,
     residuals included). `levels` < 15 searches with a grid of fewer bits (asymmetric;
-    bench/quant/awq_bits.py). `clip_mode` (see `search_clip`) defaults to "absmax"."""
+    bench/quant/awq_bits.py). `clip_mode` (see `search_clip`) defaults to "absmax".
+    `rounding` "gptq" (default) rounds each layer's linears by GPTQ after its scales and
+    clips (quant/gptq.py, on the inputs the scaled linears see), leaving weights that round
+    to nearest reproduces exactly; "rtn" (llm-awq's) leaves the rounding to `fivefold
+    quantize`. The held-out choice compares its candidates rounded to nearest."""
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, not {loss!r}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, not {rounding!r}")
     search_tokens, check_tokens = split_calibration(tokens, held_out)
     families = [False, True] if duo is None and check_tokens is not None else [bool(duo)]
     clip_mode = clip_mode or "absmax"
@@ -299,6 +317,12 @@ def apply_awq(model: nn.Module, tokens: torch.Tensor, group_size: int = 128,
                 index, group.linears, choice[1], error_rtn, choice[3], choice[0],
                 None if held_errors is None else held_errors[0],
                 None if held_errors is None else min(held_errors)))
+        if rounding == "gptq":
+            for n in names:
+                lin = layer.get_submodule(n)
+                lin.weight.copy_(gptq_round(lin.weight, hessian(inputs[n]), group_size,
+                                            symmetric, levels))
+            report.gptq += [f"layers.{index}.{n}" for n in names]
         if log is not None:
             log(f"AWQ layer {index}: " + ", ".join(
                 f"{g.choice} {g.alpha:.2f}" for g in report.groups[-len(groups):]))

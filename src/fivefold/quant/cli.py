@@ -6,6 +6,7 @@ checkpoint out, with its size report.
                       [--calib-samples 128] [--calib-seq-len 512] [--no-clip]
                       [--duo] [--awq-loss module|layer] [--alpha-grid 20]
                       [--awq-held-out 0] [--awq-select layer|logits]
+                      [--awq-rounding rtn|gptq]
                       [--include-head] --out Q [--overwrite]
 
 Every input is checked before the model is changed and before anything is written: the
@@ -27,7 +28,15 @@ import torch
 from fivefold.config import ArgumentParser, ConfigError, suggest
 from fivefold.data.tokenizer import HF_TOKENIZER_HELP, hf_tokenizer_spec
 from fivefold.numerics.intx import DEFAULT_GROUP_SIZE
-from fivefold.quant.awq import ALPHA_GRID, HELD_OUT, LOSSES, SELECTS, split_calibration
+from fivefold.quant.awq import (
+    ALPHA_GRID,
+    HELD_OUT,
+    LOSSES,
+    ROUNDING,
+    ROUNDINGS,
+    SELECTS,
+    split_calibration,
+)
 from fivefold.quant.convert import METHODS, QuantSpec, check_shapes, quantize_
 
 DEFAULT_CALIB_SAMPLES = 128    # AWQ §4: 128 samples of 512 tokens (from the Pile)
@@ -72,6 +81,10 @@ def build_parser() -> ArgumentParser:
                    help="awq: what the held-out choice measures: layer (default: the decoder "
                         "layer's output error) or logits (the float model's next-token "
                         "distribution against the model's, KL)")
+    p.add_argument("--awq-rounding", default=None,
+                   help=f"awq: how the scaled weights are rounded: gptq (error-compensating, "
+                        f"on the calibration inputs) or rtn (to nearest, llm-awq's); default "
+                        f"{ROUNDING}")
     p.add_argument("--alpha-grid", type=int, default=None,
                    help=f"awq: N, the alpha search's points i/N for i < N (default "
                         f"{ALPHA_GRID}, llm-awq's)")
@@ -196,7 +209,8 @@ def check_awq_options(args) -> None:
                                       ("--awq-loss", args.awq_loss),
                                       ("--alpha-grid", args.alpha_grid),
                                       ("--awq-held-out", args.awq_held_out),
-                                      ("--awq-select", args.awq_select))
+                                      ("--awq-select", args.awq_select),
+                                      ("--awq-rounding", args.awq_rounding))
              if value not in (None, False)]
     if args.method != "awq" and given:
         raise ConfigError(f"{given[0]} applies to --method awq only, not {args.method}; "
@@ -219,6 +233,12 @@ def check_awq_options(args) -> None:
     elif args.awq_select not in SELECTS:
         raise ConfigError(f"--awq-select '{args.awq_select}' is unknown"
                           f"{suggest(args.awq_select, SELECTS)}; use one of {', '.join(SELECTS)}")
+    if args.awq_rounding is None:
+        args.awq_rounding = ROUNDING
+    elif args.awq_rounding not in ROUNDINGS:
+        raise ConfigError(f"--awq-rounding '{args.awq_rounding}' is unknown"
+                          f"{suggest(args.awq_rounding, ROUNDINGS)}; use one of "
+                          f"{', '.join(ROUNDINGS)}")
     try:
         if args.calib_samples >= 1:     # below 1: refused with the calibration's length
             split_calibration(torch.zeros(args.calib_samples, 1), args.awq_held_out)
@@ -257,13 +277,15 @@ def run(args) -> int:
                            clip=not args.no_clip, n_grid=args.alpha_grid,
                            log=lambda line: print(line, flush=True),
                            duo=True if args.duo else None, loss=args.awq_loss,
-                           held_out=args.awq_held_out, select=args.awq_select)
+                           held_out=args.awq_held_out, select=args.awq_select,
+                           rounding=args.awq_rounding)
         print(report.summary())
         extra["awq"] = {"calib_samples": int(tokens.shape[0]),
                         "calib_seq_len": int(tokens.shape[1]), "clip": not args.no_clip,
                         "duo": args.duo, "loss": args.awq_loss,
                         "alpha_grid": args.alpha_grid,
                         "held_out": args.awq_held_out, "select": args.awq_select,
+                        "rounding": args.awq_rounding,
                         "alphas": [g.alpha for g in report.groups],
                         "choices": [g.choice for g in report.groups],
                         "calib_error_vs_rtn": report.error_ratio()}
