@@ -222,6 +222,21 @@ def cast(x: torch.Tensor, state: DelayedState, row: str, fmt: FloatFormat, want:
     return q, qt
 
 
+def record_gathered(state: DelayedState, wq: FP8Tensor) -> None:
+    """W's record when ZeRO-3 gathered W in FP8 (parallel/zero3_fp8.py), cast with this
+    history's scale before the gather: the amax of this rank's piece of W (`wq.record`, NaN
+    recorded as inf) folds into the pending record; `end_step`'s all_reduce(max) over every
+    rank makes it the whole weight's, the record the linear folds from the gathered W."""
+    record = getattr(wq, "record", None)
+    if record is None:
+        raise ValueError("a delayed FP8 linear got a gathered FP8 weight without its amax "
+                         "record (parallel/zero3_fp8.py)")
+    if state.record:
+        i = ROW["weight"]
+        torch.maximum(state.pending[i], record.reshape(()), out=state.pending[i])
+        state.recorded[i] = True
+
+
 def input_pair(x2: torch.Tensor, state: DelayedState) -> tuple[FP8Tensor, FP8Tensor]:
     """(x for the forward, the copy saved for the weight gradient): on the GPU path xᵀ's
     codes written by the same pass, on the CPU path x's codes (transposed in backward)."""

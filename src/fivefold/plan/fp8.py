@@ -22,8 +22,10 @@ norms or embedding) are all-gathered as 1-byte FP8 (parallel/zero3_fp8.py);
 `fp8_gather_terms` counts them per rank. The engine pads each rank's message to the longest
 rank's (a unit's shard boundaries fall anywhere in its weights), which this does not count:
 well under 1% of a unit at real sizes. Their scales come from one all_reduce(max) of fp32
-amaxes per step, one per weight. A train.fp8_keep_out linear gathers in bf16; this still
-counts it at 1 byte.
+amaxes per step, one per weight; under delayed scaling (train.fp8_scaling = delayed) from
+the weights' amax histories, with no all-reduce of their own after the first step (their
+records ride in delayed scaling's one all-reduce, `delayed_amax_records`). A
+train.fp8_keep_out linear gathers in bf16; this still counts it at 1 byte.
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ def fp8_gather_terms(work, layout, dense: float, moe: float, kv_heads: int
     shared = mc.shared_expert_intermediate_size if mc.num_experts else 0
     elements = (dense + moe) * attn + dense * mlp + moe * linears * h * shared
     weights = 4 * (dense + moe) + linears * (dense + (moe if shared else 0))
+    if getattr(work, "fp8_scaling", "dynamic") == "delayed":
+        weights = 0.0  # scales from the amax histories: no all-reduce after the first step
     return elements, weights
 
 
