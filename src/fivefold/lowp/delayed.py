@@ -38,6 +38,10 @@ When each operand casts and records:
   - x and W in the forward, ∂y in the backward; W's transposed copy for the input gradient
     is cast again in the backward (the weight is not saved in FP8, lowp/linear.py) with the
     forward's scale (W has not changed since), so its codes are the forward's, moved.
+  - Under ZeRO-3's FP8 all-gather (parallel.fp8_allgather, parallel/zero3_fp8.py) W
+    comes cast already, by the gather, with this history's scale; the linear folds the
+    amax of its rank's piece of W (`record_gathered`), and `end_step`'s reduction makes it
+    the whole weight's. Wᵀ is the gathered codes transposed.
   - A recomputed forward (train.recompute) casts with the same scale as the first one and
     folds the same amax again: max(a, a) = a, so recomputation changes no bit.
   - Records happen only under autograd (training); an evaluation forward under no_grad
