@@ -42,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE_ORDER = [
     "README.md", "docs/training.md", "docs/runs.md", "docs/parallel.md", "docs/zero.md",
     "docs/pipeline.md", "docs/context.md", "docs/moe.md", "docs/expert.md",
-    "docs/memory-wall.md", "docs/fp8.md", "docs/planner.md", "docs/planner-table.md",
+    "docs/memory-wall.md", "docs/fp8.md", "docs/fp8-allgather.md", "docs/planner.md",
+    "docs/planner-table.md",
     "docs/planner-validation.md", "docs/benchmarks.md", "docs/lora.md",
     "docs/quantization.md", "docs/awq-outliers.md", "docs/evaluation.md", "docs/serving.md",
     "docs/development.md",

@@ -167,8 +167,11 @@ def straight_and_resumed(rank, world, tmp, layouts):
 def test_resume_under_dp_zero3_and_tp_keeps_the_run_bit_exact(tmp_path):
     """The histories (equal on every rank after the reduction) are saved and loaded with
     the checkpoint: the resumed steps' losses, gradient norms and histories are the
-    uninterrupted run's, bit for bit."""
+    uninterrupted run's, bit for bit; also with ZeRO-3's FP8 all-gather, whose scales come
+    from the loaded histories (parallel/zero3_fp8.py)."""
     layouts = {"dp2-zero3": ["--parallel.dp", "2", "--parallel.zero", "3"],
+               "dp2-zero3-fp8-allgather": ["--parallel.dp", "2", "--parallel.zero", "3",
+                                           "--parallel.fp8_allgather", "true"],
                "tp2": ["--parallel.tp", "2"]}
     for result in run_ranks(straight_and_resumed, 2, str(tmp_path), layouts):
         for name, runs in result.items():

@@ -30,10 +30,13 @@ Blockwise under tp2 with the small model (hidden 32) is refused: its shards woul
 import pathlib
 
 import pytest
+import torch
 from common import small_config
 from harness import run_ranks
 
 from fivefold.config import ConfigError
+from fivefold.lowp import delayed
+from fivefold.lowp.delayed import histories
 from fivefold.lowp.experts import FP8ExpertsMixin
 from fivefold.lowp.linear import FP8LinearMixin, FP8Recipe
 from fivefold.parallel.mesh import ParallelDims
@@ -144,6 +147,13 @@ def zero3_tensorwise(rank, world, tmp, fp8_allgather, extra=()):
         return quantize_weight(recipe, w)
 
     FP8Recipe.quantize_weight = counting  # this forked rank's copy of the class only
+    delayed_weight = delayed.weight  # delayed scaling's own casts of W and Wᵀ
+
+    def counting_delayed(w, state, transposed=False):
+        quantized[0] += 1
+        return delayed_weight(w, state, transposed)
+
+    delayed.weight = counting_delayed
     linears = [m for chunk in trainer.model.chunks for m in chunk.modules()  # tp: local shards
                if isinstance(m, FP8LinearMixin) or getattr(m, "linear_fn", None) is not None]
     gatherer = trainer.optimizer.gatherer
@@ -166,12 +176,17 @@ def zero3_tensorwise(rank, world, tmp, fp8_allgather, extra=()):
     ledger = {op: totals[("dp_cp", op)]["bytes"] for op in ("all_gather", "all_reduce")}
     amax_calls = sum(1 for e in dims.ledger.entries
                      if (e.group, e.op) == ("dp_cp", "all_reduce") and e.elements > 1)
+    world_reduce = sum(e.bytes for e in dims.ledger.entries
+                       if (e.group, e.op) == ("world", "all_reduce"))
+    kept = {k: h.clone() for k, h in histories(trainer.model.chunks[0]).items()}
     trainer.close()
     work, layout = training_plan_inputs(cfg)
     planned = ledger_volume(work, layout)["dp_cp"]
     gathers = 2 * work.num_microbatches(layout)  # forward and backward, per micro-batch
-    FP8Recipe.quantize_weight = quantize_weight
-    return {"runs": [(r["loss"], r["grad_norm"]) for r in records], "ledger": ledger,
+    FP8Recipe.quantize_weight, delayed.weight = quantize_weight, delayed_weight
+    return {"histories": kept, "world_reduce": world_reduce,
+            "planned_world": ledger_volume(work, layout).get("world", {}).get("all_reduce", 0),
+            "runs": [(r["loss"], r["grad_norm"]) for r in records], "ledger": ledger,
             "planned": planned, "linears": len(linears), "gathers": gathers,
             "numel": sum(m.weight.numel() for m in linears), "padding": padding * gathers,
             "quantized": quantized[0], "amax_calls": amax_calls, "fp8_states": states}
@@ -239,3 +254,45 @@ def test_fp8_allgather_needs_zero3_and_tensorwise(tmp_path):
         with pytest.raises(ConfigError, match="parallel.fp8_allgather = true needs"):
             small_config(tmp_path, *BASE, "--parallel.dp", "2", *args,
                          "--parallel.fp8_allgather", "true")
+
+
+DELAYED = ("--train.fp8_scaling", "delayed", "--train.fp8_history_len", "4")
+
+
+@pytest.mark.parametrize("world,extra,casts", [  # casts: W's per micro-batch without it
+    pytest.param(2, DELAYED, 2, id="dp2"),
+    pytest.param(2, (*DELAYED, "--train.recompute", "full"), 3, id="dp2-recompute",
+                 marks=pytest.mark.slow),
+    pytest.param(4, (*DELAYED, "--parallel.tp", "2"), 2, id="dp2-tp2", marks=pytest.mark.slow)])
+def test_zero3_fp8_allgather_under_delayed_scaling_gives_the_same_run(tmp_path, world, extra,
+                                                                       casts):
+    """Delayed scaling with the FP8 all-gather: each weight's shard is cast before the
+    gather with the multiplier of its W history (lowp/delayed.py; on the first step its own
+    amax, from the gather's one all-reduce of shard amaxes), the bytes the linear's own
+    delayed cast of the gathered bf16 weight writes; Wᵀ is those codes transposed, as the
+    delayed cast's is. Each rank folds its shard's amax into the W record and the step's one
+    all_reduce(max) of the records makes it the whole weight's. Same arithmetic, so losses,
+    gradient norms and every amax history are bit-equal (tolerance 0); no linear casts its
+    weight itself (twice per micro-batch without the option). After the first step the
+    scales come from the histories: no amax all-reduce of the gather's own (the ledger's
+    last step has none, and the planner counts none); the delayed records' all-reduce is
+    the same with and without the option. All-gather bytes as in the dynamic case."""
+    off = run_ranks(zero3_tensorwise, world, str(tmp_path / "off"), False, extra)
+    on = run_ranks(zero3_tensorwise, world, str(tmp_path / "on"), True, extra)
+    for a, b in zip(off, on):
+        assert b["runs"] == a["runs"]
+        assert a["histories"].keys() == b["histories"].keys() and a["histories"]
+        for name, h in a["histories"].items():
+            assert torch.equal(b["histories"][name], h), name
+            assert (h[1, :STEPS] > 0).all()  # the W row recorded every step
+        micro = a["gathers"] // 2
+        assert a["linears"] > 0 and a["quantized"] == a["linears"] * casts * micro * STEPS
+        assert b["quantized"] == 0
+        saved = a["numel"] * a["gathers"]
+        assert a["ledger"]["all_gather"] - b["ledger"]["all_gather"] == saved - b["padding"]
+        assert b["planned"]["all_gather"] == b["ledger"]["all_gather"] - b["padding"]
+        assert a["planned"]["all_gather"] == a["ledger"]["all_gather"]
+        assert (a["amax_calls"], b["amax_calls"]) == (0, 0)
+        assert b["ledger"]["all_reduce"] == a["ledger"]["all_reduce"]
+        assert b["planned"]["all_reduce"] == b["ledger"]["all_reduce"]
+        assert b["world_reduce"] == a["world_reduce"] == b["planned_world"] > 0

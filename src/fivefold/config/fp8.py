@@ -40,10 +40,10 @@ Rules, each a one-line ConfigError:
     a multiple of 128. Whether the device has the kernel is known only on it: lowp/convert.py
     refuses there, in one line too.
   - fp8_scaling = "delayed" with a recipe other than tensorwise; fp8_history_len outside
-    1..1024 or set with dynamic scaling; delayed scaling with parallel.fp8_allgather (its
-    scales are computed after the optimizer step, dynamically), with pp > 1 (the
-    checkpoint names histories by one chunk's modules) or with routed experts (no
-    histories for them). Under dp, cp and tp the step's amax records are reduced over all
+    1..1024 or set with dynamic scaling; delayed scaling with pp > 1 (the checkpoint
+    names histories by one chunk's modules) or with routed experts (no histories for
+    them). With parallel.fp8_allgather the gather casts each weight with its history's
+    scale (parallel/zero3_fp8.py). Under dp, cp and tp the step's amax records are reduced over all
     ranks (lowp/delayed.py); recomputation records idempotently (the same scale, the same
     amax folded again).
 A keep-out pattern that matches no linear of the model is refused when the model is built
@@ -115,10 +115,6 @@ def check_scaling(cfg, mc) -> None:
                           f"'{tr.fp8_recipe}': delayed scaling keeps one amax per tensor, for "
                           f"the tensorwise recipe only; set fp8_recipe = 'tensorwise' or "
                           f"fp8_scaling = 'dynamic'")
-    if par.fp8_allgather:
-        raise ConfigError("train.fp8_scaling = 'delayed' with parallel.fp8_allgather = true: "
-                          "the FP8 all-gather casts with scales computed after the optimizer "
-                          "step (dynamic); set fp8_scaling = 'dynamic' or fp8_allgather = false")
     if par.pp > 1:
         raise ConfigError(f"train.fp8_scaling = 'delayed' with parallel.pp = {par.pp}: the "
                           f"checkpoint keeps the amax histories of one model chunk only; use "

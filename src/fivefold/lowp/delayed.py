@@ -38,6 +38,10 @@ When each operand casts and records:
   - x and W in the forward, ∂y in the backward; W's transposed copy for the input gradient
     is cast again in the backward (the weight is not saved in FP8, lowp/linear.py) with the
     forward's scale (W has not changed since), so its codes are the forward's, moved.
+  - Under ZeRO-3's FP8 all-gather (parallel.fp8_allgather, parallel/zero3_fp8.py) W
+    comes cast already, by the gather, with this history's scale; the linear folds the
+    amax of its rank's piece of W (`record_gathered`), and `end_step`'s reduction makes it
+    the whole weight's. Wᵀ is the gathered codes transposed.
   - A recomputed forward (train.recompute) casts with the same scale as the first one and
     folds the same amax again: max(a, a) = a, so recomputation changes no bit.
   - Records happen only under autograd (training); an evaluation forward under no_grad
@@ -220,6 +224,21 @@ def cast(x: torch.Tensor, state: DelayedState, row: str, fmt: FloatFormat, want:
     if record:
         state.recorded[i] = True
     return q, qt
+
+
+def record_gathered(state: DelayedState, wq: FP8Tensor) -> None:
+    """W's record when ZeRO-3 gathered W in FP8 (parallel/zero3_fp8.py), cast with this
+    history's scale before the gather: the amax of this rank's piece of W (`wq.record`, NaN
+    recorded as inf) folds into the pending record; `end_step`'s all_reduce(max) over every
+    rank makes it the whole weight's, the record the linear folds from the gathered W."""
+    record = getattr(wq, "record", None)
+    if record is None:
+        raise ValueError("a delayed FP8 linear got a gathered FP8 weight without its amax "
+                         "record (parallel/zero3_fp8.py)")
+    if state.record:
+        i = ROW["weight"]
+        torch.maximum(state.pending[i], record.reshape(()), out=state.pending[i])
+        state.recorded[i] = True
 
 
 def input_pair(x2: torch.Tensor, state: DelayedState) -> tuple[FP8Tensor, FP8Tensor]:

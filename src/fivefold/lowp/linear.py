@@ -137,6 +137,8 @@ class FP8LinearFunction(torch.autograd.Function):
             ctx.wq = None
         else:
             ctx.wq = wq  # its data is a view of ZeRO-3's gathered bytes, gathered again
+            if state is not None:  # delayed: this rank's piece's amax, W's record
+                delayed.record_gathered(state, wq)
         y = fp8_mm(xq, wq, out_dtype=x.dtype, kernel=recipe.kernel)
         if bias is not None:
             y = y + bias
@@ -188,7 +190,8 @@ def _backward(ctx, g2, x_data, x_scale, weight, grad):
     grad_x = grad_w = grad_b = None
     if ctx.state is not None:
         gq, gt = delayed.grad_pair(g2, ctx.state, recipe.grad_format)
-        wt = delayed.weight(weight, ctx.state, transposed=True) if need_x else None
+        wt = (None if not need_x else ctx.wq.t() if ctx.wq is not None  # gathered in FP8
+              else delayed.weight(weight, ctx.state, transposed=True))
     else:
         gq = (fused.grad_pair(g2, recipe, True, False)[0] if fused.fused(g2)
               else recipe.quantize_act(g2, recipe.grad_format)) if need_x else None

@@ -25,6 +25,18 @@ optimizer step in one all-reduce). Here:
        quantising the weight (lowp/linear.py). The weight's bf16 view is filled with the
        dequantised values, so the parameter holds what the GEMM uses.
 
+Delayed scaling (train.fp8_scaling = delayed, lowp/delayed.py): the scale a weight's cast
+takes is its history's (fmt.max / max of its W row), known to every rank, so once every
+gathered weight's row holds a record `refresh_scales` needs no all-reduce: the gather casts
+with the history's multiplier, the bytes the linear's own delayed cast of the whole weight
+writes. Each rank's amax of its piece of W goes with the gathered weight (`GatheredWeight.
+record`) and the linear folds it into its pending W record (lowp/delayed.py
+`record_gathered`); the step's one all_reduce(max) of every record (`end_step`, over all
+ranks) makes it the whole weight's amax, the record the linear folds without the gather.
+On a step where a weight's row has no record yet (the first), its scale is its own amax,
+as delayed scaling's first step is dynamic: the one all-reduce of amaxes above gives it.
+The input gradient's Wᵀ is the gathered codes transposed, as under dynamic scaling.
+
 Only tensorwise: one scale per weight makes a shard's cast independent of where the shard
 cuts the weight. Rowwise scales the weight along K for the forward GEMM and along N for
 the input gradient's (lowp/linear.py), so each gather would need its own per-row or
@@ -34,8 +46,11 @@ for tensorwise only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from fivefold.lowp import delayed
 from fivefold.lowp.linear import FP8LinearFn, FP8LinearMixin, fp8_linear
 from fivefold.numerics.formats import E4M3
 from fivefold.numerics.fp8 import FP8Tensor
@@ -61,6 +76,14 @@ def mark_fp8_gather(model: torch.nn.Module) -> int:
     return count
 
 
+@dataclass
+class GatheredWeight(FP8Tensor):
+    """A weight gathered in FP8, and the amax of this rank's piece of it (0 where it holds
+    none, NaN as inf): delayed scaling's W record (lowp/delayed.py `record_gathered`)."""
+
+    record: torch.Tensor | None = None
+
+
 class _GatheredWeightFn:
     """A tensor-parallel linear's FP8 GEMM that takes its module's gathered FP8 weight."""
 
@@ -68,7 +91,9 @@ class _GatheredWeightFn:
         self.module, self.recipe = module, recipe
 
     def __call__(self, x, weight, bias=None):
-        return fp8_linear(x, weight, bias, self.recipe, getattr(self.module, "fp8_weight", None))
+        state = (delayed.state_of(self.module) if self.recipe.scaling == "delayed" else None)
+        return fp8_linear(x, weight, bias, self.recipe, getattr(self.module, "fp8_weight", None),
+                          state)
 
     def __repr__(self) -> str:
         return f"FP8LinearFn({self.recipe.name}, FP8-gathered weight)"
@@ -113,6 +138,7 @@ class FP8UnitGather:
         self.bytes = torch.zeros(seg.size, dtype=torch.uint8, device=device)
         self.mult = torch.ones(len(weights), dtype=torch.float32, device=device)
         self.scales = torch.ones(len(weights), dtype=torch.float32, device=device)
+        self.records = torch.zeros(len(weights), dtype=torch.float32, device=device)
         self.bytes.untyped_storage().resize_(0)
 
     def local_amax(self, shard: torch.Tensor) -> torch.Tensor:
@@ -125,10 +151,13 @@ class FP8UnitGather:
                 amax[k] = tensor_amax(local[lo - first:hi - first])
         return amax
 
-    def set_amax(self, amax: torch.Tensor) -> None:
-        """The whole weights' amaxes (all-reduced): their multipliers and scales."""
+    def set_amax(self, amax: torch.Tensor, local: torch.Tensor) -> None:
+        """The amaxes the weights' scales come from (the whole weights', all-reduced, or
+        their delayed histories'): their multipliers and scales; `local`: this rank's
+        pieces' amaxes, the weights' delayed records."""
         self.mult.copy_(amax_to_scale(amax, E4M3))
         self.scales.copy_(self.mult.reciprocal())
+        self.records.copy_(local.nan_to_num(nan=float("inf")))
 
     def start(self, full: torch.Tensor, shard: torch.Tensor, group: comm.Group):
         """Cast this rank's pieces and start the unit's gather: a handle whose wait() also
@@ -163,7 +192,8 @@ class FP8UnitGather:
         for k, (module, slot) in enumerate(self.views):
             lo = slot.start - self.seg.start
             data = self.bytes[lo:lo + slot.numel].view(E4M3.dtype).view(slot.shape)
-            module.fp8_weight = FP8Tensor(data, self.scales[k].clone(), "tensorwise", E4M3)
+            module.fp8_weight = GatheredWeight(data, self.scales[k].clone(), "tensorwise", E4M3,
+                                               record=self.records[k].clone())
 
     def free(self) -> None:
         self.bytes.untyped_storage().resize_(0)
@@ -186,13 +216,25 @@ class _Pending:
 
 def refresh_scales(units: dict, shard: torch.Tensor, group: comm.Group, watchdog) -> None:
     """Every FP8-gathered weight's scale from the current weights: the local amaxes of all
-    units in one all_reduce(max) (torchao's precompute_float8_dynamic_scale_for_fsdp)."""
+    units in one all_reduce(max) (torchao's precompute_float8_dynamic_scale_for_fsdp); under
+    delayed scaling from each weight's history, with no all-reduce once every history's W
+    row holds a record (which rows do is host state every rank shares)."""
     order = sorted(units)
-    amax = torch.cat([units[u].local_amax(shard) for u in order])
-    watchdog.wait(comm.all_reduce(amax, group, op="max", async_op=True),
-                  "FP8 weight amax all-reduce")
+    local = torch.cat([units[u].local_amax(shard) for u in order])
+    states = [delayed.state_of(module) for u in order for module, _ in units[u].views]
+    history = [s is not None and s.filled[delayed.ROW["weight"]] for s in states]
+    amax = local
+    if not all(history):
+        amax = local.clone()
+        watchdog.wait(comm.all_reduce(amax, group, op="max", async_op=True),
+                      "FP8 weight amax all-reduce")
+    if any(history):  # max(history) of the W rows, as lowp/delayed.py's cast takes it
+        row = delayed.ROW["weight"]
+        kept = torch.stack([s.history[row].max() if h else a
+                            for s, h, a in zip(states, history, amax)])
+        amax = kept
     at = 0
     for u in order:
         n = len(units[u].views)
-        units[u].set_amax(amax[at:at + n])
+        units[u].set_amax(amax[at:at + n], local[at:at + n])
         at += n

@@ -22,8 +22,10 @@ norms or embedding) are all-gathered as 1-byte FP8 (parallel/zero3_fp8.py);
 `fp8_gather_terms` counts them per rank. The engine pads each rank's message to the longest
 rank's (a unit's shard boundaries fall anywhere in its weights), which this does not count:
 well under 1% of a unit at real sizes. Their scales come from one all_reduce(max) of fp32
-amaxes per step, one per weight. A train.fp8_keep_out linear gathers in bf16; this still
-counts it at 1 byte.
+amaxes per step, one per weight; under delayed scaling (train.fp8_scaling = delayed) from
+the weights' amax histories, with no all-reduce of their own after the first step (their
+records ride in delayed scaling's one all-reduce, `delayed_amax_records`). A
+train.fp8_keep_out linear gathers in bf16; this still counts it at 1 byte.
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ def fp8_gather_terms(work, layout, dense: float, moe: float, kv_heads: int
     shared = mc.shared_expert_intermediate_size if mc.num_experts else 0
     elements = (dense + moe) * attn + dense * mlp + moe * linears * h * shared
     weights = 4 * (dense + moe) + linears * (dense + (moe if shared else 0))
+    if getattr(work, "fp8_scaling", "dynamic") == "delayed":
+        weights = 0.0  # scales from the amax histories: no all-reduce after the first step
     return elements, weights
 
 
@@ -99,3 +103,50 @@ def delayed_amax_records(work, layers: float) -> float:
         return 0.0
     linears = 4 + (3 if work.model.mlp == "swiglu" else 2)
     return 3 * linears * layers
+
+
+def expert_cast_bytes(recipe: str, rows: float, experts: float, h: int, inter: int,
+                      dtype_bytes: int = 2) -> dict[str, tuple[float, float]]:
+    """HBM bytes (read + written) one MoE layer's FP8 routed experts (lowp/experts.py) spend
+    beyond the bf16 grouped matmul's kernels, forward and backward: `rows` routed token
+    copies spread evenly over `experts` experts (SwiGLU: gate and up h -> inter, down
+    inter -> h). {"casts": (fwd, bwd), "loop": (fwd, bwd)}: the cast kernels' bytes, and
+    the per-expert loop's own copies (its output's cat, the weight gradients' stack).
+
+    With A_f = rows·(h + inter) (x, shared by gate and up, and down's input), A_b =
+    rows·(h + 2·inter) (the three output gradients), W = 3·experts·h·inter, a cast reads
+    B = 2 bytes and writes 1 per element (the fused casts, lowp/fused.py, numerics/fp8_cast.py):
+      rowwise (grouped): along K, fwd A_f and W, bwd A_b; along the tokens per group (or
+        along N for Wᵀ), fwd A_f, bwd A_b and W; plus 4 bytes per row scale and per
+        (group, column) scale;
+      tensorwise (loop): an amax pass (reads B) and a cast pass per operand, each expert's
+        W cast again for Wᵀ; x and ∂y write their transposed codes too (1 byte);
+      blockwise (loop): W in 128x128 blocks twice (W, Wᵀ), 4 bytes a block; x and ∂y in
+        1x128 tiles with their transposed tiles: 4 bytes and two scales per 128;
+      rowwise_gw_hp (loop): rowwise's casts along K, and Wᵀ tensorwise (amax + cast);
+      the loop (all but rowwise): cat of the outputs (fwd) and of the input gradients (bwd),
+        stack of the weight gradients (bwd): read + write B per element.
+    Left out: the amax kernel's partials (a few bytes per 64x64 tile) and a grouped cast's
+    padding of a group to 16 tokens (none when the groups are multiples of 16).
+    tests/test_plan_fp8_experts.py holds this to the trace of the engine's experts
+    (bench/fp8/fp8_experts_trace.py's kernels)."""
+    n, e, b = rows, experts, dtype_bytes
+    a_f, a_b, w = n * (h + inter), n * (h + 2 * inter), 3 * e * h * inter
+    cast = b + 1
+    loop = (b * 2 * n * h, b * 2 * n * h + 2 * b * w)
+    row_f = cast * (a_f + w) + SCALE_BYTES * (2 * n + e * (2 * inter + h))
+    row_b = cast * a_b + SCALE_BYTES * 3 * n
+    if recipe == "rowwise":
+        cols_f = cast * a_f + SCALE_BYTES * e * (h + inter)
+        cols_b = cast * (a_b + w) + SCALE_BYTES * e * (h + 2 * inter + 2 * h + inter)
+        return {"casts": (row_f + cols_f, row_b + cols_b), "loop": (0.0, 0.0)}
+    if recipe == "tensorwise":
+        passes = b + cast  # the amax pass reads, the cast pass reads and writes
+        return {"casts": (passes * (a_f + w) + a_f, passes * (a_b + w) + a_b), "loop": loop}
+    if recipe == "blockwise":
+        blocks = cast * w + SCALE_BYTES * w / 128 ** 2
+        tiles = cast + 1 + 2 * SCALE_BYTES / 128
+        return {"casts": (blocks + tiles * a_f, blocks + tiles * a_b), "loop": loop}
+    if recipe == "rowwise_gw_hp":
+        return {"casts": (row_f, row_b + (b + cast) * w), "loop": loop}
+    raise ValueError(f"unknown FP8 recipe '{recipe}'")

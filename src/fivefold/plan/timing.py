@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from fivefold.plan.activations import op_sac_recomputed_matmul_share
 from fivefold.plan.comm import REGATHER, collectives
 from fivefold.plan.flops import forward_flops_per_token
+from fivefold.plan.fp8 import expert_cast_bytes
 from fivefold.plan.hardware import (
     Assumptions,
     Hardware,
@@ -98,7 +99,7 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     peak = hw.peak_flops(work.precision)
     # fp8: the linears' and experts' GEMMs at the FP8 peak; attention, the output head and
     # the loss stay in bf16 (DeepSeek-V3 §3.3; lowp/convert.py). Quantisation's elementwise
-    # passes are not modelled.
+    # passes: the routed experts' below (plan/fp8.py); the dense linears' are not modelled.
     high_peak = hw.peak_flops("bf16") if work.precision == "fp8" else peak
     h, t = mc.hidden_size, lay.tp
     q, kv = mc.num_heads * mc.dim_per_head, mc.num_kv_heads * mc.dim_per_head
@@ -136,11 +137,17 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     k_routed = mc.experts_top_k if mc.num_experts else 1
     elem_bytes = tokens * B * (10 * h / seq_div + (2 * (q + kv) + act_f * ffn * k_routed) / t)
     elem = layers * elem_bytes / hbm * scale
+    cast_fwd = cast_bwd = 0.0
+    if moe and work.precision == "fp8":  # FP8 routed experts: their casts and loop copies
+        per = expert_cast_bytes(work.fp8_recipe, tokens * mc.experts_top_k,
+                                mc.num_experts / lay.ep, h, mc.moe_intermediate_size, B)
+        cast_fwd = moe * (per["casts"][0] + per["loop"][0]) / hbm * scale
+        cast_bwd = moe * (per["casts"][1] + per["loop"][1]) / hbm * scale
     head_time = 0.0
     if head:  # the output GEMM, and an fp32 softmax over the vocabulary
         head_time = (tokens * fwd.head / t / (gemm_rate * high_peak / peak)
                      + tokens * mc.vocab_size / t * (2 * B + 12) / hbm) * scale
-    layers_fwd = gemm + attn + elem
+    layers_fwd = gemm + attn + elem + cast_fwd
     forward = layers_fwd + head_time
     # Selective recomputation re-runs the attention core, except the ring core under cp > 1
     # (parallel/context/: it keeps only O(s) tensors, and a re-run would repeat its transfers).
@@ -154,7 +161,7 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     # A frozen base (LoRA, plan/lora.py) runs no weight-gradient GEMMs: its backward is the
     # input-gradient GEMM alone (the adapters' rank-r GEMMs are thin and left out).
     weight_passes = 1 if work.lora_rank else 2
-    backward = (weight_passes * (gemm + head_time) + 2 * elem
+    backward = (weight_passes * (gemm + head_time) + 2 * elem + cast_bwd
                 + attn * (2.5 if work.flash else 2.0) + recompute)
     # An eager engine's host time per layer (assume.host_layer_ms, else calibrate's measured
     # one; a third of it in forward). On a GPU it bounds a micro-batch from below when the

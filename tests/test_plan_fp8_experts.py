@@ -1,0 +1,101 @@
+"""The planner's FP8 routed experts (plan/fp8.py `expert_cast_bytes`, plan/timing.py): the
+bytes of their casts and of the per-expert loop's copies, against the trace of the engine's
+experts (lowp/experts.py) on the meta device as an sm90 GPU runs them
+(bench/fp8/fp8_experts_trace.py's trace), forward alone and forward + backward, per recipe.
+
+Error model: the planner counts each cast's codes (reads 2 bytes, writes 1 per element, 1
+more for a transposed copy) and its scales, exactly; it leaves out the tensorwise amax
+kernel's partials, one fp32 per 64x64 tile written and read once: 8 bytes per 4096
+elements against the 5 bytes per element of an amax pass and a cast, so at most 8/4096/5 =
+3.9e-4 of the casts' bytes. Tolerance 4e-4 relative for every recipe (rowwise, blockwise
+and the loop's copies are exact here: measured 0).
+"""
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from fivefold.lowp.convert import convert_to_fp8
+from fivefold.lowp.linear import FP8Recipe
+from fivefold.models.moe import GroupedExperts
+from fivefold.models.presets import preset
+from fivefold.plan.fp8 import expert_cast_bytes
+from fivefold.plan.hardware import get_hardware
+from fivefold.plan.layout import Layout, Workload
+from fivefold.plan.timing import rank_compute
+from fivefold.trace import trace_callable
+
+TOL = 4e-4
+SHAPES = {"mixtral": (8, 8192, 4096, 14336), "small": (4, 1024, 512, 1024)}
+RECIPES = ("tensorwise", "rowwise", "blockwise", "rowwise_gw_hp")
+
+
+def _recipe(name):
+    if name == "rowwise_gw_hp":
+        return FP8Recipe.from_name(name)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "fp8"))
+    import fp8_experts_trace as bench  # the sm90 GPU's blockwise GEMM, as the bench traces
+
+    return bench.recipe_for(name)
+
+
+def traced(shape, name, backward):
+    """{"casts": bytes, "loop": bytes} of the traced kernels: the FP8 cast kernels (with the
+    amax passes), and the loop's cat and stack."""
+    experts, tokens, hidden, inter = shape
+    with torch.device("meta"):
+        module = GroupedExperts(experts, hidden, inter).to(torch.bfloat16)
+    x = torch.empty(tokens, hidden, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.empty(tokens, hidden, device="meta", dtype=torch.bfloat16)
+    counts = torch.full((experts,), tokens // experts)
+    module.use_grouped_mm(x)
+    convert_to_fp8(module, _recipe(name))
+    run = (lambda: module(x, counts).backward(g)) if backward else (lambda: module(x, counts))
+    out = defaultdict(int)
+    for e in trace_callable(run, gpu="h100").events:
+        if e.kind != "kernel":
+            continue
+        if "fp8_cast" in e.name or "fp8_amax_partials" in e.name:
+            out["casts"] += e.bytes_read + e.bytes_written
+        elif e.name in ("aten.cat.default", "aten.stack.default"):
+            out["loop"] += e.bytes_read + e.bytes_written
+    return out
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", RECIPES)
+def test_planned_expert_cast_bytes_match_the_trace(shape, name):
+    experts, tokens, hidden, inter = SHAPES[shape]
+    planned = expert_cast_bytes(name, tokens, experts, hidden, inter)
+    fwd, both = traced(SHAPES[shape], name, False), traced(SHAPES[shape], name, True)
+    assert fwd["casts"] > 0 and both["casts"] > fwd["casts"]
+    for part in ("casts", "loop"):
+        f, b = planned[part]
+        for want, got in ((fwd[part], f), (both[part], f + b)):
+            assert abs(got - want) <= TOL * want, (part, got, want)
+    assert (both["loop"] == 0) == (name == "rowwise")  # rowwise is grouped: no loop
+
+
+def test_expert_casts_enter_the_predicted_step():
+    """The cast bytes go into a micro-batch's forward and backward at the HBM rate: between
+    two recipes the forward and backward differ by exactly their bytes' difference (the
+    GEMMs run at the same FP8 peak for both)."""
+    model = preset("mixtral-8x7b")
+    hw, assume = get_hardware("h100")
+    layout = Layout(dp=8, ep=8, mbs=1)
+    per = {}
+    for name in ("tensorwise", "rowwise"):
+        work = Workload(model=model, seq_len=4096, gbs=64, precision="fp8", fp8_recipe=name)
+        per[name] = rank_compute(work, layout, hw, assume, 0)
+    rows = 4096 * model.experts_top_k
+    moe = model.num_moe_layers
+    hbm = hw.hbm_tbps * 1e12 * assume.hbm_efficiency / (1 + assume.compute_overhead)
+    b = {name: expert_cast_bytes(name, rows, model.num_experts / 8, model.hidden_size,
+                                 model.moe_intermediate_size) for name in per}
+    for i, phase in enumerate(("forward", "backward")):
+        diff = sum(b["tensorwise"][p][i] - b["rowwise"][p][i] for p in ("casts", "loop"))
+        got = getattr(per["tensorwise"], phase) - getattr(per["rowwise"], phase)
+        assert diff > 0 and got == pytest.approx(moe * diff / hbm, rel=1e-9)
