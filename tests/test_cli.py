@@ -266,3 +266,13 @@ def test_the_corpus_tokenizer_follows_the_vocabulary():
     assert corpus_tokenizer("auto", 2047) == "byte"
     assert corpus_tokenizer("byte", 4096) == "byte"
     assert corpus_tokenizer("corpus-bpe", 256) == "corpus-bpe"  # then refused, with the fix
+
+
+def test_python_dash_m_runs_the_same_command_line():
+    """`python -m fivefold` is the `fivefold` script: the same help, the same bad-input exit."""
+    ok = subprocess.run([sys.executable, "-m", "fivefold", "help"], capture_output=True,
+                        text=True, timeout=120)
+    assert ok.returncode == 0 and "train" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "fivefold", "--nonsense"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
