@@ -2,14 +2,19 @@
 bench/data/usp-calibration.csv): the scorer on runs made up here, nanotron's stage cut and
 loss buffers by hand, and the convention's standing on a fixed fifth of the file."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
 
 from fivefold.plan.activations import activation_bytes_per_microbatch
+from fivefold.plan.comm import collectives
 from fivefold.plan.conventions import get_convention
+from fivefold.plan.hardware import get_hardware
+from fivefold.plan.layout import check_layout
 from fivefold.plan.split import stage_layer_counts
+from fivefold.plan.timing import step_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "plan"))
 import usp_calibration as usp  # noqa: E402
@@ -79,8 +84,43 @@ def test_engine_convention_keeps_its_own_settings():
     """The calibration is the nanotron convention's: fivefold's own plans none of it."""
     own = get_convention("fivefold")
     assert own.assumptions == {} and own.layout["pp_split"] == "even"
-    assert not {"softmax_loss", "zero_sync_blocking", "pp_1f1b_min_warmup",
+    assert not {"softmax_loss", "zero_sync_blocking", "zero1_grad_sync", "pp_1f1b_min_warmup",
                 "pp_idle_rank_fails"} & set(own.workload)
+
+
+def _gradient_sync(work, layout):
+    [grad] = [c for c in collectives(work, layout, 0) if c.note == "gradients"]
+    return grad
+
+
+def test_nanotron_zero1_all_reduces_the_fp32_gradients():
+    """nanotron's ZeRO-1 runs sync_gradients_across_dp(reduce_scatter=False): one all-reduce
+    of every fp32 gradient element after backward, 2(n-1)/n of the buffer on the wire
+    against a reduce-scatter's (n-1)/n, then the bf16 all-gather; the engine's own ZeRO-1
+    (and its ledger) keeps the reduce-scatter. Ledger bytes are exact; the exposed DP time
+    only has to grow (its tree/ring choice and latency are network.py's)."""
+    row = _run("8B", 128, "ok", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=14336,
+               vocab=131072, seq=4096, gbs_samples=256, tied_embeddings="False",
+               dp=32, tp=4, zero=1, mbs=8)
+    work, layout = usp.workload_layout(row)
+    grad = _gradient_sync(work, layout)
+    params = grad.elements
+    assert (grad.op, grad.dtype_bytes, grad.calls, grad.group_size) == ("all_reduce", 4, 1, 32)
+    assert grad.wire_bytes == 2 * 31 / 32 * 4 * params
+    gather = [c for c in collectives(work, layout, 0) if c.note == "updated parameters"]
+    assert [(c.op, c.dtype_bytes, c.elements) for c in gather] == [("all_gather", 2, params)]
+    scatter = dataclasses.replace(work, zero1_grad_sync="reduce_scatter")
+    rs = _gradient_sync(scatter, layout)
+    assert (rs.op, rs.elements, rs.wire_bytes) == ("reduce_scatter", params, 31 / 32 * 4 * params)
+    hw, assume = get_hardware("h100-sxm", usp.HW)
+    assume = get_convention("nanotron").apply_assumptions(assume)
+    assert (step_time(work, layout, hw, assume).dp_comm
+            > step_time(scatter, layout, hw, assume).dp_comm)
+    own, own_layout = usp.workload_layout(row, "fivefold")
+    assert own.zero1_grad_sync == "reduce_scatter"
+    assert _gradient_sync(own, own_layout).op == "reduce_scatter"
+    bad = dataclasses.replace(work, zero1_grad_sync="allreduce")
+    assert any("zero1_grad_sync = 'allreduce'" in p for p in check_layout(bad, layout))
 
 
 def test_standing_on_a_fifth_of_the_file():

@@ -8,11 +8,12 @@ import json
 from pathlib import Path
 
 from usp_calibration import BEFORE, OUT, PREVIOUS, ROOT, ROUND
-from usp_doc_pipeline import pipeline_lines
+from usp_doc_pipeline import all_reduce_lines, pipeline_lines
 
 DOC = ROOT / "docs" / "planner-validation.md"
-# The planner before TP steps between nodes took nanotron's fitted time (tp_inter_step_us).
-LAST = OUT.parent / "usp_calibration_7d6df56.json"
+# The planner before TP steps between nodes took nanotron's fitted time (tp_inter_step_us),
+# and before nanotron's ZeRO-1 gradient sync became an all-reduce (zero1_grad_sync).
+LAST = {rev: OUT.parent / f"usp_calibration_{rev}.json" for rev in ("7d6df56", "4a425a7")}
 MARK = ("<!-- usp-calibration: written by bench/plan/usp_calibration.py -->",
         "<!-- /usp-calibration -->")
 
@@ -131,13 +132,15 @@ def section(now: dict | None = None, before: dict | None = None,
                   for name, label in halves_rows if name in r["held_out"]]
         lines += [_row(f"at 9417dbc, factors fitted on {g} GPUs, judged on {g}",
                        r["in_sample"][g]) for g in ("16", "128") if g in r.get("in_sample", {})]
-    if LAST.exists():
-        r = json.loads(LAST.read_text())
-        lines += [_row("at 7d6df56, all runs", r["scores"]["all"]),
-                  _row("at 7d6df56, 128 GPUs", r["scores"]["128_gpus"])]
-        lines += [_row(f"at 7d6df56, {label}", r["held_out"][name])
+    for rev, path in LAST.items():  # the snapshots before the last changes, oldest first
+        if not path.exists():
+            continue
+        r = json.loads(path.read_text())
+        lines += [_row(f"at {rev}, all runs", r["scores"]["all"]),
+                  _row(f"at {rev}, 128 GPUs", r["scores"]["128_gpus"])]
+        lines += [_row(f"at {rev}, {label}", r["held_out"][name])
                   for name, label in halves_rows if name in r["held_out"]]
-        lines += [_row(f"at 7d6df56, factors fitted on {g} GPUs, judged on {g}",
+        lines += [_row(f"at {rev}, factors fitted on {g} GPUs, judged on {g}",
                        r["in_sample"][g]) for g in ("16", "128") if g in r.get("in_sample", {})]
     lines += [
         _row("now, all runs", n["all"]),
@@ -172,9 +175,14 @@ def section(now: dict | None = None, before: dict | None = None,
         "fp32 cast and the shifted copy turned into the saved softmax in place, "
         "(8 + 2)·T·V/tp bytes at the forward's end, where the planner had assumed "
         "fivefold's chunked loss (T·V never materialised);",
-        "- ZeRO-1's fp32 gradient reduce-scatter after backward and the parameter "
-        "all-gather after the step as blocking (`zero_sync_blocking`); ZeRO-0 keeps DDP's "
-        "overlapped buckets;",
+        "- ZeRO-1's gradient sync after backward and the parameter all-gather after the "
+        "step as blocking (`zero_sync_blocking`); ZeRO-0 keeps DDP's overlapped buckets; "
+        "the sync an all-reduce of the whole fp32 gradient buffer, not a reduce-scatter "
+        "(`zero1_grad_sync = all_reduce`: trainer.py `training_step` calls "
+        "`sync_gradients_across_dp(..., reduce_scatter=False)`, and "
+        "`FP32GradientAccumulator.sync_gradients_across_dp` all-reduces "
+        "`_contiguous_fp32_grad_buffer`; nanotron 0.4 and @004a89c alike), twice the "
+        "bytes and ring steps; the all-gather moves the bf16 parameters;",
         "- logged memory = peak reserved (what the benchmark rows report);",
         "- layouts nanotron cannot run are refused: 1F1B with fewer than pp − 1 micro-batches "
         "(`OneForwardOneBackwardPipelineEngine` asserts it; all 93 such runs in the file "
@@ -376,6 +384,7 @@ def _misses(now: dict) -> list[str]:
         f"{h16['throughput_within_20pct']:.1%} (goal 15% and 60%), and fitted on the "
         f"128-GPU runs, judged on 16, {h128['throughput_median_abs_error']:.1%} and "
         f"{h128['throughput_within_20pct']:.1%}." + _held_out_groups(),
+        *all_reduce_lines(now),
         "- Why a TP step between nodes costs more than the network's hop: where the step is "
         "host-bound (pp 1, micro-batches of one sequence) nanotron's measured time per "
         "layer per micro-batch is, median over the runs, "

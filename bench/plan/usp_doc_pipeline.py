@@ -116,3 +116,38 @@ def pipeline_lines(now: dict, ratios: str) -> list[str]:
            "is not a function of the layout. The option stays for a pessimistic plan "
            "(`--hw ddp_pp_message_ms=280`)."),
     ]
+
+
+# The calibration before nanotron's ZeRO-1 gradient sync became an all-reduce.
+BEFORE_ALL_REDUCE = OUT.parent / "usp_calibration_4a425a7.json"
+
+
+def all_reduce_lines(now: dict) -> list[str]:
+    """A bullet: the cross-fit before and after `zero1_grad_sync = all_reduce`, and the
+    held-out picks it changed; empty without the snapshot."""
+    if not BEFORE_ALL_REDUCE.exists():
+        return []
+    was = json.loads(BEFORE_ALL_REDUCE.read_text())
+    parts, picks = [], []
+    for name, g, label in (("fit_16_judge_128", "128", "fitted on 16, judged on 128"),
+                           ("fit_128_judge_16", "16", "fitted on 128, judged on 16")):
+        b, n = was["held_out"][name], now["held_out"][name]
+        bi, ni = was["in_sample"][g], now["in_sample"][g]
+        e = "throughput_median_abs_error"
+        parts.append(f"{label} {b[e]:.2%} → {n[e]:.2%} ({b['throughput_within_20pct']:.1%} → "
+                     f"{n['throughput_within_20pct']:.1%} within 20%; in-sample {bi[e]:.2%} → "
+                     f"{ni[e]:.2%}, so {b[e] / bi[e]:.2f}x → {n[e] / ni[e]:.2f}x of it)")
+        for group, p in n["picks"].items():
+            old = b["picks"][group]["fits"]
+            if p["fits"]["hit"] != old["hit"]:
+                picks.append(f"{group} ({label}) {old['layout']} → {p['fits']['layout']}, "
+                             f"{'a hit' if p['fits']['hit'] else 'a miss'} "
+                             f"({p['fits']['measured']:,.0f} of {p['fits']['best_measured']:,.0f} "
+                             f"tokens/s)")
+    return [f"- nanotron's ZeRO-1 gradient sync planned as the all-reduce its trainer runs "
+            f"(`zero1_grad_sync`; argued from the code, no factor added; before: "
+            f"`bench/results/{BEFORE_ALL_REDUCE.name}`): tokens/s median error held out, "
+            + "; ".join(parts) + ". The whole file's fit moved `straggler_sigma` from "
+            f"{was['fitted']['all']['straggler_sigma']:g} to "
+            f"{now['fitted']['all']['straggler_sigma']:g}. Picks that changed: "
+            + ("; ".join(picks) or "none") + "."]

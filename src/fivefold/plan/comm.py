@@ -82,7 +82,9 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
     Choices, stated because the ledger will be compared with the engine's:
     - DP/ZeRO run once per step, after the last micro-batch (no sync during accumulation):
       ZeRO-0 one all_reduce of all this rank's gradient elements; ZeRO-1/2 one reduce_scatter
-      of the gradients plus one all_gather of the updated parameters (param dtype); ZeRO-3
+      of the gradients (an all_reduce of all of them with `work.zero1_grad_sync ==
+      "all_reduce"` at ZeRO-1, as nanotron runs it) plus one all_gather of the updated
+      parameters (param dtype); ZeRO-3
       gathers the parameters per micro-batch twice (forward, and again in backward) and
       reduce-scatters the gradients once per step, or per micro-batch when
       `work.grad_sync == "microbatch"` (ZeRO-2 likewise).
@@ -140,7 +142,9 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
         if lay.zero == 0:
             add(group, "all_reduce", grad_bytes, elems, 1, n, "grad", "gradients")
         elif lay.zero in (1, 2):
-            add(group, "reduce_scatter", grad_bytes, elems, rs_calls, n, "grad", "gradients")
+            sync = ("all_reduce" if lay.zero == 1 and work.zero1_grad_sync == "all_reduce"
+                    else "reduce_scatter")
+            add(group, sync, grad_bytes, elems, rs_calls, n, "grad", "gradients")
             add(group, "all_gather", bpp.param, elems, 1, n, "step", "updated parameters")
         else:  # FP8 linears' weights at 1 byte with parallel.fp8_allgather (plan/fp8.py)
             moe = moe_layers_on_rank(mc, lay, pp_rank)

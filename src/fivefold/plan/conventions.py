@@ -77,12 +77,21 @@ CONVENTIONS: dict[str, Convention] = {
         # bf16 params and grads, fp32 master and Adam, and an fp32 gradient-accumulation
         # buffer: 2 + 2 + 4 + 8 + 4 = 20 B/param.
         # The loss materialises the logits (bf16, then cast to fp32) and saves their softmax.
-        # ZeRO-1 reduce-scatters the fp32 gradients after backward and all-gathers the
-        # parameters after the step, both blocking (ZeRO-0 runs DDP's overlapped buckets).
+        # ZeRO-1 all-reduces the whole fp32 gradient buffer after backward (not a
+        # reduce-scatter: trainer.py DistributedTrainer.training_step calls
+        # sync_gradients_across_dp(..., reduce_scatter=False) once train_batch_iter has
+        # returned, on the model _init_model leaves without DDP when accumulate_grad_in_fp32
+        # and zero_stage > 0; optim/gradient_accumulator.py FP32GradientAccumulator
+        # .sync_gradients_across_dp then runs dist.all_reduce(_contiguous_fp32_grad_buffer),
+        # not async), and all-gathers the updated bf16 parameters after the step
+        # (optim/zero.py ZeroDistributedOptimizer._all_gather_params on the model's own
+        # params), both blocking (ZeRO-0 runs DDP's overlapped buckets). The same code in
+        # nanotron 0.4 (PyPI, March 2024: trainer.py lines 344-349 and 608-609,
+        # gradient_accumulator.py line 155, zero.py line 234) and at @004a89c.
         {"grad_dtype_bytes": 2, "fp32_grad_accum": True, "fp32_params": False,
          "causal_flops": False, "chunked_loss": False, "softmax_loss": True,
-         "zero_sync_blocking": True, "pp_1f1b_min_warmup": True,
-         "pp_idle_rank_fails": True},
+         "zero_sync_blocking": True, "zero1_grad_sync": "all_reduce",
+         "pp_1f1b_min_warmup": True, "pp_idle_rank_fails": True},
         # REDUCE_SCATTER tp mode keeps the shard and gathers in backward; blocks split by
         # cumulative compute cost (4h·q + 3h·ffn per layer, V·h for the head), greedily
         # against thresholds total·(k+1)/pp; ranks reshaped (pp, dp, tp) with tp fastest.
@@ -102,8 +111,11 @@ CONVENTIONS: dict[str, Convention] = {
          "OneForwardOneBackward engines",
          "src/nanotron/models/base.py build_model (cumulative-cost stage cut); "
          "parallel/tensor_parallel/functional.py _ShardedCrossEntropy (softmax saved); "
-         "optim/gradient_accumulator.py sync_gradients_across_dp (ZeRO-1 reduce-scatter "
-         "after backward), optim/zero.py ZeroDistributedOptimizer (all-gather after step)",
+         "trainer.py training_step: sync_gradients_across_dp(reduce_scatter=False) after "
+         "train_batch_iter; optim/gradient_accumulator.py FP32GradientAccumulator."
+         "sync_gradients_across_dp (all_reduce of the fp32 gradient buffer; nanotron 0.4 "
+         "and @004a89c), optim/zero.py ZeroDistributedOptimizer (bf16 all-gather after "
+         "the step)",
          "parallel/pipeline_parallel/engine.py OneForwardOneBackwardPipelineEngine "
          "(asserts nb_microbatches >= pp - 1); models/base.py build_model (the cut moves "
          "on one rank per block: ranks after the loss get none; such runs crashed)",
@@ -129,7 +141,7 @@ CONVENTIONS: dict[str, Convention] = {
         # (docs/planner-validation.md; bench/results/usp_calibration_ddp_trial.json).
         {"activation_reserve": 0.25, "loss_reserve": 0.0, "head_token_bytes": 82.0,
          "host_layer_ms": 4.0, "pp_message_ms": 2.0, "inter_node_rails": 0.5,
-         "pp_blocking_latency_us": 60.0, "straggler_sigma": 0.04,
+         "pp_blocking_latency_us": 60.0, "straggler_sigma": 0.02,
          "tp_inter_step_us": 150.0, "memory_headroom_gib": 4.5}),
     "torchtitan": Convention(
         "torchtitan",

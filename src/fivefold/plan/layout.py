@@ -26,6 +26,7 @@ SCHEDULES = ("afab", "1f1b", "interleaved", "zb", "dualpipev")
 RECOMPUTE = ("none", "selective", "full", "auto", "op")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 PP_RUNTIMES = ("engine", "torch", "torch-2412")  # Workload.pp_runtime
+ZERO1_GRAD_SYNCS = ("reduce_scatter", "all_reduce")  # Workload.zero1_grad_sync
 # Optimizer state bytes per parameter, nominal (fp32 moments): Adam m+v 8, SGD momentum 4,
 # 8-bit Adam 2 + 8/256 of block scales, 4-bit 1 + 8/128; Adafactor (rows + columns) and Muon
 # (4 on hidden matrices, 8 elsewhere) depend on the shapes: plan/optimizer.py counts each
@@ -165,6 +166,10 @@ class Workload:
     # ZeRO-1/2's gradient reduce-scatter after backward and parameter all-gather after the
     # step run blocking, hidden behind nothing (nanotron's ZeroDistributedOptimizer).
     zero_sync_blocking: bool = False
+    # How ZeRO-1 syncs the gradients: "reduce_scatter" (each rank gets the shard it
+    # updates) or "all_reduce" of the whole gradient, twice a reduce-scatter's bytes and
+    # ring steps (nanotron: DistributedTrainer.training_step, reduce_scatter=False).
+    zero1_grad_sync: str = "reduce_scatter"
     # What runs the pipeline: "engine" (fivefold's), or torch.distributed.pipelining as in the
     # installed torch ("torch") or at torch 1963fc8, Dec 2024 ("torch-2412"); the latter two
     # hold per-micro-batch stage buffers and defer FSDP's gradient sync (plan/torch_pipelining.py).
@@ -268,6 +273,9 @@ def check_layout(work: Workload, layout: Layout, gpus_per_node: int | None = Non
         bad.append("offload needs zero >= 1 (the sharded optimizer is what moves to the CPU)")
     if work.precision not in PRECISIONS:
         bad.append(f"precision = '{work.precision}' is not one of {', '.join(PRECISIONS)}")
+    if work.zero1_grad_sync not in ZERO1_GRAD_SYNCS:
+        bad.append(f"zero1_grad_sync = '{work.zero1_grad_sync}' is not one of "
+                   f"{', '.join(ZERO1_GRAD_SYNCS)}")
     if work.pp_runtime not in PP_RUNTIMES:
         bad.append(f"pp_runtime = '{work.pp_runtime}' is not one of {', '.join(PP_RUNTIMES)}")
     if work.optimizer not in OPTIMIZER_BYTES:
