@@ -77,3 +77,64 @@ def test_planned_dense_cast_bytes_match_the_trace(shape, name):
         slack = 2 * 4 * MAX_PARTIALS * AMAX_PASSES.get(name, (0, 0))[i]
         assert 0 <= got - planned <= slack, (name, backward, got, planned,
                                              (got - planned) / got)
+
+
+def _compute(recipe, recompute="none", **work_options):
+    from fivefold.models.presets import preset
+    from fivefold.plan.hardware import get_hardware
+    from fivefold.plan.layout import Layout, Workload
+    from fivefold.plan.timing import rank_compute
+
+    hw, assume = get_hardware("h100")
+    work = Workload(model=preset("llama-3.1-8b"), seq_len=4096, gbs=64, precision="fp8",
+                    fp8_recipe=recipe, **work_options)
+    layout = Layout(dp=4, tp=2, sp=True, mbs=1, recompute=recompute)
+    hbm = hw.hbm_tbps * 1e12 * assume.hbm_efficiency / (1 + assume.compute_overhead)
+    ratio = hw.peak_flops("fp8") / hw.peak_flops("bf16")
+    return rank_compute(work, layout, hw, assume, 0), work, layout, hbm, ratio
+
+
+def test_dense_casts_enter_the_predicted_step():
+    """Between two recipes a dense model's forward and backward differ by exactly their
+    dense cast bytes' difference at the HBM rate (the GEMMs at the same FP8 peak), and
+    rowwise_gw_hp's backward also by its weight-gradient GEMMs at bf16's peak instead of
+    FP8's (the forward GEMMs' time once more, times fp8/bf16 peak - 1)."""
+    from fivefold.plan.fp8 import rank_dense_cast_bytes
+
+    model_layers = 32
+    rc, b, hbm = {}, {}, None
+    for name in ("tensorwise", "rowwise", "rowwise_gw_hp"):
+        rc[name], work, layout, hbm, ratio = _compute(name)
+        b[name] = rank_dense_cast_bytes(work, layout, 4096, model_layers, 0)
+        assert b[name][0] > 0 and b[name][1] > 0
+    gemm = rc["rowwise"].gemm_fwd
+    for name, extra in (("tensorwise", 0.0), ("rowwise_gw_hp", gemm * (ratio - 1))):
+        assert rc[name].gemm_fwd == gemm
+        for i, phase in enumerate(("forward", "backward")):
+            got = getattr(rc[name], phase) - getattr(rc["rowwise"], phase)
+            want = (b[name][i] - b["rowwise"][i]) / hbm + (extra if i else 0.0)
+            assert got == pytest.approx(want, rel=1e-9), (name, phase)
+    assert ratio == pytest.approx(2.0, rel=1e-3)  # H100: 1978.9 and 989.4 dense TFLOP/s
+    assert rc["rowwise_gw_hp"].backward > rc["rowwise"].backward
+
+
+@pytest.mark.parametrize("recompute", ("full", "op"))
+def test_recompute_casts_the_forward_again(recompute):
+    """Full recomputation runs the forward's casts again in backward; per-operator
+    recomputation those of the matmuls it re-runs (their FLOP share)."""
+    from fivefold.plan.activations import op_sac_recomputed_matmul_share
+    from fivefold.plan.fp8 import rank_dense_cast_bytes
+
+    share = 1.0
+    if recompute == "op":
+        from fivefold.models.presets import preset
+
+        share = op_sac_recomputed_matmul_share(preset("llama-3.1-8b"))
+        assert 0 < share < 1
+    d = {}
+    for name in ("tensorwise", "rowwise"):
+        rc, work, layout, hbm, _ = _compute(name, recompute)
+        d[name] = (rc, rank_dense_cast_bytes(work, layout, 4096, 32, 0))
+    got = d["tensorwise"][0].backward - d["rowwise"][0].backward
+    (tf, tb), (rf, rb) = d["tensorwise"][1], d["rowwise"][1]
+    assert got == pytest.approx((tb - rb + share * (tf - rf)) / hbm, rel=1e-9)

@@ -219,24 +219,56 @@ def linear_cast_bytes(recipe: str, tokens: float, k: float, n: float, dtype_byte
             one("weight_bwd", n, k) + one("act", tokens, n))
 
 
-def layer_cast_bytes(recipe: str, tokens: float, h: int, q: float, kv: float, mlp: float,
-                     swiglu: bool, dtype_bytes: int = 2, scaling: str = "dynamic"
-                     ) -> tuple[float, float]:
-    """(forward, backward) cast bytes of one layer's dense FP8 linears on a tp rank: q, k, v
-    (widths q and kv per rank) and o; an MLP of width `mlp` per rank (0: none, as in a MoE
-    layer without a shared expert) with gate and up (SwiGLU) or up, and down. q, k and v
-    cast their common input once, as do gate and up (lowp/linear.py); every linear sees
-    all `tokens` rows (under SP the gathered ones)."""
+def _linears_cast_bytes(recipe: str, tokens: float, weights: list, acts_f: list,
+                       acts_b: list, dtype_bytes: int, scaling: str) -> tuple[float, float]:
     def one(role, rows, cols):
         return cast_bytes(recipe, role, rows, cols, dtype_bytes, scaling)
-    weights = [(q, h), (kv, h), (kv, h), (h, q)]
-    acts_f = [(tokens, h), (tokens, q)]  # the qkv input, o's input
-    acts_b = [(tokens, q), (tokens, kv), (tokens, kv), (tokens, h)]  # each output's ∂y
-    if mlp:
-        up = 2 if swiglu else 1
-        weights += [(mlp, h)] * up + [(h, mlp)]
-        acts_f += [(tokens, h), (tokens, mlp)]
-        acts_b += [(tokens, mlp)] * up + [(tokens, h)]
-    fwd = sum(one("act", *a) for a in acts_f) + sum(one("weight_fwd", *w) for w in weights)
-    bwd = sum(one("act", *a) for a in acts_b) + sum(one("weight_bwd", *w) for w in weights)
+    fwd = sum(one("act", tokens, c) for c in acts_f) + sum(one("weight_fwd", *w)
+                                                            for w in weights)
+    bwd = sum(one("act", tokens, c) for c in acts_b) + sum(one("weight_bwd", *w)
+                                                            for w in weights)
     return fwd, bwd
+
+
+def attention_cast_bytes(recipe: str, tokens: float, h: int, q: float, kv: float,
+                         dtype_bytes: int = 2, scaling: str = "dynamic"
+                         ) -> tuple[float, float]:
+    """(forward, backward) cast bytes of one layer's q, k, v and o on a tp rank (widths q
+    and kv per rank): q, k and v cast their common input once (lowp/linear.py caches it);
+    each output's ∂y is cast on its own. Every linear sees all `tokens` rows (under SP the
+    gathered ones)."""
+    return _linears_cast_bytes(recipe, tokens, [(q, h), (kv, h), (kv, h), (h, q)], [h, q],
+                               [q, kv, kv, h], dtype_bytes, scaling)
+
+
+def mlp_cast_bytes(recipe: str, tokens: float, h: int, f: float, swiglu: bool,
+                   dtype_bytes: int = 2, scaling: str = "dynamic") -> tuple[float, float]:
+    """(forward, backward) cast bytes of an MLP of width f (per rank): gate and up (SwiGLU;
+    one cast of their common input) or up, and down."""
+    up = 2 if swiglu else 1
+    return _linears_cast_bytes(recipe, tokens, [(f, h)] * up + [(h, f)], [h, f],
+                               [f] * up + [h], dtype_bytes, scaling)
+
+
+def rank_dense_cast_bytes(work, layout, tokens: float, layers: float, moe: float
+                          ) -> tuple[float, float]:
+    """(forward, backward) bytes of the dense FP8 linears' casts of one micro-batch of
+    `tokens` on a pipeline rank of `layers` layers, `moe` of them MoE: every layer's
+    attention linears and a dense layer's MLP (over tp), a MoE layer's shared expert
+    (whole, as its block runs). The routed experts are `expert_cast_bytes`'. A
+    train.fp8_keep_out linear still counts; delayed scaling at its steady state (its first
+    step adds an amax pass per operand)."""
+    if work.precision != "fp8":
+        return 0.0, 0.0
+    mc, t, b = work.model, layout.tp, work.dtype_bytes
+    recipe, scaling = work.fp8_recipe, getattr(work, "fp8_scaling", "dynamic")
+    h, d = mc.hidden_size, mc.dim_per_head
+    swiglu = mc.mlp == "swiglu"
+    attn = attention_cast_bytes(recipe, tokens, h, mc.num_heads * d / t,
+                                mc.num_kv_heads * d / t, b, scaling)
+    dense = mlp_cast_bytes(recipe, tokens, h, mc.intermediate_size / t, swiglu, b, scaling)
+    shared_f = mc.shared_expert_intermediate_size if mc.num_experts else 0
+    shared = (mlp_cast_bytes(recipe, tokens, h, shared_f, swiglu, b, scaling) if shared_f
+              else (0.0, 0.0))
+    return tuple(layers * a + (layers - moe) * m + moe * s
+                 for a, m, s in zip(attn, dense, shared))
