@@ -26,6 +26,12 @@ amaxes per step, one per weight; under delayed scaling (train.fp8_scaling = dela
 the weights' amax histories, with no all-reduce of their own after the first step (their
 records ride in delayed scaling's one all-reduce, `delayed_amax_records`). A
 train.fp8_keep_out linear gathers in bf16; this still counts it at 1 byte.
+
+Time: the fused cast kernels' HBM bytes (read + written), which plan/timing.py adds to a
+micro-batch at the HBM rate: the dense linears' (`cast_bytes` per operand,
+`rank_dense_cast_bytes` per pipeline rank) and the routed experts' (`expert_cast_bytes`),
+each held to the meta trace of the engine (tests/test_plan_fp8_dense.py,
+tests/test_plan_fp8_experts.py).
 """
 
 from __future__ import annotations
