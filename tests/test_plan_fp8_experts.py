@@ -22,7 +22,7 @@ from fivefold.lowp.convert import convert_to_fp8
 from fivefold.lowp.linear import FP8Recipe
 from fivefold.models.moe import GroupedExperts
 from fivefold.models.presets import preset
-from fivefold.plan.fp8 import expert_cast_bytes
+from fivefold.plan.fp8 import expert_cast_bytes, rank_dense_cast_bytes
 from fivefold.plan.hardware import get_hardware
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.timing import rank_compute
@@ -81,15 +81,18 @@ def test_planned_expert_cast_bytes_match_the_trace(shape, name):
 
 def test_expert_casts_enter_the_predicted_step():
     """The cast bytes go into a micro-batch's forward and backward at the HBM rate: between
-    two recipes the forward and backward differ by exactly their bytes' difference (the
-    GEMMs run at the same FP8 peak for both)."""
+    two recipes the forward and backward differ by exactly their bytes' difference, the
+    experts' and the dense linears' (attention; tests/test_plan_fp8_dense.py) (the GEMMs
+    run at the same FP8 peak for both)."""
     model = preset("mixtral-8x7b")
     hw, assume = get_hardware("h100")
     layout = Layout(dp=8, ep=8, mbs=1)
-    per = {}
+    per, dense = {}, {}
     for name in ("tensorwise", "rowwise"):
         work = Workload(model=model, seq_len=4096, gbs=64, precision="fp8", fp8_recipe=name)
         per[name] = rank_compute(work, layout, hw, assume, 0)
+        dense[name] = rank_dense_cast_bytes(work, layout, 4096, model.num_layers,
+                                            model.num_moe_layers)
     rows = 4096 * model.experts_top_k
     moe = model.num_moe_layers
     hbm = hw.hbm_tbps * 1e12 * assume.hbm_efficiency / (1 + assume.compute_overhead)
@@ -97,5 +100,7 @@ def test_expert_casts_enter_the_predicted_step():
                                  model.moe_intermediate_size) for name in per}
     for i, phase in enumerate(("forward", "backward")):
         diff = sum(b["tensorwise"][p][i] - b["rowwise"][p][i] for p in ("casts", "loop"))
+        d_dense = dense["tensorwise"][i] - dense["rowwise"][i]
         got = getattr(per["tensorwise"], phase) - getattr(per["rowwise"], phase)
-        assert diff > 0 and got == pytest.approx(moe * diff / hbm, rel=1e-9)
+        assert diff > 0 and d_dense != 0
+        assert got == pytest.approx((moe * diff + d_dense) / hbm, rel=1e-9)

@@ -26,6 +26,12 @@ amaxes per step, one per weight; under delayed scaling (train.fp8_scaling = dela
 the weights' amax histories, with no all-reduce of their own after the first step (their
 records ride in delayed scaling's one all-reduce, `delayed_amax_records`). A
 train.fp8_keep_out linear gathers in bf16; this still counts it at 1 byte.
+
+Time: the fused cast kernels' HBM bytes (read + written), which plan/timing.py adds to a
+micro-batch at the HBM rate: the dense linears' (`cast_bytes` per operand,
+`rank_dense_cast_bytes` per pipeline rank) and the routed experts' (`expert_cast_bytes`),
+each held to the meta trace of the engine (tests/test_plan_fp8_dense.py,
+tests/test_plan_fp8_experts.py).
 """
 
 from __future__ import annotations
@@ -150,3 +156,125 @@ def expert_cast_bytes(recipe: str, rows: float, experts: float, h: int, inter: i
     if recipe == "rowwise_gw_hp":
         return {"casts": (row_f, row_b + (b + cast) * w), "loop": loop}
     raise ValueError(f"unknown FP8 recipe '{recipe}'")
+
+
+ROW_PROGRAM = 32  # the row cast's programs: column partial amaxes per 32 rows (fp32)
+FOLD_TILE = 64  # delayed scaling's cast records one fp32 amax per 64x64 tile
+HISTORY_LEN = 16  # train.fp8_history_len's default: the history a delayed cast reads
+
+
+def cast_bytes(recipe: str, role: str, rows: float, cols: float, dtype_bytes: int = 2,
+               scaling: str = "dynamic") -> float:
+    """HBM bytes (read + written) of the fused cast kernels (lowp/fused.py,
+    numerics/fp8_cast.py) for one (rows, cols) operand of an FP8 linear in the compute dtype
+    (B bytes): role "act" (x in forward, ∂y in backward: its codes along K and the
+    transposed copy the weight gradient takes), "weight_fwd" (W) or "weight_bwd" (W again
+    for the input gradient: not saved in FP8). S = rows·cols; a cast pass reads B·S and
+    writes 1 byte per element per copy; an amax pass reads B·S:
+      tensorwise   amax + cast: act 2B·S + 2S, a weight 2B·S + S; 4 bytes of scale;
+        delayed scaling (train.fp8_scaling): no amax pass; the cast reads the history
+        (HISTORY_LEN fp32) and records each 64x64 tile's amax, which a fold kernel reads
+        into the step's pending record (4 bytes read, 4 written; not for W's backward
+        cast, whose amax the forward folded);
+      rowwise      act: a row cast (B·S + S, 4 per row) leaving each column's amax per 32
+        rows (fp32), which the column cast reads with x (B·S) to write xᵀ (S, 4 per
+        column); a weight: a row cast of W (forward) or of the view Wᵀ (backward);
+      rowwise_gw_hp  act: the row cast alone (the weight gradient is a bf16 GEMM of the
+        saved input); W: a row cast forward, tensorwise (amax + cast) backward, its one
+        scale repeated per row of Wᵀ (4 + 4·cols: _scaled_mm takes both operands rowwise);
+      blockwise    act: one pass writing the 1x128 tiles of x and of xᵀ (2S, 4 bytes per
+        tile each); a weight: 128x128 blocks of W or Wᵀ (S, 4 bytes per block).
+    Left out: the tensorwise amax partials (<= 256 fp32 written and read per amax pass,
+    numerics/fp8_cast.py MAX_PARTIALS) and blockwise's padding of the weight's block scales
+    to a multiple of 4 columns for cuBLASLt (none when the widths are multiples of 512).
+    tests/test_plan_fp8_dense.py holds this to the trace of the engine's FP8 linear."""
+    b, s, c = dtype_bytes, rows * cols, cols
+    copies = 2 if role == "act" else 1
+    if recipe == "tensorwise":
+        if scaling == "delayed":
+            tiles = SCALE_BYTES * math.ceil(rows / FOLD_TILE) * math.ceil(cols / FOLD_TILE)
+            cast = b * s + SCALE_BYTES * HISTORY_LEN + copies * s + SCALE_BYTES + tiles
+            if role == "weight_bwd":  # W's amax was folded into the record in forward
+                return cast
+            return cast + tiles + 2 * SCALE_BYTES  # the fold: tiles and pending in, pending out
+        return 2 * b * s + copies * s + SCALE_BYTES
+    if recipe == "rowwise":
+        if role == "act":
+            partials = SCALE_BYTES * c * math.ceil(rows / ROW_PROGRAM)
+            return (b + 1) * s * 2 + SCALE_BYTES * (rows + c) + 2 * partials
+        return (b + 1) * s + SCALE_BYTES * (rows if role == "weight_fwd" else c)
+    if recipe == "rowwise_gw_hp":
+        if role == "weight_bwd":
+            return 2 * b * s + s + SCALE_BYTES + SCALE_BYTES * (1 + c)
+        return (b + 1) * s + SCALE_BYTES * rows
+    if recipe == "blockwise":
+        if role == "act":
+            tiles = rows * math.ceil(c / 128) + c * math.ceil(rows / 128)
+            return (b + 2) * s + SCALE_BYTES * tiles
+        return (b + 1) * s + SCALE_BYTES * math.ceil(rows / 128) * math.ceil(c / 128)
+    raise ValueError(f"unknown FP8 recipe '{recipe}'")
+
+
+def linear_cast_bytes(recipe: str, tokens: float, k: float, n: float, dtype_bytes: int = 2,
+                      scaling: str = "dynamic") -> tuple[float, float]:
+    """(forward, backward) cast bytes of one FP8 linear (tokens, k) -> (tokens, n):
+    x and W in forward; W again and ∂y in backward (`cast_bytes`)."""
+    def one(role, rows, cols):
+        return cast_bytes(recipe, role, rows, cols, dtype_bytes, scaling)
+    return (one("act", tokens, k) + one("weight_fwd", n, k),
+            one("weight_bwd", n, k) + one("act", tokens, n))
+
+
+def _linears_cast_bytes(recipe: str, tokens: float, weights: list, acts_f: list,
+                       acts_b: list, dtype_bytes: int, scaling: str) -> tuple[float, float]:
+    def one(role, rows, cols):
+        return cast_bytes(recipe, role, rows, cols, dtype_bytes, scaling)
+    fwd = sum(one("act", tokens, c) for c in acts_f) + sum(one("weight_fwd", *w)
+                                                            for w in weights)
+    bwd = sum(one("act", tokens, c) for c in acts_b) + sum(one("weight_bwd", *w)
+                                                            for w in weights)
+    return fwd, bwd
+
+
+def attention_cast_bytes(recipe: str, tokens: float, h: int, q: float, kv: float,
+                         dtype_bytes: int = 2, scaling: str = "dynamic"
+                         ) -> tuple[float, float]:
+    """(forward, backward) cast bytes of one layer's q, k, v and o on a tp rank (widths q
+    and kv per rank): q, k and v cast their common input once (lowp/linear.py caches it);
+    each output's ∂y is cast on its own. Every linear sees all `tokens` rows (under SP the
+    gathered ones)."""
+    return _linears_cast_bytes(recipe, tokens, [(q, h), (kv, h), (kv, h), (h, q)], [h, q],
+                               [q, kv, kv, h], dtype_bytes, scaling)
+
+
+def mlp_cast_bytes(recipe: str, tokens: float, h: int, f: float, swiglu: bool,
+                   dtype_bytes: int = 2, scaling: str = "dynamic") -> tuple[float, float]:
+    """(forward, backward) cast bytes of an MLP of width f (per rank): gate and up (SwiGLU;
+    one cast of their common input) or up, and down."""
+    up = 2 if swiglu else 1
+    return _linears_cast_bytes(recipe, tokens, [(f, h)] * up + [(h, f)], [h, f],
+                               [f] * up + [h], dtype_bytes, scaling)
+
+
+def rank_dense_cast_bytes(work, layout, tokens: float, layers: float, moe: float
+                          ) -> tuple[float, float]:
+    """(forward, backward) bytes of the dense FP8 linears' casts of one micro-batch of
+    `tokens` on a pipeline rank of `layers` layers, `moe` of them MoE: every layer's
+    attention linears and a dense layer's MLP (over tp), a MoE layer's shared expert
+    (whole, as its block runs). The routed experts are `expert_cast_bytes`'. A
+    train.fp8_keep_out linear still counts; delayed scaling at its steady state (its first
+    step adds an amax pass per operand)."""
+    if work.precision != "fp8":
+        return 0.0, 0.0
+    mc, t, b = work.model, layout.tp, work.dtype_bytes
+    recipe, scaling = work.fp8_recipe, getattr(work, "fp8_scaling", "dynamic")
+    h, d = mc.hidden_size, mc.dim_per_head
+    swiglu = mc.mlp == "swiglu"
+    attn = attention_cast_bytes(recipe, tokens, h, mc.num_heads * d / t,
+                                mc.num_kv_heads * d / t, b, scaling)
+    dense = mlp_cast_bytes(recipe, tokens, h, mc.intermediate_size / t, swiglu, b, scaling)
+    shared_f = mc.shared_expert_intermediate_size if mc.num_experts else 0
+    shared = (mlp_cast_bytes(recipe, tokens, h, shared_f, swiglu, b, scaling) if shared_f
+              else (0.0, 0.0))
+    return tuple(layers * a + (layers - moe) * m + moe * s
+                 for a, m, s in zip(attn, dense, shared))

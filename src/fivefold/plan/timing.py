@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from fivefold.plan.activations import op_sac_recomputed_matmul_share
 from fivefold.plan.comm import REGATHER, collectives
 from fivefold.plan.flops import forward_flops_per_token
-from fivefold.plan.fp8 import expert_cast_bytes
+from fivefold.plan.fp8 import expert_cast_bytes, rank_dense_cast_bytes
 from fivefold.plan.hardware import (
     Assumptions,
     Hardware,
@@ -98,8 +98,8 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     fwd = forward_flops_per_token(mc, work.seq_len)
     peak = hw.peak_flops(work.precision)
     # fp8: the linears' and experts' GEMMs at the FP8 peak; attention, the output head and
-    # the loss stay in bf16 (DeepSeek-V3 §3.3; lowp/convert.py). Quantisation's elementwise
-    # passes: the routed experts' below (plan/fp8.py); the dense linears' are not modelled.
+    # the loss stay in bf16 (DeepSeek-V3 §3.3; lowp/convert.py). Quantisation's cast
+    # kernels, the dense linears' and the routed experts', at the HBM rate (plan/fp8.py).
     high_peak = hw.peak_flops("bf16") if work.precision == "fp8" else peak
     h, t = mc.hidden_size, lay.tp
     q, kv = mc.num_heads * mc.dim_per_head, mc.num_kv_heads * mc.dim_per_head
@@ -137,12 +137,13 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     k_routed = mc.experts_top_k if mc.num_experts else 1
     elem_bytes = tokens * B * (10 * h / seq_div + (2 * (q + kv) + act_f * ffn * k_routed) / t)
     elem = layers * elem_bytes / hbm * scale
-    cast_fwd = cast_bwd = 0.0
+    dense_f, dense_b = rank_dense_cast_bytes(work, lay, tokens, layers, moe)
+    cast_fwd, cast_bwd = dense_f / hbm * scale, dense_b / hbm * scale
     if moe and work.precision == "fp8":  # FP8 routed experts: their casts and loop copies
         per = expert_cast_bytes(work.fp8_recipe, tokens * mc.experts_top_k,
                                 mc.num_experts / lay.ep, h, mc.moe_intermediate_size, B)
-        cast_fwd = moe * (per["casts"][0] + per["loop"][0]) / hbm * scale
-        cast_bwd = moe * (per["casts"][1] + per["loop"][1]) / hbm * scale
+        cast_fwd += moe * (per["casts"][0] + per["loop"][0]) / hbm * scale
+        cast_bwd += moe * (per["casts"][1] + per["loop"][1]) / hbm * scale
     head_time = 0.0
     if head:  # the output GEMM, and an fp32 softmax over the vocabulary
         head_time = (tokens * fwd.head / t / (gemm_rate * high_peak / peak)
@@ -154,14 +155,19 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     selective = attn if lay.cp == 1 else 0.0
     recompute = {"full": layers_fwd, "selective": selective}.get(lay.recompute, 0.0)
     if lay.recompute == "op":  # the matmuls it does not keep and every elementwise kernel
-        recompute = gemm * op_sac_recomputed_matmul_share(mc) + elem
+        share = op_sac_recomputed_matmul_share(mc)  # (their forward casts: by FLOP share)
+        recompute = gemm * share + elem + share * dense_f / hbm * scale
     if lay.recompute == "auto":  # the per-layer choices under the budget
         plan = auto_plan(work, lay, rank)  # ranked at the default GPU's rates, as the engine
         recompute = recompute_seconds(work, lay, rank, hw, assume, plan) * scale
     # A frozen base (LoRA, plan/lora.py) runs no weight-gradient GEMMs: its backward is the
     # input-gradient GEMM alone (the adapters' rank-r GEMMs are thin and left out).
-    weight_passes = 1 if work.lora_rank else 2
-    backward = (weight_passes * (gemm + head_time) + 2 * elem + cast_bwd
+    # rowwise_gw_hp's weight gradients (the dense linears' and the routed experts' loop)
+    # are bf16 GEMMs of the saved bf16 input (lowp/linear.py): that pass at bf16's peak.
+    wgrad = gemm * (peak / high_peak if work.precision == "fp8"
+                    and work.fp8_recipe == "rowwise_gw_hp" else 1.0)
+    backward = (gemm + head_time + (0.0 if work.lora_rank else wgrad + head_time)
+                + 2 * elem + cast_bwd
                 + attn * (2.5 if work.flash else 2.0) + recompute)
     # An eager engine's host time per layer (assume.host_layer_ms, else calibrate's measured
     # one; a third of it in forward). On a GPU it bounds a micro-batch from below when the
