@@ -38,7 +38,7 @@ def measure(rank, world, tmp, fp8_allgather):
     n = gatherer.group.size
     paddings = set()  # per FP8 unit: the in-flight messages' bytes beyond the plan's
     for unit in gatherer.fp8.values():
-        fp8 = sum(slot.numel for _, slot in unit.views)
+        fp8 = sum(numel for _, _, _, numel, _ in unit.entries)
         unit_bytes = fp8 + 2 * (unit.seg.size - fp8)
         paddings.add((n + 1) * (n * unit.message - unit_bytes) / n)
     trainer.close()
