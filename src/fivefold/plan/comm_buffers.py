@@ -129,7 +129,8 @@ def fp8_gather_buffers(work: Workload, layout: Layout, per_layer: float):
     receive buffer of every rank's message and this rank's send buffer, (n + 1)/n of the
     unit's FP8 weights (routed experts' too) at 1 byte and its other elements at their
     dtype's (n: dp x cp). Each message is padded to the longest rank's and to the dtype's
-    alignment: a few hundred bytes the planner leaves out (tests/test_fp8_gather_memory.py bounds them)."""
+    alignment: a few hundred bytes the planner leaves out (tests/test_fp8_gather_memory.py
+    bounds them)."""
     shards = layout.dp * layout.cp
     mc = work.model
     moe_layers = mc.num_experts > 0  # a MoE model's blocks: mostly MoE layers
