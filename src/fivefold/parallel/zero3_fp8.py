@@ -1,4 +1,5 @@
-"""ZeRO-3's all-gather of FP8-linear weights in FP8 (parallel.fp8_allgather, tensorwise).
+"""ZeRO-3's all-gather of FP8 weights in FP8 (parallel.fp8_allgather, tensorwise): the FP8
+linears' and the routed experts'.
 
 torchao's float8 training for FSDP2 casts each rank's shard of a float8 linear's weight to
 FP8 before the all-gather, with the tensorwise scale of the whole weight, so the gather
@@ -36,6 +37,15 @@ ranks) makes it the whole weight's amax, the record the linear folds without the
 On a step where a weight's row has no record yet (the first), its scale is its own amax,
 as delayed scaling's first step is dynamic: the one all-reduce of amaxes above gives it.
 The input gradient's Wᵀ is the gathered codes transposed, as under dynamic scaling.
+
+Routed experts (lowp/experts.py; tensorwise runs the per-expert loop): each expert's (N, K)
+slice of a stacked (E, N, K) weight is a weight of its own here, with its own amax in the
+one all-reduce and its own scale, the tensorwise cast the loop's FP8 linear makes of it;
+`finish` hands the module `fp8_experts` ({"w_gate": [one GatheredWeight per expert], ...}),
+whose codes the loop's GEMMs take. Under expert parallelism the experts' weights live in
+the expert-data-parallel group's own ZeRO-3 (parallel/expert_optim.py), whose gatherer does
+the same over edp. Delayed scaling refuses routed experts (config/fp8.py), so their scales
+are always the all-reduced amaxes.
 
 Only tensorwise: one scale per weight makes a shard's cast independent of where the shard
 cuts the weight. Rowwise scales the weight along K for the forward GEMM and along N for
