@@ -76,9 +76,9 @@ def fp8_gather_terms(work, layout, dense: float, moe: float, kv_heads: int
     parallel.fp8_allgather, over `dense` dense and `moe` MoE layers on this pipeline rank;
     `kv_heads`: the k/v heads one tp rank holds. Every layer's q, k, v and o (over tp), a dense
     layer's MLP linears (over tp) and a MoE layer's shared expert (whole on every tp rank, as
-    its block runs: plan/model_states.py). Not the routed experts, the router, the shared expert's
-    gate, the head, norms or embedding. The weights count the fp32 amaxes of the step's one
-    all_reduce(max) that sets their scales."""
+    its block runs: plan/model_states.py). Not the routed experts (`fp8_expert_gather_terms`),
+    the router, the shared expert's gate, the head, norms or embedding. The weights count the
+    fp32 amaxes of the step's one all_reduce(max) that sets their scales."""
     mc = work.model
     if not _fp8_gather_on(work, layout):
         return 0.0, 0.0
