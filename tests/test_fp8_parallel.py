@@ -273,10 +273,12 @@ def test_zero3_fp8_allgather_gives_the_same_run_at_half_the_weight_bytes(tmp_pat
         assert a["planned"]["all_reduce"] == a["ledger"]["all_reduce"]
 
 
-def test_zero3_fp8_allgather_under_full_recompute_gives_the_same_run(tmp_path):
+@pytest.mark.parametrize("moe", [(), MOE], ids=["dense", "moe"])
+def test_zero3_fp8_allgather_under_full_recompute_gives_the_same_run(tmp_path, moe):
     """Full recomputation runs each block's forward again inside backward, on the unit
-    gathered again in FP8: bit-equal to the run without the option (tolerance 0)."""
-    extra = ("--train.recompute", "full")
+    gathered again in FP8 (the routed experts' weights too): bit-equal to the run without
+    the option (tolerance 0)."""
+    extra = ("--train.recompute", "full", *moe)
     off = run_ranks(zero3_tensorwise, 2, str(tmp_path / "off"), False, extra)
     on = run_ranks(zero3_tensorwise, 2, str(tmp_path / "on"), True, extra)
     for a, b in zip(off, on):
