@@ -14,6 +14,7 @@ the option the two agree to the byte, as tests/test_plan_agreement.py holds for 
 
 import pathlib
 
+import pytest
 from common import small_config
 from harness import run_ranks
 
@@ -29,8 +30,9 @@ MODEL = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--mod
          "--train.fp8_recipe", "tensorwise", "--parallel.dp", "2", "--parallel.zero", "3"]
 
 
-def measure(rank, world, tmp, fp8_allgather):
-    cfg = small_config(pathlib.Path(tmp), *MODEL, "--parallel.fp8_allgather", fp8_allgather)
+def measure(rank, world, tmp, fp8_allgather, extra=()):
+    cfg = small_config(pathlib.Path(tmp), *MODEL, "--parallel.fp8_allgather", fp8_allgather,
+                       *extra)
     trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel), quiet=True)
     gatherer = trainer.optimizer.gatherer
     with PeakTracker(trainer.peak_sources()) as tracker:
@@ -38,7 +40,7 @@ def measure(rank, world, tmp, fp8_allgather):
     n = gatherer.group.size
     paddings = set()  # per FP8 unit: the in-flight messages' bytes beyond the plan's
     for unit in gatherer.fp8.values():
-        fp8 = sum(slot.numel for _, slot in unit.views)
+        fp8 = sum(numel for _, _, _, numel, _ in unit.entries)
         unit_bytes = fp8 + 2 * (unit.seg.size - fp8)
         paddings.add((n + 1) * (n * unit.message - unit_bytes) / n)
     trainer.close()
@@ -47,9 +49,15 @@ def measure(rank, world, tmp, fp8_allgather):
             "plan": dp_comm_buffer_bytes(work, layout, 0), "paddings": paddings}
 
 
-def test_fp8_gather_buffers_are_counted_by_the_tracker_and_the_planner(tmp_path):
-    off = run_ranks(measure, 2, str(tmp_path / "off"), "false")
-    on = run_ranks(measure, 2, str(tmp_path / "on"), "true")
+# every layer MoE: the routed experts' weights are FP8 in the units' messages too
+MOE = ("--model.num_experts", "4", "--model.experts_top_k", "2",
+       "--model.moe_intermediate_size", "32")
+
+
+@pytest.mark.parametrize("extra", [(), MOE], ids=["dense", "moe"])
+def test_fp8_gather_buffers_are_counted_by_the_tracker_and_the_planner(tmp_path, extra):
+    off = run_ranks(measure, 2, str(tmp_path / "off"), "false", extra)
+    on = run_ranks(measure, 2, str(tmp_path / "on"), "true", extra)
     for a, b in zip(off, on):
         assert a["engine"] == a["plan"] and not a["paddings"]
         assert b["engine"] - b["plan"] in b["paddings"], (b["engine"], b["plan"], b["paddings"])

@@ -156,44 +156,61 @@ def zero3_tensorwise(rank, world, tmp, fp8_allgather, extra=()):
     delayed.weight = counting_delayed
     linears = [m for chunk in trainer.model.chunks for m in chunk.modules()  # tp: local shards
                if isinstance(m, FP8LinearMixin) or getattr(m, "linear_fn", None) is not None]
-    gatherer = trainer.optimizer.gatherer
+    experts = [m for chunk in trainer.model.chunks for m in chunk.modules()
+               if isinstance(m, FP8ExpertsMixin)]  # routed: one weight per expert and matrix
+    expert_numel = sum(m.w_gate.numel() + m.w_up.numel() + m.w_down.numel() for m in experts)
+    # ZeRO-3 over dp_cp; under expert parallelism the experts' own over edp (each gatherer
+    # its own units, amax all-reduce and messages)
+    parts = getattr(trainer.optimizer, "parts", [trainer.optimizer])
+    gatherers = [part.gatherer for part in parts]
+    groups = ("dp_cp", "edp") if len(parts) > 1 else ("dp_cp",)
     padding = 0  # bytes per gather of every unit, beyond 1 per FP8 element and 2 per other
-    for unit in gatherer.fp8.values():
-        fp8_in_unit = sum(slot.numel for _, slot in unit.views)
-        padding += (gatherer.group.size * unit.message
-                    - (fp8_in_unit + 2 * (unit.seg.size - fp8_in_unit)))
-    states, ensure = set(), gatherer.ensure  # an FP8 unit's state when it is needed
+    states = set()  # an FP8 unit's state when it is needed
+    for gatherer in gatherers:
+        for unit in gatherer.fp8.values():
+            fp8_in_unit = sum(numel for _, _, _, numel, _ in unit.entries)
+            padding += (gatherer.group.size * unit.message
+                        - (fp8_in_unit + 2 * (unit.seg.size - fp8_in_unit)))
 
-    def watching(u):
-        if u in gatherer.fp8:
-            states.add(gatherer.state[u])
-        ensure(u)
+        def watching(u, gatherer=gatherer, ensure=gatherer.ensure):
+            if u in gatherer.fp8:  # (gatherer, unit, forward?, state)
+                states.add((gatherers.index(gatherer), u, torch.is_grad_enabled(),
+                            gatherer.state[u]))
+            ensure(u)
 
-    gatherer.ensure = watching
+        gatherer.ensure = watching
     dims.ledger.enabled = True
     records = [trainer.train_step() for _ in range(STEPS)]  # the ledger keeps the last step
     totals = dims.ledger.totals()
-    ledger = {op: totals[("dp_cp", op)]["bytes"] for op in ("all_gather", "all_reduce")}
+    ledger = {op: sum(totals.get((g, op), {"bytes": 0})["bytes"] for g in groups)
+              for op in ("all_gather", "all_reduce")}
     amax_calls = sum(1 for e in dims.ledger.entries
-                     if (e.group, e.op) == ("dp_cp", "all_reduce") and e.elements > 1)
+                     if e.group in groups and e.op == "all_reduce" and e.elements > 1)
     world_reduce = sum(e.bytes for e in dims.ledger.entries
                        if (e.group, e.op) == ("world", "all_reduce"))
     kept = {k: h.clone() for k, h in histories(trainer.model.chunks[0]).items()}
     trainer.close()
     work, layout = training_plan_inputs(cfg)
-    planned = ledger_volume(work, layout)["dp_cp"]
+    volume = ledger_volume(work, layout)
+    planned = {op: sum(volume.get(g, {}).get(op, 0) for g in groups)
+               for op in ("all_gather", "all_reduce")}
     gathers = 2 * work.num_microbatches(layout)  # forward and backward, per micro-batch
     FP8Recipe.quantize_weight, delayed.weight = quantize_weight, delayed_weight
     return {"histories": kept, "world_reduce": world_reduce,
             "planned_world": ledger_volume(work, layout).get("world", {}).get("all_reduce", 0),
             "runs": [(r["loss"], r["grad_norm"]) for r in records], "ledger": ledger,
             "planned": planned, "linears": len(linears), "gathers": gathers,
-            "numel": sum(m.weight.numel() for m in linears), "padding": padding * gathers,
+            "gatherers": len(gatherers),
+            "scales": len(linears) + sum(3 * m.w_gate.shape[0] for m in experts),
+            "experts": len(experts),
+            "numel": sum(m.weight.numel() for m in linears) + expert_numel,
+            "padding": padding * gathers,
             "quantized": quantized[0], "amax_calls": amax_calls, "fp8_states": states}
 
 
 # A dense first layer, then a MoE layer with a shared expert (FP8, gathered in FP8) and its
-# gate (kept out of FP8: bf16); the routed experts gather in bf16 and quantise themselves.
+# gate (kept out of FP8: bf16); the routed experts gather in FP8 too, one scale per expert's
+# weight (the per-expert loop's tensorwise cast of it).
 MOE_SHARED = (*MOE, "--model.moe_first_dense", "1", "--model.shared_expert_intermediate_size",
               "24", "--model.shared_expert_gate", "true")
 
@@ -201,6 +218,11 @@ MOE_SHARED = (*MOE, "--model.moe_first_dense", "1", "--model.shared_expert_inter
 @pytest.mark.parametrize("world,extra,pad", [
     pytest.param(2, (), 0.02, id="dp2"),
     pytest.param(2, MOE_SHARED, 0.05, id="dp2-moe-shared", marks=pytest.mark.slow),
+    # every layer MoE: the routed experts' weights gathered in FP8 over dp; under ep2 (4
+    # ranks: dp4 x ep2) over the expert-data-parallel group edp by the experts' own gatherer
+    pytest.param(2, MOE, 0.05, id="dp2-moe"),
+    pytest.param(4, (*MOE, "--parallel.dp", "4", "--parallel.ep", "2"), 0.05, id="dp4-ep2",
+                 marks=pytest.mark.slow),
     pytest.param(4, ("--parallel.tp", "2"), 0.02, id="dp2-tp2", marks=pytest.mark.slow)])
 def test_zero3_fp8_allgather_gives_the_same_run_at_half_the_weight_bytes(tmp_path, world,
                                                                           extra, pad):
@@ -214,13 +236,21 @@ def test_zero3_fp8_allgather_gives_the_same_run_at_half_the_weight_bytes(tmp_pat
     few % at these tiny widths). One all_reduce(max) per step carries every weight's fp32
     amax; the planner counts it. Under tp2, ZeRO-3 shards each rank's tp slice of a weight
     over dp and the FP8 linear's tensorwise scale is that slice's (TP itself never gathers
-    weights): the dp amax all-reduce gives exactly it, so tp2 is bit-equal too."""
+    weights): the dp amax all-reduce gives exactly it, so tp2 is bit-equal too. Routed
+    experts (tensorwise: the per-expert loop, each expert's weight cast on its own) gather
+    in FP8 with one scale per expert's weight from the same all-reduce: bit-equal, no
+    expert casts its weights itself, 4 amax bytes per expert's weight; under ep2 the
+    experts' gatherer over edp does the same with its own one all-reduce."""
     off = run_ranks(zero3_tensorwise, world, str(tmp_path / "off"), False, extra)
     on = run_ranks(zero3_tensorwise, world, str(tmp_path / "on"), True, extra)
     for a, b in zip(off, on):
         assert b["runs"] == a["runs"]
         own = a["gathers"] * STEPS  # 2 per micro-batch (forward, input gradient), each step
-        assert a["linears"] > 0 and a["quantized"] - b["quantized"] == a["linears"] * own
+        # routed experts: each expert with tokens casts its three weights twice per
+        # micro-batch without the option (how many have tokens depends on the routing)
+        casts = a["quantized"] - a["linears"] * own
+        assert a["linears"] > 0 and b["quantized"] == 0
+        assert casts > 0 if a["experts"] else casts == 0
         assert a["padding"] == 0 and a["numel"] > 0
         saved = a["numel"] * a["gathers"]
         assert a["ledger"]["all_gather"] - b["ledger"]["all_gather"] == saved - b["padding"]
@@ -229,18 +259,26 @@ def test_zero3_fp8_allgather_gives_the_same_run_at_half_the_weight_bytes(tmp_pat
         assert b["planned"]["all_gather"] == b["ledger"]["all_gather"] - b["padding"]
         # The scales: one all_reduce(max) per step of every FP8 linear's fp32 amax, beside
         # the gradient norm's one scalar.
-        assert (a["amax_calls"], b["amax_calls"]) == (0, 1)
-        # Prefetched: every FP8 unit's gather was in flight before the unit was needed.
-        assert not a["fp8_states"] and b["fp8_states"] == {"gathering"}
-        assert b["ledger"]["all_reduce"] - a["ledger"]["all_reduce"] == 4 * a["linears"]
+        assert (a["amax_calls"], b["amax_calls"]) == (0, b["gatherers"])
+        # Prefetched: every FP8 unit's gather was in flight before the unit was needed; but
+        # the experts' own gatherer under ep (no rest unit ahead of its blocks) gathers its
+        # first unit in forward and its last in backward when they are needed, FP8 or not.
+        assert not a["fp8_states"] and b["fp8_states"]
+        for g, u, forward, state in b["fp8_states"]:
+            edge = g == 1 and u == (0 if forward else max(
+                v for h, v, _, _ in b["fp8_states"] if h == 1))
+            assert state == ("free" if edge else "gathering"), (g, u, forward, state)
+        assert b["ledger"]["all_reduce"] - a["ledger"]["all_reduce"] == 4 * a["scales"]
         assert b["planned"]["all_reduce"] == b["ledger"]["all_reduce"]
         assert a["planned"]["all_reduce"] == a["ledger"]["all_reduce"]
 
 
-def test_zero3_fp8_allgather_under_full_recompute_gives_the_same_run(tmp_path):
+@pytest.mark.parametrize("moe", [(), MOE], ids=["dense", "moe"])
+def test_zero3_fp8_allgather_under_full_recompute_gives_the_same_run(tmp_path, moe):
     """Full recomputation runs each block's forward again inside backward, on the unit
-    gathered again in FP8: bit-equal to the run without the option (tolerance 0)."""
-    extra = ("--train.recompute", "full")
+    gathered again in FP8 (the routed experts' weights too): bit-equal to the run without
+    the option (tolerance 0)."""
+    extra = ("--train.recompute", "full", *moe)
     off = run_ranks(zero3_tensorwise, 2, str(tmp_path / "off"), False, extra)
     on = run_ranks(zero3_tensorwise, 2, str(tmp_path / "on"), True, extra)
     for a, b in zip(off, on):

@@ -2,6 +2,7 @@
 measured by the engine's ledger on CPU gloo ranks, against the planner's, and the losses.
 
     python bench/fp8/fp8_allgather_bytes.py [--dp 2] [--steps 3] [--hidden 256 512]
+    python bench/fp8/fp8_allgather_bytes.py --experts 8 --hidden 256
 
 Each width trains a Llama of `--layers` blocks (MLP 3x hidden, heads of 64, kv heads half
 the heads; the byte tokenizer's vocabulary, so the embedding and head stay small beside the
@@ -11,7 +12,9 @@ all-gather and all-reduce bytes of the ledger (the last step) and of the planner
 padding of the FP8 messages (each rank's message padded to the longest rank's), and whether
 the losses of the two runs are bit-equal. Wall time per step is printed too, but CPU gloo
 on shared cores says nothing about a GPU's interconnect: the bytes are the result. Results
-go to bench/results/fp8_allgather_bytes.json.
+go to bench/results/fp8_allgather_bytes.json. With `--experts E` every block is a MoE layer
+of E routed experts (top 2, each of intermediate width hidden; their weights gather in FP8
+too, one scale per expert's weight), results to bench/results/fp8_allgather_bytes_moe.json.
 """
 
 from __future__ import annotations
@@ -40,9 +43,12 @@ from fivefold.train.trainer import Trainer
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _config(tmp: str, dp: int, hidden: int, layers: int, fp8_allgather: bool):
+def _config(tmp: str, dp: int, hidden: int, layers: int, fp8_allgather: bool,
+            experts: int = 0):
     heads = hidden // 64
-    return config.load(None, [
+    moe = (["--model.num_experts", str(experts), "--model.experts_top_k", "2",
+            "--model.moe_intermediate_size", str(hidden)] if experts else [])
+    return config.load(None, [*moe,
         "--model.preset", "tiny", "--data.tokenizer", "byte",
         "--model.hidden_size", str(hidden), "--model.intermediate_size", str(3 * hidden),
         "--model.num_layers", str(layers), "--model.num_heads", str(heads),
@@ -57,17 +63,18 @@ def _config(tmp: str, dp: int, hidden: int, layers: int, fp8_allgather: bool):
         "--log.tensorboard", "false"])
 
 
-def _rank(rank, world, init_file, tmp, hidden, layers, steps, fp8_allgather, out_path):
+def _rank(rank, world, init_file, tmp, hidden, layers, steps, fp8_allgather, out_path,
+          experts):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
-    cfg = _config(tmp, world, hidden, layers, fp8_allgather)
+    cfg = _config(tmp, world, hidden, layers, fp8_allgather, experts)
     dims = ParallelDims.from_config(cfg.parallel)
     trainer = Trainer(cfg, dims, quiet=True)
     gatherer = trainer.optimizer.gatherer
     padding = 0  # bytes per gather of every FP8 unit beyond 1 per FP8 element and 2 per other
     for unit in gatherer.fp8.values():
-        fp8 = sum(slot.numel for _, slot in unit.views)
+        fp8 = sum(numel for _, _, _, numel, _ in unit.entries)
         padding += world * unit.message - (fp8 + 2 * (unit.seg.size - fp8))
     dims.ledger.enabled = True
     losses, times = [], []
@@ -92,12 +99,14 @@ def _rank(rank, world, init_file, tmp, hidden, layers, steps, fp8_allgather, out
     dist.destroy_process_group()
 
 
-def _run(dp: int, hidden: int, layers: int, steps: int, fp8_allgather: bool) -> dict:
+def _run(dp: int, hidden: int, layers: int, steps: int, fp8_allgather: bool,
+         experts: int) -> dict:
     ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         procs = [ctx.Process(target=_rank, args=(r, dp, os.path.join(tmp, "init"), tmp,
-                                                 hidden, layers, steps, fp8_allgather, out))
+                                                 hidden, layers, steps, fp8_allgather, out,
+                                                 experts))
                  for r in range(dp)]
         for p in procs:
             p.start()
@@ -115,17 +124,25 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, nargs="+", default=[256, 512])
-    ap.add_argument("--out", default=str(ROOT / "bench/results/fp8_allgather_bytes.json"))
+    ap.add_argument("--experts", type=int, default=0, help="routed experts per layer (0: dense)")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.experts < 0 or args.experts == 1:
+        print("fp8_allgather_bytes: --experts is 0 (dense) or at least 2", file=sys.stderr)
+        sys.exit(2)
+    args.out = args.out or str(ROOT / "bench/results" / (
+        "fp8_allgather_bytes_moe.json" if args.experts else "fp8_allgather_bytes.json"))
     revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, cwd=ROOT).stdout.strip()
     results = {"device": cpu_label(), "torch": torch.__version__, "git": revision,
-               "dp": args.dp, "steps": args.steps, "layers": args.layers, "runs": {}}
+               "dp": args.dp, "steps": args.steps, "layers": args.layers,
+               "experts": args.experts, "runs": {}}
     print(f"device: {results['device']}; torch {torch.__version__}; git {revision}; "
-          f"ZeRO-3 over dp {args.dp}, fp8 tensorwise, {args.layers} layers")
+          f"ZeRO-3 over dp {args.dp}, fp8 tensorwise, {args.layers} layers"
+          + (f" of {args.experts} routed experts" if args.experts else ""))
     for hidden in args.hidden:
-        off = _run(args.dp, hidden, args.layers, args.steps, False)
-        on = _run(args.dp, hidden, args.layers, args.steps, True)
+        off = _run(args.dp, hidden, args.layers, args.steps, False, args.experts)
+        on = _run(args.dp, hidden, args.layers, args.steps, True, args.experts)
         row = {"params": off["params"], "bf16_gather": off, "fp8_allgather": on,
                "all_gather_ratio": on["ledger"]["all_gather"] / off["ledger"]["all_gather"],
                "padding_share": on["padding"] / on["ledger"]["all_gather"],

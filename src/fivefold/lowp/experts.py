@@ -155,12 +155,18 @@ class FP8ExpertsMixin:
         r = self.fp8_recipe
         outs = []
         weights = zip(self.w_gate.unbind(0), self.w_up.unbind(0), self.w_down.unbind(0))
-        for rows, (w_gate, w_up, w_down) in zip(x.split(sizes), weights):
+        # ZeRO-3's FP8 all-gather (parallel/zero3_fp8.py): each expert's weights gathered as
+        # tensorwise FP8, the codes and scale this loop's casts would make
+        gathered = getattr(self, "fp8_experts", None)
+        for e, (rows, (w_gate, w_up, w_down)) in enumerate(zip(x.split(sizes), weights)):
             if rows.shape[0] == 0:  # no tokens: nothing to quantise (an empty amax)
                 outs.append(rows.new_zeros(0, self.hidden))
                 continue
-            h = F.silu(fp8_linear(rows, w_gate, None, r)) * fp8_linear(rows, w_up, None, r)
-            outs.append(fp8_linear(h, w_down, None, r))
+            gq, uq, dq = ((gathered["w_gate"][e], gathered["w_up"][e], gathered["w_down"][e])
+                          if gathered else (None, None, None))
+            h = F.silu(fp8_linear(rows, w_gate, None, r, gq)) * fp8_linear(rows, w_up, None, r,
+                                                                            uq)
+            outs.append(fp8_linear(h, w_down, None, r, dq))
         return torch.cat(outs) if outs else x.new_zeros(0, self.hidden)
 
 

@@ -40,7 +40,7 @@ from torch import nn
 
 from fivefold.parallel import comm, peak
 from fivefold.parallel.buffers import FlatLayout
-from fivefold.parallel.zero3_fp8 import FP8UnitGather, refresh_scales
+from fivefold.parallel.zero3_fp8 import FP8UnitGather, gathered_params, refresh_scales
 
 FREE, GATHERING, READY = "free", "gathering", "ready"
 
@@ -84,13 +84,14 @@ def zero3_units(chunks: list[nn.Module], named_params) -> tuple[list[list[int]],
 def fp8_units(layout: FlatLayout, units: list, rank: int, device: torch.device,
               dtype: torch.dtype) -> dict:
     """Unit index -> its FP8 gather, for units holding weights of modules marked
-    `fp8_gather` (parallel.fp8_allgather: tensorwise FP8 linears)."""
+    `fp8_gather` (parallel.fp8_allgather: tensorwise FP8 linears and routed experts)."""
     slot_of = {id(slot.param): slot for slot in layout.params}
     out = {}
     for u, unit in enumerate(units):
-        weights = [(slot_of[id(m.weight)], m) for m in unit.module.modules()
-                   if getattr(m, "fp8_gather", False) and id(m.weight) in slot_of
-                   and slot_of[id(m.weight)].segment == u]
+        weights = [(slot_of[id(p)], m, name) for m in unit.module.modules()
+                   if getattr(m, "fp8_gather", False)
+                   for name, p, _ in gathered_params(m)
+                   if id(p) in slot_of and slot_of[id(p)].segment == u]
         if weights:
             out[u] = FP8UnitGather(layout, layout.segments[u], weights, rank, device, dtype)
     return out

@@ -1,4 +1,5 @@
-"""ZeRO-3's all-gather of FP8-linear weights in FP8 (parallel.fp8_allgather, tensorwise).
+"""ZeRO-3's all-gather of FP8 weights in FP8 (parallel.fp8_allgather, tensorwise): the FP8
+linears' and the routed experts'.
 
 torchao's float8 training for FSDP2 casts each rank's shard of a float8 linear's weight to
 FP8 before the all-gather, with the tensorwise scale of the whole weight, so the gather
@@ -37,6 +38,15 @@ On a step where a weight's row has no record yet (the first), its scale is its o
 as delayed scaling's first step is dynamic: the one all-reduce of amaxes above gives it.
 The input gradient's Wᵀ is the gathered codes transposed, as under dynamic scaling.
 
+Routed experts (lowp/experts.py; tensorwise runs the per-expert loop): each expert's (N, K)
+slice of a stacked (E, N, K) weight is a weight of its own here, with its own amax in the
+one all-reduce and its own scale, the tensorwise cast the loop's FP8 linear makes of it;
+`finish` hands the module `fp8_experts` ({"w_gate": [one GatheredWeight per expert], ...}),
+whose codes the loop's GEMMs take. Under expert parallelism the experts' weights live in
+the expert-data-parallel group's own ZeRO-3 (parallel/expert_optim.py), whose gatherer does
+the same over edp. Delayed scaling refuses routed experts (config/fp8.py), so their scales
+are always the all-reduced amaxes.
+
 Only tensorwise: one scale per weight makes a shard's cast independent of where the shard
 cuts the weight. Rowwise scales the weight along K for the forward GEMM and along N for
 the input gradient's (lowp/linear.py), so each gather would need its own per-row or
@@ -51,21 +61,26 @@ from dataclasses import dataclass
 import torch
 
 from fivefold.lowp import delayed
+from fivefold.lowp.experts import FP8ExpertsMixin
 from fivefold.lowp.linear import FP8LinearFn, FP8LinearMixin, fp8_linear
 from fivefold.numerics.formats import E4M3
 from fivefold.numerics.fp8 import FP8Tensor
 from fivefold.numerics.scaling import amax_to_scale, tensor_amax
 from fivefold.parallel import comm
 
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # a routed-experts module's stacked weights
+
 
 def mark_fp8_gather(model: torch.nn.Module) -> int:
-    """Mark the FP8 linears whose weights ZeRO-3 gathers in FP8 (`fp8_gather`); returns how
-    many. A tensor-parallel linear (parallel/tensor.py) runs FP8 through its pluggable GEMM
-    (lowp's FP8LinearFn), which gets a wrapper passing the gathered weight along."""
+    """Mark the FP8 linears and FP8 routed experts whose weights ZeRO-3 gathers in FP8
+    (`fp8_gather`); returns how many modules. A tensor-parallel linear (parallel/tensor.py)
+    runs FP8 through its pluggable GEMM (lowp's FP8LinearFn), which gets a wrapper passing
+    the gathered weight along. Routed experts (tensorwise: the per-expert loop of
+    lowp/experts.py) take each expert's gathered weight from `fp8_experts`."""
     count = 0
     for module in model.modules():
         fn = getattr(module, "linear_fn", None)
-        if isinstance(module, FP8LinearMixin):
+        if isinstance(module, (FP8LinearMixin, FP8ExpertsMixin)):
             module.fp8_gather = True
         elif isinstance(fn, FP8LinearFn):
             module.linear_fn = _GatheredWeightFn(module, fn.recipe)
@@ -74,6 +89,16 @@ def mark_fp8_gather(model: torch.nn.Module) -> int:
             continue
         count += 1
     return count
+
+
+def gathered_params(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, int]]:
+    """(attribute, parameter, weights in it) of a module marked `fp8_gather`: a linear's
+    weight (one), or a routed-experts module's three stacked (E, N, K) weights, E each: one
+    tensorwise scale per expert's weight, as the loop's FP8 linear of each expert casts it."""
+    if isinstance(module, FP8ExpertsMixin):
+        return [(name, getattr(module, name), getattr(module, name).shape[0])
+                for name in EXPERT_WEIGHTS]
+    return [("weight", module.weight, 1)]
 
 
 @dataclass
@@ -100,11 +125,14 @@ class _GatheredWeightFn:
 
 
 class FP8UnitGather:
-    """How one unit (segment) whose FP8-linear weights gather in FP8 packs and unpacks its
-    messages. Rank r owns [r·per, (r+1)·per) of the segment, which cuts it into pieces, each
-    in one parameter: a weight's (it is contiguous, so each rank holds at most one piece of
-    it) or another's. Rank r's message: the bytes of its other pieces (at an offset aligned
-    to their dtype), then the FP8 codes of its weight pieces; all slices, no index maps."""
+    """How one unit (segment) whose FP8 weights gather in FP8 packs and unpacks its messages.
+    Rank r owns [r·per, (r+1)·per) of the segment, which cuts it into pieces, each in one
+    weight (a linear's, or one expert's (N, K) slice of a stacked expert weight: each is
+    contiguous, so each rank holds at most one piece of it) or in another parameter. Rank r's
+    message: the bytes of its other pieces (at an offset aligned to their dtype), then the FP8
+    codes of its weight pieces; all slices, no index maps. `views`: (module, slot) per
+    gathered parameter; `entries`: per weight (one scale each), (view, expert or -1, start in
+    the segment, numel, shape)."""
 
     def __init__(self, layout, seg, weights: list, rank: int, device: torch.device,
                  dtype: torch.dtype):
@@ -112,9 +140,17 @@ class FP8UnitGather:
         shards, per = layout.shards, seg.size // layout.shards
         self.first = rank * per  # where this rank's part starts in the segment
         self.es = es = torch.empty((), dtype=dtype).element_size()  # a non-FP8 element's
-        self.views = [(module, slot) for slot, module in weights]
-        spans = sorted((slot.start - seg.start, slot.start - seg.start + slot.numel, k)
-                       for k, (slot, _) in enumerate(weights))
+        self.views = [(module, slot) for slot, module, _ in weights]
+        self.names = [name for _, _, name in weights]
+        self.entries = []
+        for j, (slot, _, _) in enumerate(weights):
+            experts = len(slot.shape) == 3  # stacked (E, N, K): one weight per expert
+            count = slot.shape[0] if experts else 1
+            numel = slot.numel // count
+            for e in range(count):
+                self.entries.append((j, e if experts else -1, slot.start - seg.start + e * numel,
+                                     numel, tuple(slot.shape[1:] if experts else slot.shape)))
+        spans = sorted((lo, lo + numel, k) for k, (_, _, lo, numel, _) in enumerate(self.entries))
         self.pieces = []  # per rank: [(k or -1, lo, hi, byte offset in its message)]
         longest = 0
         for r in range(shards):
@@ -136,16 +172,17 @@ class FP8UnitGather:
             longest = max(longest, offset)
         self.message = -(-longest // es) * es  # ranks' messages start aligned to the dtype
         self.bytes = torch.zeros(seg.size, dtype=torch.uint8, device=device)
-        self.mult = torch.ones(len(weights), dtype=torch.float32, device=device)
-        self.scales = torch.ones(len(weights), dtype=torch.float32, device=device)
-        self.records = torch.zeros(len(weights), dtype=torch.float32, device=device)
+        n = len(self.entries)
+        self.mult = torch.ones(n, dtype=torch.float32, device=device)
+        self.scales = torch.ones(n, dtype=torch.float32, device=device)
+        self.records = torch.zeros(n, dtype=torch.float32, device=device)
         self.bytes.untyped_storage().resize_(0)
 
     def local_amax(self, shard: torch.Tensor) -> torch.Tensor:
         """Per weight, the amax of this rank's piece of it (0 where it holds none; NaN if
         the piece holds a NaN, so that the weight's scale is NaN as the cast's would be)."""
         local, first = self.layout.segment_shard(shard, self.seg), self.first
-        amax = torch.zeros(len(self.views), dtype=torch.float32, device=shard.device)
+        amax = torch.zeros(len(self.entries), dtype=torch.float32, device=shard.device)
         for k, lo, hi, _ in self.pieces[self.rank]:
             if k >= 0:
                 amax[k] = tensor_amax(local[lo - first:hi - first])
@@ -189,16 +226,24 @@ class FP8UnitGather:
                         codes.copy_(msg[at:at + hi - lo])
                         full[lo:hi] = (codes.view(E4M3.dtype).float() * self.scales[k]
                                        ).to(full.dtype)
-        for k, (module, slot) in enumerate(self.views):
-            lo = slot.start - self.seg.start
-            data = self.bytes[lo:lo + slot.numel].view(E4M3.dtype).view(slot.shape)
-            module.fp8_weight = GatheredWeight(data, self.scales[k].clone(), "tensorwise", E4M3,
-                                               record=self.records[k].clone())
+        experts: dict = {}
+        for k, (j, e, lo, numel, shape) in enumerate(self.entries):
+            module = self.views[j][0]
+            data = self.bytes[lo:lo + numel].view(E4M3.dtype).view(shape)
+            weight = GatheredWeight(data, self.scales[k].clone(), "tensorwise", E4M3,
+                                    record=self.records[k].clone())
+            if e < 0:
+                module.fp8_weight = weight
+            else:  # an expert's weight: the experts' loop takes it (lowp/experts.py)
+                experts.setdefault(id(module), (module, {}))[1].setdefault(
+                    self.names[j], []).append(weight)
+        for module, gathered in experts.values():
+            module.fp8_experts = gathered
 
     def free(self) -> None:
         self.bytes.untyped_storage().resize_(0)
         for module, _ in self.views:  # a GEMM's saved copy (for backward) stays valid
-            module.fp8_weight = None
+            module.fp8_weight = module.fp8_experts = None
 
 
 class _Pending:
@@ -221,7 +266,8 @@ def refresh_scales(units: dict, shard: torch.Tensor, group: comm.Group, watchdog
     row holds a record (which rows do is host state every rank shares)."""
     order = sorted(units)
     local = torch.cat([units[u].local_amax(shard) for u in order])
-    states = [delayed.state_of(module) for u in order for module, _ in units[u].views]
+    states = [delayed.state_of(units[u].views[j][0]) if e < 0 else None  # experts: dynamic
+              for u in order for j, e, *_ in units[u].entries]
     history = [s is not None and s.filled[delayed.ROW["weight"]] for s in states]
     amax = local
     if not all(history):
@@ -235,6 +281,6 @@ def refresh_scales(units: dict, shard: torch.Tensor, group: comm.Group, watchdog
         amax = kept
     at = 0
     for u in order:
-        n = len(units[u].views)
+        n = len(units[u].entries)
         units[u].set_amax(amax[at:at + n], local[at:at + n])
         at += n

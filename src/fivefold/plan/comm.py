@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from fivefold.plan.activations import kv_heads_per_rank
-from fivefold.plan.fp8 import delayed_amax_records, fp8_gather_terms
+from fivefold.plan.fp8 import delayed_amax_records, fp8_expert_gather_terms, fp8_gather_terms
 from fivefold.plan.layout import (
     Layout,
     Workload,
@@ -135,6 +135,10 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
     # --- data parallel / ZeRO over dp×cp (experts over dp·cp/ep; at ep 1 they share the
     # dense weights' buffers, parallel/expert_optim.py) ---
     expert_group = "edp" if lay.ep > 1 else dp_group_name(lay)
+    moe = moe_layers_on_rank(mc, lay, pp_rank)
+    # routed experts gathered in FP8 (plan/fp8.py); at ep 1 their amaxes ride in the dense
+    # weights' one all-reduce (one gatherer), under ep in the edp gatherer's own
+    fp8_experts = fp8_expert_gather_terms(work, lay, params["expert"], moe)
     for k, (group, n, elems) in enumerate((
             (dp_group_name(lay), lay.dp * lay.cp, params["dense"]),
             (expert_group, lay.dp * lay.cp // lay.ep, params["expert"]))):
@@ -147,21 +151,23 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
             add(group, sync, grad_bytes, elems, rs_calls, n, "grad", "gradients")
             add(group, "all_gather", bpp.param, elems, 1, n, "step", "updated parameters")
         else:  # FP8 linears' weights at 1 byte with parallel.fp8_allgather (plan/fp8.py)
-            moe = moe_layers_on_rank(mc, lay, pp_rank)
             fp8, amaxes = (fp8_gather_terms(work, lay, layers - moe, moe,
                                             kv_heads_per_rank(mc, lay.tp))
-                           if k == 0 else (0, 0))
+                           if k == 0 else fp8_experts)
+            what = "FP8 linear weights" if k == 0 else "FP8 expert weights"
+            if lay.ep == 1:  # one gatherer for both: one all-reduce of all the amaxes
+                amaxes = amaxes + fp8_experts[1] if k == 0 else 0
             # their scales: one all_reduce(max) of fp32 amaxes per step
             add(group, "all_reduce", 4, amaxes, 1, n, "fwd", "FP8 weight amaxes")
             if keeps_gathered(work, lay):  # gathered once, kept through every micro-batch
                 add(group, "all_gather", bpp.param, elems - fp8, 1, n, "fwd",
                     "parameters (kept)")
-                add(group, "all_gather", 1, fp8, 1, n, "fwd", "FP8 linear weights (kept)")
+                add(group, "all_gather", 1, fp8, 1, n, "fwd", f"{what} (kept)")
                 continue
             for phase in ("fwd", "bwd"):
                 add(group, "all_gather", bpp.param, elems - fp8, m, n, phase,
                     "parameters (forward)" if phase == "fwd" else "parameters (backward)")
-                add(group, "all_gather", 1, fp8, m, n, phase, "FP8 linear weights (FP8)")
+                add(group, "all_gather", 1, fp8, m, n, phase, f"{what} (FP8)")
             add(group, "reduce_scatter", grad_bytes, elems, rs_calls, n, "grad", "gradients")
     if (lay.zero == 3 and mc.tie_embeddings and lay.pp > 1 and 0 in chunks and last in chunks
             and lay.dp * lay.cp > 1):

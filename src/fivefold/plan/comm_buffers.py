@@ -5,7 +5,7 @@ parallelism's K/V blocks and expert parallelism's dispatch buffers."""
 from __future__ import annotations
 
 from fivefold.plan.activations import kv_heads_per_rank
-from fivefold.plan.fp8 import fp8_gather_terms
+from fivefold.plan.fp8 import fp8_expert_gather_terms, fp8_gather_terms
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.model_states import bytes_per_param, layer_param_counts, rank_param_counts
 from fivefold.plan.placement import chunk_layer_counts, num_chunks, rank_chunks
@@ -127,14 +127,19 @@ def fp8_gather_buffers(work: Workload, layout: Layout, per_layer: float):
     `fp8_buffers`), as a function of m: the block in use holds its FP8 codes (a byte per
     element of its unit), the prefetched one, its gather in flight, the messages: the
     receive buffer of every rank's message and this rank's send buffer, (n + 1)/n of the
-    unit's FP8 weights at 1 byte and its other elements at their dtype's (n: dp x cp). Each
-    message is padded to the longest rank's and to the dtype's alignment: a few hundred
-    bytes the planner leaves out (tests/test_fp8_gather_memory.py bounds them)."""
+    unit's FP8 weights (routed experts' too) at 1 byte and its other elements at their
+    dtype's (n: dp x cp). Each message is padded to the longest rank's and to the dtype's
+    alignment: a few hundred bytes the planner leaves out (tests/test_fp8_gather_memory.py
+    bounds them)."""
     shards = layout.dp * layout.cp
     mc = work.model
     moe_layers = mc.num_experts > 0  # a MoE model's blocks: mostly MoE layers
     fp8 = fp8_gather_terms(work, layout, 0.0 if moe_layers else 1.0, 1.0 if moe_layers else 0.0,
                            kv_heads_per_rank(mc, layout.tp))[0]
+    if moe_layers:  # and the routed experts' weights, at 1 byte too
+        fp8 += fp8_expert_gather_terms(work, layout,
+                                       layer_param_counts(mc, layout.tp, layout.ep)["expert"],
+                                       1.0)[0]
     if not fp8:
         return lambda m: 0.0
     param = bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes).param

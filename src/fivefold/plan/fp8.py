@@ -17,15 +17,16 @@ to the byte (tests/test_fp8_train.py); MoE experts and selective/full recomputat
 their bf16 terms here (not modelled for FP8).
 
 parallel.fp8_allgather (ZeRO-3, tensorwise): the FP8 linears' weights (every layer's q, k, v
-and o, a dense layer's MLP, a MoE layer's shared expert; not the routed experts, the head,
-norms or embedding) are all-gathered as 1-byte FP8 (parallel/zero3_fp8.py);
-`fp8_gather_terms` counts them per rank. The engine pads each rank's message to the longest
-rank's (a unit's shard boundaries fall anywhere in its weights), which this does not count:
-well under 1% of a unit at real sizes. Their scales come from one all_reduce(max) of fp32
-amaxes per step, one per weight; under delayed scaling (train.fp8_scaling = delayed) from
-the weights' amax histories, with no all-reduce of their own after the first step (their
-records ride in delayed scaling's one all-reduce, `delayed_amax_records`). A
-train.fp8_keep_out linear gathers in bf16; this still counts it at 1 byte.
+and o, a dense layer's MLP, a MoE layer's shared expert; not the head, norms or embedding)
+are all-gathered as 1-byte FP8 (parallel/zero3_fp8.py); `fp8_gather_terms` counts them per
+rank, and `fp8_expert_gather_terms` the routed experts' (one scale per expert's weight). The
+engine pads each rank's message to the longest rank's (a unit's shard boundaries fall
+anywhere in its weights), which this does not count: well under 1% of a unit at real sizes.
+Their scales come from one all_reduce(max) of fp32 amaxes per step, one per weight; under
+delayed scaling (train.fp8_scaling = delayed) from the weights' amax histories, with no
+all-reduce of their own after the first step (their records ride in delayed scaling's one
+all-reduce, `delayed_amax_records`). A train.fp8_keep_out linear gathers in bf16; this still
+counts it at 1 byte.
 
 Time: the fused cast kernels' HBM bytes (read + written), which plan/timing.py adds to a
 micro-batch at the HBM rate: the dense linears' (`cast_bytes` per operand,
@@ -81,9 +82,9 @@ def fp8_gather_terms(work, layout, dense: float, moe: float, kv_heads: int
     parallel.fp8_allgather, over `dense` dense and `moe` MoE layers on this pipeline rank;
     `kv_heads`: the k/v heads one tp rank holds. Every layer's q, k, v and o (over tp), a dense
     layer's MLP linears (over tp) and a MoE layer's shared expert (whole on every tp rank, as
-    its block runs: plan/model_states.py). Not the routed experts, the router, the shared expert's
-    gate, the head, norms or embedding. The weights count the fp32 amaxes of the step's one
-    all_reduce(max) that sets their scales."""
+    its block runs: plan/model_states.py). Not the routed experts (`fp8_expert_gather_terms`),
+    the router, the shared expert's gate, the head, norms or embedding. The weights count the
+    fp32 amaxes of the step's one all_reduce(max) that sets their scales."""
     mc = work.model
     if not _fp8_gather_on(work, layout):
         return 0.0, 0.0
@@ -97,6 +98,17 @@ def fp8_gather_terms(work, layout, dense: float, moe: float, kv_heads: int
     if getattr(work, "fp8_scaling", "dynamic") == "delayed":
         weights = 0.0  # scales from the amax histories: no all-reduce after the first step
     return elements, weights
+
+
+def fp8_expert_gather_terms(work, layout, elements: float, moe: float) -> tuple[float, float]:
+    """(elements, weights) of this rank's routed-expert weights that ZeRO-3 gathers in FP8
+    with parallel.fp8_allgather: all its `elements` expert weight elements (w_gate, w_up and
+    w_down of the E/ep local experts of the `moe` MoE layers), and one fp32 amax per expert's
+    weight (3 per local expert and layer) in the step's amax all_reduce(max): the engine's
+    per-expert loop casts each expert's weight tensorwise (parallel/zero3_fp8.py)."""
+    if not _fp8_gather_on(work, layout) or not work.model.num_experts:
+        return 0.0, 0.0
+    return elements, 3 * moe * work.model.num_experts / layout.ep
 
 
 def delayed_amax_records(work, layers: float) -> float:
