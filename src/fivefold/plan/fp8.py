@@ -124,7 +124,8 @@ def delayed_amax_records(work, layers: float) -> float:
 
 
 def expert_cast_bytes(recipe: str, rows: float, experts: float, h: int, inter: int,
-                      dtype_bytes: int = 2) -> dict[str, tuple[float, float]]:
+                      dtype_bytes: int = 2, gathered: bool = False
+                      ) -> dict[str, tuple[float, float]]:
     """HBM bytes (read + written) one MoE layer's FP8 routed experts (lowp/experts.py) spend
     beyond the bf16 grouped matmul's kernels, forward and backward: `rows` routed token
     copies spread evenly over `experts` experts (SwiGLU: gate and up h -> inter, down
@@ -144,6 +145,8 @@ def expert_cast_bytes(recipe: str, rows: float, experts: float, h: int, inter: i
       rowwise_gw_hp (loop): rowwise's casts along K, and Wᵀ tensorwise (amax + cast);
       the loop (all but rowwise): cat of the outputs (fwd) and of the input gradients (bwd),
         stack of the weight gradients (bwd): read + write B per element.
+    gathered (parallel.fp8_allgather, tensorwise): each expert's W is ZeRO-3's gathered codes
+      (`rank_gather_cast_bytes`), not cast in the loop; its Wᵀ a copy of them (2 per element).
     Left out: the amax kernel's partials (a few bytes per 64x64 tile) and a grouped cast's
     padding of a group to 16 tokens (none when the groups are multiples of 16).
     tests/test_plan_fp8_experts.py holds this to the trace of the engine's experts
@@ -160,7 +163,8 @@ def expert_cast_bytes(recipe: str, rows: float, experts: float, h: int, inter: i
         return {"casts": (row_f + cols_f, row_b + cols_b), "loop": (0.0, 0.0)}
     if recipe == "tensorwise":
         passes = b + cast  # the amax pass reads, the cast pass reads and writes
-        return {"casts": (passes * (a_f + w) + a_f, passes * (a_b + w) + a_b), "loop": loop}
+        w_f, w_b = (0.0, 2 * FP8_BYTES * w) if gathered else (passes * w, passes * w)
+        return {"casts": (passes * a_f + w_f + a_f, passes * a_b + w_b + a_b), "loop": loop}
     if recipe == "blockwise":
         blocks = cast * w + SCALE_BYTES * w / 128 ** 2
         tiles = cast + 1 + 2 * SCALE_BYTES / 128
@@ -237,9 +241,46 @@ def linear_cast_bytes(recipe: str, tokens: float, k: float, n: float, dtype_byte
             one("weight_bwd", n, k) + one("act", tokens, n))
 
 
+GATHER_CAST = 28  # + B per shard element: ZeRO-3's FP8 gather's cast (`gather_bytes`)
+GATHER_UNPACK = 19  # + 3B per gathered element: its unpack
+
+
+def gather_bytes(elements: float, shards: float, dtype_bytes: int = 2) -> float:
+    """HBM bytes (read + written) of one ZeRO-3 gather in FP8 (parallel.fp8_allgather,
+    parallel/zero3_fp8.py) of `elements` weight elements sharded over `shards` ranks, beside
+    the bf16 gather's (which writes the unit's buffer directly): eager torch ops, each a
+    kernel. `start` casts the rank's 1/shards: the message zeroed (1), to fp32 (B + 4),
+    times the multiplier (8), clamped (8), to e4m3 (5), copied into the message (2):
+    B + 28 per shard element. `finish` unpacks every element of the weight: its code copied
+    out of the message (2), to fp32 (5), times the scale (8), to the compute dtype (4 + B),
+    copied into the unit's buffer (2B): 19 + 3B. Left out: 4 bytes per weight and rank of
+    the scalar multiplier and scale reads, 16 of the scale and record clones, and a unit's
+    other elements (norms) copied through the message (2B each way)."""
+    b = dtype_bytes
+    return elements / shards * (GATHER_CAST + b) + elements * (GATHER_UNPACK + 3 * b)
+
+
+def fp8_gathers(work, layout) -> tuple[float, float]:
+    """ZeRO-3's FP8 gathers of a unit per micro-batch, (forward, backward): one for the
+    forward and one again for the backward (parallel/zero3.py frees a unit after its
+    forward); under a pipeline that keeps the gathered parameters (plan/comm.py
+    `keeps_gathered`) one per step, 1/m of it per micro-batch. (0, 0) without
+    parallel.fp8_allgather."""
+    if not _fp8_gather_on(work, layout) or work.fp8_recipe != "tensorwise":
+        return 0.0, 0.0
+    if work.zero3_keep_gathered_pp and layout.pp > 1:
+        return 1.0 / work.num_microbatches(layout), 0.0
+    return 1.0, 1.0
+
+
 def _linears_cast_bytes(recipe: str, tokens: float, weights: list, acts_f: list,
-                       acts_b: list, dtype_bytes: int, scaling: str) -> tuple[float, float]:
+                       acts_b: list, dtype_bytes: int, scaling: str, gathered: bool = False
+                       ) -> tuple[float, float]:
     def one(role, rows, cols):
+        if gathered and role.startswith("weight"):  # the FP8 codes ZeRO-3 gathered: no
+            # cast; the input gradient's Wᵀ is a contiguous copy of them (numerics/fp8.py
+            # FP8Tensor.t), 1 byte read and 1 written per element
+            return 2 * FP8_BYTES * rows * cols if role == "weight_bwd" else 0.0
         return cast_bytes(recipe, role, rows, cols, dtype_bytes, scaling)
     fwd = sum(one("act", tokens, c) for c in acts_f) + sum(one("weight_fwd", *w)
                                                             for w in weights)
@@ -249,23 +290,24 @@ def _linears_cast_bytes(recipe: str, tokens: float, weights: list, acts_f: list,
 
 
 def attention_cast_bytes(recipe: str, tokens: float, h: int, q: float, kv: float,
-                         dtype_bytes: int = 2, scaling: str = "dynamic"
+                         dtype_bytes: int = 2, scaling: str = "dynamic", gathered: bool = False
                          ) -> tuple[float, float]:
     """(forward, backward) cast bytes of one layer's q, k, v and o on a tp rank (widths q
     and kv per rank): q, k and v cast their common input once (lowp/linear.py caches it);
     each output's ∂y is cast on its own. Every linear sees all `tokens` rows (under SP the
-    gathered ones)."""
+    gathered ones). `gathered`: weights gathered in FP8 (`_linears_cast_bytes`)."""
     return _linears_cast_bytes(recipe, tokens, [(q, h), (kv, h), (kv, h), (h, q)], [h, q],
-                               [q, kv, kv, h], dtype_bytes, scaling)
+                               [q, kv, kv, h], dtype_bytes, scaling, gathered)
 
 
 def mlp_cast_bytes(recipe: str, tokens: float, h: int, f: float, swiglu: bool,
-                   dtype_bytes: int = 2, scaling: str = "dynamic") -> tuple[float, float]:
+                   dtype_bytes: int = 2, scaling: str = "dynamic", gathered: bool = False
+                   ) -> tuple[float, float]:
     """(forward, backward) cast bytes of an MLP of width f (per rank): gate and up (SwiGLU;
     one cast of their common input) or up, and down."""
     up = 2 if swiglu else 1
     return _linears_cast_bytes(recipe, tokens, [(f, h)] * up + [(h, f)], [h, f],
-                               [f] * up + [h], dtype_bytes, scaling)
+                               [f] * up + [h], dtype_bytes, scaling, gathered)
 
 
 def rank_dense_cast_bytes(work, layout, tokens: float, layers: float, moe: float
@@ -275,18 +317,36 @@ def rank_dense_cast_bytes(work, layout, tokens: float, layers: float, moe: float
     attention linears and a dense layer's MLP (over tp), a MoE layer's shared expert
     (whole, as its block runs). The routed experts are `expert_cast_bytes`'. A
     train.fp8_keep_out linear still counts; delayed scaling at its steady state (its first
-    step adds an amax pass per operand)."""
+    step adds an amax pass per operand). Under parallel.fp8_allgather the weights' casts
+    are their FP8 gathers' instead (`rank_gather_cast_bytes`), and their backward's Wᵀ a
+    copy of the gathered codes."""
     if work.precision != "fp8":
         return 0.0, 0.0
     mc, t, b = work.model, layout.tp, work.dtype_bytes
     recipe, scaling = work.fp8_recipe, getattr(work, "fp8_scaling", "dynamic")
     h, d = mc.hidden_size, mc.dim_per_head
-    swiglu = mc.mlp == "swiglu"
+    swiglu, g = mc.mlp == "swiglu", fp8_gathers(work, layout) != (0.0, 0.0)
     attn = attention_cast_bytes(recipe, tokens, h, mc.num_heads * d / t,
-                                mc.num_kv_heads * d / t, b, scaling)
-    dense = mlp_cast_bytes(recipe, tokens, h, mc.intermediate_size / t, swiglu, b, scaling)
+                                mc.num_kv_heads * d / t, b, scaling, g)
+    dense = mlp_cast_bytes(recipe, tokens, h, mc.intermediate_size / t, swiglu, b, scaling, g)
     shared_f = mc.shared_expert_intermediate_size if mc.num_experts else 0
-    shared = (mlp_cast_bytes(recipe, tokens, h, shared_f, swiglu, b, scaling) if shared_f
+    shared = (mlp_cast_bytes(recipe, tokens, h, shared_f, swiglu, b, scaling, g) if shared_f
               else (0.0, 0.0))
     return tuple(layers * a + (layers - moe) * m + moe * s
                  for a, m, s in zip(attn, dense, shared))
+
+
+def rank_gather_cast_bytes(work, layout, layers: float, moe: float, kv_heads: int,
+                           expert_elements: float) -> tuple[float, float]:
+    """(forward, backward) bytes per micro-batch of ZeRO-3's FP8 gathers (`gather_bytes`,
+    `fp8_gathers`) on a pipeline rank of `layers` layers, `moe` of them MoE: the FP8
+    linears' weights (`fp8_gather_terms`, sharded over dp·cp) and the routed experts'
+    `expert_elements` (over dp·cp/ep: the edp group's ZeRO-3)."""
+    gathers = fp8_gathers(work, layout)
+    if gathers == (0.0, 0.0):
+        return 0.0, 0.0
+    b, shards = work.dtype_bytes, layout.dp * layout.cp
+    dense = fp8_gather_terms(work, layout, layers - moe, moe, kv_heads)[0]
+    experts = fp8_expert_gather_terms(work, layout, expert_elements, moe)[0]
+    one = gather_bytes(dense, shards, b) + gather_bytes(experts, shards / layout.ep, b)
+    return gathers[0] * one, gathers[1] * one

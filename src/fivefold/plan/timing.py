@@ -15,10 +15,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from fivefold.plan.activations import op_sac_recomputed_matmul_share
+from fivefold.plan.activations import kv_heads_per_rank, op_sac_recomputed_matmul_share
 from fivefold.plan.comm import REGATHER, collectives
 from fivefold.plan.flops import forward_flops_per_token
-from fivefold.plan.fp8 import expert_cast_bytes, rank_dense_cast_bytes
+from fivefold.plan.fp8 import (
+    expert_cast_bytes,
+    fp8_gathers,
+    rank_dense_cast_bytes,
+    rank_gather_cast_bytes,
+)
 from fivefold.plan.hardware import (
     Assumptions,
     Hardware,
@@ -138,10 +143,14 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     elem_bytes = tokens * B * (10 * h / seq_div + (2 * (q + kv) + act_f * ffn * k_routed) / t)
     elem = layers * elem_bytes / hbm * scale
     dense_f, dense_b = rank_dense_cast_bytes(work, lay, tokens, layers, moe)
-    cast_fwd, cast_bwd = dense_f / hbm * scale, dense_b / hbm * scale
+    local_experts = mc.num_experts / lay.ep if moe else 0  # parallel.fp8_allgather's gathers
+    gather_f, gather_b = rank_gather_cast_bytes(
+        work, lay, layers, moe, kv_heads_per_rank(mc, t),
+        moe * 3 * local_experts * h * mc.moe_intermediate_size)
+    cast_fwd, cast_bwd = (dense_f + gather_f) / hbm * scale, (dense_b + gather_b) / hbm * scale
     if moe and work.precision == "fp8":  # FP8 routed experts: their casts and loop copies
-        per = expert_cast_bytes(work.fp8_recipe, tokens * mc.experts_top_k,
-                                mc.num_experts / lay.ep, h, mc.moe_intermediate_size, B)
+        per = expert_cast_bytes(work.fp8_recipe, tokens * mc.experts_top_k, local_experts, h,
+                                mc.moe_intermediate_size, B, fp8_gathers(work, lay)[0] > 0)
         cast_fwd += moe * (per["casts"][0] + per["loop"][0]) / hbm * scale
         cast_bwd += moe * (per["casts"][1] + per["loop"][1]) / hbm * scale
     head_time = 0.0
@@ -153,7 +162,9 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     # Selective recomputation re-runs the attention core, except the ring core under cp > 1
     # (parallel/context/: it keeps only O(s) tensors, and a re-run would repeat its transfers).
     selective = attn if lay.cp == 1 else 0.0
-    recompute = {"full": layers_fwd, "selective": selective}.get(lay.recompute, 0.0)
+    # (The re-run forward takes the units the backward gathered: no FP8 gather of its own.)
+    recompute = {"full": layers_fwd - gather_f / hbm * scale,
+                 "selective": selective}.get(lay.recompute, 0.0)
     if lay.recompute == "op":  # the matmuls it does not keep and every elementwise kernel
         share = op_sac_recomputed_matmul_share(mc)  # (their forward casts: by FLOP share)
         recompute = gemm * share + elem + share * dense_f / hbm * scale

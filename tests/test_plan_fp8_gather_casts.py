@@ -1,0 +1,134 @@
+"""The planner's casts under parallel.fp8_allgather (plan/fp8.py `gather_bytes`,
+`rank_gather_cast_bytes`, the `gathered` linears): against the trace on the meta device
+(fivefold.trace) of the engine's gather (parallel/zero3_fp8.py FP8UnitGather `start` and
+`finish`, one rank of four) and of an FP8 linear given its gathered weight (lowp/linear.py).
+
+Error model: the gather's planned bytes leave out, per weight, the scalar multiplier read by
+the cast (4 bytes), the scale read per rank's piece by the unpack (4 x dp) and the scale and
+record clones (16: 8 read, 8 written); the linear's, the tensorwise amax partials (<= 256 fp32 written and read
+per amax pass: x in forward, ∂y in backward); rank 0's share of a segment padded to a
+multiple of dp is < 1 element over elements / dp, and its message is zero-filled to the
+longest rank's. So 0 <= traced - planned <= those bytes.
+"""
+
+import types
+
+import pytest
+import torch
+
+from fivefold.lowp.linear import FP8Recipe, fp8_linear
+from fivefold.numerics.formats import E4M3
+from fivefold.numerics.fp8_cast import MAX_PARTIALS
+from fivefold.parallel import zero3_fp8
+from fivefold.parallel.zero3_fp8 import FP8UnitGather, GatheredWeight
+from fivefold.plan.fp8 import cast_bytes, gather_bytes, linear_cast_bytes, mlp_cast_bytes
+from fivefold.trace import trace_callable
+
+DP = 4
+# (out, in) weights of one unit: a k/v projection of Llama-3.1-8B; two whose shards cut
+# them anywhere (sizes not multiples of dp's share)
+UNITS = {"kv": [(1024, 4096)], "odd": [(333, 517), (129, 77)]}
+
+
+def traced_gather_bytes(weights, monkeypatch):
+    """Bytes read + written by rank 0's FP8 gather of a unit holding `weights` (the
+    collective itself is the communication model's: replaced by a no-op)."""
+    monkeypatch.setattr(zero3_fp8.comm, "all_gather",
+                        lambda out, send, group, async_op=False: zero3_fp8.comm.DONE)
+    slots, start = [], 0
+    for shape in weights:
+        numel = shape[0] * shape[1]
+        slots.append((types.SimpleNamespace(shape=shape, start=start, numel=numel),
+                      torch.nn.Module(), "weight"))
+        start += numel
+    size = -(-start // DP) * DP  # the segment padded to a multiple of dp (odd sizes)
+    seg = types.SimpleNamespace(size=size, start=0)
+    layout = types.SimpleNamespace(shards=DP, segment_shard=lambda shard, seg: shard)
+    meta = torch.device("meta")
+    unit = FP8UnitGather(layout, seg, slots, 0, meta, torch.bfloat16)
+    shard = torch.empty(size // DP, dtype=torch.bfloat16, device=meta)
+    full = torch.empty(size, dtype=torch.bfloat16, device=meta)
+    pad = size - start
+    events = trace_callable(lambda: unit.start(full, shard, types.SimpleNamespace(size=DP))
+                            .wait(), gpu="h100").events
+    got = sum(e.bytes_read + e.bytes_written for e in events if e.kind == "kernel")
+    for _, module, _ in slots:
+        assert isinstance(module.fp8_weight, GatheredWeight)
+    return got, start, pad
+
+
+@pytest.mark.parametrize("unit", UNITS)
+def test_gather_bytes_match_the_traced_gather(unit, monkeypatch):
+    got, elements, pad = traced_gather_bytes(UNITS[unit], monkeypatch)
+    planned = gather_bytes(elements, DP, 2)
+    # the padding (not a weight: the last rank's) goes through the message raw, copied out
+    # by the unpack (2 + 2 bytes per bf16 element)
+    planned += 4 * pad
+    # rank 0's share of the segment padded by pad < dp elements holds < 1 element more
+    # than elements / dp (30 bytes), and its message is zero-filled to the longest rank's
+    # (the last, with the padding raw: <= 2 x (pad + 1) bytes more)
+    slack = len(UNITS[unit]) * (4 + 4 * DP + 16) + 30 + 2 * (pad + 1)
+    assert 0 <= got - planned <= slack, (unit, got, planned)
+
+
+@pytest.mark.parametrize("shape", ((4096, 4096, 1024), (2048, 14336, 4096)))
+def test_linear_with_a_gathered_weight_casts_its_activations_alone(shape):
+    """fp8_linear given ZeRO-3's gathered codes, forward + backward: the activations' and
+    ∂y's casts as without the gather, the weight's casts replaced by the copy of Wᵀ."""
+    tokens, k, n = shape
+    recipe = FP8Recipe.from_name("tensorwise")
+    meta = torch.device("meta")
+    x = torch.empty(tokens, k, device=meta, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.empty(n, k, device=meta, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.empty(tokens, n, device=meta, dtype=torch.bfloat16)
+    wq = GatheredWeight(torch.empty(n, k, device=meta, dtype=E4M3.dtype),
+                        torch.ones((), device=meta), "tensorwise", E4M3)
+
+    def run():
+        fp8_linear(x, w, None, recipe, wq).backward(g)
+
+    events = [e for e in trace_callable(run, gpu="h100").events if e.kind == "kernel"]
+    got = sum(e.bytes_read + e.bytes_written for e in events if not e.flops)
+    assert sum(1 for e in events if e.flops) == 3
+    fwd, bwd = linear_cast_bytes("tensorwise", tokens, k, n, 2)
+    plain = fwd + bwd
+    # the plain linear's W casts, forward and backward: amax + cast, 5 bytes an element
+    weights = cast_bytes("tensorwise", "weight_fwd", n, k) + cast_bytes(
+        "tensorwise", "weight_bwd", n, k)
+    assert weights == 2 * (5 * n * k + 4)
+    planned = plain - weights + 2 * n * k
+    assert 0 <= got - planned <= 2 * 2 * 4 * MAX_PARTIALS, (got, planned)
+    # and the planner's layer sums take the gathered linears so
+    f1, b1 = mlp_cast_bytes("tensorwise", tokens, k, n, True, 2, "dynamic", True)
+    f0, b0 = mlp_cast_bytes("tensorwise", tokens, k, n, True, 2)
+    assert (f0 - f1, b0 - b1) == (3 * (5 * n * k + 4), 3 * (3 * n * k + 4))
+
+
+def test_fp8_allgather_casts_enter_the_predicted_step():
+    """Llama-3.1-8B, tp2 dp4 ZeRO-3 tensorwise: with parallel.fp8_allgather the step's
+    forward and backward differ from the plain FP8 run's by exactly the cast bytes'
+    difference at the HBM rate (the weights' casts out; the gathers and Wᵀ copies in)."""
+    from fivefold.models.presets import preset
+    from fivefold.plan.fp8 import fp8_gather_terms, rank_dense_cast_bytes
+    from fivefold.plan.hardware import get_hardware
+    from fivefold.plan.layout import Layout, Workload
+    from fivefold.plan.timing import rank_compute
+
+    hw, assume = get_hardware("h100")
+    hbm = hw.hbm_tbps * 1e12 * assume.hbm_efficiency / (1 + assume.compute_overhead)
+    layout = Layout(dp=4, tp=2, sp=True, mbs=1, zero=3)
+    rc, cast = {}, {}
+    for on in (False, True):
+        work = Workload(model=preset("llama-3.1-8b"), seq_len=4096, gbs=64, precision="fp8",
+                        fp8_recipe="tensorwise", fp8_allgather=on)
+        rc[on] = rank_compute(work, layout, hw, assume, 0)
+        cast[on] = rank_dense_cast_bytes(work, layout, 4096, 32, 0)
+    elements = fp8_gather_terms(work, layout, 32, 0, 4)[0]
+    gathered = gather_bytes(elements, 4, 2)
+    assert cast[True][0] < cast[False][0]  # no weight cast in the linears' forward
+    for i, phase in enumerate(("forward", "backward")):
+        got = getattr(rc[True], phase) - getattr(rc[False], phase)
+        want = (cast[True][i] + gathered - cast[False][i]) / hbm
+        assert got == pytest.approx(want, rel=1e-9), phase
+    # the engine's gathers move more HBM bytes than the linears' own weight casts did
+    assert rc[True].forward > rc[False].forward
