@@ -5,10 +5,10 @@
 
 Error model: the gather's planned bytes leave out, per weight, the scalar multiplier read by
 the cast (4 bytes), the scale read per rank's piece by the unpack (4 x dp) and the scale and
-record clones (16: 8 read, 8 written); the linear's, the tensorwise amax partials (<= 256 fp32 written and read
-per amax pass: x in forward, ∂y in backward); rank 0's share of a segment padded to a
-multiple of dp is < 1 element over elements / dp, and its message is zero-filled to the
-longest rank's. So 0 <= traced - planned <= those bytes.
+record clones (16: 8 read, 8 written); rank 0's share of a segment padded to a multiple of
+dp is < 1 element over elements / dp, and its message is zero-filled to the longest rank's.
+The linear's leave out the tensorwise amax partials (<= 256 fp32 written and read per amax
+pass: x in forward, ∂y in backward). So 0 <= traced - planned <= those bytes.
 """
 
 import types
