@@ -32,7 +32,8 @@ Time: the fused cast kernels' HBM bytes (read + written), which plan/timing.py a
 micro-batch at the HBM rate: the dense linears' (`cast_bytes` per operand,
 `rank_dense_cast_bytes` per pipeline rank) and the routed experts' (`expert_cast_bytes`),
 each held to the meta trace of the engine (tests/test_plan_fp8_dense.py,
-tests/test_plan_fp8_experts.py).
+tests/test_plan_fp8_experts.py); under parallel.fp8_allgather ZeRO-3's FP8 gathers in place
+of the weights' casts (`rank_gather_cast_bytes`; tests/test_plan_fp8_gather_casts.py).
 """
 
 from __future__ import annotations
