@@ -11,7 +11,7 @@ from fivefold.numerics.intx import fake_quantize_int4, int4_scale_zero
 from fivefold.quant.awq import apply_awq
 from fivefold.quant.convert import quantize_
 from fivefold.quant.gptq import gptq_round, hessian
-from tests.test_quant_awq import salient_model
+from tests.test_quant_awq import held_out_setup, salient_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,13 +59,7 @@ def test_gptq_leaves_a_dead_input_channel_at_zero():
 
 
 def test_awq_with_gptq_rounding_is_what_quantize_stores_and_beats_rtn_held_out():
-    model = salient_model()
-    calib = torch.randint(0, 256, (16, 64), generator=torch.Generator().manual_seed(1))
-    held_out = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        reference = model(held_out)
-    rtn = copy.deepcopy(model)
-    quantize_(rtn, "int4")
+    model, calib, held_out, reference, rtn = held_out_setup()
     awq_rtn = copy.deepcopy(model)
     apply_awq(awq_rtn, calib, group_size=128, rounding="rtn")
     quantize_(awq_rtn, "awq")

@@ -22,28 +22,17 @@ import dataclasses
 import pytest
 import torch
 
-from fivefold.lowp.delayed import DelayedState
-from fivefold.lowp.linear import FP8Recipe, fp8_linear
+from fivefold.lowp.linear import fp8_linear
 from fivefold.numerics.fp8_cast import MAX_PARTIALS
 from fivefold.plan.fp8 import linear_cast_bytes
 from fivefold.trace import trace_callable
+from tests.test_fp8_trace import recipe_of
 
 # (tokens, in, out): a k/v projection of Llama-3.1-8B at 4096 tokens; its down projection
 SHAPES = {"kv": (4096, 4096, 1024), "down": (2048, 14336, 4096)}
 RECIPES = ("tensorwise", "tensorwise_delayed", "rowwise", "rowwise_gw_hp", "blockwise")
 # amax passes (forward, forward + backward): each leaves <= 256 fp32 partials out
 AMAX_PASSES = {"tensorwise": (2, 4), "rowwise_gw_hp": (0, 1)}
-
-
-def recipe_of(name):
-    """The recipe as the H100 runs it, and delayed scaling's steady state."""
-    if name == "tensorwise_delayed":
-        state = DelayedState(torch.zeros(3, 16, device="meta"), [True] * 3, record=True)
-        return FP8Recipe.from_name("tensorwise", scaling="delayed"), state
-    recipe = FP8Recipe.from_name(name)
-    if name == "blockwise":  # the H100's blockwise GEMM, as lowp/convert.py picks it there
-        recipe = dataclasses.replace(recipe, kernel="scaled_mm")
-    return recipe, None
 
 
 def traced_cast_bytes(shape, name, backward):

@@ -35,6 +35,18 @@ def salient_model():
             layer.input_layernorm.weight[[3, 50, 77]] *= 4.0
     return model
 
+def held_out_setup():
+    """The salient model, 16 calibration and 8 held-out sequences (other seeds), the model's
+    held-out output, and its int4 RTN copy."""
+    model = salient_model()
+    calib = torch.randint(0, 256, (16, 64), generator=torch.Generator().manual_seed(1))
+    held_out = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        reference = model(held_out)
+    rtn = copy.deepcopy(model)
+    quantize_(rtn, "int4")
+    return model, calib, held_out, reference, rtn
+
 
 def test_weight_mean_is_taken_after_grouping():
     # Two linears of 2 rows, K = 4, groups of 2: each group is divided by its own max |w|,
@@ -64,13 +76,7 @@ def test_duo_scale_formula():
 @pytest.mark.parametrize("options", [{"duo": True}, {"loss": "layer"},
                                      {"duo": True, "loss": "layer"}])
 def test_options_never_worse_than_rtn_and_beat_it_held_out(options):
-    model = salient_model()
-    calib = torch.randint(0, 256, (16, 64), generator=torch.Generator().manual_seed(1))
-    held_out = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        reference = model(held_out)
-    rtn = copy.deepcopy(model)
-    quantize_(rtn, "int4")
+    model, calib, held_out, reference, rtn = held_out_setup()
     awq = copy.deepcopy(model)
     report = apply_awq(awq, calib, group_size=128, clip=False, rounding="rtn", **options)
     # Plain RTN is measured and kept when no scale beats it, so on the calibration data the
