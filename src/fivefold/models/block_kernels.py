@@ -23,9 +23,9 @@ holds both to the fp32 error model).
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from fivefold.numerics.kernel_support import triton_usable
 
 try:  # Triton is optional (see models/loss_kernel.py)
     import triton
@@ -36,12 +36,6 @@ except ImportError:  # pragma: no cover - depends on the installation
 # The fused path where it applies; False: the torch ops everywhere (a GPU benchmark's "before").
 FUSED_ON_DEVICE = True
 MAX_FUSED_DIM = 1 << 16  # one program holds a whole row
-
-
-def triton_usable(device: torch.device) -> bool:
-    if triton is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def fused_path(x: torch.Tensor) -> bool:

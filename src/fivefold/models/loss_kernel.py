@@ -25,21 +25,13 @@ from collections.abc import Callable
 
 import torch
 
+from fivefold.numerics.kernel_support import triton_usable
+
 try:  # Triton is optional: the GPU machine's 3.6 and the registry's 3.9 both have what is used
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
-
-
-def triton_usable(device: torch.device) -> bool:
-    """Whether the kernel runs on tensors of `device`: CUDA with Triton, or any device under
-    `TRITON_INTERPRET=1` (Triton's interpreter, for the tests on a CPU)."""
-    if triton is None:
-        return False
-    import os
-
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:

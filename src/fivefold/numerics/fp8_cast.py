@@ -43,6 +43,7 @@ import torch
 
 from fivefold.numerics.formats import FP8_BLOCK, FP8_FORMATS, SCALE_EPS
 from fivefold.numerics.fp8 import quantize, quantize_with_amax
+from fivefold.numerics.kernel_support import triton_usable
 
 try:
     import triton
@@ -54,15 +55,6 @@ except ImportError:  # pragma: no cover - depends on the installation
 MAX_PARTIALS = 256  # fp8_amax_partials' outputs: each cast program reads them all
 ROWS = 32  # rows per program of the row cast (its column partials: cdiv(M, 32) x K fp32)
 BLOCK = FP8_BLOCK
-
-
-def triton_usable(device: torch.device) -> bool:
-    """CUDA with Triton, or any device under TRITON_INTERPRET=1 (Triton's interpreter)."""
-    if triton is None:
-        return False
-    import os
-
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _constants(fmt_name: str) -> dict:

@@ -31,9 +31,9 @@ keeps torch's fused AdamW (step_grads.step_torch), so its results stay bit for b
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from fivefold.numerics.kernel_support import triton_usable
 
 try:  # Triton is optional (see models/loss_kernel.py)
     import triton
@@ -45,12 +45,6 @@ except ImportError:  # pragma: no cover - depends on the installation
 # benchmark's "before").
 FUSED_ON_DEVICE = True
 BLOCK = 1024
-
-
-def triton_usable(device: torch.device) -> bool:
-    if triton is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
