@@ -55,8 +55,9 @@ def gather_pack_kernel(local_ptr, table_ptr, P, mult_ptr, send_ptr, send_typed_p
     m = tl.load(mult_ptr + tl.maximum(k, 0))
     y = x.to(tl.float32) * m
     y = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))  # NaN stays NaN
-    tl.store(send_ptr + dst + idx, _encode(y, MBITS, BIAS), mask=mask & (k >= 0))
-    tl.store(send_typed_ptr + dst + idx, x, mask=mask & (k < 0))
+    fp8 = (k + tl.zeros([BLOCK], tl.int64)) >= 0  # a block mask (a scalar & a block is not)
+    tl.store(send_ptr + dst + idx, _encode(y, MBITS, BIAS), mask=mask & fp8)
+    tl.store(send_typed_ptr + dst + idx, x, mask=mask & ~fp8)
 
 
 @triton.jit
@@ -69,10 +70,10 @@ def gather_unpack_kernel(out_ptr, out_typed_ptr, table_ptr, P, scale_ptr, codes_
     first, src, dst, n, k = _piece(table_ptr, P, p, PB)
     idx = (p - first) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
-    fp8 = k >= 0
+    fp8 = (k + tl.zeros([BLOCK], tl.int64)) >= 0
     code = tl.load(out_ptr + src + idx, mask=mask & fp8, other=0)
     tl.store(codes_ptr + dst + idx, code, mask=mask & fp8)
     value = (_decode_e4m3(code) * tl.load(scale_ptr + tl.maximum(k, 0))).to(
         full_ptr.dtype.element_ty)
-    raw = tl.load(out_typed_ptr + src + idx, mask=mask & (k < 0), other=0.0)
+    raw = tl.load(out_typed_ptr + src + idx, mask=mask & ~fp8, other=0.0)
     tl.store(full_ptr + dst + idx, tl.where(fp8, value, raw), mask=mask)
