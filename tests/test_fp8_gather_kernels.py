@@ -190,3 +190,43 @@ def test_a_raw_piece_off_its_dtype_is_refused(offset):
 
     with pytest.raises(ValueError, match="not aligned"):
         fp8_gather.table([(0, offset, 4, -1)], 2, 2, torch.device("cpu"))
+
+
+def test_kernels_compile_for_an_h100_without_one():
+    """Both kernels compiled by Triton for CUDA compute capability 9.0 (to PTX and cubin: no
+    GPU needed), bf16 in and out, as a GPU run compiles them: the interpreter does not check
+    the types a compilation does. The PTX rounds float32 to bf16 to nearest even (the eager
+    `.to(torch.bfloat16)`'s rounding), multiplies without flushing subnormals and fuses no
+    multiply into an add (the eager path rounds each product)."""
+    import re
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fivefold.numerics import fp8_gather_triton as kernels
+    from fivefold.numerics.formats import E4M3
+
+    target = GPUTarget("cuda", 90, 32)
+    pack = ASTSource(fn=kernels.gather_pack_kernel, signature={
+        "local_ptr": "*bf16", "table_ptr": "*i64", "P": "i32", "mult_ptr": "*fp32",
+        "send_ptr": "*u8", "send_typed_ptr": "*bf16", "FMAX": "constexpr",
+        "MBITS": "constexpr", "BIAS": "constexpr", "PB": "constexpr", "BLOCK": "constexpr"},
+        constexprs={"FMAX": E4M3.max, "MBITS": 3, "BIAS": 7, "PB": 16, "BLOCK": 1024})
+    unpack = ASTSource(fn=kernels.gather_unpack_kernel, signature={
+        "out_ptr": "*u8", "out_typed_ptr": "*bf16", "table_ptr": "*i64", "P": "i32",
+        "scale_ptr": "*fp32", "codes_ptr": "*u8", "full_ptr": "*bf16", "PB": "constexpr",
+        "BLOCK": "constexpr"}, constexprs={"PB": 16, "BLOCK": 1024})
+    ptx = {}
+    for name, source in (("pack", pack), ("unpack", unpack)):
+        try:
+            compiled = triton.compile(source, target=target)
+        except RuntimeError as e:  # no CUDA backend or ptxas in this Triton installation
+            pytest.skip(f"Triton cannot compile for CUDA here: {str(e).splitlines()[0]}")
+        assert compiled.asm.get("cubin"), name
+        ptx[name] = compiled.asm["ptx"]
+    for name, text in ptx.items():
+        ops = set(re.findall(r"\b(?:mul|fma|cvt)\.[\w.]+", text))
+        assert "mul.f32" in ops and not any(o.startswith("fma") or ".ftz" in o for o in ops), (
+            name, ops)
+    assert "cvt.rn.bf16.f32" in ptx["unpack"], ptx["unpack"][-2000:]
