@@ -29,8 +29,10 @@ from fivefold.trace import trace_callable
 
 DP = 4
 # (out, in) weights of one unit: a k/v projection of Llama-3.1-8B; two whose shards cut
-# them anywhere (sizes not multiples of dp's share)
-UNITS = {"kv": [(1024, 4096)], "odd": [(333, 517), (129, 77)]}
+# them anywhere (sizes not multiples of dp's share); routed experts' stacked (E, N, K)
+# weights (a scale per expert) beside a linear's
+UNITS = {"kv": [(1024, 4096)], "odd": [(333, 517), (129, 77)],
+         "experts": [(96, 64), (3, 55, 37), (3, 37, 55)]}
 
 
 def traced_gather_bytes(weights, monkeypatch):
@@ -41,7 +43,7 @@ def traced_gather_bytes(weights, monkeypatch):
                         lambda out, send, group, async_op=False: zero3_fp8.comm.DONE)
     slots, start = [], 0
     for shape in weights:
-        numel = shape[0] * shape[1]
+        numel = torch.Size(shape).numel()
         slots.append((types.SimpleNamespace(shape=shape, start=start, numel=numel),
                       torch.nn.Module(), "weight"))
         start += numel
@@ -55,19 +57,22 @@ def traced_gather_bytes(weights, monkeypatch):
     events = [e for e in trace_callable(lambda: unit.start(full, shard, types.SimpleNamespace(
         size=DP)).wait(), gpu="h100").events if e.kind == "kernel"]
     ops = [e.name for e in events]
-    # one fused kernel each way, and the scale and record clones (2 a weight)
+    # one fused kernel each way, and the scale and record clones (2 a weight: an expert's)
     assert ops.count("fivefold.fp8_gather_pack.default") == 1, ops
     assert ops.count("fivefold.fp8_gather_unpack.default") == 1, ops
-    assert len(ops) == 2 + 2 * len(weights), ops
-    for _, module, _ in slots:
-        assert isinstance(module.fp8_weight, GatheredWeight)
+    assert len(ops) == 2 + 2 * len(unit.entries), ops
+    for slot, module, _ in slots:
+        experts = len(slot.shape) == 3
+        got = module.fp8_experts["weight"] if experts else [module.fp8_weight]
+        assert len(got) == (slot.shape[0] if experts else 1)
+        assert all(isinstance(w, GatheredWeight) for w in got)
     return sum(e.bytes_read + e.bytes_written for e in events), unit, start, size
 
 
 @pytest.mark.parametrize("unit", UNITS)
 def test_gather_bytes_match_the_traced_gather(unit, monkeypatch):
     got, gather, elements, size = traced_gather_bytes(UNITS[unit], monkeypatch)
-    weights, per, message = len(UNITS[unit]), size // DP, gather.message
+    weights, per, message = len(gather.entries), size // DP, gather.message
     rows = len(gather.pack_rows) + len(gather.unpack_rows)
     # the kernels' bytes, B = 2: the shard read (B per element) and rank 0's message
     # written; the DP messages read, the byte buffer (1) and the unit's buffer (B) written
