@@ -51,6 +51,9 @@ agreement tests see none of them):
   its segment leaves when filled with blocks of its size, (S mod v) / floor(S / v), or
   ceil(v / 2 MiB)·2 MiB − v from 10 MiB on. Argued, not fitted: the per-micro-batch blocks
   at large tp × pp are a few MiB, where a 20 MiB segment's tail is the largest share;
+- `replayed_waste`: on a first stage with pp > 1, the reserved bytes beyond the allocated
+  peak of a replay of its allocations through the caching allocator's rules
+  (bench/plan/usp_allocator_replay.py) in place of the plan's rounding. Argued, not fitted;
 - `reserve_released`: all the fitted reserves (the activation reserve too, not only the
   head's) are cached blocks the allocator releases before it fails (CUDACachingAllocator
   frees cached blocks and retries a failed cudaMalloc), so the planned reserved peak never
@@ -67,6 +70,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import usp_allocator_replay
 import usp_calibration as uc
 import usp_fit as uf
 
@@ -164,7 +168,29 @@ def _segment_tails(work, layout, rank):
     return layer_microbatches * (sum(_block_waste(v) for v in _layer_blocks(act)) - now)
 
 
-ARGUED = {"p2p_storage": _p2p_storage, "segment_tails": _segment_tails}
+REPLAYED: dict[str, float] = {}
+
+
+def _replayed(work, layout) -> float:
+    key = repr((work, layout))
+    if key not in REPLAYED:
+        REPLAYED[key] = usp_allocator_replay.replay(work, layout, 40)["waste_gib"] * GIB
+    return REPLAYED[key]
+
+
+def _replayed_waste(work, layout, rank):
+    """bench/plan/usp_allocator_replay.py's waste on a first stage with pp > 1 in place of
+    the plan's 1 MiB per live block (argued: no factor; other ranks unchanged)."""
+    if layout.pp == 1 or rank != 0:
+        return 0.0
+    act = memory._activations(work, layout)
+    n = inflight_microbatches(layout, work.num_microbatches(layout), rank)
+    now = sum(1 for v in act.layer_terms.values() if v >= MIB) * MIB
+    return _replayed(work, layout) - n * stage(work.model, layout, rank)[0] * now
+
+
+ARGUED = {"p2p_storage": _p2p_storage, "segment_tails": _segment_tails,
+          "replayed_waste": _replayed_waste}
 
 
 COLUMNS = {"layer_tokens": _layer_tokens, "embed_tokens": _embed_tokens,
