@@ -236,7 +236,6 @@ def test_bad_delayed_inputs_give_one_line_exit_2_and_write_nothing(tmp_path, cap
                                   "--train.fp8_history_len", "8"], "applies to"),
         "fp8_allgather without zero 3": ([*tw, "--parallel.fp8_allgather", "true"],
                                          "parallel.fp8_allgather = true needs"),
-        "under pp": ([*tw, "--parallel.pp", "2"], "parallel.pp = 2"),
         "with experts": ([*tw, "--model.preset", "tiny-moe"], "routed experts"),
         "without fp8": (["--train.precision", "bf16", "--train.fp8_scaling", "delayed"],
                         "needs train.precision = 'fp8'"),

@@ -35,6 +35,16 @@ When each operand casts and records:
     `FP8GlobalStateManager.reduce_and_update_fp8_tensors`, transformer_engine/pytorch/
     fp8.py), so every rank pushes the same record and casts with the same scale, the single
     device's for the same global batch.
+  - Under pipeline parallelism a stage's ranks hold its layers' linears and no other rank
+    does: the reduction runs over the stage's dp x cp x tp ranks (the mesh's `stage` group)
+    with the records of this rank's chunks only, not over every rank with each stage
+    filling its own rows of a whole-model tensor (pp times the bytes, and a call across
+    stages that finish their last backward at different times, for maxima with zeros).
+    Every schedule only reorders the micro-batches' forwards and backwards between two
+    `end_step`s, so each cast still takes the history as the step began. Zero-bubble's
+    split backward runs the linear's backward for the input gradient (B) and again for
+    the weight gradient (W) from the same kept ∂y: the same scale, the same amax folded
+    twice, max(a, a) = a, as under recomputation.
   - x and W in the forward, ∂y in the backward; W's transposed copy for the input gradient
     is cast again in the backward (the weight is not saved in FP8, lowp/linear.py) with the
     forward's scale (W has not changed since), so its codes are the forward's, moved.
@@ -64,8 +74,9 @@ checkpoint (train/checkpoint_parts.py, `fp8/NAME.amax_history`), so a resumed ru
 the uninterrupted one did (tests/test_fp8_delayed.py). The pending record is empty between
 steps, where checkpoints are taken.
 
-Not here: pipeline stages (the checkpoint names the histories by one chunk's module names)
-and routed experts: config/fp8.py refuses them. On a first step under tensor parallelism a
+The histories keep the unsplit model's module names under pp (parallel/pipeline/stages.py),
+so a checkpoint of any pp layout loads into any other (each rank reads its chunks' rows).
+Not here: routed experts, which config/fp8.py refuses. On a first step under tensor parallelism a
 shard's own amax is its slice's (as dynamic tensorwise under tp); the whole tensor's from
 the second step on.
 """
@@ -153,7 +164,8 @@ def forget_filled(model: nn.Module) -> None:
 def end_step(modules: list[nn.Module], reduce_max=None) -> None:
     """Once per optimizer step: every module's pending record, reduced to its maximum over
     the ranks that saw other tokens of the same tensors by `reduce_max` (an in-place
-    all_reduce(max) of one (L, 3) float32 tensor: the trainer's, over dp x cp), pushed into
+    all_reduce(max) of one (L, 3) float32 tensor: the trainer's, over the pipeline stage's
+    dp x cp x tp ranks), pushed into
     its history; the pending records emptied.
     Which rows recorded is host state that every rank of the group shares (they ran the
     same code), so no rank waits on a value to decide what to push."""

@@ -114,10 +114,11 @@ def fp8_expert_gather_terms(work, layout, elements: float, moe: float) -> tuple[
 
 def delayed_amax_records(work, layers: float) -> float:
     """The fp32 amax records delayed scaling (train.fp8_scaling = delayed, lowp/delayed.py)
-    reduces in its one all_reduce(max) over every rank a step: x, W and ∂y of every FP8
-    linear of the `layers` (q, k, v, o and the MLP's, a tp shard each; delayed scaling runs
-    without pp and routed experts). A train.fp8_keep_out linear records nothing; this still
-    counts it (a few bytes)."""
+    reduces in its one all_reduce(max) a step over the ranks of one pipeline stage (dp x cp
+    x tp; the `stage` group, every rank without pp): x, W and ∂y of every FP8 linear of the
+    rank's `layers` (q, k, v, o and the MLP's, a tp shard each; under pp the rank's chunks'
+    layers only, each stage reducing its own; delayed scaling runs without routed experts).
+    A train.fp8_keep_out linear records nothing; this still counts it (a few bytes)."""
     if work.precision != "fp8" or getattr(work, "fp8_scaling", "dynamic") != "delayed":
         return 0.0
     linears = 4 + (3 if work.model.mlp == "swiglu" else 2)

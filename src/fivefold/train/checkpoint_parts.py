@@ -47,8 +47,9 @@ def logical_tensors(trainer) -> dict[str, torch.Tensor]:
 
 
 def fp8_histories(trainer) -> dict[str, torch.Tensor]:
-    """Delayed FP8 scaling's amax histories (lowp/delayed.py), training state: one model
-    chunk (delayed scaling runs without pipeline stages, config/fp8.py)."""
+    """Delayed FP8 scaling's amax histories (lowp/delayed.py), training state: those of
+    this rank's model chunks, under the unsplit model's module names (so any pp layout
+    reads any other's)."""
     from fivefold.lowp.delayed import histories
 
     return {f"fp8/{name}.amax_history": h for chunk in trainer.model.chunks
