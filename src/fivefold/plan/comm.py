@@ -33,7 +33,7 @@ REGATHER = "saved shards (SP)"  # backward all-gathers that overlap the input-gr
 class Collective:
     """One kind of call a rank makes, with how often per step."""
 
-    group: str  # the engine's group name: dp, dp_cp, tp, pp, cp, ep, edp, pp_embed
+    group: str  # the engine's group name: dp, dp_cp, tp, pp, cp, ep, edp, pp_embed, stage
     op: str  # all_reduce | reduce_scatter | all_gather | send | recv | all_to_all
     dtype_bytes: int
     elements: float  # elements of one call's logical tensor
