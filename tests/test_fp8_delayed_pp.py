@@ -127,11 +127,14 @@ def test_pp2_every_schedule_tracks_the_single_device_delayed_run(tmp_path):
 
 def test_pp2_dp2_reduces_each_stage_over_its_own_ranks(tmp_path):
     """Ranks 0, 1 are stage 0's dp pair, ranks 2, 3 stage 1's: each pair's histories are
-    bit-equal after every step; one all_reduce(max) of its 14 linears' 3 records a step."""
+    bit-equal after every step; one all_reduce(max) of its 14 linears' 3 records a step
+    (with ZeRO-3's FP8 all-gather the gathered weights' records ride in it)."""
     ref = train(0, 1, str(tmp_path / "ref"), [])
     layouts = {"1f1b-dp2": pp("1f1b", "--parallel.dp", "2"),
                "interleaved-dp2-zero1": pp("interleaved", "--parallel.dp", "2",
-                                           "--parallel.zero", "1")}
+                                           "--parallel.zero", "1"),
+               "zb-dp2-zero3-fp8-allgather": pp("zb", "--parallel.dp", "2", "--parallel.zero",
+                                                "3", "--parallel.fp8_allgather", "true")}
     ranks = run_ranks(every_layout, 4, str(tmp_path), layouts)
     for name in layouts:
         check_against(ref, ranks, name)
