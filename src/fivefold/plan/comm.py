@@ -178,7 +178,7 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
             "fwd", "tied embedding for the head")
     # delayed FP8 scaling: the step's amax records of this rank's layers, one
     # all_reduce(max) over the stage's dp x cp x tp ranks (plan/fp8.py)
-    add("stage", "all_reduce", 4, delayed_amax_records(work, layers), 1,
+    add("stage", "all_reduce", 4, delayed_amax_records(work, layers, moe), 1,
         lay.dp * lay.cp * lay.tp, "step", "FP8 amax records (delayed scaling)")
     if lay.zero >= 1:  # the squared norm of the gradient shards, for clipping (float64)
         add(dp_group_name(lay), "all_reduce", 8, 1, 1, lay.dp * lay.cp, "step", "grad norm")
