@@ -22,6 +22,7 @@ and gradient norm 5e-3 (measured: loss <= 5.0e-5, gradient norm <= 9.7e-4).
 
 import pathlib
 
+import pytest
 import torch
 import torch.distributed as dist
 from common import small_config
@@ -191,3 +192,59 @@ def test_an_ep2_checkpoint_of_expert_histories_resumes_on_one_device(tmp_path):
             want = saved[0]["after"][-1][k]
         assert torch.equal(h, want), k
     assert all(h.any() for h in one["loaded"].values())
+
+
+FUSED = r"""
+import json, torch
+from torch import nn
+from fivefold.lowp import fused, linear
+from fivefold.lowp.convert import convert_to_fp8
+from fivefold.lowp.delayed import end_step
+from fivefold.lowp.linear import FP8Recipe
+from fivefold.models.moe import GroupedExperts
+
+def run(use_fused):
+    fused.fused = (lambda t: True) if use_fused else (lambda t: False)
+    linear._LAST[0] = None
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.experts = GroupedExperts(4, 64, 32, impl="loop")
+    for w in holder.experts.parameters():
+        nn.init.normal_(w, std=0.2)
+    convert_to_fp8(holder, FP8Recipe.from_name("tensorwise", scaling="delayed", history_len=4))
+    experts, out = holder.experts, []
+    for step, counts in enumerate(([5, 0, 7, 3], [4, 6, 2, 8], [0, 3, 9, 4])):
+        x = (torch.randn(sum(counts), 64) * (1 + step)).requires_grad_()
+        experts.zero_grad()
+        y = experts(x, torch.tensor(counts))
+        y.backward(torch.randn_like(y))
+        end_step([experts])
+        out += [y.detach(), x.grad, *(p.grad.clone() for p in experts.parameters())]
+    return out + [experts.fp8_amax_history.clone()]
+
+from fivefold.numerics import fp8_cast
+calls, cast = [0], fp8_cast.fp8_cast_delayed
+def counted(*args):
+    calls[0] += 1
+    return cast(*args)
+fp8_cast.fp8_cast_delayed = counted
+ref = run(False)
+before = calls[0]
+got = run(True)
+print(json.dumps([[bool(torch.equal(a, b)) for a, b in zip(ref, got)], before, calls[0]]))
+"""
+
+
+@pytest.mark.slow  # Triton's interpreter: about 20 s
+def test_delayed_experts_on_the_fused_casts_in_the_interpreter():
+    """The GPU's path (the fused delayed cast and amax fold of numerics/fp8_cast.py, on each
+    expert projection's rows of the histories) against the CPU's, fp32 in Triton's
+    interpreter, three steps with idle experts: outputs, gradients and histories bit-equal."""
+    from common import run_interpreted
+
+    same, cpu_casts, fused_casts = run_interpreted(["-c", FUSED])
+    assert len(same) == 3 * 5 + 1 and all(same), same
+    # the fused run cast every operand of every expert that met tokens on the GPU's kernel:
+    # W, ∂y and Wᵀ of each projection, x of gate (up shares it) and of down: 11 a step
+    # for each expert that met tokens (3, 4, 3 of them in the three steps)
+    assert cpu_casts == 0 and fused_casts == 11 * (3 + 4 + 3), (cpu_casts, fused_casts)
