@@ -24,8 +24,9 @@ dynamic tensorwise under cp); from step 2 the scales are the reduced histories'.
 tolerance is the dynamic cp2 case's: loss 1e-4, gradient norm 5e-3 (measured: loss <= 4.3e-5,
 gradient norm <= 5.7e-4). tp2 (with and without SP) likewise: on step 1 a weight's scale is
 its shard's and a row-parallel input's its half of the channels'; from step 2 the reduced
-records (over dp x cp x tp: every rank) give the whole tensors' scales; and each rank's
-partial output of a row-parallel linear is rounded to bf16 before the all-reduce sums it.
+records (over dp x cp x tp: every rank, the `stage` group without pp) give the whole
+tensors' scales; and each rank's partial output of a row-parallel linear is rounded to
+bf16 before the all-reduce sums it.
 Tolerance: the dynamic tp2 rowwise case's, loss 3e-4, gradient norm 1e-2 (measured: loss
 <= 1.6e-5, gradient norm <= 1.9e-3). Measured for dp2 (ZeRO 0, 1, 3): loss <= 3e-6, gradient
 norm <= 9.8e-4.
@@ -62,7 +63,7 @@ def train(rank, world, tmp, args, steps=STEPS):
         rec = trainer.train_step()
         runs.append((rec["loss"], rec["grad_norm"]))
         after.append({k: h.clone() for k, h in histories(trainer.model.chunks[0]).items()})
-    amax = [e for e in dims.ledger.entries if (e.group, e.op) == ("world", "all_reduce")]
+    amax = [e for e in dims.ledger.entries if (e.group, e.op) == ("stage", "all_reduce")]
     trainer.close()
     work, layout = training_plan_inputs(cfg)
     planned = {g: ops.get("all_reduce", 0) for g, ops in ledger_volume(work, layout).items()}

@@ -187,7 +187,7 @@ def zero3_tensorwise(rank, world, tmp, fp8_allgather, extra=()):
     amax_calls = sum(1 for e in dims.ledger.entries
                      if e.group in groups and e.op == "all_reduce" and e.elements > 1)
     world_reduce = sum(e.bytes for e in dims.ledger.entries
-                       if (e.group, e.op) == ("world", "all_reduce"))
+                       if (e.group, e.op) == ("stage", "all_reduce"))  # every rank: no pp
     kept = {k: h.clone() for k, h in histories(trainer.model.chunks[0]).items()}
     trainer.close()
     work, layout = training_plan_inputs(cfg)
@@ -197,7 +197,7 @@ def zero3_tensorwise(rank, world, tmp, fp8_allgather, extra=()):
     gathers = 2 * work.num_microbatches(layout)  # forward and backward, per micro-batch
     FP8Recipe.quantize_weight, delayed.weight = quantize_weight, delayed_weight
     return {"histories": kept, "world_reduce": world_reduce,
-            "planned_world": ledger_volume(work, layout).get("world", {}).get("all_reduce", 0),
+            "planned_world": ledger_volume(work, layout).get("stage", {}).get("all_reduce", 0),
             "runs": [(r["loss"], r["grad_norm"]) for r in records], "ledger": ledger,
             "planned": planned, "linears": len(linears), "gathers": gathers,
             "gatherers": len(gatherers),

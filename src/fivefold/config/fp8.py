@@ -40,12 +40,13 @@ Rules, each a one-line ConfigError:
     a multiple of 128. Whether the device has the kernel is known only on it: lowp/convert.py
     refuses there, in one line too.
   - fp8_scaling = "delayed" with a recipe other than tensorwise; fp8_history_len outside
-    1..1024 or set with dynamic scaling; delayed scaling with pp > 1 (the checkpoint
-    names histories by one chunk's modules) or with routed experts (no histories for
-    them). With parallel.fp8_allgather the gather casts each weight with its history's
-    scale (parallel/zero3_fp8.py). Under dp, cp and tp the step's amax records are reduced over all
-    ranks (lowp/delayed.py); recomputation records idempotently (the same scale, the same
-    amax folded again).
+    1..1024 or set with dynamic scaling; delayed scaling with routed experts and
+    parallel.fp8_allgather (the gather casts expert weights dynamically). With
+    parallel.fp8_allgather the gather casts each linear's weight with its history's scale
+    (parallel/zero3_fp8.py). Routed experts keep a history per expert and projection.
+    Under dp, cp and tp the step's amax records are reduced over a pipeline stage's ranks
+    (lowp/delayed.py; every rank without pp); recomputation records idempotently (the
+    same scale, the same amax folded again).
 A keep-out pattern that matches no linear of the model is refused when the model is built
 (lowp/convert.py), where the module names exist.
 """
@@ -103,7 +104,7 @@ def check_fp8(cfg, mc) -> None:
 
 def check_scaling(cfg, mc) -> None:
     """train.fp8_scaling and fp8_history_len (the module docstring's rules)."""
-    tr, par = cfg.train, cfg.parallel
+    tr = cfg.train
     if tr.fp8_scaling == "dynamic":
         if tr.fp8_history_len != FP8_DEFAULTS["fp8_history_len"]:
             raise ConfigError(f"train.fp8_history_len = {tr.fp8_history_len} applies to "
@@ -115,13 +116,11 @@ def check_scaling(cfg, mc) -> None:
                           f"'{tr.fp8_recipe}': delayed scaling keeps one amax per tensor, for "
                           f"the tensorwise recipe only; set fp8_recipe = 'tensorwise' or "
                           f"fp8_scaling = 'dynamic'")
-    if par.pp > 1:
-        raise ConfigError(f"train.fp8_scaling = 'delayed' with parallel.pp = {par.pp}: the "
-                          f"checkpoint keeps the amax histories of one model chunk only; use "
-                          f"pp = 1 (dp, cp and tp are fine) or fp8_scaling = 'dynamic'")
-    if mc.num_experts:
+    if mc.num_experts and cfg.parallel.fp8_allgather:
         raise ConfigError("train.fp8_scaling = 'delayed' with routed experts (model.num_experts "
-                          "> 0): they keep no amax history; use fp8_scaling = 'dynamic'")
+                          "> 0) and parallel.fp8_allgather: the gather casts expert weights "
+                          "with their own amax, not their histories; set fp8_allgather = "
+                          "false or fp8_scaling = 'dynamic'")
 
 
 def check_kernel_shapes(cfg, mc) -> None:

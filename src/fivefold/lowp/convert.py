@@ -34,7 +34,7 @@ from torch import nn
 
 from fivefold.config.train import resolve_compile
 from fivefold.errors import ConfigError
-from fivefold.lowp.delayed import add_history
+from fivefold.lowp.delayed import add_expert_history, add_history
 from fivefold.lowp.experts import FP8ExpertsMixin, FP8GroupedExperts
 from fivefold.lowp.linear import (
     FP8Linear,
@@ -78,16 +78,14 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe,
     for name, module in targets.items():
         if any(_matches(name, p) for p in (*ALWAYS_KEPT_OUT, *keep_out)):
             continue
-        if recipe.scaling == "delayed" and isinstance(module, GroupedExperts):
-            raise ConfigError(f"train.fp8_scaling = 'delayed': {name} ({type(module).__name__}) "
-                              f"keeps no amax history (linears only); keep it out with "
-                              f"train.fp8_keep_out or use fp8_scaling = 'dynamic'")
         if isinstance(module, nn.Linear):
             _swap(module, FP8LinearMixin).fp8_recipe = recipe
             if recipe.scaling == "delayed":
                 add_history(module, recipe.history_len)
         elif isinstance(module, GroupedExperts):
             _swap(module, FP8ExpertsMixin).fp8_recipe = recipe
+            if recipe.scaling == "delayed":  # per expert and projection (lowp/delayed.py)
+                add_expert_history(module, recipe.history_len)
         else:  # a tensor-parallel shard; under delayed scaling it keeps its own history
             if recipe.scaling == "delayed":
                 _swap(module, FP8ShardMixin)

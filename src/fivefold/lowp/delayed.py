@@ -35,6 +35,16 @@ When each operand casts and records:
     `FP8GlobalStateManager.reduce_and_update_fp8_tensors`, transformer_engine/pytorch/
     fp8.py), so every rank pushes the same record and casts with the same scale, the single
     device's for the same global batch.
+  - Under pipeline parallelism a stage's ranks hold its layers' linears and no other rank
+    does: the reduction runs over the stage's dp x cp x tp ranks (the mesh's `stage` group)
+    with the records of this rank's chunks only, not over every rank with each stage
+    filling its own rows of a whole-model tensor (pp times the bytes, and a call across
+    stages that finish their last backward at different times, for maxima with zeros).
+    Every schedule only reorders the micro-batches' forwards and backwards between two
+    `end_step`s, so each cast still takes the history as the step began. Zero-bubble's
+    split backward runs the linear's backward for the input gradient (B) and again for
+    the weight gradient (W) from the same kept ∂y: the same scale, the same amax folded
+    twice, max(a, a) = a, as under recomputation.
   - x and W in the forward, ∂y in the backward; W's transposed copy for the input gradient
     is cast again in the backward (the weight is not saved in FP8, lowp/linear.py) with the
     forward's scale (W has not changed since), so its codes are the forward's, moved.
@@ -64,8 +74,18 @@ checkpoint (train/checkpoint_parts.py, `fp8/NAME.amax_history`), so a resumed ru
 the uninterrupted one did (tests/test_fp8_delayed.py). The pending record is empty between
 steps, where checkpoints are taken.
 
-Not here: pipeline stages (the checkpoint names the histories by one chunk's module names)
-and routed experts: config/fp8.py refuses them. On a first step under tensor parallelism a
+The histories keep the unsplit model's module names under pp (parallel/pipeline/stages.py),
+so a checkpoint of any pp layout loads into any other (each rank reads its chunks' rows).
+Routed experts (lowp/experts.py, the tensorwise loop) keep one history per expert and
+projection (`add_expert_history`, (E, 3, 3, H)): an expert that meets no token in a
+micro-batch casts nothing there, and in a step where it met none its history does not move
+(no 0 record pushed). Which experts met tokens differs between ranks (dp: other tokens; ep:
+other experts), so with their records each rank sends a flag per row in the same reduction,
+and the push happens where any rank recorded, on the device (`_push_experts`): every rank
+pushes what one device would. Under ep each rank fills its own experts' rows of every
+expert's block (zeros elsewhere, the maximum's identity), so the one all_reduce(max) over
+the stage also reduces the experts over their edp x tp holders. Not with ZeRO-3's FP8
+all-gather of expert weights (config/fp8.py refuses it). On a first step under tensor parallelism a
 shard's own amax is its slice's (as dynamic tensorwise under tp); the whole tensor's from
 the second step on.
 """
@@ -121,6 +141,59 @@ def add_history(module: nn.Module, history_len: int) -> None:
     module._fp8_recorded = [False] * 3
 
 
+def add_expert_history(module: nn.Module, history_len: int) -> None:
+    """Give routed experts (a stacked GroupedExperts, lowp/experts.py) their histories: per
+    local expert and projection (w_gate, w_up, w_down) the three rows of a linear,
+    (E, 3, 3, history_len) float32 zeros, and the pending records, (E, 3, 3)."""
+    experts, device = module.w_gate.shape[0], module.w_gate.device
+    module.register_buffer(BUFFER, torch.zeros(experts, 3, 3, history_len,
+                                               dtype=torch.float32, device=device),
+                           persistent=False)
+    module.register_buffer(PENDING, torch.zeros(experts, 3, 3, dtype=torch.float32,
+                                                device=device), persistent=False)
+    module._fp8_filled = None
+    module._fp8_recorded = [[False] * 3 for _ in range(3 * experts)]
+
+
+def is_experts(module: nn.Module) -> bool:
+    return getattr(module, BUFFER).dim() == 4
+
+
+def expert_state(module: nn.Module, expert: int, projection: int) -> DelayedState:
+    """The state of one local expert's projection (0 gate, 1 up, 2 down): its rows of the
+    module's history and pending record (views), and its host lists."""
+    history = getattr(module, BUFFER)
+    if module._fp8_filled is None:  # one host sync (`_push_experts` says when)
+        module._fp8_filled = ([[True] * 3] * (3 * history.shape[0])
+                              if history.device.type == "meta"
+                              else (history.amax(dim=-1) > 0).reshape(-1, 3).tolist())
+    i = 3 * expert + projection
+    return DelayedState(history[expert, projection], module._fp8_filled[i],
+                        torch.is_grad_enabled(), getattr(module, PENDING)[expert, projection],
+                        module._fp8_recorded[i])
+
+
+def expert_range(module: nn.Module) -> tuple[int, int, int]:
+    """(first, stop, all): this rank's experts among all of them (parallel/expert.py)."""
+    local = getattr(module, BUFFER).shape[0]
+    return getattr(module, "_ep_range", (0, local, local))
+
+
+def history_parts(model: nn.Module) -> dict[str, tuple[tuple, tuple, torch.Tensor]]:
+    """Every amax history of a model by its module's name, as (the logical shape, this
+    rank's offset in it, the local tensor): under expert parallelism a rank holds its
+    experts' rows of the experts' history."""
+    out = {}
+    for name, history in histories(model).items():
+        module = model.get_submodule(name)
+        if history.dim() == 4:
+            first, _, every = expert_range(module)
+            out[name] = ((every, *history.shape[1:]), (first, 0, 0, 0), history)
+        else:
+            out[name] = (tuple(history.shape), (0,) * history.dim(), history)
+    return out
+
+
 def state_of(module: nn.Module) -> DelayedState | None:
     history = getattr(module, BUFFER, None)
     if history is None:
@@ -153,16 +226,26 @@ def forget_filled(model: nn.Module) -> None:
 def end_step(modules: list[nn.Module], reduce_max=None) -> None:
     """Once per optimizer step: every module's pending record, reduced to its maximum over
     the ranks that saw other tokens of the same tensors by `reduce_max` (an in-place
-    all_reduce(max) of one (L, 3) float32 tensor: the trainer's, over dp x cp), pushed into
+    all_reduce(max) of one (L, 3) float32 tensor: the trainer's, over the pipeline stage's
+    dp x cp x tp ranks), pushed into
     its history; the pending records emptied.
     Which rows recorded is host state that every rank of the group shares (they ran the
-    same code), so no rank waits on a value to decide what to push."""
+    same code), so no rank waits on a value to decide what to push; routed experts' rows
+    carry their flags in the reduction instead (`_expert_block`)."""
     modules = [m for m in modules if getattr(m, BUFFER, None) is not None]
-    if not modules:
+    experts = [m for m in modules if is_experts(m)]
+    modules = [m for m in modules if not is_experts(m)]
+    if not modules and not experts:
         return
-    pending = torch.stack([getattr(m, PENDING) for m in modules])  # (L, 3), one copy
+    parts = [torch.stack([getattr(m, PENDING) for m in modules]).reshape(-1)] if modules else []
+    parts += [_expert_block(m) for m in experts]
+    flat = torch.cat(parts) if len(parts) > 1 else parts[0]  # one copy
     if reduce_max is not None:
-        reduce_max(pending)
+        reduce_max(flat)
+    pending = flat[:3 * len(modules)].reshape(-1, 3)
+    start = 3 * len(modules)
+    for m in experts:
+        start = _push_experts(m, flat, start)
     for m, record in zip(modules, pending):
         history, rows = getattr(m, BUFFER), m._fp8_recorded
         if all(rows):
@@ -175,6 +258,50 @@ def end_step(modules: list[nn.Module], reduce_max=None) -> None:
             m._fp8_filled = [f or r for f, r in zip(filled, rows)]
         getattr(m, PENDING).zero_()
         m._fp8_recorded = [False] * 3
+
+
+def _expert_block(module: nn.Module) -> torch.Tensor:
+    """The experts' part of the reduced tensor: for every expert of the layer (not only
+    this rank's: under ep each rank fills its own experts' rows, zeros elsewhere, so one
+    all_reduce(max) over the stage serves the experts and the rest), 3 projections x 3
+    records, then as many flags (1 where this rank recorded). An expert that met no token
+    on a rank records nothing there; the flags' maximum says whether any rank did."""
+    pending = getattr(module, PENDING)
+    first, stop, every = expert_range(module)
+    rows = pending.shape[0] * 9
+    flags = torch.tensor(module._fp8_recorded, dtype=torch.float32).reshape(-1)
+    local = torch.cat([pending.reshape(-1), flags.to(pending.device, non_blocking=True)])
+    if (first, stop) == (0, every):
+        return local
+    block = pending.new_zeros(2, every * 9)
+    block[:, first * 9:stop * 9] = local.view(2, rows)
+    return block.reshape(-1)
+
+
+def _push_experts(module: nn.Module, flat: torch.Tensor, start: int) -> int:
+    """Push each local expert projection's reduced record where any rank recorded it (on
+    the device: no rank waits on the flags); rows no rank recorded keep their history, as
+    on one device, where an expert that met no token in the step casts nothing."""
+    history, pending = getattr(module, BUFFER), getattr(module, PENDING)
+    first, stop, every = expert_range(module)
+    block = flat[start:start + 2 * every * 9].view(2, every, 3, 3)[:, first:stop]
+    record, flag = block[0], block[1] > 0
+    pushed = torch.cat([record.unsqueeze(-1), history[..., :-1]], dim=-1)
+    history.copy_(torch.where(flag.unsqueeze(-1), pushed, history))
+    if module._fp8_filled is not None:
+        # A projection that recorded here recorded the rows every rank's would (which rows
+        # a projection records is the code's, not the tokens': up's x is gate's cast), so
+        # its rows are known on the host. One that met no token here may have been
+        # recorded on another rank: its rows are read again (one host sync, at the next
+        # cast), only then and only until it holds every record.
+        filled, stale = [], False
+        for fs, rs in zip(module._fp8_filled, module._fp8_recorded):
+            filled.append([f or r for f, r in zip(fs, rs)] if any(rs) else fs)
+            stale = stale or not (any(rs) or all(fs))
+        module._fp8_filled = None if stale else filled
+    pending.zero_()
+    module._fp8_recorded = [[False] * 3 for _ in module._fp8_recorded]
+    return start + 2 * every * 9
 
 
 def _fused(t: torch.Tensor) -> bool:

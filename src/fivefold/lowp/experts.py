@@ -12,9 +12,10 @@ groups, as DeepSeek-V3 runs its experts (arXiv 2412.19437 §3.3). Two paths:
     CPU). The activations are saved in FP8: the weight gradient's xᵀ codes, shared by the
     gate and up projections (they read the same x).
   - tensorwise and blockwise: a loop over the experts with the FP8 linear
-    (lowp/linear.py), each expert's weight taken by `unbind` (whose backward is one stack;
-    indexing `w[e]` cost a zero-filled copy of the whole stacked weight per expert and
-    projection in backward). torch has no grouped blockwise FP8 GEMM, so blockwise GEMMs
+    (lowp/linear.py; under delayed scaling each expert's projections with their own amax
+    histories, lowp/delayed.py), each expert's weight taken by `unbind` (whose backward is
+    one stack; indexing `w[e]` cost a zero-filled copy of the whole stacked weight per
+    expert and projection in backward). torch has no grouped blockwise FP8 GEMM, so blockwise GEMMs
     stay per expert; `fp8_grouped_casts` makes its casts once for all tokens instead
     (lowp/experts_blockwise.py; off by default, below says why; docs/fp8.md "FP8 experts").
 
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fivefold.lowp import fused
+from fivefold.lowp import delayed, fused
 from fivefold.lowp.experts_blockwise import blockwise_experts_forward
 from fivefold.lowp.linear import FP8Recipe, fp8_linear
 from fivefold.models.moe import GroupedExperts
@@ -122,6 +123,12 @@ class FP8ExpertsMixin:
     # trace's roofline predicts it slower (docs/fp8.md, "FP8 experts"); the GPU run times both.
     fp8_grouped_casts: bool = False
 
+    def reset_buffers(self) -> None:
+        """Materialising a meta-built model (models/init.py): delayed scaling's histories
+        start empty, in float32, one per local expert and projection (lowp/delayed.py)."""
+        if getattr(self, delayed.BUFFER, None) is not None:
+            delayed.add_expert_history(self, self.fp8_recipe.history_len)
+
     def uses_grouped_fp8(self) -> bool:
         """Rowwise: grouped GEMMs and casts. Blockwise with `fp8_grouped_casts`: grouped
         casts, per-expert GEMMs, where both widths are whole 128-blocks (a stacked weight's
@@ -158,15 +165,20 @@ class FP8ExpertsMixin:
         # ZeRO-3's FP8 all-gather (parallel/zero3_fp8.py): each expert's weights gathered as
         # tensorwise FP8, the codes and scale this loop's casts would make
         gathered = getattr(self, "fp8_experts", None)
+        delayed_on = getattr(self, delayed.BUFFER, None) is not None
         for e, (rows, (w_gate, w_up, w_down)) in enumerate(zip(x.split(sizes), weights)):
-            if rows.shape[0] == 0:  # no tokens: nothing to quantise (an empty amax)
+            if rows.shape[0] == 0:  # no tokens: nothing to quantise (an empty amax), and
+                # under delayed scaling nothing recorded (lowp/delayed.py `_push_experts`)
                 outs.append(rows.new_zeros(0, self.hidden))
                 continue
             gq, uq, dq = ((gathered["w_gate"][e], gathered["w_up"][e], gathered["w_down"][e])
                           if gathered else (None, None, None))
-            h = F.silu(fp8_linear(rows, w_gate, None, r, gq)) * fp8_linear(rows, w_up, None, r,
-                                                                            uq)
-            outs.append(fp8_linear(h, w_down, None, r, dq))
+            # delayed scaling: each expert's projections cast from their own histories
+            sg, su, sd = ((delayed.expert_state(self, e, p) for p in range(3)) if delayed_on
+                          else (None, None, None))
+            h = F.silu(fp8_linear(rows, w_gate, None, r, gq, sg)) * fp8_linear(
+                rows, w_up, None, r, uq, su)
+            outs.append(fp8_linear(h, w_down, None, r, dq, sd))
         return torch.cat(outs) if outs else x.new_zeros(0, self.hidden)
 
 

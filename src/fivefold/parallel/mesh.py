@@ -10,6 +10,9 @@ Megatron-LM uses, with pipeline stages across nodes). Every group is a slice of 
            reduced (and ZeRO shards) over this group
     ep     within dp_cp, consecutive blocks of ep ranks that split the experts
     edp    within dp_cp, ranks holding the same experts (stride ep)
+    stage  ranks differing in dp, cp or tp: one pipeline stage's ranks, which hold the same
+           layers (delayed FP8 scaling reduces its amax records over it, lowp/delayed.py);
+           without pp the world, whose process group it shares
 
 It is built once, from the `[parallel]` config, and passed explicitly; there is no global.
 """
@@ -96,12 +99,15 @@ class ParallelDims:
             ep_rows += [b.tolist() for b in blocks]
             edp_rows += [b.tolist() for b in blocks.t()]
         out["ep"], out["edp"] = ep_rows, edp_rows
+        out["stage"] = [row.tolist() for row in g.reshape(self.pp, -1)]
         return out
 
     def build_groups(self) -> None:
         """Create every process group. All ranks must call this, in the same order."""
         distributed = dist.is_available() and dist.is_initialized()
         for name, rows in self._slices().items():
+            if name == "stage" and self.pp == 1:
+                continue  # the world's ranks: its group, below
             for ranks in rows:
                 timeout = timedelta(seconds=self.timeout_s) if self.timeout_s else None
                 pg = (dist.new_group(ranks, timeout=timeout)
@@ -111,6 +117,9 @@ class ParallelDims:
         self.groups["world"] = Group(
             "world", list(range(self.world_size)),
             dist.group.WORLD if distributed and self.world_size > 1 else None, self.ledger)
+        if self.pp == 1:  # no second communicator over the same ranks
+            world = self.groups["world"]
+            self.groups["stage"] = Group("stage", world.ranks, world.pg, self.ledger)
 
     @classmethod
     def single(cls) -> ParallelDims:

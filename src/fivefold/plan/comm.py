@@ -33,7 +33,7 @@ REGATHER = "saved shards (SP)"  # backward all-gathers that overlap the input-gr
 class Collective:
     """One kind of call a rank makes, with how often per step."""
 
-    group: str  # the engine's group name: dp, dp_cp, tp, pp, cp, ep, edp, pp_embed
+    group: str  # the engine's group name: dp, dp_cp, tp, pp, cp, ep, edp, pp_embed, stage
     op: str  # all_reduce | reduce_scatter | all_gather | send | recv | all_to_all
     dtype_bytes: int
     elements: float  # elements of one call's logical tensor
@@ -176,9 +176,9 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
         embedding = mc.vocab_size * h / lay.tp
         add(dp_group_name(lay), "all_gather", bpp.param, embedding, 2 * m, lay.dp * lay.cp,
             "fwd", "tied embedding for the head")
-    # delayed FP8 scaling (no pp): the step's amax records, one all_reduce(max) over every
-    # rank (plan/fp8.py)
-    add("world", "all_reduce", 4, delayed_amax_records(work, layers), 1,
+    # delayed FP8 scaling: the step's amax records of this rank's layers, one
+    # all_reduce(max) over the stage's dp x cp x tp ranks (plan/fp8.py)
+    add("stage", "all_reduce", 4, delayed_amax_records(work, layers, moe), 1,
         lay.dp * lay.cp * lay.tp, "step", "FP8 amax records (delayed scaling)")
     if lay.zero >= 1:  # the squared norm of the gradient shards, for clipping (float64)
         add(dp_group_name(lay), "all_reduce", 8, 1, 1, lay.dp * lay.cp, "step", "grad norm")

@@ -112,16 +112,23 @@ def fp8_expert_gather_terms(work, layout, elements: float, moe: float) -> tuple[
     return elements, 3 * moe * work.model.num_experts / layout.ep
 
 
-def delayed_amax_records(work, layers: float) -> float:
-    """The fp32 amax records delayed scaling (train.fp8_scaling = delayed, lowp/delayed.py)
-    reduces in its one all_reduce(max) over every rank a step: x, W and ∂y of every FP8
-    linear of the `layers` (q, k, v, o and the MLP's, a tp shard each; delayed scaling runs
-    without pp and routed experts). A train.fp8_keep_out linear records nothing; this still
-    counts it (a few bytes)."""
+def delayed_amax_records(work, layers: float, moe: float = 0) -> float:
+    """The fp32 elements delayed scaling (train.fp8_scaling = delayed, lowp/delayed.py)
+    reduces in its one all_reduce(max) a step over the ranks of one pipeline stage (dp x cp
+    x tp; the `stage` group, every rank without pp), for the rank's `layers` of which `moe`
+    are mixture-of-experts layers (under pp the rank's chunks' layers only, each stage
+    reducing its own): x, W and ∂y of every FP8 linear (q, k, v, o and a dense layer's MLP
+    or a MoE layer's shared expert, a tp shard each) and, per MoE layer, of every routed
+    expert's three projections, each with a flag of whether the rank recorded it (all E
+    experts' even under ep, where a rank fills its own experts' rows: `_expert_block`).
+    A train.fp8_keep_out linear records nothing; this still counts it (a few bytes)."""
     if work.precision != "fp8" or getattr(work, "fp8_scaling", "dynamic") != "delayed":
         return 0.0
-    linears = 4 + (3 if work.model.mlp == "swiglu" else 2)
-    return 3 * linears * layers
+    mc = work.model
+    mlp = 3 if mc.mlp == "swiglu" else 2
+    shared = 3 if mc.num_experts and mc.shared_expert_intermediate_size else 0
+    dense = 3 * (4 * layers + mlp * (layers - moe) + shared * moe)
+    return dense + 2 * 9 * mc.num_experts * moe
 
 
 def expert_cast_bytes(recipe: str, rows: float, experts: float, h: int, inter: int,

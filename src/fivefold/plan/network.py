@@ -38,6 +38,7 @@ from fivefold.plan.hardware import (
 )
 from fivefold.plan.layout import Layout, log2_ceil
 
+STAGE_DIMS = ("dp", "cp", "tp")  # the `stage` group: the ranks of one pipeline stage
 DP_GROUPS = ("dp", "dp_cp", "edp", "pp_embed")  # bucketed: reduced in bucket-sized calls
 # A tree all-reduce's bus bandwidth against the ring's: NCCL's model takes 0.9 of it
 # (src/graph/tuning.cc: `busBw*.9` for the tree algorithm).
@@ -48,11 +49,13 @@ def group_shape(layout: Layout, group: str) -> tuple[int, int]:
     """(size, stride) of a group in the rank grid, ranks placed in `layout.rank_order`
     (tp fastest, then cp, dp, pp for the engine; Layout.stride). EP groups are carved from cp
     first, then dp. dp × cp spans the farther of the two dimensions; its members sit the
-    nearer one's stride apart. pp: two neighbours one pp step apart. world: every rank
-    (delayed FP8 scaling's amax records, whose runs have no pp)."""
+    nearer one's stride apart. pp: two neighbours one pp step apart. stage: one pipeline
+    stage's dp × cp × tp ranks (delayed FP8 scaling's amax records), its nearest
+    dimension's stride apart."""
     lay = layout
-    if group == "world":
-        return lay.dp * lay.cp * lay.tp * lay.pp, 1
+    if group == "stage":
+        return lay.dp * lay.cp * lay.tp, min([lay.stride(d) for d in STAGE_DIMS
+                                              if getattr(lay, d) > 1] or [1])
     if group == "tp":
         return lay.tp, lay.stride("tp")
     if group == "cp":
@@ -73,9 +76,10 @@ def group_span(hw: Hardware, layout: Layout, group: str) -> int:
     anywhere in a node stays inside it only when that many ranks do); dp × cp from its
     first rank to the end of its farther dimension."""
     lay = layout
-    if group in ("dp", "dp_cp", "edp") or (group == "ep" and lay.ep > lay.cp):
-        return max(lay.stride("dp") * lay.dp if lay.dp > 1 else 1,
-                   lay.stride("cp") * lay.cp if lay.cp > 1 else 1)
+    if group in ("dp", "dp_cp", "edp", "stage") or (group == "ep" and lay.ep > lay.cp):
+        dims = STAGE_DIMS if group == "stage" else ("dp", "cp")
+        return max(lay.stride(d) * getattr(lay, d) if getattr(lay, d) > 1 else 1
+                   for d in dims)
     size, stride = group_shape(layout, group)
     return size * stride
 

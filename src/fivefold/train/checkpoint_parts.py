@@ -47,12 +47,19 @@ def logical_tensors(trainer) -> dict[str, torch.Tensor]:
 
 
 def fp8_histories(trainer) -> dict[str, torch.Tensor]:
-    """Delayed FP8 scaling's amax histories (lowp/delayed.py), training state: one model
-    chunk (delayed scaling runs without pipeline stages, config/fp8.py)."""
-    from fivefold.lowp.delayed import histories
+    """Delayed FP8 scaling's amax histories (lowp/delayed.py), training state: those of
+    this rank's model chunks, under the unsplit model's module names (so any pp layout
+    reads any other's); routed experts': this rank's experts' rows."""
+    return {key: h for key, (_, _, h) in fp8_history_parts(trainer).items()}
 
-    return {f"fp8/{name}.amax_history": h for chunk in trainer.model.chunks
-            for name, h in histories(chunk).items()}
+
+def fp8_history_parts(trainer) -> dict[str, tuple[tuple, tuple, torch.Tensor]]:
+    """(logical shape, this rank's offset, local tensor) of every amax history: under
+    expert parallelism an experts' history is cut along its experts as their weights are."""
+    from fivefold.lowp.delayed import history_parts
+
+    return {f"fp8/{name}.amax_history": part for chunk in trainer.model.chunks
+            for name, part in history_parts(chunk).items()}
 
 
 def checkpoint_parts(trainer, load: bool = False, convert_from: str | None = None
@@ -89,8 +96,8 @@ def checkpoint_parts(trainer, load: bool = False, convert_from: str | None = Non
         for name, bias in trainer.moe.expert_biases().items():
             out[f"buffer/{name}"] = ckpt.Chunked(tuple(bias.shape),
                                                  [((0,) * bias.dim(), bias.detach())])
-    for key, history in fp8_histories(trainer).items():  # loaded in place
-        out[key] = ckpt.Chunked(tuple(history.shape), [((0, 0), history)])
+    for key, (shape, offset, history) in fp8_history_parts(trainer).items():  # in place
+        out[key] = ckpt.Chunked(shape, [(offset, history)])
     return out
 
 

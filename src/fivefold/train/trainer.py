@@ -211,10 +211,11 @@ class Trainer:
         return shard_batch(micro_batches, self.cfg.parallel.cp_layout, self.dims["cp"])
 
     def _amax_max(self, records: torch.Tensor) -> None:
-        """Delayed FP8 scaling's records: one all_reduce(max) over every rank (delayed
-        scaling runs without pp): dp and cp ranks saw other tokens of the same tensors, tp
-        ranks other slices of them (Transformer Engine's amax reduction group)."""
-        group = self.dims["world"]
+        """Delayed FP8 scaling's records: one all_reduce(max) over this pipeline stage's
+        ranks (`stage`: every rank without pp): dp and cp ranks saw other tokens of the same
+        tensors, tp ranks other slices of them (Transformer Engine's amax reduction group);
+        other stages hold other layers, with records of their own (lowp/delayed.py)."""
+        group = self.dims["stage"]
         if group.size > 1:
             comm.all_reduce(records, group, op="max")
 
