@@ -37,8 +37,8 @@ gathered weight's row holds a record `refresh_scales` needs no all-reduce: the g
 with the history's multiplier, the bytes the linear's own delayed cast of the whole weight
 writes. Each rank's amax of its piece of W goes with the gathered weight (`GatheredWeight.
 record`) and the linear folds it into its pending W record (lowp/delayed.py
-`record_gathered`); the step's one all_reduce(max) of every record (`end_step`, over all
-ranks) makes it the whole weight's amax, the record the linear folds without the gather.
+`record_gathered`); the step's one all_reduce(max) of every record (`end_step`, over the
+pipeline stage's ranks: the mesh's `stage` group) makes it the whole weight's amax, the record the linear folds without the gather.
 On a step where a weight's row has no record yet (the first), its scale is its own amax,
 as delayed scaling's first step is dynamic: the one all-reduce of amaxes above gives it.
 The input gradient's Wᵀ is the gathered codes transposed, as under dynamic scaling.
@@ -49,8 +49,8 @@ one all-reduce and its own scale, the tensorwise cast the loop's FP8 linear make
 `finish` hands the module `fp8_experts` ({"w_gate": [one GatheredWeight per expert], ...}),
 whose codes the loop's GEMMs take. Under expert parallelism the experts' weights live in
 the expert-data-parallel group's own ZeRO-3 (parallel/expert_optim.py), whose gatherer does
-the same over edp. Delayed scaling refuses routed experts (config/fp8.py), so their scales
-are always the all-reduced amaxes.
+the same over edp. Delayed scaling with routed experts and this gather is refused
+(config/fp8.py), so the experts' scales here are always the all-reduced amaxes.
 
 Only tensorwise: one scale per weight makes a shard's cast independent of where the shard
 cuts the weight. Rowwise scales the weight along K for the forward GEMM and along N for
