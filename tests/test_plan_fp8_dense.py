@@ -25,6 +25,7 @@ import torch
 from fivefold.lowp.linear import fp8_linear
 from fivefold.numerics.fp8_cast import MAX_PARTIALS
 from fivefold.plan.fp8 import linear_cast_bytes
+from fivefold.plan.fp8_linears import uniform_fp8_linears
 from fivefold.trace import trace_callable
 from tests.test_fp8_trace import recipe_of
 
@@ -94,7 +95,8 @@ def test_dense_casts_enter_the_predicted_step():
     rc, b, hbm = {}, {}, None
     for name in ("tensorwise", "rowwise", "rowwise_gw_hp"):
         rc[name], work, layout, hbm, ratio = _compute(name)
-        b[name] = rank_dense_cast_bytes(work, layout, 4096, model_layers, 0)
+        b[name] = rank_dense_cast_bytes(work, layout, 4096,
+                                        uniform_fp8_linears(work.model, model_layers, 0))
         assert b[name][0] > 0 and b[name][1] > 0
     gemm = rc["rowwise"].gemm_fwd
     for name, extra in (("tensorwise", 0.0), ("rowwise_gw_hp", gemm * (ratio - 1))):
@@ -123,7 +125,8 @@ def test_recompute_casts_the_forward_again(recompute):
     d = {}
     for name in ("tensorwise", "rowwise"):
         rc, work, layout, hbm, _ = _compute(name, recompute)
-        d[name] = (rc, rank_dense_cast_bytes(work, layout, 4096, 32, 0))
+        d[name] = (rc, rank_dense_cast_bytes(work, layout, 4096,
+                                             uniform_fp8_linears(work.model, 32, 0)))
     got = d["tensorwise"][0].backward - d["rowwise"][0].backward
     (tf, tb), (rf, rb) = d["tensorwise"][1], d["rowwise"][1]
     assert got == pytest.approx((tb - rb + share * (tf - rf)) / hbm, rel=1e-9)
@@ -164,6 +167,6 @@ def test_planned_layer_cast_bytes_match_a_traced_block(name):
 
     got = non_gemm_bytes(recipe_of(name)[0]) - non_gemm_bytes(None)
     work = Workload(model=cfg, seq_len=s, gbs=b, precision="fp8", fp8_recipe=name)
-    planned = sum(rank_dense_cast_bytes(work, Layout(), b * s, 1, 0))
+    planned = sum(rank_dense_cast_bytes(work, Layout(), b * s, uniform_fp8_linears(cfg, 1, 0)))
     slack = 2 * 4 * MAX_PARTIALS * {"tensorwise": 25, "rowwise_gw_hp": 7}.get(name, 0)
     assert 0 <= got - planned <= slack, (name, got, planned)

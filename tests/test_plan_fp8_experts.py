@@ -23,6 +23,7 @@ from fivefold.lowp.linear import FP8Recipe
 from fivefold.models.moe import GroupedExperts
 from fivefold.models.presets import preset
 from fivefold.plan.fp8 import expert_cast_bytes, rank_dense_cast_bytes
+from fivefold.plan.fp8_linears import uniform_fp8_linears
 from fivefold.plan.hardware import get_hardware
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.timing import rank_compute
@@ -91,8 +92,8 @@ def test_expert_casts_enter_the_predicted_step():
     for name in ("tensorwise", "rowwise"):
         work = Workload(model=model, seq_len=4096, gbs=64, precision="fp8", fp8_recipe=name)
         per[name] = rank_compute(work, layout, hw, assume, 0)
-        dense[name] = rank_dense_cast_bytes(work, layout, 4096, model.num_layers,
-                                            model.num_moe_layers)
+        dense[name] = rank_dense_cast_bytes(work, layout, 4096, uniform_fp8_linears(
+            model, model.num_layers, model.num_moe_layers))
     rows = 4096 * model.experts_top_k
     moe = model.num_moe_layers
     hbm = hw.hbm_tbps * 1e12 * assume.hbm_efficiency / (1 + assume.compute_overhead)

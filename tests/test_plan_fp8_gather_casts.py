@@ -110,6 +110,7 @@ def test_fp8_allgather_casts_enter_the_predicted_step():
     difference at the HBM rate (the weights' casts out; the gathers and Wᵀ copies in)."""
     from fivefold.models.presets import preset
     from fivefold.plan.fp8 import fp8_gather_terms, rank_dense_cast_bytes
+    from fivefold.plan.fp8_linears import uniform_fp8_linears
     from fivefold.plan.hardware import get_hardware
     from fivefold.plan.layout import Layout, Workload
     from fivefold.plan.timing import rank_compute
@@ -122,8 +123,8 @@ def test_fp8_allgather_casts_enter_the_predicted_step():
         work = Workload(model=preset("llama-3.1-8b"), seq_len=4096, gbs=64, precision="fp8",
                         fp8_recipe="tensorwise", fp8_allgather=on)
         rc[on] = rank_compute(work, layout, hw, assume, 0)
-        cast[on] = rank_dense_cast_bytes(work, layout, 4096, 32, 0)
-    elements = fp8_gather_terms(work, layout, 32, 0, 4)[0]
+        cast[on] = rank_dense_cast_bytes(work, layout, 4096, uniform_fp8_linears(work.model, 32, 0))
+    elements = fp8_gather_terms(work, layout, uniform_fp8_linears(work.model, 32, 0), 4)[0]
     gathered = gather_bytes(elements, 4, 2)
     assert cast[True][0] < cast[False][0]  # no weight cast in the linears' forward
     for i, phase in enumerate(("forward", "backward")):

@@ -25,8 +25,9 @@ anywhere in its weights), which this does not count: well under 1% of a unit at 
 Their scales come from one all_reduce(max) of fp32 amaxes per step, one per weight; under
 delayed scaling (train.fp8_scaling = delayed) from the weights' amax histories, with no
 all-reduce of their own after the first step (their records ride in delayed scaling's one
-all-reduce, `delayed_amax_records`). A train.fp8_keep_out linear gathers in bf16; this still
-counts it at 1 byte.
+all-reduce, `delayed_amax_records`). A train.fp8_keep_out linear is no FP8 linear to any
+term here: the terms take the rank's counts of FP8 linears (plan/fp8_linears.py), so it
+gathers in bf16, casts nothing and records no amax.
 
 Time: the fused cast kernels' HBM bytes (read + written), which plan/timing.py adds to a
 micro-batch at the HBM rate: the dense linears' (`cast_bytes` per operand,
@@ -39,6 +40,8 @@ of the weights' casts (`rank_gather_cast_bytes`; tests/test_plan_fp8_gather_cast
 from __future__ import annotations
 
 import math
+
+from fivefold.plan.fp8_linears import FP8Linears
 
 FP8_BYTES = 1
 SCALE_BYTES = 4
@@ -77,25 +80,25 @@ def _fp8_gather_on(work, layout) -> bool:
     return bool(work.fp8_allgather and work.precision == "fp8" and layout.zero == 3)
 
 
-def fp8_gather_terms(work, layout, dense: float, moe: float, kv_heads: int
+def fp8_gather_terms(work, layout, linears: FP8Linears, kv_heads: int
                      ) -> tuple[float, float]:
     """(elements, weights) of this rank's FP8-linear weights that ZeRO-3 gathers in FP8 with
-    parallel.fp8_allgather, over `dense` dense and `moe` MoE layers on this pipeline rank;
-    `kv_heads`: the k/v heads one tp rank holds. Every layer's q, k, v and o (over tp), a dense
-    layer's MLP linears (over tp) and a MoE layer's shared expert (whole on every tp rank, as
-    its block runs: plan/model_states.py). Not the routed experts (`fp8_expert_gather_terms`),
-    the router, the shared expert's gate, the head, norms or embedding. The weights count the
-    fp32 amaxes of the step's one all_reduce(max) that sets their scales."""
-    mc = work.model
+    parallel.fp8_allgather, `linears`: the FP8 linears of the rank's layers
+    (plan/fp8_linears.py); `kv_heads`: the k/v heads one tp rank holds. q, k, v and o (over
+    tp), a dense layer's MLP linears (over tp) and a MoE layer's shared expert (whole on
+    every tp rank, as its block runs: plan/model_states.py). Not the routed experts
+    (`fp8_expert_gather_terms`), the router, the shared expert's gate, the head, norms,
+    embedding or a kept-out linear. The weights count the fp32 amaxes of the step's one
+    all_reduce(max) that sets their scales."""
+    mc, n = work.model, linears
     if not _fp8_gather_on(work, layout):
         return 0.0, 0.0
     h, d, t = mc.hidden_size, mc.dim_per_head, layout.tp
-    attn = 2 * h * mc.num_heads * d / t + 2 * h * kv_heads * d  # q, o; k, v
-    linears = 3 if mc.mlp == "swiglu" else 2
-    mlp = linears * h * mc.intermediate_size / t
-    shared = mc.shared_expert_intermediate_size if mc.num_experts else 0
-    elements = (dense + moe) * attn + dense * mlp + moe * linears * h * shared
-    weights = 4 * (dense + moe) + linears * (dense + (moe if shared else 0))
+    elements = (h * mc.num_heads * d / t * (n.q + n.o) + h * kv_heads * d * (n.k + n.v)
+                + h * mc.intermediate_size / t * (n.gate + n.up + n.down)
+                + h * mc.shared_expert_intermediate_size * (n.shared_gate + n.shared_up
+                                                            + n.shared_down))
+    weights = n.linears
     if getattr(work, "fp8_scaling", "dynamic") == "delayed":
         weights = 0.0  # scales from the amax histories: no all-reduce after the first step
     return elements, weights
@@ -112,16 +115,14 @@ def fp8_expert_gather_terms(work, layout, elements: float, moe: float) -> tuple[
     return elements, 3 * moe * work.model.num_experts / layout.ep
 
 
-def delayed_amax_records(work, layers: float) -> float:
+def delayed_amax_records(work, linears: float) -> float:
     """The fp32 amax records delayed scaling (train.fp8_scaling = delayed, lowp/delayed.py)
-    reduces in its one all_reduce(max) over every rank a step: x, W and ∂y of every FP8
-    linear of the `layers` (q, k, v, o and the MLP's, a tp shard each; delayed scaling runs
-    without pp and routed experts). A train.fp8_keep_out linear records nothing; this still
-    counts it (a few bytes)."""
+    reduces in its one all_reduce(max) over every rank a step: x, W and ∂y of each of the
+    `linears` FP8 linears (q, k, v, o and the MLP's, a tp shard each, not kept out:
+    plan/fp8_linears.py; delayed scaling runs without pp and routed experts)."""
     if work.precision != "fp8" or getattr(work, "fp8_scaling", "dynamic") != "delayed":
         return 0.0
-    linears = 4 + (3 if work.model.mlp == "swiglu" else 2)
-    return 3 * linears * layers
+    return 3 * linears
 
 
 def expert_cast_bytes(recipe: str, rows: float, experts: float, h: int, inter: int,
@@ -311,43 +312,58 @@ def mlp_cast_bytes(recipe: str, tokens: float, h: int, f: float, swiglu: bool,
                                [f] * up + [h], dtype_bytes, scaling, gathered)
 
 
-def rank_dense_cast_bytes(work, layout, tokens: float, layers: float, moe: float
+def rank_dense_cast_bytes(work, layout, tokens: float, linears: FP8Linears
                           ) -> tuple[float, float]:
     """(forward, backward) bytes of the dense FP8 linears' casts of one micro-batch of
-    `tokens` on a pipeline rank of `layers` layers, `moe` of them MoE: every layer's
+    `tokens` on a pipeline rank whose layers hold `linears` (plan/fp8_linears.py): the
     attention linears and a dense layer's MLP (over tp), a MoE layer's shared expert
-    (whole, as its block runs). The routed experts are `expert_cast_bytes`'. A
-    train.fp8_keep_out linear still counts; delayed scaling at its steady state (its first
-    step adds an amax pass per operand). Under parallel.fp8_allgather the weights' casts
-    are their FP8 gathers' instead (`rank_gather_cast_bytes`), and their backward's Wᵀ a
-    copy of the gathered codes."""
+    (whole, as its block runs), each one's weight and ∂y, and the inputs they share cast
+    once (q, k and v's if any of them is FP8, gate and up's likewise, o's and down's own).
+    A train.fp8_keep_out linear casts nothing. The routed experts are `expert_cast_bytes`'.
+    Delayed scaling at its steady state (its first step adds an amax pass per operand).
+    Under parallel.fp8_allgather the weights' casts are their FP8 gathers' instead
+    (`rank_gather_cast_bytes`), and their backward's Wᵀ a copy of the gathered codes."""
     if work.precision != "fp8":
         return 0.0, 0.0
-    mc, t, b = work.model, layout.tp, work.dtype_bytes
+    mc, t, b, n = work.model, layout.tp, work.dtype_bytes, linears
     recipe, scaling = work.fp8_recipe, getattr(work, "fp8_scaling", "dynamic")
     h, d = mc.hidden_size, mc.dim_per_head
-    swiglu, g = mc.mlp == "swiglu", fp8_gathers(work, layout) != (0.0, 0.0)
-    attn = attention_cast_bytes(recipe, tokens, h, mc.num_heads * d / t,
-                                mc.num_kv_heads * d / t, b, scaling, g)
-    dense = mlp_cast_bytes(recipe, tokens, h, mc.intermediate_size / t, swiglu, b, scaling, g)
-    shared_f = mc.shared_expert_intermediate_size if mc.num_experts else 0
-    shared = (mlp_cast_bytes(recipe, tokens, h, shared_f, swiglu, b, scaling, g) if shared_f
-              else (0.0, 0.0))
-    return tuple(layers * a + (layers - moe) * m + moe * s
-                 for a, m, s in zip(attn, dense, shared))
+    q, kv, f = mc.num_heads * d / t, mc.num_kv_heads * d / t, mc.intermediate_size / t
+    fs = mc.shared_expert_intermediate_size
+    g = fp8_gathers(work, layout) != (0.0, 0.0)
+
+    def linear(count, out, inp):  # one kind of linear (out, inp): its W and its ∂y
+        return _scaled(count, _linears_cast_bytes(recipe, tokens, [(out, inp)], [], [out], b,
+                                                  scaling, g))
+
+    def inputs(count, channels):  # an input cast once for the linears that read it
+        return _scaled(count, _linears_cast_bytes(recipe, tokens, [], [channels], [], b,
+                                                  scaling, g))
+
+    parts = [linear(n.q, q, h), linear(n.k, kv, h), linear(n.v, kv, h), linear(n.o, h, q),
+             inputs(n.qkv_input, h), inputs(n.o, q),
+             linear(n.gate, f, h), linear(n.up, f, h), linear(n.down, h, f),
+             inputs(n.mlp_input, h), inputs(n.down, f),
+             linear(n.shared_gate, fs, h), linear(n.shared_up, fs, h),
+             linear(n.shared_down, h, fs), inputs(n.shared_input, h), inputs(n.shared_down, fs)]
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
 
-def rank_gather_cast_bytes(work, layout, layers: float, moe: float, kv_heads: int,
+def _scaled(count: float, pair: tuple[float, float]) -> tuple[float, float]:
+    return (count * pair[0], count * pair[1]) if count else (0.0, 0.0)
+
+
+def rank_gather_cast_bytes(work, layout, linears: FP8Linears, kv_heads: int,
                            expert_elements: float) -> tuple[float, float]:
     """(forward, backward) bytes per micro-batch of ZeRO-3's FP8 gathers (`gather_bytes`,
-    `fp8_gathers`) on a pipeline rank of `layers` layers, `moe` of them MoE: the FP8
-    linears' weights (`fp8_gather_terms`, sharded over dp·cp) and the routed experts'
-    `expert_elements` (over dp·cp/ep: the edp group's ZeRO-3)."""
+    `fp8_gathers`) on a pipeline rank whose layers hold `linears` (plan/fp8_linears.py):
+    the FP8 linears' weights (`fp8_gather_terms`, sharded over dp·cp) and the FP8 routed
+    experts' `expert_elements` (over dp·cp/ep: the edp group's ZeRO-3)."""
     gathers = fp8_gathers(work, layout)
     if gathers == (0.0, 0.0):
         return 0.0, 0.0
     b, shards = work.dtype_bytes, layout.dp * layout.cp
-    dense = fp8_gather_terms(work, layout, layers - moe, moe, kv_heads)[0]
-    experts = fp8_expert_gather_terms(work, layout, expert_elements, moe)[0]
+    dense = fp8_gather_terms(work, layout, linears, kv_heads)[0]
+    experts = fp8_expert_gather_terms(work, layout, expert_elements, linears.experts)[0]
     one = gather_bytes(dense, shards, b) + gather_bytes(experts, shards / layout.ep, b)
     return gathers[0] * one, gathers[1] * one
