@@ -61,18 +61,26 @@ def saved_input(recipe: str, tokens: float, channels: float) -> float:
 
 
 def apply_fp8_terms(terms: dict[str, float], *, recipe: str, tokens: float, h: int, q: float,
-                    f: float, dtype_bytes: int, swiglu: bool, qkv_tokens: float) -> None:
+                    f: float, dtype_bytes: int, swiglu: bool, qkv_tokens: float,
+                    linears: FP8Linears | None = None) -> None:
     """Rewrite a dense layer's recompute = none terms (plan/activations.py) in place.
     `qkv_tokens`: the rows of the column linears' saved input (all T under SP).
     rowwise_gw_hp saves its input in the compute dtype, as bf16 does (its weight gradient
-    is a bf16 GEMM of that input): the terms stay as they are."""
+    is a bf16 GEMM of that input): the terms stay as they are. `linears`: the layer's FP8
+    linears (plan/fp8_linears.py; None: all): a train.fp8_keep_out linear saves its input
+    as bf16 does, beside the FP8 copy where another reader of that input is FP8."""
     if recipe == "rowwise_gw_hp":
         return
-    terms["qkv_input"] = saved_input(recipe, qkv_tokens, h)
-    terms["mlp_input"] = saved_input(recipe, qkv_tokens, h)
-    terms["attn_out"] = saved_input(recipe, tokens, q)
+    n = linears or FP8Linears(1, 1, 1, 1, 1, int(swiglu), 1, 1, 1)
+    up = 2 if swiglu else 1
+    for term, fp8, bf16 in (("qkv_input", n.qkv_input, n.q + n.k + n.v < 3),
+                            ("mlp_input", n.mlp_input, n.gate + n.up < up)):
+        terms[term] = ((terms[term] if bf16 else 0.0)
+                       + (saved_input(recipe, qkv_tokens, h) if fp8 else 0.0))
+    if n.o:
+        terms["attn_out"] = saved_input(recipe, tokens, q)
     product = tokens * f * dtype_bytes
-    if swiglu:
+    if swiglu and n.down:
         terms["mlp_hidden"] += saved_input(recipe, tokens, f) - product
 
 
