@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fivefold.plan.activations import kv_heads_per_rank
 from fivefold.plan.fp8 import fp8_expert_gather_terms, fp8_gather_terms
-from fivefold.plan.fp8_linears import layers_fp8_linears
+from fivefold.plan.fp8_linears import layer_fp8_linears, layer_kinds
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.model_states import bytes_per_param, layer_param_counts, rank_param_counts
 from fivefold.plan.placement import chunk_layer_counts, num_chunks, rank_chunks
@@ -147,13 +147,15 @@ def fp8_gather_buffers(work: Workload, layout: Layout, per_layer: float):
     experts = layer_param_counts(mc, layout.tp, layout.ep)["expert"] if mc.num_experts else 0
     param = bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes).param
 
-    def fp8(i: int) -> float:  # layer i's weight elements gathered in FP8
-        linears = layers_fp8_linears(work, i, i + 1)
-        return (fp8_gather_terms(work, layout, linears, kv)[0] + fp8_expert_gather_terms(
-            work, layout, experts * linears.experts, linears.experts)[0])
+    # each layer's weight elements gathered in FP8, from its kind's (its FP8 linears)
+    kinds = {linears: (fp8_gather_terms(work, layout, linears, kv)[0]
+                       + fp8_expert_gather_terms(work, layout, experts * linears.experts,
+                                                 linears.experts)[0])
+             for linears, _ in layer_kinds(work, 0, mc.num_layers)}
+    fp8 = [kinds[layer_fp8_linears(work, i)] for i in range(mc.num_layers)]
 
     def held(in_use: int, prefetched: int | None = None) -> float:
-        codes = per_layer if fp8(in_use) else 0.0
-        f = fp8(prefetched) if prefetched is not None else 0.0
+        codes = per_layer if fp8[in_use] else 0.0
+        f = fp8[prefetched] if prefetched is not None else 0.0
         return codes + ((shards + 1) / shards * (f + param * (per_layer - f)) if f else 0.0)
     return held

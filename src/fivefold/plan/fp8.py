@@ -39,6 +39,7 @@ of the weights' casts (`rank_gather_cast_bytes`; tests/test_plan_fp8_gather_cast
 
 from __future__ import annotations
 
+import functools
 import math
 
 from fivefold.plan.fp8_linears import FP8Linears
@@ -333,32 +334,34 @@ def rank_dense_cast_bytes(work, layout, tokens: float, linears: FP8Linears
     (`rank_gather_cast_bytes`), and their backward's Wᵀ a copy of the gathered codes."""
     if work.precision != "fp8":
         return 0.0, 0.0
-    mc, t, b, n = work.model, layout.tp, work.dtype_bytes, linears
-    recipe, scaling = work.fp8_recipe, getattr(work, "fp8_scaling", "dynamic")
-    h, d = mc.hidden_size, mc.dim_per_head
-    q, kv, f = mc.num_heads * d / t, mc.num_kv_heads * d / t, mc.intermediate_size / t
-    fs = mc.shared_expert_intermediate_size
-    g = fp8_gathers(work, layout) != (0.0, 0.0)
-
-    def linear(count, out, inp):  # one kind of linear (out, inp): its W and its ∂y
-        return _scaled(count, _linears_cast_bytes(recipe, tokens, [(out, inp)], [], [out], b,
-                                                  scaling, g))
-
-    def inputs(count, channels):  # an input cast once for the linears that read it
-        return _scaled(count, _linears_cast_bytes(recipe, tokens, [], [channels], [], b,
-                                                  scaling, g))
-
-    parts = [linear(n.q, q, h), linear(n.k, kv, h), linear(n.v, kv, h), linear(n.o, h, q),
-             inputs(n.qkv_input, h), inputs(n.o, q),
-             linear(n.gate, f, h), linear(n.up, f, h), linear(n.down, h, f),
-             inputs(n.mlp_input, h), inputs(n.down, f),
-             linear(n.shared_gate, fs, h), linear(n.shared_up, fs, h),
-             linear(n.shared_down, h, fs), inputs(n.shared_input, h), inputs(n.shared_down, fs)]
-    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+    mc, t, n = work.model, layout.tp, linears
+    d = mc.dim_per_head
+    table = _kind_cast_bytes(work.fp8_recipe, getattr(work, "fp8_scaling", "dynamic"), tokens,
+                             mc.hidden_size, mc.num_heads * d / t, mc.num_kv_heads * d / t,
+                             mc.intermediate_size / t, mc.shared_expert_intermediate_size,
+                             work.dtype_bytes, fp8_gathers(work, layout) != (0.0, 0.0))
+    counts = (n.q, n.k, n.v, n.o, n.qkv_input, n.o, n.gate, n.up, n.down, n.mlp_input, n.down,
+              n.shared_gate, n.shared_up, n.shared_down, n.shared_input, n.shared_down)
+    return (sum(c * fwd for c, (fwd, _) in zip(counts, table) if c),
+            sum(c * bwd for c, (_, bwd) in zip(counts, table) if c))
 
 
-def _scaled(count: float, pair: tuple[float, float]) -> tuple[float, float]:
-    return (count * pair[0], count * pair[1]) if count else (0.0, 0.0)
+@functools.lru_cache(maxsize=4096)
+def _kind_cast_bytes(recipe: str, scaling: str, tokens: float, h: int, q: float, kv: float,
+                     f: float, fs: float, b: int, g: bool) -> tuple:
+    """(forward, backward) cast bytes of one linear of each kind (its W and ∂y: q, k, v, o,
+    gate, up, down, the shared expert's three) and of each input cast once for the linears
+    reading it (q, k and v's; o's; gate and up's; down's; the shared expert's two), in
+    `rank_dense_cast_bytes`' order."""
+    def linear(out, inp):
+        return _linears_cast_bytes(recipe, tokens, [(out, inp)], [], [out], b, scaling, g)
+
+    def inputs(channels):
+        return _linears_cast_bytes(recipe, tokens, [], [channels], [], b, scaling, g)
+
+    return (linear(q, h), linear(kv, h), linear(kv, h), linear(h, q), inputs(h), inputs(q),
+            linear(f, h), linear(f, h), linear(h, f), inputs(h), inputs(f),
+            linear(fs, h), linear(fs, h), linear(h, fs), inputs(h), inputs(fs))
 
 
 def rank_gather_cast_bytes(work, layout, linears: FP8Linears, kv_heads: int,

@@ -21,7 +21,7 @@ tests/test_plan_fp8_keep_out.py holds the names to `convert_to_fp8` on built mod
 from __future__ import annotations
 
 import functools
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass
 
 from fivefold.config.fp8 import (
     ALWAYS_KEPT_OUT,
@@ -59,11 +59,14 @@ class FP8Linears:
     shared_input: float = 0
     experts: float = 0
 
+    def counts(self) -> tuple[float, ...]:
+        return tuple(self.__dict__.values())  # the fields, in order (astuple deep-copies)
+
     def __add__(self, other: FP8Linears) -> FP8Linears:
-        return FP8Linears(*(a + b for a, b in zip(astuple(self), astuple(other))))
+        return FP8Linears(*(a + b for a, b in zip(self.counts(), other.counts())))
 
     def __sub__(self, other: FP8Linears) -> FP8Linears:
-        return FP8Linears(*(a - b for a, b in zip(astuple(self), astuple(other))))
+        return FP8Linears(*(a - b for a, b in zip(self.counts(), other.counts())))
 
     @property
     def linears(self) -> float:
@@ -131,16 +134,42 @@ def _model_key(mc: ModelConfig) -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def _prefix_counts(key: tuple, keep_out: str) -> tuple[FP8Linears, ...]:
-    """Running sums of the layers' counts: entry j sums layers 0..j-1."""
+def _per_layer(key: tuple, keep_out: str) -> tuple[FP8Linears, ...]:
     layers, experts, first_dense, freq, shared, gate, mlp = key
     mc = ModelConfig(num_layers=layers, num_experts=experts, moe_first_dense=first_dense,
                      moe_layer_freq=freq, shared_expert_intermediate_size=shared,
                      shared_expert_gate=gate, mlp=mlp)
+    return tuple(_layer_counts(mc, names, i)
+                 for i, names in enumerate(fp8_linear_names(mc, keep_out)))
+
+
+@functools.lru_cache(maxsize=256)
+def _prefix_counts(key: tuple, keep_out: str) -> tuple[FP8Linears, ...]:
+    """Running sums of the layers' counts: entry j sums layers 0..j-1."""
     out = [NONE]
-    for i, names in enumerate(fp8_linear_names(mc, keep_out)):
-        out.append(out[-1] + _layer_counts(mc, names, i))
+    for layer in _per_layer(key, keep_out):
+        out.append(out[-1] + layer)
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=65536)
+def _kinds(key: tuple, keep_out: str, first: int, stop: int) -> tuple:
+    kinds: dict = {}
+    for layer in _per_layer(key, keep_out)[first:stop]:
+        kinds[layer] = kinds.get(layer, 0) + 1
+    return tuple(kinds.items())
+
+
+def layer_fp8_linears(work, i: int) -> FP8Linears:
+    """The FP8 linears of layer i (none unless precision = fp8)."""
+    if work.precision != "fp8":
+        return NONE
+    return _per_layer(_model_key(work.model), getattr(work, "fp8_keep_out", ""))[i]
+
+
+def layer_kinds(work, first: int, stop: int) -> tuple[tuple[FP8Linears, int], ...]:
+    """Layers first..stop-1 grouped by their FP8 linears: (linears, how many layers)."""
+    return _kinds(_model_key(work.model), getattr(work, "fp8_keep_out", ""), first, stop)
 
 
 def layers_fp8_linears(work, first: int, stop: int) -> FP8Linears:
@@ -156,10 +185,16 @@ def rank_fp8_linears(work, layout, rank: int) -> FP8Linears:
     if work.precision != "fp8":
         return NONE
     counts = chunk_layer_counts(work.model, layout)
+    spans = tuple((sum(counts[:c]), sum(counts[:c + 1])) for c in rank_chunks(layout, rank))
+    return _spans_counts(_model_key(work.model), getattr(work, "fp8_keep_out", ""), spans)
+
+
+@functools.lru_cache(maxsize=65536)
+def _spans_counts(key: tuple, keep_out: str, spans: tuple) -> FP8Linears:
+    prefix = _prefix_counts(key, keep_out)
     total = NONE
-    for c in rank_chunks(layout, rank):
-        start = sum(counts[:c])
-        total = total + layers_fp8_linears(work, start, start + counts[c])
+    for first, stop in spans:
+        total = total + (prefix[stop] - prefix[first])
     return total
 
 
@@ -185,6 +220,3 @@ def fp8_gemm_flops(mc: ModelConfig, linears: FP8Linears, tp: int) -> tuple[float
                      + linears.experts * mc.experts_top_k * 3 * mc.moe_intermediate_size)
     return split, whole
 
-
-def fields_of(linears: FP8Linears) -> dict[str, float]:
-    return {f.name: getattr(linears, f.name) for f in fields(linears)}

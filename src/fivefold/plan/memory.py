@@ -13,7 +13,7 @@ from fivefold.plan.activations import (
 )
 from fivefold.plan.allocator import allocator_waste, released_cache
 from fivefold.plan.comm_buffers import comm_buffer_bytes
-from fivefold.plan.fp8_linears import layers_fp8_linears
+from fivefold.plan.fp8_linears import layer_kinds
 from fivefold.plan.hardware import GIB, Assumptions
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.model_states import (  # noqa: F401 (bytes_per_param: comm.py's)
@@ -166,16 +166,10 @@ def layers_activation_bytes(work: Workload, layout: Layout, act: ActivationBytes
     does (plan/fp8_linears.py; `apply_fp8_terms`)."""
     if not (work.precision == "fp8" and work.fp8_keep_out):
         return act.layer * (stop - first)
-    per_kind: dict = {}  # the layer's bytes per distinct set of FP8 linears
-    total = 0.0
-    for i in range(first, stop):
-        linears = layers_fp8_linears(work, i, i + 1)
-        if linears not in per_kind:
-            per_kind[linears] = activation_bytes_per_microbatch(
-                work.model, layout.mbs, work.seq_len, fp8_linears=linears,
-                **_act_kwargs(work, layout)).layer
-        total += per_kind[linears]
-    return total
+    return sum(n * activation_bytes_per_microbatch(work.model, layout.mbs, work.seq_len,
+                                                   fp8_linears=linears,
+                                                   **_act_kwargs(work, layout)).layer
+               for linears, n in layer_kinds(work, first, stop))
 
 
 def _activations(work: Workload, layout: Layout) -> ActivationBytes:
