@@ -18,6 +18,9 @@ decode profile first):
                          torch's fused AdamW, and its time (bench/gpu_step.py)
   trace_vs_measured      `fivefold trace`'s predicted step beside both train items' measured
                          ones (bench/gpu_trace.py)
+  fp8_gather_unpack      ZeRO-3's FP8 gather of one Llama-3-8B layer over 8 ranks: the
+                         shard cast and the unpack, eager torch ops vs one fused kernel
+                         each, timed, and the fused bytes checked equal to the eager ones
   fp8_gemms              one linear, forward + backward, bf16 vs FP8 tensorwise, rowwise,
                          blockwise, tensorwise with delayed scaling and rowwise_gw_hp on
                          Llama-3-8B's GEMMs (8192 tokens x 4096->4096, 4096->14336,
@@ -81,6 +84,7 @@ ITEMS = [("serve_decode_profile", gpu_serve.serve_decode_profile, True),  # firs
          ("adamw_one_pass", gpu_step.adamw_one_pass, False),
          ("trace_vs_measured", gpu_trace.trace_vs_measured, True),
          ("fp8_cast_bytes", gpu_fp8.fp8_cast_bytes, False),
+         ("fp8_gather_unpack", gpu_fp8.fp8_gather_unpack, True),
          ("fp8_gemms", gpu_fp8.fp8_gemms, True),
          ("fp8_block_stack", gpu_fp8.fp8_block_stack, True),
          ("fp8_experts", gpu_fp8.fp8_experts, True),
@@ -108,6 +112,7 @@ GPU_SHAPES = {
     "experts": (8, 4096, 14336, 2048),  # Mixtral-8x7B's experts, 8192 tokens x top-2
     "serve": ("smollm2-135m", 16, 128, 128, torch.float32),  # preset, requests, prompt, out
     "qlora": (["--model.preset", "llama-3.2-1b", "--model.num_layers", "8"], 1024),
+    "gather_unit": (4096, 14336, 1024, 8),  # hidden, intermediate, k/v width, ranks
 }
 TINY = ["--model.preset", "tiny", "--model.num_layers", "2", "--data.tokenizer", "byte",
         "--train.seq_len", "32", "--train.gbs", "1", "--parallel.mbs", "1"]
@@ -122,6 +127,7 @@ DRY_SHAPES = GPU_SHAPES | {
     "experts": (2, 128, 256, 16),
     "serve": ("tiny", 2, 8, 4, torch.float32),
     "qlora": (["--model.preset", "tiny", "--model.num_layers", "2"], 32),
+    "gather_unit": (64, 96, 16, 3),
 }
 
 

@@ -201,3 +201,90 @@ def fp8_kernel_float64(ctx: Context) -> dict:
     tol = test_fp8_kernel.BF16_OUT_TOL
     return {"relative_errors": errors, "tolerance": tol,
             "passed": all(e < tol for e in errors.values()), "kernel": why}
+
+
+def _gather_units(ctx: Context, dtype: torch.dtype):
+    """One Llama layer's ZeRO-3 unit gathered in FP8 (parallel/zero3_fp8.py): its 7 linears'
+    weights and its two norms (raw) in the segment, every rank's FP8UnitGather with the
+    weights' all-reduced scales, and the segment's values."""
+    import types
+
+    from fivefold.parallel.zero3_fp8 import FP8UnitGather
+
+    hidden, inter, kv, ranks = ctx.shape("gather_unit")
+    shapes = [(hidden,), (hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden),
+              (hidden,), (inter, hidden), (inter, hidden), (hidden, inter)]
+    slots, at = [], 0
+    for shape in shapes:
+        numel = torch.Size(shape).numel()
+        if len(shape) == 2:
+            slots.append((types.SimpleNamespace(shape=shape, start=at, numel=numel),
+                          torch.nn.Module(), "weight"))
+        at += numel
+    size = -(-at // ranks) * ranks
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    flat = (torch.randn(size, device=ctx.device, generator=gen) / hidden ** 0.5).to(dtype)
+    seg = types.SimpleNamespace(size=size, start=0)
+    layout = types.SimpleNamespace(shards=ranks, segment_shard=lambda shard, seg: shard)
+    per = size // ranks
+    units = [FP8UnitGather(layout, seg, slots, r, ctx.device, dtype) for r in range(ranks)]
+    shards = [flat[r * per:(r + 1) * per] for r in range(ranks)]
+    local = torch.stack([u.local_amax(s) for u, s in zip(units, shards)])
+    for r, u in enumerate(units):
+        u.set_amax(local.amax(0), local[r])
+    return units, shards, slots, flat
+
+
+def fp8_gather_unpack(ctx: Context) -> dict:
+    """ZeRO-3's FP8 gather of one Llama-3-8B layer over 8 ranks: the pack (rank 0's shard
+    cast into its message) and the unpack (the gathered messages into the unit's FP8 bytes
+    and bf16 buffer), eager torch ops (before) against one fused kernel each
+    (numerics/fp8_gather.py, after): times, and the fused bytes equal the eager ones (the
+    messages' filled bytes, the codes, the dequantised buffer). On a device without Triton
+    the ops run their torch implementation (said in `kernel`)."""
+    from fivefold.numerics import fp8_gather
+    from fivefold.numerics.kernel_support import triton_usable
+
+    units, shards, slots, flat = _gather_units(ctx, torch.bfloat16)
+    unit, rounds = units[0], ctx.shape("rounds")
+    (pack, pack_blocks), (unpack, unpack_blocks) = unit.tables
+    sends = [fp8_gather.pack_eager(s, u.pack_rows, u.mult, u.message)
+             for u, s in zip(units, shards)]
+    fused_sends = [fp8_gather.fp8_gather_pack(s, *u.tables[0], u.mult, u.message)
+                   for u, s in zip(units, shards)]
+    filled = [max(at + (hi - lo) * (1 if k >= 0 else u.es) for k, lo, hi, at in u.pieces[r])
+              for r, u in enumerate(units)]
+    out = torch.cat(sends)
+    buffers = {}
+    for name in ("eager", "fused"):
+        codes = torch.zeros(flat.numel(), dtype=torch.uint8, device=ctx.device)
+        buffers[name] = (codes, torch.zeros_like(flat))
+    fp8_gather.unpack_eager(out, unit.unpack_rows, unit.scales, *buffers["eager"])
+    fp8_gather.fp8_gather_unpack(out, unpack, unpack_blocks, unit.scales, *buffers["fused"])
+    weight = torch.zeros(flat.numel(), dtype=torch.bool, device=ctx.device)
+    for slot, _, _ in slots:
+        weight[slot.start:slot.start + slot.numel] = True
+    (c0, f0), (c1, f1) = buffers["eager"], buffers["fused"]
+    equal = {"messages": all(bool(torch.equal(a[:n], b[:n]))
+                             for a, b, n in zip(sends, fused_sends, filled)),
+             "codes": bool(torch.equal(c0[weight], c1[weight])),
+             "full": bool(torch.equal(f0.view(torch.int16), f1.view(torch.int16)))}
+    times = {
+        "pack_eager": median_time(ctx, lambda: fp8_gather.pack_eager(
+            shards[0], unit.pack_rows, unit.mult, unit.message), rounds),
+        "pack_fused": median_time(ctx, lambda: fp8_gather.fp8_gather_pack(
+            shards[0], pack, pack_blocks, unit.mult, unit.message), rounds),
+        "unpack_eager": median_time(ctx, lambda: fp8_gather.unpack_eager(
+            out, unit.unpack_rows, unit.scales, *buffers["eager"]), rounds),
+        "unpack_fused": median_time(ctx, lambda: fp8_gather.fp8_gather_unpack(
+            out, unpack, unpack_blocks, unit.scales, *buffers["fused"]), rounds)}
+    elements = int(weight.sum())
+    return {"ranks": len(units), "weight_elements": elements, "seconds": times,
+            "speedup": {"pack": times["pack_eager"] / times["pack_fused"],
+                        "unpack": times["unpack_eager"] / times["unpack_fused"]},
+            # the planner's bytes (plan/fp8.py gather_bytes' terms) at the fused times
+            "fused_hbm_tbps": {"pack": elements / len(units) * 3 / times["pack_fused"] / 1e12,
+                               "unpack": elements * 4 / times["unpack_fused"] / 1e12},
+            "kernel": ("Triton" if triton_usable(ctx.device)
+                       else "torch ops (no Triton on this device)"),
+            "equal": equal, "passed": all(equal.values())}

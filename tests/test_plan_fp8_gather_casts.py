@@ -2,13 +2,16 @@
 `rank_gather_cast_bytes`, the `gathered` linears): against the trace on the meta device
 (fivefold.trace) of the engine's gather (parallel/zero3_fp8.py FP8UnitGather `start` and
 `finish`, one rank of four) and of an FP8 linear given its gathered weight (lowp/linear.py).
+On meta the gather takes a GPU's path, the fused pack and unpack (numerics/fp8_gather.py),
+as the linears take the fused casts (lowp/fused.py).
 
-Error model: the gather's planned bytes leave out, per weight, the scalar multiplier read by
-the cast (4 bytes), the scale read per rank's piece by the unpack (4 x dp) and the scale and
-record clones (16: 8 read, 8 written); rank 0's share of a segment padded to a multiple of
-dp is < 1 element over elements / dp, and its message is zero-filled to the longest rank's.
-The linear's leave out the tensorwise amax partials (<= 256 fp32 written and read per amax
-pass: x in forward, ∂y in backward). So 0 <= traced - planned <= those bytes.
+Error model: the trace's bytes are exactly the two kernels' (the shard read and its message
+written; the gathered messages read, the byte buffer and the unit's buffer written), the
+tables (40 bytes a row), the multiplier and scale reads (4 bytes each per weight) and the
+scale and record clones (16 per weight). The planner counts weight elements only: it
+leaves out the tables, the 24 bytes per weight, the messages' padding to the longest rank's
+(read and written) and a segment's padding to a multiple of dp (a raw element of the last
+rank's). So 0 <= traced - planned = those bytes, computed here from the unit.
 """
 
 import types
@@ -26,18 +29,21 @@ from fivefold.trace import trace_callable
 
 DP = 4
 # (out, in) weights of one unit: a k/v projection of Llama-3.1-8B; two whose shards cut
-# them anywhere (sizes not multiples of dp's share)
-UNITS = {"kv": [(1024, 4096)], "odd": [(333, 517), (129, 77)]}
+# them anywhere (sizes not multiples of dp's share); routed experts' stacked (E, N, K)
+# weights (a scale per expert) beside a linear's
+UNITS = {"kv": [(1024, 4096)], "odd": [(333, 517), (129, 77)],
+         "experts": [(96, 64), (3, 55, 37), (3, 37, 55)]}
 
 
 def traced_gather_bytes(weights, monkeypatch):
-    """Bytes read + written by rank 0's FP8 gather of a unit holding `weights` (the
-    collective itself is the communication model's: replaced by a no-op)."""
+    """(bytes read + written by rank 0's FP8 gather of a unit holding `weights`, the unit,
+    its weights' elements, its segment's size). The collective itself is the communication
+    model's: replaced by a no-op."""
     monkeypatch.setattr(zero3_fp8.comm, "all_gather",
                         lambda out, send, group, async_op=False: zero3_fp8.comm.DONE)
     slots, start = [], 0
     for shape in weights:
-        numel = shape[0] * shape[1]
+        numel = torch.Size(shape).numel()
         slots.append((types.SimpleNamespace(shape=shape, start=start, numel=numel),
                       torch.nn.Module(), "weight"))
         start += numel
@@ -48,27 +54,40 @@ def traced_gather_bytes(weights, monkeypatch):
     unit = FP8UnitGather(layout, seg, slots, 0, meta, torch.bfloat16)
     shard = torch.empty(size // DP, dtype=torch.bfloat16, device=meta)
     full = torch.empty(size, dtype=torch.bfloat16, device=meta)
-    pad = size - start
-    events = trace_callable(lambda: unit.start(full, shard, types.SimpleNamespace(size=DP))
-                            .wait(), gpu="h100").events
-    got = sum(e.bytes_read + e.bytes_written for e in events if e.kind == "kernel")
-    for _, module, _ in slots:
-        assert isinstance(module.fp8_weight, GatheredWeight)
-    return got, start, pad
+    events = [e for e in trace_callable(lambda: unit.start(full, shard, types.SimpleNamespace(
+        size=DP)).wait(), gpu="h100").events if e.kind == "kernel"]
+    ops = [e.name for e in events]
+    # one fused kernel each way, and the scale and record clones (2 a weight: an expert's)
+    assert ops.count("fivefold.fp8_gather_pack.default") == 1, ops
+    assert ops.count("fivefold.fp8_gather_unpack.default") == 1, ops
+    assert len(ops) == 2 + 2 * len(unit.entries), ops
+    for slot, module, _ in slots:
+        experts = len(slot.shape) == 3
+        got = module.fp8_experts["weight"] if experts else [module.fp8_weight]
+        assert len(got) == (slot.shape[0] if experts else 1)
+        assert all(isinstance(w, GatheredWeight) for w in got)
+    return sum(e.bytes_read + e.bytes_written for e in events), unit, start, size
 
 
 @pytest.mark.parametrize("unit", UNITS)
 def test_gather_bytes_match_the_traced_gather(unit, monkeypatch):
-    got, elements, pad = traced_gather_bytes(UNITS[unit], monkeypatch)
+    got, gather, elements, size = traced_gather_bytes(UNITS[unit], monkeypatch)
+    weights, per, message = len(gather.entries), size // DP, gather.message
+    rows = len(gather.pack_rows) + len(gather.unpack_rows)
+    # the kernels' bytes, B = 2: the shard read (B per element) and rank 0's message
+    # written; the DP messages read, the byte buffer (1) and the unit's buffer (B) written
+    kernels = 2 * per + message + DP * message + size + 2 * size
+    assert got == kernels + 40 * rows + 24 * weights, (unit, got, kernels)
     planned = gather_bytes(elements, DP, 2)
-    # the padding (not a weight: the last rank's) goes through the message raw, copied out
-    # by the unpack (2 + 2 bytes per bf16 element)
-    planned += 4 * pad
-    # rank 0's share of the segment padded by pad < dp elements holds < 1 element more
-    # than elements / dp (30 bytes), and its message is zero-filled to the longest rank's
-    # (the last, with the padding raw: <= 2 x (pad + 1) bytes more)
-    slack = len(UNITS[unit]) * (4 + 4 * DP + 16) + 30 + 2 * (pad + 1)
-    assert 0 <= got - planned <= slack, (unit, got, planned)
+    assert planned == elements / DP * 3 + elements * 4
+    # what the planner leaves out: the messages' padding beyond the weights' codes (rank
+    # 0's written, every rank's read), the segment's padding (pad raw elements: B read,
+    # 1 + B written), rank 0's share of that padding, the tables and per-weight scalars
+    pad = size - elements
+    left_out = ((DP + 1) * message - elements - elements / DP + 3 * pad + 2 * pad / DP
+                + 40 * rows + 24 * weights)
+    assert got - planned == pytest.approx(left_out, abs=1e-6), (unit, got, planned)
+    assert 0 <= got - planned <= 0.03 * planned + 2000, (unit, got, planned)
 
 
 @pytest.mark.parametrize("shape", ((4096, 4096, 1024), (2048, 14336, 4096)))
@@ -140,8 +159,11 @@ def test_fp8_allgather_casts_enter_the_predicted_step(keep_out):
         got = getattr(rc[True], phase) - getattr(rc[False], phase)
         want = (cast[True][i] + gathered - cast[False][i]) / hbm
         assert got == pytest.approx(want, rel=1e-9), phase
-    # the engine's gathers move more HBM bytes than the linears' own weight casts did
-    assert rc[True].forward > rc[False].forward
+    # per weight element the fused gather moves 3/dp + 4 = 4.75 bytes (dp 4) each way, the
+    # linear's own cast of W 5 (amax 2, cast 2 + 1); backward adds Wᵀ's copy (2)
+    assert gathered == pytest.approx(4.75 * elements)
+    assert rc[True].forward < rc[False].forward
+    assert rc[True].backward > rc[False].backward
 
 
 def test_gathered_experts_loop_drops_the_weight_casts():

@@ -34,6 +34,26 @@ agreement tests see none of them):
   dp > 1, keeps its gradient buckets as a copy of the gradients (`gradient_as_bucket_view`
   off by default, torch/nn/parallel/distributed.py): 2 more bytes per parameter on the
   rank, argued, not fitted;
+- `p2p_storage`: nanotron's pipeline point-to-point (parallel/pipeline_parallel/p2p.py
+  @3024b46): the sender passes its tensor's untyped storage size and the receiver allocates
+  that many bytes (`P2PTensorMetaData.create_empty_storage`), so a view sent costs its
+  whole storage. What is sent is a block's output, `hidden_states + residual` (a fresh
+  tensor: storage = size), and its gradient, fresh from autograd; a first stage receives
+  gradients only. Argued, not fitted: on a rank that sends forward, one boundary tensor (the
+  output queued in `PipelineTrainBatchState.microbatches_activations_to_send` until the
+  backward's `run_communication`, then the gradient received in its place); on a rank that
+  receives, the received `sequence_mask` (one byte per token) per micro-batch in flight (the
+  hidden states received are the first layer's saved input, already planned);
+- `segment_tails`: the caching allocator's rounding per saved block instead of 1 MiB per
+  block of 1 MiB or more (c10/cuda/CUDACachingAllocator.cpp: requests rounded to 512 bytes;
+  up to 1 MiB served from 2 MiB segments, up to 10 MiB from 20 MiB segments, larger ones
+  from their own segment rounded to 2 MiB): a block of v bytes wastes its share of the tail
+  its segment leaves when filled with blocks of its size, (S mod v) / floor(S / v), or
+  ceil(v / 2 MiB)·2 MiB − v from 10 MiB on. Argued, not fitted: the per-micro-batch blocks
+  at large tp × pp are a few MiB, where a 20 MiB segment's tail is the largest share;
+- `replayed_waste`: on a first stage with pp > 1, the reserved bytes beyond the allocated
+  peak of a replay of its allocations through the caching allocator's rules
+  (bench/plan/usp_allocator_replay.py) in place of the plan's rounding. Argued, not fitted;
 - `reserve_released`: all the fitted reserves (the activation reserve too, not only the
   head's) are cached blocks the allocator releases before it fails (CUDACachingAllocator
   frees cached blocks and retries a failed cudaMalloc), so the planned reserved peak never
@@ -50,6 +70,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import usp_allocator_replay
 import usp_calibration as uc
 import usp_fit as uf
 
@@ -59,6 +80,7 @@ from fivefold.plan.hardware import GIB, get_hardware
 from fivefold.plan.layout import check_layout
 from fivefold.plan.model_states import rank_param_counts
 from fivefold.plan.placement import inflight_microbatches, stage
+from fivefold.plan.torch_pipelining import stage_boundary_bytes
 
 OUT = uc.ROOT / "bench" / "results" / "usp_memory_candidates.json"
 MIB = 2**20
@@ -100,6 +122,77 @@ def _inflight_gathered(work, layout, rank, items):
     return _inflight_tokens(work, layout, rank, items) * (1 - 1 / layout.tp)
 
 
+def _p2p_storage(work, layout, rank):
+    """nanotron's pipeline p2p buffers on `rank` beyond the planned items (argued)."""
+    if layout.pp == 1:
+        return 0.0
+    extra = 0.0
+    if rank < layout.pp - 1:  # the output queued for sending, then the gradient received
+        extra += stage_boundary_bytes(work, layout)
+    if rank > 0:  # the sequence mask received with each micro-batch in flight
+        n = inflight_microbatches(layout, work.num_microbatches(layout), rank)
+        extra += n * layout.mbs * work.seq_len / layout.cp
+    return extra
+
+
+def _block_waste(v: float) -> float:
+    """Reserved minus requested for one live block of `v` bytes whose segment is filled with
+    blocks of its size (PyTorch's caching allocator rules, in `segment_tails` above)."""
+    if v <= 0:
+        return 0.0
+    v = -(-v // 512) * 512
+    if v >= 10 * MIB:
+        return -(-v // (2 * MIB)) * 2 * MIB - v
+    seg = 2 * MIB if v <= MIB else 20 * MIB
+    return (seg % v) / (seg // v)
+
+
+def _layer_blocks(act) -> list[float]:
+    """A layer's saved tensors as allocated blocks: the SwiGLU MLP's saved bytes are the
+    merged gate-up output (half) and two intermediate-sized tensors."""
+    blocks = []
+    for name, v in act.layer_terms.items():
+        if name == "mlp_hidden":
+            blocks += [v / 2, v / 4, v / 4]
+        else:
+            blocks.append(v)
+    return blocks
+
+
+def _segment_tails(work, layout, rank):
+    """This rounding less the convention's (1 MiB per layer block of 1 MiB or more)."""
+    act = memory._activations(work, layout)
+    n = inflight_microbatches(layout, work.num_microbatches(layout), rank)
+    layer_microbatches = n * stage(work.model, layout, rank)[0]
+    now = sum(1 for v in act.layer_terms.values() if v >= MIB) * MIB
+    return layer_microbatches * (sum(_block_waste(v) for v in _layer_blocks(act)) - now)
+
+
+REPLAYED: dict[str, float] = {}
+
+
+def _replayed(work, layout) -> float:
+    key = repr((work, layout))
+    if key not in REPLAYED:
+        REPLAYED[key] = usp_allocator_replay.replay(work, layout, 40)["waste_gib"] * GIB
+    return REPLAYED[key]
+
+
+def _replayed_waste(work, layout, rank):
+    """bench/plan/usp_allocator_replay.py's waste on a first stage with pp > 1 in place of
+    the plan's 1 MiB per live block (argued: no factor; other ranks unchanged)."""
+    if layout.pp == 1 or rank != 0:
+        return 0.0
+    act = memory._activations(work, layout)
+    n = inflight_microbatches(layout, work.num_microbatches(layout), rank)
+    now = sum(1 for v in act.layer_terms.values() if v >= MIB) * MIB
+    return _replayed(work, layout) - n * stage(work.model, layout, rank)[0] * now
+
+
+ARGUED = {"p2p_storage": _p2p_storage, "segment_tails": _segment_tails,
+          "replayed_waste": _replayed_waste}
+
+
 COLUMNS = {"layer_tokens": _layer_tokens, "embed_tokens": _embed_tokens,
            "pipeline_reserve": _pipeline_reserve, "live_blocks": _live_blocks,
            "inflight_tokens": _inflight_tokens, "inflight_gathered": _inflight_gathered}
@@ -123,6 +216,8 @@ class Candidate:
             if layout.dp * layout.cp > 1:
                 items["comm_buffers"] += rank_param_counts(work.model, layout, rank)[
                     "dense"] * work.dtype_bytes
+        elif self.name in ARGUED:
+            items["overhead"] += ARGUED[self.name](work, layout, rank)
         elif self.name in COLUMNS:
             items["overhead"] += self.coef * COLUMNS[self.name](work, layout, rank, items)
         elif self.name == "reserve_released":
@@ -223,7 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = uc.load()
     split = uc.halves(rows)
     names = ("baseline", "sp_saved_full", "grads_freed", *COLUMNS, "ddp_buckets",
-             "reserve_released")
+             *ARGUED, "reserve_released")
     if args.only:
         unknown = sorted(set(args.only) - set(names))
         if unknown:

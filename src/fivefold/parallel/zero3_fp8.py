@@ -26,6 +26,11 @@ optimizer step in one all-reduce). Here:
        quantising the weight (lowp/linear.py). The weight's bf16 view is filled with the
        dequantised values, so the parameter holds what the GEMM uses.
 
+The cast (2) and the unpack (3) are one fused kernel each on a GPU (and on meta, a trace of
+one), over all of the unit's pieces: B + 1 bytes of HBM traffic per shard element and
+2 + B per gathered element, against the eager torch ops' B + 28 and 19 + 3B, which the CPU
+runs (numerics/fp8_gather.py; the same bytes either way).
+
 Delayed scaling (train.fp8_scaling = delayed, lowp/delayed.py): the scale a weight's cast
 takes is its history's (fmt.max / max of its W row), known to every rank, so once every
 gathered weight's row holds a record `refresh_scales` needs no all-reduce: the gather casts
@@ -63,12 +68,19 @@ import torch
 from fivefold.lowp import delayed
 from fivefold.lowp.experts import FP8ExpertsMixin
 from fivefold.lowp.linear import FP8LinearFn, FP8LinearMixin, fp8_linear
+from fivefold.numerics import fp8_gather
 from fivefold.numerics.formats import E4M3
 from fivefold.numerics.fp8 import FP8Tensor
 from fivefold.numerics.scaling import amax_to_scale, tensor_amax
 from fivefold.parallel import comm
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # a routed-experts module's stacked weights
+FUSED_ON_DEVICE = True  # the fused pack and unpack on a GPU (and on meta, a trace of one)
+
+
+def fused(t: torch.Tensor) -> bool:
+    """Whether a gather of tensors on t's device takes the fused kernels (the CPU: eager)."""
+    return FUSED_ON_DEVICE and t.device.type != "cpu"
 
 
 def mark_fp8_gather(model: torch.nn.Module) -> int:
@@ -171,6 +183,15 @@ class FP8UnitGather:
             self.pieces.append(pieces)
             longest = max(longest, offset)
         self.message = -(-longest // es) * es  # ranks' messages start aligned to the dtype
+        # the rows of numerics/fp8_gather.py: this rank's pack, every rank's unpack
+        self.pack_rows = [(lo - self.first, at, hi - lo, k)
+                          for k, lo, hi, at in self.pieces[rank]]
+        self.unpack_rows = [(r * self.message + at, lo, hi - lo, k)
+                            for r, pieces in enumerate(self.pieces) for k, lo, hi, at in pieces]
+        # the fused kernels' tables, (table, blocks) each: made here, not in a step (the
+        # copy to the device would be one more transfer in the first gather)
+        self.tables = (fp8_gather.table(self.pack_rows, es, 2, device),
+                       fp8_gather.table(self.unpack_rows, es, 1, device))
         self.bytes = torch.zeros(seg.size, dtype=torch.uint8, device=device)
         n = len(self.entries)
         self.mult = torch.ones(n, dtype=torch.float32, device=device)
@@ -200,15 +221,11 @@ class FP8UnitGather:
         """Cast this rank's pieces and start the unit's gather: a handle whose wait() also
         fills `full` (the unit's buffer, storage allocated) and the FP8 bytes."""
         local = self.layout.segment_shard(shard, self.seg)
-        send = torch.zeros(self.message, dtype=torch.uint8, device=local.device)
-        first = self.first
-        for k, lo, hi, at in self.pieces[self.rank]:
-            x = local[lo - first:hi - first]
-            if k < 0:
-                send[at:at + (hi - lo) * self.es] = x.view(torch.uint8)
-            else:  # numerics.fp8.quantize's tensorwise cast, with the whole weight's scale
-                q = (x.float() * self.mult[k]).clamp(-E4M3.max, E4M3.max).to(E4M3.dtype)
-                send[at:at + hi - lo] = q.view(torch.uint8)
+        if fused(local):
+            (pack, blocks), _ = self.tables
+            send = fp8_gather.fp8_gather_pack(local, pack, blocks, self.mult, self.message)
+        else:  # numerics.fp8.quantize's tensorwise cast, with the whole weight's scale
+            send = fp8_gather.pack_eager(local, self.pack_rows, self.mult, self.message)
         out = torch.empty(self.message * group.size, dtype=torch.uint8, device=local.device)
         handle = comm.all_gather(out, send, group, async_op=True)
         return _Pending(self, handle, full, out, send)
@@ -216,16 +233,12 @@ class FP8UnitGather:
     def finish(self, full: torch.Tensor, out: torch.Tensor) -> None:
         self.bytes.untyped_storage().resize_(self.seg.size)
         with torch.no_grad():
-            for r, pieces in enumerate(self.pieces):
-                msg = out[r * self.message:(r + 1) * self.message]
-                for k, lo, hi, at in pieces:
-                    if k < 0:
-                        full[lo:hi] = msg[at:at + (hi - lo) * self.es].view(full.dtype)
-                    else:
-                        codes = self.bytes[lo:hi]
-                        codes.copy_(msg[at:at + hi - lo])
-                        full[lo:hi] = (codes.view(E4M3.dtype).float() * self.scales[k]
-                                       ).to(full.dtype)
+            if fused(out):
+                _, (unpack, blocks) = self.tables
+                fp8_gather.fp8_gather_unpack(out, unpack, blocks, self.scales, self.bytes,
+                                             full)
+            else:
+                fp8_gather.unpack_eager(out, self.unpack_rows, self.scales, self.bytes, full)
         experts: dict = {}
         for k, (j, e, lo, numel, shape) in enumerate(self.entries):
             module = self.views[j][0]

@@ -252,23 +252,25 @@ def linear_cast_bytes(recipe: str, tokens: float, k: float, n: float, dtype_byte
             one("weight_bwd", n, k) + one("act", tokens, n))
 
 
-GATHER_CAST = 28  # + B per shard element: ZeRO-3's FP8 gather's cast (`gather_bytes`)
-GATHER_UNPACK = 19  # + 3B per gathered element: its unpack
+GATHER_CAST = 1  # + B per shard element: ZeRO-3's FP8 gather's cast (`gather_bytes`)
+GATHER_UNPACK = 2  # + B per gathered element: its unpack
 
 
 def gather_bytes(elements: float, shards: float, dtype_bytes: int = 2) -> float:
     """HBM bytes (read + written) of one ZeRO-3 gather in FP8 (parallel.fp8_allgather,
     parallel/zero3_fp8.py) of `elements` weight elements sharded over `shards` ranks, beside
-    the bf16 gather's (which writes the unit's buffer directly): eager torch ops, each a
-    kernel. `start` casts the rank's 1/shards: the message zeroed (1), to fp32 (B + 4),
-    times the multiplier (8), clamped (8), to e4m3 (5), copied into the message (2):
-    B + 28 per shard element. `finish` unpacks every element of the weight: its code copied
-    out of the message (2), to fp32 (5), times the scale (8), to the compute dtype (4 + B),
-    copied into the unit's buffer (2B): 19 + 3B. Left out: 4 bytes per weight and rank of
-    the scalar multiplier and scale reads, 16 of the scale and record clones, and a unit's
-    other elements (norms) copied through the message (2B each way)."""
+    the bf16 gather's (which writes the unit's buffer directly), as a GPU runs it: one fused
+    kernel each way per unit (numerics/fp8_gather.py). `fp8_gather_pack` reads the rank's
+    1/shards of the weights and writes their codes into the message: B + 1 per shard
+    element; `fp8_gather_unpack` reads every gathered code and writes it to the unit's byte
+    buffer and its dequantised value to the unit's buffer: 2 + B per element. (The CPU's
+    eager torch ops move B + 28 and 19 + 3B; the planner plans GPUs, as `cast_bytes` counts
+    the fused casts.) Left out: the kernels' tables (40 bytes per piece), 4 bytes per
+    weight of the multiplier and the scale reads, 16 of the scale and record clones, the
+    messages' padding to the longest rank's, and a unit's other elements (norms) copied
+    through the message (2B each way)."""
     b = dtype_bytes
-    return elements / shards * (GATHER_CAST + b) + elements * (GATHER_UNPACK + 3 * b)
+    return elements / shards * (GATHER_CAST + b) + elements * (GATHER_UNPACK + b)
 
 
 def fp8_gathers(work, layout) -> tuple[float, float]:

@@ -56,8 +56,9 @@ WRITE_ONLY = frozenset({"copy_", "_foreach_copy_", "fill_", "zero_", "normal_", 
 # Ops whose `grads` argument is written only when a `grad_scale` is passed (see above).
 GRADS_WRITTEN_WHEN_SCALED = frozenset({"_fused_adam_", "_fused_adamw_"})
 # Mutable arguments an op writes without reading (by name): the one-pass AdamW's parameter
-# (parallel/adamw_kernel.py).
-WRITE_ONLY_ARGS = {"adamw_mixed_": frozenset({"param"})}
+# (parallel/adamw_kernel.py), the FP8 gather's byte and value buffers (numerics/fp8_gather.py).
+WRITE_ONLY_ARGS = {"adamw_mixed_": frozenset({"param"}),
+                   "fp8_gather_unpack": frozenset({"codes", "full"})}
 DYNAMIC_SHAPE = frozenset({"nonzero", "masked_select", "unique", "_unique", "_unique2",
                            "unique_consecutive", "unique_dim", "repeat_interleave",
                            "bincount"})
