@@ -4,6 +4,7 @@ name, for dense and MoE models and several patterns; a pattern naming no linear 
 with the engine's own line (and `fivefold plan --fp8-keep-out` exits 2 with it)."""
 
 import dataclasses
+import pathlib
 
 import pytest
 import torch
@@ -84,9 +85,39 @@ def test_plan_cli_refuses_a_bad_keep_out_in_one_line(capsys):
 
     base = ["--model", "llama-3.1-8b", "--gpus", "8", "--layout", "dp=8,zero=3,mbs=1",
             "--seq-len", "4096", "--gbs", "8"]
-    for extra, says in ((["--precision", "fp8", "--fp8-keep-out", "o_projx"],
-                         "pattern 'o_projx' matches no linear"),
-                        (["--fp8-keep-out", "o_proj"], "needs --precision fp8")):
-        assert main([*base, *extra]) == 2
+    config = ["--config", str(pathlib.Path(__file__).parents[1] / "examples" / "tiny.toml"),
+              "--train.precision", "fp8"]
+    for argv, says in (([*base, "--precision", "fp8", "--fp8-keep-out", "o_projx"],
+                        "pattern 'o_projx' matches no linear"),
+                       ([*base, "--fp8-keep-out", "o_proj"], "needs --precision fp8"),
+                       ([*config, "--train.fp8_keep_out", "layers.9"],
+                        "pattern 'layers.9' matches no linear"),
+                       ([*config, "--fp8-keep-out", "o_proj"], "set train.fp8_keep_out")):
+        assert main(argv) == 2
         out, err = capsys.readouterr()
         assert out == "" and err.count("\n") == 1 and says in err, err
+
+
+def test_plan_cli_plans_the_keep_out(capsys):
+    """`fivefold plan --fp8-keep-out` reaches the workload (its JSON says it) and the plan:
+    layer 0 and every down_proj in bf16 make the step slower and the activations larger
+    (down_proj's input saved in bf16) than all-FP8's; keeping every layer out gives bf16's
+    plan (step time and activations: the casts gone, every GEMM at bf16's rate)."""
+    import json
+
+    from fivefold.plan.cli_entry import main
+
+    base = ["--model", "llama-3.1-8b", "--gpus", "8", "--gpu", "h100", "--layout",
+            "dp=8,zero=1,mbs=1", "--seq-len", "4096", "--gbs", "64", "--json", "-"]
+    step, act = {}, {}
+    for name, extra in (("bf16", []), ("fp8", ["--precision", "fp8"]),
+                        ("keep", ["--precision", "fp8", "--fp8-keep-out", "layers.0,down_proj"]),
+                        ("all", ["--precision", "fp8", "--fp8-keep-out", "layers.*"])):
+        assert main([*base, *extra]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        if name == "keep":
+            assert plan["workload"]["fp8_keep_out"] == "layers.0,down_proj"
+        step[name] = plan["layouts"][0]["step_time_s"]
+        act[name] = plan["layouts"][0]["memory_bytes"]["activations"]
+    assert step["fp8"] < step["keep"] < step["all"] == pytest.approx(step["bf16"], rel=1e-12)
+    assert act["fp8"] < act["keep"] < act["all"] == act["bf16"]
