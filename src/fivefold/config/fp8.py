@@ -47,7 +47,8 @@ Rules, each a one-line ConfigError:
     ranks (lowp/delayed.py); recomputation records idempotently (the same scale, the same
     amax folded again).
 A keep-out pattern that matches no linear of the model is refused when the model is built
-(lowp/convert.py), where the module names exist.
+(lowp/convert.py), where the module names exist, and by `fivefold plan`, which writes the
+names the engine's model gives (plan/fp8_linears.py); both match with `keep_out_matches`.
 """
 
 from __future__ import annotations
