@@ -302,22 +302,12 @@ def _linears_cast_bytes(recipe: str, tokens: float, weights: list, acts_f: list,
     return fwd, bwd
 
 
-def attention_cast_bytes(recipe: str, tokens: float, h: int, q: float, kv: float,
-                         dtype_bytes: int = 2, scaling: str = "dynamic", gathered: bool = False
-                         ) -> tuple[float, float]:
-    """(forward, backward) cast bytes of one layer's q, k, v and o on a tp rank (widths q
-    and kv per rank): q, k and v cast their common input once (lowp/linear.py caches it);
-    each output's ∂y is cast on its own. Every linear sees all `tokens` rows (under SP the
-    gathered ones). `gathered`: weights gathered in FP8 (`_linears_cast_bytes`)."""
-    return _linears_cast_bytes(recipe, tokens, [(q, h), (kv, h), (kv, h), (h, q)], [h, q],
-                               [q, kv, kv, h], dtype_bytes, scaling, gathered)
-
-
 def mlp_cast_bytes(recipe: str, tokens: float, h: int, f: float, swiglu: bool,
                    dtype_bytes: int = 2, scaling: str = "dynamic", gathered: bool = False
                    ) -> tuple[float, float]:
     """(forward, backward) cast bytes of an MLP of width f (per rank): gate and up (SwiGLU;
-    one cast of their common input) or up, and down."""
+    one cast of their common input) or up, and down; every linear in FP8 (a rank's layers:
+    `rank_dense_cast_bytes`). `gathered`: weights gathered in FP8 (`_linears_cast_bytes`)."""
     up = 2 if swiglu else 1
     return _linears_cast_bytes(recipe, tokens, [(f, h)] * up + [(h, f)], [h, f],
                                [f] * up + [h], dtype_bytes, scaling, gathered)
