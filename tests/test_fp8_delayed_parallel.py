@@ -179,3 +179,20 @@ def test_resume_under_dp_zero3_and_tp_keeps_the_run_bit_exact(tmp_path):
             (straight, want), (resumed, got) = runs["straight"], runs["resumed"]
             assert straight[2:] == resumed, name
             assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_kept_out_linears_record_no_amax_and_the_planner_counts_the_rest(tmp_path):
+    """train.fp8_keep_out: a kept-out linear (bf16) keeps no history and records nothing, so
+    the step's one all_reduce(max) carries 3 fp32 records per FP8 linear only; the planner's
+    all-reduce bytes of every group equal the ledger's (dp2, and dp2 ZeRO-3 with the FP8
+    all-gather, whose amaxes of the FP8 weights alone ride in the dp group's)."""
+    keep = ["--train.fp8_keep_out", "layers.0.mlp,*.q_proj"]
+    layouts = {"dp2": ["--parallel.dp", "2", *keep],
+               "dp2-zero3-fp8-allgather": ["--parallel.dp", "2", "--parallel.zero", "3",
+                                           "--parallel.fp8_allgather", "true", *keep]}
+    ranks = run_ranks(every_layout, 2, str(tmp_path), layouts)
+    for name in layouts:
+        a = ranks[0][name]
+        assert a["linears"] == 2 * 7 - 3 - 2, name  # 2 blocks of 7; layer 0's MLP, both q
+        assert a["amax"] == [(3 * a["linears"], 12 * a["linears"])], (name, a["amax"])
+        assert a["planned"] == a["ledger"], (name, a["planned"], a["ledger"])

@@ -223,7 +223,12 @@ MOE_SHARED = (*MOE, "--model.moe_first_dense", "1", "--model.shared_expert_inter
     pytest.param(2, MOE, 0.05, id="dp2-moe"),
     pytest.param(4, (*MOE, "--parallel.dp", "4", "--parallel.ep", "2"), 0.05, id="dp4-ep2",
                  marks=pytest.mark.slow),
-    pytest.param(4, ("--parallel.tp", "2"), 0.02, id="dp2-tp2", marks=pytest.mark.slow)])
+    pytest.param(4, ("--parallel.tp", "2"), 0.02, id="dp2-tp2", marks=pytest.mark.slow),
+    # train.fp8_keep_out: those linears' weights (a whole block, every o_proj; a layer's
+    # routed experts and every k_proj) gather in bf16, and their amaxes leave the all-reduce
+    pytest.param(2, ("--train.fp8_keep_out", "layers.0,*.o_proj"), 0.05, id="dp2-keep-out"),
+    pytest.param(2, (*MOE_SHARED, "--train.fp8_keep_out", "layers.1.mlp.experts,k_proj"),
+                 0.05, id="dp2-moe-keep-out", marks=pytest.mark.slow)])
 def test_zero3_fp8_allgather_gives_the_same_run_at_half_the_weight_bytes(tmp_path, world,
                                                                           extra, pad):
     """The FP8 all-gather's bytes of a weight are those of the tensorwise cast of the whole

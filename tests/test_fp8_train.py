@@ -170,22 +170,32 @@ def test_scaled_mm_recipes_are_refused_on_a_gpu_without_fp8(monkeypatch):
     check_fp8_device(FP8Recipe.from_name("rowwise"), cuda)
 
 
-def test_peak_tracker_sees_what_the_planner_plans_for_fp8(tmp_path):
+@pytest.mark.parametrize("keep_out", ["", "layers.0", "o_proj,gate_proj", "q_proj,down_proj"])
+def test_peak_tracker_sees_what_the_planner_plans_for_fp8(tmp_path, keep_out):
     """The trainer's peak tracker (saved tensors held through its own hooks) measures the
     activation peak of one step in bf16 and in fp8 (blockwise); their difference is the
-    planner's difference of the layers' saved bytes, to the byte."""
-    peaks = {}
+    planner's difference of the layers' saved bytes, to the byte. Also with linears kept
+    out of FP8 (train.fp8_keep_out): a kept-out block saves as bf16 does; a kept-out o_proj
+    saves no copy of its input, a kept-out gate its bf16 input beside up's FP8 copy, a
+    kept-out q its bf16 input beside k's and v's FP8 one, a kept-out down_proj the bf16
+    product (plan/memory.py `layers_activation_bytes`)."""
+    from fivefold.plan.inputs import training_plan_inputs
+    from fivefold.plan.memory import _activations, layers_activation_bytes
+
+    peaks, planned = {}, {}
     for precision in ("bf16", "fp8"):
-        cfg = small_config(tmp_path / precision, "--train.precision", precision)
+        keep = ["--train.fp8_keep_out", keep_out] if keep_out and precision == "fp8" else []
+        cfg = small_config(tmp_path / precision, "--train.precision", precision, *keep)
         trainer = Trainer(cfg, quiet=True)
         trainer.train_step()
         with PeakTracker(trainer.peak_sources()) as tracker:
             trainer.train_step()
         peaks[precision] = tracker.item_peaks["activations"]
-        model, seq = trainer.model_cfg, cfg.train.seq_len
         trainer.close()
-    planned = {p: model.num_layers * activation_bytes_per_microbatch(
-        model, 1, seq, dtype_bytes=2, fp8_recipe=r).layer for p, r in (("bf16", ""),
-                                                                        ("fp8", "blockwise"))}
-    assert peaks["fp8"] < peaks["bf16"]
+        work, layout = training_plan_inputs(cfg)
+        assert layout.mbs == 1 and layout.recompute == "none"
+        planned[precision] = layers_activation_bytes(work, layout, _activations(work, layout),
+                                                     0, work.model.num_layers)
+    # (a kept-out q or gate saves its bf16 input and its neighbours' FP8 copy: more)
+    assert peaks["fp8"] < peaks["bf16"] or "q_proj" in keep_out
     assert peaks["bf16"] - peaks["fp8"] == planned["bf16"] - planned["fp8"]

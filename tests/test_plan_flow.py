@@ -22,8 +22,8 @@ from test_structure import _imports, _modules
 PLAN = "fivefold.plan"
 LAYERS = {
     "workload": {"layout", "placement", "split", "hardware", "conventions", "validated"},
-    "terms": {"activations", "allocator", "comm", "comm_buffers", "flops", "fp8", "grad_sync",
-              "lora", "memory", "model_states", "network", "nvme", "optimizer",
+    "terms": {"activations", "allocator", "comm", "comm_buffers", "flops", "fp8", "fp8_linears",
+              "grad_sync", "lora", "memory", "model_states", "network", "nvme", "optimizer",
               "recompute_plan", "timing", "torch_pipelining"},
     "items": {"evaluate", "bounds"},
     "inputs": {"inputs"},

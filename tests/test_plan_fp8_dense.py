@@ -25,6 +25,7 @@ import torch
 from fivefold.lowp.linear import fp8_linear
 from fivefold.numerics.fp8_cast import MAX_PARTIALS
 from fivefold.plan.fp8 import linear_cast_bytes
+from fivefold.plan.fp8_linears import layers_fp8_linears, uniform_fp8_linears
 from fivefold.trace import trace_callable
 from tests.test_fp8_trace import recipe_of
 
@@ -94,7 +95,8 @@ def test_dense_casts_enter_the_predicted_step():
     rc, b, hbm = {}, {}, None
     for name in ("tensorwise", "rowwise", "rowwise_gw_hp"):
         rc[name], work, layout, hbm, ratio = _compute(name)
-        b[name] = rank_dense_cast_bytes(work, layout, 4096, model_layers, 0)
+        b[name] = rank_dense_cast_bytes(work, layout, 4096,
+                                        uniform_fp8_linears(work.model, model_layers, 0))
         assert b[name][0] > 0 and b[name][1] > 0
     gemm = rc["rowwise"].gemm_fwd
     for name, extra in (("tensorwise", 0.0), ("rowwise_gw_hp", gemm * (ratio - 1))):
@@ -105,6 +107,41 @@ def test_dense_casts_enter_the_predicted_step():
             assert got == pytest.approx(want, rel=1e-9), (name, phase)
     assert ratio == pytest.approx(2.0, rel=1e-3)  # H100: 1978.9 and 989.4 dense TFLOP/s
     assert rc["rowwise_gw_hp"].backward > rc["rowwise"].backward
+
+
+@pytest.mark.parametrize("name", ("tensorwise", "rowwise_gw_hp"))
+def test_kept_out_linears_run_at_bf16_and_cast_nothing(name):
+    """train.fp8_keep_out = "layers.0,*.o_proj" on Llama-3.1-8B (tp2): the kept-out
+    linears' forward GEMM FLOPs (all of layer 0's, o_proj's in the other 31 layers) run at
+    bf16's rate (fp8/bf16 peak times slower: the same thinness) and their casts leave the
+    step: forward and backward differ from the all-FP8 plan by exactly those GEMMs' extra
+    time and the cast bytes' difference at the HBM rate. (rowwise_gw_hp's weight-gradient
+    GEMMs already run at bf16: a kept-out linear's backward slows by its input gradient's
+    GEMM alone.)"""
+    from fivefold.models.presets import preset
+    from fivefold.plan.fp8 import rank_dense_cast_bytes
+    from fivefold.plan.fp8_linears import rank_fp8_linears
+
+    mc = preset("llama-3.1-8b")
+    h, f, q, kv = mc.hidden_size, mc.intermediate_size, mc.q_size, mc.kv_size
+    layer = 2 * (2 * h * q + 2 * h * kv + 3 * h * f)  # forward FLOPs per token
+    kept = (layer + 31 * 2 * q * h) / (32 * layer)  # the kept-out share of the GEMM FLOPs
+    rc, cast = {}, {}
+    for keep_out in ("", "layers.0,*.o_proj"):
+        rc[keep_out], work, layout, hbm, ratio = _compute(name, fp8_keep_out=keep_out)
+        cast[keep_out] = rank_dense_cast_bytes(work, layout, 4096,
+                                               rank_fp8_linears(work, layout, 0))
+    plain, keep = rc[""], rc["layers.0,*.o_proj"]
+    cast_keep, cast_all = cast["layers.0,*.o_proj"], cast[""]
+    extra = plain.gemm_fwd * kept * (ratio - 1)
+    assert keep.gemm_fwd == pytest.approx(plain.gemm_fwd + extra, rel=1e-9)
+    assert cast_keep[0] < cast_all[0] and cast_keep[1] < cast_all[1]
+    # backward: input gradient and weight gradient GEMMs, each the forward's FLOPs
+    bwd_extra = extra * (1 if name == "rowwise_gw_hp" else 2)
+    for i, (phase, gemms) in enumerate((("forward", extra), ("backward", bwd_extra))):
+        got = getattr(keep, phase) - getattr(plain, phase)
+        want = gemms + (cast_keep[i] - cast_all[i]) / hbm
+        assert got == pytest.approx(want, rel=1e-9), phase
 
 
 @pytest.mark.parametrize("recompute", ("full", "op"))
@@ -123,22 +160,33 @@ def test_recompute_casts_the_forward_again(recompute):
     d = {}
     for name in ("tensorwise", "rowwise"):
         rc, work, layout, hbm, _ = _compute(name, recompute)
-        d[name] = (rc, rank_dense_cast_bytes(work, layout, 4096, 32, 0))
+        d[name] = (rc, rank_dense_cast_bytes(work, layout, 4096,
+                                             uniform_fp8_linears(work.model, 32, 0)))
     got = d["tensorwise"][0].backward - d["rowwise"][0].backward
     (tf, tb), (rf, rb) = d["tensorwise"][1], d["rowwise"][1]
     assert got == pytest.approx((tb - rb + share * (tf - rf)) / hbm, rel=1e-9)
 
 
+# train.fp8_keep_out patterns on one block: none; o_proj and down_proj (their inputs are
+# then cast by nobody); q and gate (k and v still share one cast of x, up casts its own);
+# k, v and up (q's and gate's casts alone)
+BLOCK_KEEP_OUT = ("", "o_proj,down_proj", "q_proj,gate_proj", "k_proj,v_proj,up_proj")
+
+
+@pytest.mark.parametrize("keep_out", BLOCK_KEEP_OUT)
 @pytest.mark.parametrize("name", ("tensorwise", "rowwise", "rowwise_gw_hp", "blockwise"))
-def test_planned_layer_cast_bytes_match_a_traced_block(name):
-    """One engine Block (models/llama.py: q, k, v, o, SwiGLU) converted to FP8, forward +
-    backward on the meta device: its kernels other than the GEMMs move the bf16 Block's
-    non-GEMM bytes plus the planner's per-layer cast bytes (`rank_dense_cast_bytes` of one
-    layer): q, k and v cast their shared input once, as do gate and up. Left out as in the
-    linear's test: <= 2 KiB of amax partials per amax pass, 2 x 7 weights + x, o's input,
-    the MLP's two inputs and 7 ∂y = 25 passes for tensorwise, 7 (the weights' backward)
-    for rowwise_gw_hp; every width a multiple of 512 (no block-scale padding)."""
-    from fivefold.lowp.convert import convert_to_fp8
+def test_planned_layer_cast_bytes_match_a_traced_block(name, keep_out):
+    """One engine Block (models/llama.py: q, k, v, o, SwiGLU) converted to FP8 with the
+    keep-out patterns, forward + backward on the meta device: its kernels other than the
+    GEMMs move the bf16 Block's non-GEMM bytes plus the planner's per-layer cast bytes
+    (`rank_dense_cast_bytes` of the layer's FP8 linears, plan/fp8_linears.py): q, k and v
+    cast their shared input once if any of them is FP8, as do gate and up; a kept-out
+    linear casts nothing. Left out as in the linear's test: <= 2 KiB of amax partials per
+    amax pass, for tensorwise 3 per FP8 linear (W forward and backward, ∂y) and one per
+    input cast (x, o's input, the MLP's two inputs): 25 with no keep-out; for rowwise_gw_hp
+    one per FP8 linear (W's backward); every width a multiple of 512 (no block-scale
+    padding)."""
+    from fivefold.lowp.convert import convert_to_fp8, parse_keep_out
     from fivefold.models.llama import Block
     from fivefold.models.presets import preset
     from fivefold.plan.fp8 import rank_dense_cast_bytes
@@ -153,7 +201,7 @@ def test_planned_layer_cast_bytes_match_a_traced_block(name):
         with torch.device("meta"):
             block = Block(cfg).to(torch.bfloat16)
         if recipe is not None:
-            convert_to_fp8(block, recipe)
+            convert_to_fp8(block, recipe, parse_keep_out(keep_out))
         x = torch.empty(b, s, cfg.hidden_size, device="meta", dtype=torch.bfloat16,
                         requires_grad=True)
         cos = torch.empty(s, cfg.dim_per_head, device="meta")
@@ -163,7 +211,12 @@ def test_planned_layer_cast_bytes_match_a_traced_block(name):
                    if e.kind == "kernel" and not e.flops)
 
     got = non_gemm_bytes(recipe_of(name)[0]) - non_gemm_bytes(None)
-    work = Workload(model=cfg, seq_len=s, gbs=b, precision="fp8", fp8_recipe=name)
-    planned = sum(rank_dense_cast_bytes(work, Layout(), b * s, 1, 0))
-    slack = 2 * 4 * MAX_PARTIALS * {"tensorwise": 25, "rowwise_gw_hp": 7}.get(name, 0)
+    work = Workload(model=cfg, seq_len=s, gbs=b, precision="fp8", fp8_recipe=name,
+                    fp8_keep_out=keep_out)
+    fp8 = layers_fp8_linears(work, 0, 1)
+    assert fp8.linears == 7 - len(parse_keep_out(keep_out))
+    planned = sum(rank_dense_cast_bytes(work, Layout(), b * s, fp8))
+    inputs = fp8.qkv_input + fp8.o + fp8.mlp_input + fp8.down
+    passes = {"tensorwise": 3 * fp8.linears + inputs, "rowwise_gw_hp": fp8.linears}
+    slack = 2 * 4 * MAX_PARTIALS * passes.get(name, 0)
     assert 0 <= got - planned <= slack, (name, got, planned)

@@ -23,6 +23,7 @@ from fivefold.lowp.linear import FP8Recipe
 from fivefold.models.moe import GroupedExperts
 from fivefold.models.presets import preset
 from fivefold.plan.fp8 import expert_cast_bytes, rank_dense_cast_bytes
+from fivefold.plan.fp8_linears import uniform_fp8_linears
 from fivefold.plan.hardware import get_hardware
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.timing import rank_compute
@@ -79,22 +80,25 @@ def test_planned_expert_cast_bytes_match_the_trace(shape, name):
     assert (both["loop"] == 0) == (name == "rowwise")  # rowwise is grouped: no loop
 
 
-def test_expert_casts_enter_the_predicted_step():
+@pytest.mark.parametrize("keep_out", ("", "layers.0.mlp.experts,layers.1.mlp.experts"))
+def test_expert_casts_enter_the_predicted_step(keep_out):
     """The cast bytes go into a micro-batch's forward and backward at the HBM rate: between
     two recipes the forward and backward differ by exactly their bytes' difference, the
     experts' and the dense linears' (attention; tests/test_plan_fp8_dense.py) (the GEMMs
-    run at the same FP8 peak for both)."""
+    run at the same peaks for both). Routed experts that train.fp8_keep_out leaves in bf16
+    cast nothing: only the other layers' experts count."""
     model = preset("mixtral-8x7b")
     hw, assume = get_hardware("h100")
     layout = Layout(dp=8, ep=8, mbs=1)
     per, dense = {}, {}
     for name in ("tensorwise", "rowwise"):
-        work = Workload(model=model, seq_len=4096, gbs=64, precision="fp8", fp8_recipe=name)
+        work = Workload(model=model, seq_len=4096, gbs=64, precision="fp8", fp8_recipe=name,
+                        fp8_keep_out=keep_out)
         per[name] = rank_compute(work, layout, hw, assume, 0)
-        dense[name] = rank_dense_cast_bytes(work, layout, 4096, model.num_layers,
-                                            model.num_moe_layers)
+        dense[name] = rank_dense_cast_bytes(work, layout, 4096, uniform_fp8_linears(
+            model, model.num_layers, model.num_moe_layers))
     rows = 4096 * model.experts_top_k
-    moe = model.num_moe_layers
+    moe = model.num_moe_layers - (2 if keep_out else 0)  # the layers with FP8 experts
     hbm = hw.hbm_tbps * 1e12 * assume.hbm_efficiency / (1 + assume.compute_overhead)
     b = {name: expert_cast_bytes(name, rows, model.num_experts / 8, model.hidden_size,
                                  model.moe_intermediate_size) for name in per}
@@ -104,3 +108,19 @@ def test_expert_casts_enter_the_predicted_step():
         got = getattr(per["tensorwise"], phase) - getattr(per["rowwise"], phase)
         assert diff > 0 and d_dense != 0
         assert got == pytest.approx((moe * diff + d_dense) / hbm, rel=1e-9)
+
+
+def test_kept_out_experts_run_their_gemms_at_bf16():
+    """Each layer's routed experts kept out of FP8 add the same GEMM time (their FLOPs at
+    bf16's rate instead of FP8's): 2 of 32 layers' experts add 1/16 of what all 32 add,
+    which is (fp8/bf16 peak - 1) times the routed experts' FP8 GEMM time."""
+    model = preset("mixtral-8x7b")
+    hw, assume = get_hardware("h100")
+    layout = Layout(dp=8, ep=8, mbs=1)
+    gemm = {keep: rank_compute(Workload(model=model, seq_len=4096, gbs=64, precision="fp8",
+                                        fp8_recipe="rowwise", fp8_keep_out=keep),
+                               layout, hw, assume, 0).gemm_fwd
+            for keep in ("", "layers.0.mlp.experts,layers.1.mlp.experts", "experts")}
+    two = gemm["layers.0.mlp.experts,layers.1.mlp.experts"] - gemm[""]
+    every = gemm["experts"] - gemm[""]
+    assert two > 0 and two == pytest.approx(every * 2 / 32, rel=1e-9)

@@ -123,12 +123,16 @@ def test_linear_with_a_gathered_weight_casts_its_activations_alone(shape):
     assert (f0 - f1, b0 - b1) == (3 * (5 * n * k + 4), 3 * (3 * n * k + 4))
 
 
-def test_fp8_allgather_casts_enter_the_predicted_step():
+@pytest.mark.parametrize("keep_out", ("", "layers.0,*.o_proj"))
+def test_fp8_allgather_casts_enter_the_predicted_step(keep_out):
     """Llama-3.1-8B, tp2 dp4 ZeRO-3 tensorwise: with parallel.fp8_allgather the step's
     forward and backward differ from the plain FP8 run's by exactly the cast bytes'
-    difference at the HBM rate (the weights' casts out; the gathers and Wᵀ copies in)."""
+    difference at the HBM rate (the weights' casts out; the gathers and Wᵀ copies in), of
+    the FP8 linears only under train.fp8_keep_out (a kept-out weight gathers in bf16, as
+    the ZeRO-3 unit's other elements)."""
     from fivefold.models.presets import preset
     from fivefold.plan.fp8 import fp8_gather_terms, rank_dense_cast_bytes
+    from fivefold.plan.fp8_linears import FP8Linears, rank_fp8_linears, uniform_fp8_linears
     from fivefold.plan.hardware import get_hardware
     from fivefold.plan.layout import Layout, Workload
     from fivefold.plan.timing import rank_compute
@@ -139,10 +143,16 @@ def test_fp8_allgather_casts_enter_the_predicted_step():
     rc, cast = {}, {}
     for on in (False, True):
         work = Workload(model=preset("llama-3.1-8b"), seq_len=4096, gbs=64, precision="fp8",
-                        fp8_recipe="tensorwise", fp8_allgather=on)
+                        fp8_recipe="tensorwise", fp8_allgather=on, fp8_keep_out=keep_out)
         rc[on] = rank_compute(work, layout, hw, assume, 0)
-        cast[on] = rank_dense_cast_bytes(work, layout, 4096, 32, 0)
-    elements = fp8_gather_terms(work, layout, 32, 0, 4)[0]
+        cast[on] = rank_dense_cast_bytes(work, layout, 4096, rank_fp8_linears(work, layout, 0))
+    fp8 = rank_fp8_linears(work, layout, 0)
+    assert fp8 == (uniform_fp8_linears(work.model, 32, 0) if not keep_out else
+                   uniform_fp8_linears(work.model, 31, 0) - FP8Linears(o=31))
+    elements = fp8_gather_terms(work, layout, fp8, 4)[0]
+    h, q, kv, f = 4096, 4096 / 2, 4 * 128, 14336 / 2  # per tp rank (kv: 4 heads of 128)
+    assert elements == (31 * h * (q + 2 * kv + 3 * f) if keep_out  # no layer 0, no o
+                        else 32 * h * (2 * q + 2 * kv + 3 * f))
     gathered = gather_bytes(elements, 4, 2)
     assert cast[True][0] < cast[False][0]  # no weight cast in the linears' forward
     for i, phase in enumerate(("forward", "backward")):

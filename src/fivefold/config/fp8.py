@@ -48,10 +48,13 @@ Rules, each a one-line ConfigError:
     (lowp/delayed.py; every rank without pp); recomputation records idempotently (the
     same scale, the same amax folded again).
 A keep-out pattern that matches no linear of the model is refused when the model is built
-(lowp/convert.py), where the module names exist.
+(lowp/convert.py), where the module names exist, and by `fivefold plan`, which writes the
+names the engine's model gives (plan/fp8_linears.py); both match with `keep_out_matches`.
 """
 
 from __future__ import annotations
+
+import fnmatch
 
 from fivefold.config.rules import choice
 from fivefold.errors import ConfigError
@@ -64,6 +67,34 @@ FP8_BLOCK = 128  # DeepSeek-V3's tile and block edge (numerics/formats.py, which
 FP8_KERNELS = ("auto", "scaled_mm", "emulated")
 FP8_DEFAULTS = {"fp8_recipe": "blockwise", "fp8_grad_format": "auto", "fp8_keep_out": "",
                 "fp8_kernel": "auto", "fp8_scaling": "dynamic", "fp8_history_len": 16}
+# Linears kept in high precision by name whatever train.fp8_keep_out says: the output head
+# and a shared expert's gate (lowp/convert.py; DeepSeek-V3 §3.3.1).
+ALWAYS_KEPT_OUT = ("lm_head", "*.shared_expert_gate")
+
+
+def parse_keep_out(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def keep_out_matches(name: str, pattern: str) -> bool:
+    """Whether keep-out `pattern` names module `name`: an fnmatch of the name, or of a module
+    above it ("layers.0" keeps out the first block), or a bare leaf name anywhere
+    ("down_proj"). The engine (lowp/convert.py) and the planner (plan/fp8_linears.py) both
+    match with this."""
+    return (fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ".*")
+            or ("." not in pattern and name.rsplit(".", 1)[-1] == pattern))
+
+
+def unmatched_keep_out(names, patterns) -> str:
+    """The one-line error for the first keep-out pattern that names none of `names` (the
+    model's FP8-capable modules), or "" when each names one: a typo would otherwise
+    silently change nothing."""
+    for pattern in patterns:
+        if not any(keep_out_matches(name, pattern) for name in names):
+            return (f"train.fp8_keep_out pattern '{pattern}' matches no linear layer of the "
+                    f"model; name modules such as 'q_proj', 'layers.0', '*.down_proj' or "
+                    f"'experts'")
+    return ""
 
 
 def check_fp8(cfg, mc) -> None:

@@ -26,12 +26,17 @@ linear is refused (ConfigError): a typo would otherwise silently change nothing.
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import replace
 
 import torch
 from torch import nn
 
+from fivefold.config.fp8 import (  # noqa: F401 (parse_keep_out: re-exported)
+    ALWAYS_KEPT_OUT,
+    keep_out_matches,
+    parse_keep_out,
+    unmatched_keep_out,
+)
 from fivefold.config.train import resolve_compile
 from fivefold.errors import ConfigError
 from fivefold.lowp.delayed import add_expert_history, add_history
@@ -46,17 +51,6 @@ from fivefold.lowp.linear import (
 from fivefold.models.moe import GroupedExperts
 from fivefold.numerics.fp8_kernel import kernel_shape_problem, kernel_support
 
-ALWAYS_KEPT_OUT = ("lm_head", "*.shared_expert_gate")
-
-
-def parse_keep_out(text: str) -> list[str]:
-    return [p.strip() for p in text.split(",") if p.strip()]
-
-
-def _matches(name: str, pattern: str) -> bool:
-    return (fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ".*")
-            or ("." not in pattern and name.rsplit(".", 1)[-1] == pattern))
-
 
 def fp8_targets(model: nn.Module) -> dict[str, nn.Module]:
     """The modules FP8 can take over: linears, pluggable-GEMM layers, grouped experts."""
@@ -69,14 +63,12 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe,
                    keep_out: list[str] | tuple[str, ...] = ()) -> list[str]:
     """Swap FP8 GEMMs into `model` (meta-built or materialised); returns the converted names."""
     targets = fp8_targets(model)
-    for pattern in keep_out:
-        if not any(_matches(name, pattern) for name in targets):
-            raise ConfigError(f"train.fp8_keep_out pattern '{pattern}' matches no linear "
-                              f"layer of the model; name modules such as 'q_proj', "
-                              f"'layers.0', '*.down_proj' or 'experts'")
+    problem = unmatched_keep_out(targets, keep_out)
+    if problem:
+        raise ConfigError(problem)
     converted = []
     for name, module in targets.items():
-        if any(_matches(name, p) for p in (*ALWAYS_KEPT_OUT, *keep_out)):
+        if any(keep_out_matches(name, p) for p in (*ALWAYS_KEPT_OUT, *keep_out)):
             continue
         if isinstance(module, nn.Linear):
             _swap(module, FP8LinearMixin).fp8_recipe = recipe

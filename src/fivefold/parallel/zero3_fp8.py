@@ -38,7 +38,8 @@ with the history's multiplier, the bytes the linear's own delayed cast of the wh
 writes. Each rank's amax of its piece of W goes with the gathered weight (`GatheredWeight.
 record`) and the linear folds it into its pending W record (lowp/delayed.py
 `record_gathered`); the step's one all_reduce(max) of every record (`end_step`, over the
-pipeline stage's ranks: the mesh's `stage` group) makes it the whole weight's amax, the record the linear folds without the gather.
+pipeline stage's ranks: the mesh's `stage` group) makes it the whole weight's amax, the
+record the linear folds without the gather.
 On a step where a weight's row has no record yet (the first), its scale is its own amax,
 as delayed scaling's first step is dynamic: the one all-reduce of amaxes above gives it.
 The input gradient's Wᵀ is the gathered codes transposed, as under dynamic scaling.

@@ -80,6 +80,7 @@ def activation_bytes_per_microbatch(
     ep: int = 1,
     chunked_loss: bool = True,
     fp8_recipe: str = "",
+    fp8_linears=None,
     loss_parallel: bool = False,
     softmax_loss: bool = False,
     loss_device_memory: float = 0.0,
@@ -130,6 +131,10 @@ def activation_bytes_per_microbatch(
     alone (re-running it would repeat its cp − 1 K/V transfers to free only the output and
     LSE), so the attention core term stays. `cp_comm = "allgather"` keeps the gathered K/V of
     all cp ranks for backward: (cp − 1)·2·T·kv·B more than the ring.
+
+    `fp8_recipe` (precision = fp8, dense layers, recompute = none): the FP8 linears' saved
+    inputs (plan/fp8.py `apply_fp8_terms`), of the layer's `fp8_linears` (those
+    train.fp8_keep_out leaves in FP8, plan/fp8_linears.py; None: every linear).
 
     Outside the layers: rope_tables = the cos and sin tables every layer of a stage shares,
     2·s·d·B (kept by each layer's rotation, and by a fully recomputed layer as its inputs);
@@ -220,7 +225,8 @@ def activation_bytes_per_microbatch(
     if fp8_recipe and recompute == "none" and not model.num_experts:  # FP8 linears' inputs
         apply_fp8_terms(terms, recipe=fp8_recipe, tokens=tokens, h=h, q=q,
                         f=model.intermediate_size / tp, dtype_bytes=B,
-                        swiglu=model.mlp == "swiglu", qkv_tokens=col_input / (h * B))
+                        swiglu=model.mlp == "swiglu", qkv_tokens=col_input / (h * B),
+                        linears=fp8_linears)
     return _finish(model, terms, tokens, tp, seq_div, B, dropout, col_input, seq_len / cp,
                    chunked_loss, loss_parallel, softmax_loss, loss_device_memory)
 

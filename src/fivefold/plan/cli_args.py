@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--fp8-allgather", action="store_true",
                     help="with --precision fp8: ZeRO-3 gathers the FP8 linears' weights in "
                     "FP8, tensorwise (parallel.fp8_allgather)")
+    tr.add_argument("--fp8-keep-out", default="", metavar="PATTERNS",
+                    help="with --precision fp8: linears left in bf16, a comma list of "
+                    "module-name patterns (train.fp8_keep_out), e.g. layers.0,o_proj")
     ft = ap.add_argument_group("fine-tuning")
     ft.add_argument("--lora-rank", type=int, default=0,
                     help="plan LoRA of this rank on a frozen base (0: full training)")
@@ -107,6 +110,7 @@ def workload_options(args) -> dict:
                 **({"grad_sync": args.grad_sync} if args.grad_sync else {}),
                 **({"fp8_allgather": True, "fp8_recipe": "tensorwise"}
                    if args.fp8_allgather else {}),
+                **({"fp8_keep_out": args.fp8_keep_out} if args.fp8_keep_out else {}),
                 **lora_options(args)}
 
 

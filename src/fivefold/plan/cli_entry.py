@@ -29,6 +29,7 @@ from fivefold.plan.cli_args import (
 )
 from fivefold.plan.conventions import get_convention
 from fivefold.plan.evaluate import plan_layout
+from fivefold.plan.fp8_linears import keep_out_problem
 from fivefold.plan.hardware import (
     CATALOG,
     check_memory_budget,
@@ -84,6 +85,13 @@ def _check(work, layout, hw, strict: bool = False) -> None:
     problems = check_layout(work, layout, None, strict)
     if problems:
         raise ConfigError(f"layout {layout.short()}: {problems[0]}")
+
+
+def _check_keep_out(work) -> None:
+    """A train.fp8_keep_out pattern that names no linear: the engine's refusal, here."""
+    problem = keep_out_problem(work.model, work.fp8_keep_out) if work.precision == "fp8" else ""
+    if problem:
+        raise ConfigError(problem)
 
 
 def _explain(plan, work, hw) -> str:
@@ -142,6 +150,9 @@ def run(argv: list[str]) -> int:
     if args.fp8_allgather and (args.config or args.precision != "fp8"):
         raise ConfigError("--fp8-allgather needs --precision fp8 (with --config, set "
                           "parallel.fp8_allgather = true in the file instead)")
+    if args.fp8_keep_out and (args.config or args.precision != "fp8"):
+        raise ConfigError("--fp8-keep-out needs --precision fp8 (with --config, set "
+                          "train.fp8_keep_out in the file instead)")
     options = workload_options(args)
     if args.config and args.convention != "fivefold":
         raise ConfigError(f"--convention {args.convention} plans another engine's run; a "
@@ -149,6 +160,7 @@ def run(argv: list[str]) -> int:
     if args.config:
         cfg = read_training_config(args.config, extra)
         work, layout = training_plan_inputs(cfg, hw, assume, **options)
+        _check_keep_out(work)
         work = recompute_options(args, work, hw, assume)
         if args.recompute:
             layout = dataclasses.replace(layout, recompute=args.recompute)
@@ -196,6 +208,7 @@ def run(argv: list[str]) -> int:
         options = {"loss_device_memory": hw.memory_gib * 2**30, **options}
     work = Workload(model=model, seq_len=args.seq_len, gbs=gbs, precision=args.precision,
                     **{"grad_sync": "auto", **options})
+    _check_keep_out(work)
     convention = get_convention(args.convention)
     work = convention.apply_workload(work, explicit_workload(args))
     assume = convention.apply_assumptions(assume, set(parse_overrides(args.hw)))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from fivefold.plan.activations import kv_heads_per_rank
 from fivefold.plan.fp8 import delayed_amax_records, fp8_expert_gather_terms, fp8_gather_terms
+from fivefold.plan.fp8_linears import rank_fp8_linears
 from fivefold.plan.layout import (
     Layout,
     Workload,
@@ -136,9 +137,14 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
     # dense weights' buffers, parallel/expert_optim.py) ---
     expert_group = "edp" if lay.ep > 1 else dp_group_name(lay)
     moe = moe_layers_on_rank(mc, lay, pp_rank)
-    # routed experts gathered in FP8 (plan/fp8.py); at ep 1 their amaxes ride in the dense
-    # weights' one all-reduce (one gatherer), under ep in the edp gatherer's own
-    fp8_experts = fp8_expert_gather_terms(work, lay, params["expert"], moe)
+    # the rank's FP8 linears and routed experts (not those train.fp8_keep_out leaves in
+    # bf16: plan/fp8_linears.py); experts gathered in FP8 (plan/fp8.py): at ep 1 their
+    # amaxes ride in the dense weights' one all-reduce (one gatherer), under ep in the edp
+    # gatherer's own
+    fp8_linears = rank_fp8_linears(work, lay, pp_rank)
+    fp8_experts = fp8_expert_gather_terms(
+        work, lay, params["expert"] * fp8_linears.experts / moe if moe else 0.0,
+        fp8_linears.experts)
     for k, (group, n, elems) in enumerate((
             (dp_group_name(lay), lay.dp * lay.cp, params["dense"]),
             (expert_group, lay.dp * lay.cp // lay.ep, params["expert"]))):
@@ -151,7 +157,7 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
             add(group, sync, grad_bytes, elems, rs_calls, n, "grad", "gradients")
             add(group, "all_gather", bpp.param, elems, 1, n, "step", "updated parameters")
         else:  # FP8 linears' weights at 1 byte with parallel.fp8_allgather (plan/fp8.py)
-            fp8, amaxes = (fp8_gather_terms(work, lay, layers - moe, moe,
+            fp8, amaxes = (fp8_gather_terms(work, lay, fp8_linears,
                                             kv_heads_per_rank(mc, lay.tp))
                            if k == 0 else fp8_experts)
             what = "FP8 linear weights" if k == 0 else "FP8 expert weights"
@@ -176,9 +182,9 @@ def collectives(work: Workload, layout: Layout, pp_rank: int = 0) -> list[Collec
         embedding = mc.vocab_size * h / lay.tp
         add(dp_group_name(lay), "all_gather", bpp.param, embedding, 2 * m, lay.dp * lay.cp,
             "fwd", "tied embedding for the head")
-    # delayed FP8 scaling: the step's amax records of this rank's layers, one
+    # delayed FP8 scaling: the step's amax records of this rank's FP8 linears, one
     # all_reduce(max) over the stage's dp x cp x tp ranks (plan/fp8.py)
-    add("stage", "all_reduce", 4, delayed_amax_records(work, layers, moe), 1,
+    add("stage", "all_reduce", 4, delayed_amax_records(work, fp8_linears), 1,
         lay.dp * lay.cp * lay.tp, "step", "FP8 amax records (delayed scaling)")
     if lay.zero >= 1:  # the squared norm of the gradient shards, for clipping (float64)
         add(dp_group_name(lay), "all_reduce", 8, 1, 1, lay.dp * lay.cp, "step", "grad norm")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from fivefold.plan.activations import kv_heads_per_rank
 from fivefold.plan.fp8 import fp8_expert_gather_terms, fp8_gather_terms
+from fivefold.plan.fp8_linears import layer_fp8_linears, layer_kinds
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.model_states import bytes_per_param, layer_param_counts, rank_param_counts
 from fivefold.plan.placement import chunk_layer_counts, num_chunks, rank_chunks
@@ -70,12 +71,18 @@ def _dp_bucket_bytes(work: Workload, layout: Layout, rank: int) -> float:
             sum(layer_param_counts(mc, layout.tp, layout.ep).values())), shards)
     layers, chunks = chunk_layer_counts(mc, layout), rank_chunks(layout, rank)
     last = num_chunks(layout) - 1
-    fp8_pair = fp8_gather_buffers(work, layout, per_layer)
+    fp8_held = fp8_gather_buffers(work, layout, per_layer)
     # A tied head on another rank than the embedding holds its own copy; on the same rank
     # it uses the embedding (the same weight, or borrowed and gathered again: DualPipeV).
     tied_across = mc.tie_embeddings and layout.pp > 1 and ((0 in chunks) != (last in chunks))
     peak, units = 0.0, []
     for c in chunks:
+        first = sum(layers[:c])  # the chunk's blocks are layers first .. first + layers[c] - 1
+        # FP8 gathers: forward, block i in use and i + 1 prefetched; backward, block n
+        # (counting down) in use and n - 1 prefetched
+        fp8_fwd = max((fp8_held(first + i, first + i + 1 if i + 1 < layers[c] else None)
+                       for i in range(layers[c])), default=0.0)
+        fp8_bwd = [fp8_held(first + n, first + n - 1 if n else None) for n in range(layers[c])]
         rest, borrowed = (vocab if c == 0 else 0.0), 0.0
         if c == last:
             head = vocab if not mc.tie_embeddings or 0 not in chunks else 0.0
@@ -83,12 +90,12 @@ def _dp_bucket_bytes(work: Workload, layout: Layout, rank: int) -> float:
             borrowed = vocab if mc.tie_embeddings and c != 0 and 0 in chunks else 0.0
         gathered = (rest + borrowed) * bpp.param
         peak = max(peak, gathered + min(2, layers[c]) * per_layer * bpp.param
-                   + min(2, layers[c]) * frozen + fp8_pair(min(2, layers[c])))
+                   + min(2, layers[c]) * frozen + fp8_fwd)
         if not tied_across:
             staged = (rest if c == last else 0.0) * bpp.grad
             blocks = max(((min(2, n + 1) * bpp.param
                            + (1 + min(k - 1, layers[c] - 1 - n)) * bpp.grad) * per_layer
-                          + fp8_pair(min(2, n + 1)) for n in range(layers[c])), default=0)
+                          + fp8_bwd[n] for n in range(layers[c])), default=0)
             peak = max(peak, gathered + staged + blocks)
             if frozen:  # blocks n and n-1's frozen bases are gathered with their adapters
                 peak = max(peak, gathered + staged + max(
@@ -123,25 +130,32 @@ def comm_buffer_bytes(work: Workload, layout: Layout, rank: int) -> float:
 
 
 def fp8_gather_buffers(work: Workload, layout: Layout, per_layer: float):
-    """parallel.fp8_allgather's own bytes beside m gathered blocks (parallel/zero3.py
-    `fp8_buffers`), as a function of m: the block in use holds its FP8 codes (a byte per
-    element of its unit), the prefetched one, its gather in flight, the messages: the
+    """parallel.fp8_allgather's own bytes beside gathered blocks (parallel/zero3.py
+    `fp8_buffers`), as a function of the block in use and the prefetched one (layer
+    indices; None: none prefetched): the block in use holds its FP8 codes (a byte per
+    element of its unit), the prefetched one its gather in flight, the messages: the
     receive buffer of every rank's message and this rank's send buffer, (n + 1)/n of the
     unit's FP8 weights (routed experts' too) at 1 byte and its other elements at their
-    dtype's (n: dp x cp). Each message is padded to the longest rank's and to the dtype's
-    alignment: a few hundred bytes the planner leaves out (tests/test_fp8_gather_memory.py
-    bounds them)."""
-    shards = layout.dp * layout.cp
-    mc = work.model
-    moe_layers = mc.num_experts > 0  # a MoE model's blocks: mostly MoE layers
-    fp8 = fp8_gather_terms(work, layout, 0.0 if moe_layers else 1.0, 1.0 if moe_layers else 0.0,
-                           kv_heads_per_rank(mc, layout.tp))[0]
-    if moe_layers:  # and the routed experts' weights, at 1 byte too
-        fp8 += fp8_expert_gather_terms(work, layout,
-                                       layer_param_counts(mc, layout.tp, layout.ep)["expert"],
-                                       1.0)[0]
-    if not fp8:
-        return lambda m: 0.0
+    dtype's (n: dp x cp). A block whose linears train.fp8_keep_out leaves all in bf16 is a
+    bf16 unit: none of these (plan/fp8_linears.py). Each message is padded to the longest
+    rank's and to the dtype's alignment: a few hundred bytes the planner leaves out
+    (tests/test_fp8_gather_memory.py bounds them)."""
+    if not (work.fp8_allgather and work.precision == "fp8" and layout.zero == 3):
+        return lambda in_use, prefetched=None: 0.0
+    shards, mc = layout.dp * layout.cp, work.model
+    kv = kv_heads_per_rank(mc, layout.tp)
+    experts = layer_param_counts(mc, layout.tp, layout.ep)["expert"] if mc.num_experts else 0
     param = bytes_per_param(work.precision, work.optimizer, work.grad_dtype_bytes).param
-    flight = (shards + 1) / shards * (fp8 + param * (per_layer - fp8))
-    return lambda m: 0.0 if m < 1 else per_layer + (m - 1) * flight
+
+    # each layer's weight elements gathered in FP8, from its kind's (its FP8 linears)
+    kinds = {linears: (fp8_gather_terms(work, layout, linears, kv)[0]
+                       + fp8_expert_gather_terms(work, layout, experts * linears.experts,
+                                                 linears.experts)[0])
+             for linears, _ in layer_kinds(work, 0, mc.num_layers)}
+    fp8 = [kinds[layer_fp8_linears(work, i)] for i in range(mc.num_layers)]
+
+    def held(in_use: int, prefetched: int | None = None) -> float:
+        codes = per_layer if fp8[in_use] else 0.0
+        f = fp8[prefetched] if prefetched is not None else 0.0
+        return codes + ((shards + 1) / shards * (f + param * (per_layer - f)) if f else 0.0)
+    return held

@@ -25,8 +25,9 @@ anywhere in its weights), which this does not count: well under 1% of a unit at 
 Their scales come from one all_reduce(max) of fp32 amaxes per step, one per weight; under
 delayed scaling (train.fp8_scaling = delayed) from the weights' amax histories, with no
 all-reduce of their own after the first step (their records ride in delayed scaling's one
-all-reduce, `delayed_amax_records`). A train.fp8_keep_out linear gathers in bf16; this still
-counts it at 1 byte.
+all-reduce, `delayed_amax_records`). A train.fp8_keep_out linear is no FP8 linear to any
+term here: the terms take the rank's counts of FP8 linears (plan/fp8_linears.py), so it
+gathers in bf16, casts nothing and records no amax.
 
 Time: the fused cast kernels' HBM bytes (read + written), which plan/timing.py adds to a
 micro-batch at the HBM rate: the dense linears' (`cast_bytes` per operand,
@@ -38,7 +39,10 @@ of the weights' casts (`rank_gather_cast_bytes`; tests/test_plan_fp8_gather_cast
 
 from __future__ import annotations
 
+import functools
 import math
+
+from fivefold.plan.fp8_linears import FP8Linears
 
 FP8_BYTES = 1
 SCALE_BYTES = 4
@@ -58,18 +62,26 @@ def saved_input(recipe: str, tokens: float, channels: float) -> float:
 
 
 def apply_fp8_terms(terms: dict[str, float], *, recipe: str, tokens: float, h: int, q: float,
-                    f: float, dtype_bytes: int, swiglu: bool, qkv_tokens: float) -> None:
+                    f: float, dtype_bytes: int, swiglu: bool, qkv_tokens: float,
+                    linears: FP8Linears | None = None) -> None:
     """Rewrite a dense layer's recompute = none terms (plan/activations.py) in place.
     `qkv_tokens`: the rows of the column linears' saved input (all T under SP).
     rowwise_gw_hp saves its input in the compute dtype, as bf16 does (its weight gradient
-    is a bf16 GEMM of that input): the terms stay as they are."""
+    is a bf16 GEMM of that input): the terms stay as they are. `linears`: the layer's FP8
+    linears (plan/fp8_linears.py; None: all): a train.fp8_keep_out linear saves its input
+    as bf16 does, beside the FP8 copy where another reader of that input is FP8."""
     if recipe == "rowwise_gw_hp":
         return
-    terms["qkv_input"] = saved_input(recipe, qkv_tokens, h)
-    terms["mlp_input"] = saved_input(recipe, qkv_tokens, h)
-    terms["attn_out"] = saved_input(recipe, tokens, q)
+    n = linears or FP8Linears(1, 1, 1, 1, 1, int(swiglu), 1, 1, 1)
+    up = 2 if swiglu else 1
+    for term, fp8, bf16 in (("qkv_input", n.qkv_input, n.q + n.k + n.v < 3),
+                            ("mlp_input", n.mlp_input, n.gate + n.up < up)):
+        terms[term] = ((terms[term] if bf16 else 0.0)
+                       + (saved_input(recipe, qkv_tokens, h) if fp8 else 0.0))
+    if n.o:
+        terms["attn_out"] = saved_input(recipe, tokens, q)
     product = tokens * f * dtype_bytes
-    if swiglu:
+    if swiglu and n.down:
         terms["mlp_hidden"] += saved_input(recipe, tokens, f) - product
 
 
@@ -77,25 +89,25 @@ def _fp8_gather_on(work, layout) -> bool:
     return bool(work.fp8_allgather and work.precision == "fp8" and layout.zero == 3)
 
 
-def fp8_gather_terms(work, layout, dense: float, moe: float, kv_heads: int
+def fp8_gather_terms(work, layout, linears: FP8Linears, kv_heads: int
                      ) -> tuple[float, float]:
     """(elements, weights) of this rank's FP8-linear weights that ZeRO-3 gathers in FP8 with
-    parallel.fp8_allgather, over `dense` dense and `moe` MoE layers on this pipeline rank;
-    `kv_heads`: the k/v heads one tp rank holds. Every layer's q, k, v and o (over tp), a dense
-    layer's MLP linears (over tp) and a MoE layer's shared expert (whole on every tp rank, as
-    its block runs: plan/model_states.py). Not the routed experts (`fp8_expert_gather_terms`),
-    the router, the shared expert's gate, the head, norms or embedding. The weights count the
-    fp32 amaxes of the step's one all_reduce(max) that sets their scales."""
-    mc = work.model
+    parallel.fp8_allgather, `linears`: the FP8 linears of the rank's layers
+    (plan/fp8_linears.py); `kv_heads`: the k/v heads one tp rank holds. q, k, v and o (over
+    tp), a dense layer's MLP linears (over tp) and a MoE layer's shared expert (whole on
+    every tp rank, as its block runs: plan/model_states.py). Not the routed experts
+    (`fp8_expert_gather_terms`), the router, the shared expert's gate, the head, norms,
+    embedding or a kept-out linear. The weights count the fp32 amaxes of the step's one
+    all_reduce(max) that sets their scales."""
+    mc, n = work.model, linears
     if not _fp8_gather_on(work, layout):
         return 0.0, 0.0
     h, d, t = mc.hidden_size, mc.dim_per_head, layout.tp
-    attn = 2 * h * mc.num_heads * d / t + 2 * h * kv_heads * d  # q, o; k, v
-    linears = 3 if mc.mlp == "swiglu" else 2
-    mlp = linears * h * mc.intermediate_size / t
-    shared = mc.shared_expert_intermediate_size if mc.num_experts else 0
-    elements = (dense + moe) * attn + dense * mlp + moe * linears * h * shared
-    weights = 4 * (dense + moe) + linears * (dense + (moe if shared else 0))
+    elements = (h * mc.num_heads * d / t * (n.q + n.o) + h * kv_heads * d * (n.k + n.v)
+                + h * mc.intermediate_size / t * (n.gate + n.up + n.down)
+                + h * mc.shared_expert_intermediate_size * (n.shared_gate + n.shared_up
+                                                            + n.shared_down))
+    weights = n.linears
     if getattr(work, "fp8_scaling", "dynamic") == "delayed":
         weights = 0.0  # scales from the amax histories: no all-reduce after the first step
     return elements, weights
@@ -112,23 +124,19 @@ def fp8_expert_gather_terms(work, layout, elements: float, moe: float) -> tuple[
     return elements, 3 * moe * work.model.num_experts / layout.ep
 
 
-def delayed_amax_records(work, layers: float, moe: float = 0) -> float:
+def delayed_amax_records(work, linears) -> float:
     """The fp32 elements delayed scaling (train.fp8_scaling = delayed, lowp/delayed.py)
     reduces in its one all_reduce(max) a step over the ranks of one pipeline stage (dp x cp
-    x tp; the `stage` group, every rank without pp), for the rank's `layers` of which `moe`
-    are mixture-of-experts layers (under pp the rank's chunks' layers only, each stage
-    reducing its own): x, W and ∂y of every FP8 linear (q, k, v, o and a dense layer's MLP
-    or a MoE layer's shared expert, a tp shard each) and, per MoE layer, of every routed
-    expert's three projections, each with a flag of whether the rank recorded it (all E
-    experts' even under ep, where a rank fills its own experts' rows: `_expert_block`).
-    A train.fp8_keep_out linear records nothing; this still counts it (a few bytes)."""
+    x tp; the `stage` group, every rank without pp), for the FP8 linears of the rank's
+    layers (`linears`, plan/fp8_linears.py `FP8Linears`; under pp the rank's chunks' layers
+    only, each stage reducing its own; a train.fp8_keep_out linear is none of them): x, W
+    and ∂y of every FP8 linear (q, k, v, o and a dense layer's MLP or a MoE layer's shared
+    expert, a tp shard each) and, per MoE layer with FP8 routed experts, of every expert's
+    three projections, each with a flag of whether the rank recorded it (all E experts'
+    even under ep, where a rank fills its own experts' rows: `_expert_block`)."""
     if work.precision != "fp8" or getattr(work, "fp8_scaling", "dynamic") != "delayed":
         return 0.0
-    mc = work.model
-    mlp = 3 if mc.mlp == "swiglu" else 2
-    shared = 3 if mc.num_experts and mc.shared_expert_intermediate_size else 0
-    dense = 3 * (4 * layers + mlp * (layers - moe) + shared * moe)
-    return dense + 2 * 9 * mc.num_experts * moe
+    return 3 * linears.linears + 2 * 9 * work.model.num_experts * linears.experts
 
 
 def expert_cast_bytes(recipe: str, rows: float, experts: float, h: int, inter: int,
@@ -299,64 +307,71 @@ def _linears_cast_bytes(recipe: str, tokens: float, weights: list, acts_f: list,
     return fwd, bwd
 
 
-def attention_cast_bytes(recipe: str, tokens: float, h: int, q: float, kv: float,
-                         dtype_bytes: int = 2, scaling: str = "dynamic", gathered: bool = False
-                         ) -> tuple[float, float]:
-    """(forward, backward) cast bytes of one layer's q, k, v and o on a tp rank (widths q
-    and kv per rank): q, k and v cast their common input once (lowp/linear.py caches it);
-    each output's ∂y is cast on its own. Every linear sees all `tokens` rows (under SP the
-    gathered ones). `gathered`: weights gathered in FP8 (`_linears_cast_bytes`)."""
-    return _linears_cast_bytes(recipe, tokens, [(q, h), (kv, h), (kv, h), (h, q)], [h, q],
-                               [q, kv, kv, h], dtype_bytes, scaling, gathered)
-
-
 def mlp_cast_bytes(recipe: str, tokens: float, h: int, f: float, swiglu: bool,
                    dtype_bytes: int = 2, scaling: str = "dynamic", gathered: bool = False
                    ) -> tuple[float, float]:
     """(forward, backward) cast bytes of an MLP of width f (per rank): gate and up (SwiGLU;
-    one cast of their common input) or up, and down."""
+    one cast of their common input) or up, and down; every linear in FP8 (a rank's layers:
+    `rank_dense_cast_bytes`). `gathered`: weights gathered in FP8 (`_linears_cast_bytes`)."""
     up = 2 if swiglu else 1
     return _linears_cast_bytes(recipe, tokens, [(f, h)] * up + [(h, f)], [h, f],
                                [f] * up + [h], dtype_bytes, scaling, gathered)
 
 
-def rank_dense_cast_bytes(work, layout, tokens: float, layers: float, moe: float
+def rank_dense_cast_bytes(work, layout, tokens: float, linears: FP8Linears
                           ) -> tuple[float, float]:
     """(forward, backward) bytes of the dense FP8 linears' casts of one micro-batch of
-    `tokens` on a pipeline rank of `layers` layers, `moe` of them MoE: every layer's
+    `tokens` on a pipeline rank whose layers hold `linears` (plan/fp8_linears.py): the
     attention linears and a dense layer's MLP (over tp), a MoE layer's shared expert
-    (whole, as its block runs). The routed experts are `expert_cast_bytes`'. A
-    train.fp8_keep_out linear still counts; delayed scaling at its steady state (its first
-    step adds an amax pass per operand). Under parallel.fp8_allgather the weights' casts
-    are their FP8 gathers' instead (`rank_gather_cast_bytes`), and their backward's Wᵀ a
-    copy of the gathered codes."""
+    (whole, as its block runs), each one's weight and ∂y, and the inputs they share cast
+    once (q, k and v's if any of them is FP8, gate and up's likewise, o's and down's own).
+    A train.fp8_keep_out linear casts nothing. The routed experts are `expert_cast_bytes`'.
+    Delayed scaling at its steady state (its first step adds an amax pass per operand).
+    Under parallel.fp8_allgather the weights' casts are their FP8 gathers' instead
+    (`rank_gather_cast_bytes`), and their backward's Wᵀ a copy of the gathered codes."""
     if work.precision != "fp8":
         return 0.0, 0.0
-    mc, t, b = work.model, layout.tp, work.dtype_bytes
-    recipe, scaling = work.fp8_recipe, getattr(work, "fp8_scaling", "dynamic")
-    h, d = mc.hidden_size, mc.dim_per_head
-    swiglu, g = mc.mlp == "swiglu", fp8_gathers(work, layout) != (0.0, 0.0)
-    attn = attention_cast_bytes(recipe, tokens, h, mc.num_heads * d / t,
-                                mc.num_kv_heads * d / t, b, scaling, g)
-    dense = mlp_cast_bytes(recipe, tokens, h, mc.intermediate_size / t, swiglu, b, scaling, g)
-    shared_f = mc.shared_expert_intermediate_size if mc.num_experts else 0
-    shared = (mlp_cast_bytes(recipe, tokens, h, shared_f, swiglu, b, scaling, g) if shared_f
-              else (0.0, 0.0))
-    return tuple(layers * a + (layers - moe) * m + moe * s
-                 for a, m, s in zip(attn, dense, shared))
+    mc, t, n = work.model, layout.tp, linears
+    d = mc.dim_per_head
+    table = _kind_cast_bytes(work.fp8_recipe, getattr(work, "fp8_scaling", "dynamic"), tokens,
+                             mc.hidden_size, mc.num_heads * d / t, mc.num_kv_heads * d / t,
+                             mc.intermediate_size / t, mc.shared_expert_intermediate_size,
+                             work.dtype_bytes, fp8_gathers(work, layout) != (0.0, 0.0))
+    counts = (n.q, n.k, n.v, n.o, n.qkv_input, n.o, n.gate, n.up, n.down, n.mlp_input, n.down,
+              n.shared_gate, n.shared_up, n.shared_down, n.shared_input, n.shared_down)
+    return (sum(c * fwd for c, (fwd, _) in zip(counts, table) if c),
+            sum(c * bwd for c, (_, bwd) in zip(counts, table) if c))
 
 
-def rank_gather_cast_bytes(work, layout, layers: float, moe: float, kv_heads: int,
+@functools.lru_cache(maxsize=4096)
+def _kind_cast_bytes(recipe: str, scaling: str, tokens: float, h: int, q: float, kv: float,
+                     f: float, fs: float, b: int, g: bool) -> tuple:
+    """(forward, backward) cast bytes of one linear of each kind (its W and ∂y: q, k, v, o,
+    gate, up, down, the shared expert's three) and of each input cast once for the linears
+    reading it (q, k and v's; o's; gate and up's; down's; the shared expert's two), in
+    `rank_dense_cast_bytes`' order."""
+    def linear(out, inp):
+        return _linears_cast_bytes(recipe, tokens, [(out, inp)], [], [out], b, scaling, g)
+
+    def inputs(channels):
+        return _linears_cast_bytes(recipe, tokens, [], [channels], [], b, scaling, g)
+
+    return (linear(q, h), linear(kv, h), linear(kv, h), linear(h, q), inputs(h), inputs(q),
+            linear(f, h), linear(f, h), linear(h, f), inputs(h), inputs(f),
+            linear(fs, h), linear(fs, h), linear(h, fs), inputs(h), inputs(fs))
+
+
+def rank_gather_cast_bytes(work, layout, linears: FP8Linears, kv_heads: int,
                            expert_elements: float) -> tuple[float, float]:
     """(forward, backward) bytes per micro-batch of ZeRO-3's FP8 gathers (`gather_bytes`,
-    `fp8_gathers`) on a pipeline rank of `layers` layers, `moe` of them MoE: the FP8
-    linears' weights (`fp8_gather_terms`, sharded over dp·cp) and the routed experts'
-    `expert_elements` (over dp·cp/ep: the edp group's ZeRO-3)."""
+    `fp8_gathers`) on a pipeline rank whose layers hold `linears` (plan/fp8_linears.py):
+    the FP8 linears' weights (`fp8_gather_terms`, sharded over dp·cp) and the FP8 routed
+    experts' `expert_elements` (over dp·cp/ep: the edp group's ZeRO-3)."""
     gathers = fp8_gathers(work, layout)
     if gathers == (0.0, 0.0):
         return 0.0, 0.0
     b, shards = work.dtype_bytes, layout.dp * layout.cp
-    dense = fp8_gather_terms(work, layout, layers - moe, moe, kv_heads)[0]
-    experts = fp8_expert_gather_terms(work, layout, expert_elements, moe)[0]
+    dense = fp8_gather_terms(work, layout, linears, kv_heads)[0]
+    experts = fp8_expert_gather_terms(work, layout, expert_elements, linears.experts)[0]
     one = gather_bytes(dense, shards, b) + gather_bytes(experts, shards / layout.ep, b)
     return gathers[0] * one, gathers[1] * one

@@ -187,6 +187,7 @@ def training_plan_inputs(cfg: fconfig.Config, hw=None, assume=None,
     workload_options.setdefault("fp8_recipe", getattr(tr, "fp8_recipe", "blockwise"))
     workload_options.setdefault("fp8_allgather", getattr(par, "fp8_allgather", False))
     workload_options.setdefault("fp8_scaling", getattr(tr, "fp8_scaling", "dynamic"))
+    workload_options.setdefault("fp8_keep_out", getattr(tr, "fp8_keep_out", ""))
     if hw is not None and not runs_on_host(hw):  # a GPU's fused loss: chunks by its memory
         workload_options.setdefault("loss_device_memory", hw.memory_gib * 2**30)
     lora = getattr(cfg, "lora", None)

@@ -157,6 +157,7 @@ class Workload:
     fp8_recipe: str = "blockwise"  # precision = fp8: how the saved inputs scale (plan/fp8.py)
     fp8_allgather: bool = False  # ZeRO-3 gathers FP8 linears' weights at 1 byte (plan/fp8.py)
     fp8_scaling: str = "dynamic"  # delayed: an all_reduce(max) of amaxes a step (plan/fp8.py)
+    fp8_keep_out: str = ""  # train.fp8_keep_out: linears left in bf16 (plan/fp8_linears.py)
     # A materialised loss on vocabulary-parallel logits (DTensor loss parallel, torchtitan
     # with tp > 1): its backward holds more fp32 T×V/tp buffers (plan/activations.py).
     loss_parallel: bool = False

@@ -13,6 +13,7 @@ from fivefold.plan.activations import (
 )
 from fivefold.plan.allocator import allocator_waste, released_cache
 from fivefold.plan.comm_buffers import comm_buffer_bytes
+from fivefold.plan.fp8_linears import layer_kinds
 from fivefold.plan.hardware import GIB, Assumptions
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.model_states import (  # noqa: F401 (bytes_per_param: comm.py's)
@@ -64,10 +65,12 @@ def memory_items(work: Workload, layout: Layout, assume: Assumptions, rank: int 
     inflight = inflight_microbatches(layout, m, rank)
     # A micro-batch's activations in each of the rank's chunks: its layers, the rotary tables
     # its forward computes (when it has layers to use them), the embedding's in chunk 0.
-    chunk_layers = [chunk_layer_counts(mc, layout)[c] for c in rank_chunks(layout, rank)]
-    per_microbatch = [act.layer * n + (act.rope_tables if n else 0)
-                      + (act.embedding if c == 0 else 0)
-                      for c, n in zip(rank_chunks(layout, rank), chunk_layers)]
+    counts = chunk_layer_counts(mc, layout)
+    chunk_layers = [counts[c] for c in rank_chunks(layout, rank)]
+    per_microbatch = [layers_activation_bytes(work, layout, act, sum(counts[:c]),
+                                              sum(counts[:c + 1]))
+                      + (act.rope_tables if counts[c] else 0) + (act.embedding if c == 0 else 0)
+                      for c in rank_chunks(layout, rank)]
     alive = inflight_per_chunk(layout, m, rank, tuple(per_microbatch))
     activations = sum(n * b for n, b in zip(alive, per_microbatch)) + _working_set(work, layout)
     if layout.recompute == "auto":  # the per-layer choices under the budget (below the
@@ -154,6 +157,19 @@ def _act_kwargs(work: Workload, layout: Layout) -> dict:
             "ep": layout.ep, "fp8_recipe": work.fp8_recipe if work.precision == "fp8" else "",
             "chunked_loss": work.chunked_loss, "loss_parallel": work.loss_parallel,
             "softmax_loss": work.softmax_loss, "loss_device_memory": work.loss_device_memory}
+
+
+def layers_activation_bytes(work: Workload, layout: Layout, act: ActivationBytes, first: int,
+                            stop: int) -> float:
+    """The saved bytes of one micro-batch of layers first .. stop-1: `act.layer` each, but
+    a layer with linears train.fp8_keep_out leaves in bf16 saves their inputs as bf16
+    does (plan/fp8_linears.py; `apply_fp8_terms`)."""
+    if not (work.precision == "fp8" and work.fp8_keep_out):
+        return act.layer * (stop - first)
+    return sum(n * activation_bytes_per_microbatch(work.model, layout.mbs, work.seq_len,
+                                                   fp8_linears=linears,
+                                                   **_act_kwargs(work, layout)).layer
+               for linears, n in layer_kinds(work, first, stop))
 
 
 def _activations(work: Workload, layout: Layout) -> ActivationBytes:

@@ -24,6 +24,7 @@ from fivefold.plan.fp8 import (
     rank_dense_cast_bytes,
     rank_gather_cast_bytes,
 )
+from fivefold.plan.fp8_linears import fp8_gemm_flops, rank_fp8_linears
 from fivefold.plan.hardware import (
     Assumptions,
     Hardware,
@@ -129,7 +130,14 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
         attn_mm = 2 * (2 * h * q + 2 * h * kv)
         other_mm = layers * attn_mm + (layers - moe) * 2 * (
             3 if mc.mlp == "swiglu" else 2) * h * mc.intermediate_size
-    gemm = tokens * (other_mm / t / gemm_rate + moe * moe_mm / expert_rate) * scale
+    # The FP8 linears' GEMMs at the FP8 rate; the kept-out linears' (train.fp8_keep_out),
+    # the router's and a shared expert's gate at bf16's (plan/fp8_linears.py)
+    fp8 = rank_fp8_linears(work, lay, rank)
+    fp8_split, fp8_whole = fp8_gemm_flops(mc, fp8, t)
+    slow = peak / high_peak  # 1 unless precision = fp8
+    gemm_fp8 = tokens * (fp8_split / gemm_rate + fp8_whole / expert_rate) * scale
+    gemm = gemm_fp8 + tokens * ((other_mm / t - fp8_split) / gemm_rate
+                                + (moe * moe_mm - fp8_whole) / expert_rate) * slow * scale
     # flash skips the masked half of the causal square; math attention computes all of it
     attn_flops = tokens * layers * fwd.layer_attention / t * (0.5 if work.flash else 1.0)
     attn_rate = (profile_attention_rate(hw, work.seq_len / lay.cp)
@@ -142,17 +150,17 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     k_routed = mc.experts_top_k if mc.num_experts else 1
     elem_bytes = tokens * B * (10 * h / seq_div + (2 * (q + kv) + act_f * ffn * k_routed) / t)
     elem = layers * elem_bytes / hbm * scale
-    dense_f, dense_b = rank_dense_cast_bytes(work, lay, tokens, layers, moe)
+    dense_f, dense_b = rank_dense_cast_bytes(work, lay, tokens, fp8)
     local_experts = mc.num_experts / lay.ep if moe else 0  # parallel.fp8_allgather's gathers
     gather_f, gather_b = rank_gather_cast_bytes(
-        work, lay, layers, moe, kv_heads_per_rank(mc, t),
-        moe * 3 * local_experts * h * mc.moe_intermediate_size)
+        work, lay, fp8, kv_heads_per_rank(mc, t),
+        fp8.experts * 3 * local_experts * h * mc.moe_intermediate_size)
     cast_fwd, cast_bwd = (dense_f + gather_f) / hbm * scale, (dense_b + gather_b) / hbm * scale
-    if moe and work.precision == "fp8":  # FP8 routed experts: their casts and loop copies
+    if fp8.experts:  # FP8 routed experts: their casts and loop copies
         per = expert_cast_bytes(work.fp8_recipe, tokens * mc.experts_top_k, local_experts, h,
                                 mc.moe_intermediate_size, B, fp8_gathers(work, lay)[0] > 0)
-        cast_fwd += moe * (per["casts"][0] + per["loop"][0]) / hbm * scale
-        cast_bwd += moe * (per["casts"][1] + per["loop"][1]) / hbm * scale
+        cast_fwd += fp8.experts * (per["casts"][0] + per["loop"][0]) / hbm * scale
+        cast_bwd += fp8.experts * (per["casts"][1] + per["loop"][1]) / hbm * scale
     head_time = 0.0
     if head:  # the output GEMM, and an fp32 softmax over the vocabulary
         head_time = (tokens * fwd.head / t / (gemm_rate * high_peak / peak)
@@ -175,8 +183,8 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     # input-gradient GEMM alone (the adapters' rank-r GEMMs are thin and left out).
     # rowwise_gw_hp's weight gradients (the dense linears' and the routed experts' loop)
     # are bf16 GEMMs of the saved bf16 input (lowp/linear.py): that pass at bf16's peak.
-    wgrad = gemm * (peak / high_peak if work.precision == "fp8"
-                    and work.fp8_recipe == "rowwise_gw_hp" else 1.0)
+    wgrad = gemm + gemm_fp8 * (slow - 1 if work.precision == "fp8"
+                               and work.fp8_recipe == "rowwise_gw_hp" else 0.0)
     backward = (gemm + head_time + (0.0 if work.lora_rank else wgrad + head_time)
                 + 2 * elem + cast_bwd
                 + attn * (2.5 if work.flash else 2.0) + recompute)
