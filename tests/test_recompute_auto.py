@@ -163,3 +163,21 @@ def test_a_bad_budget_or_layout_is_refused_in_one_line(args, words, tmp_path):
         work, layout = training_plan_inputs(small_config(pathlib.Path(tmp_path), *MODEL))
         work = dataclasses.replace(work, precision="fp32")
         assert f"{minimum_budget(work, layout):.4g} GiB" in text
+
+
+def test_the_attention_core_is_timed_at_bf16s_rate_under_fp8():
+    """FP8 runs the projections' GEMMs in FP8 but attention's core in bf16 (plan/timing.py
+    `high_peak`): recompute = auto's per-operator times must say the same, the core's
+    forward seconds equal under fp8 and bf16, the projections' shorter under fp8."""
+    from fivefold.models.presets import preset
+    from fivefold.plan.hardware import get_hardware
+    from fivefold.plan.layout import Layout, Workload
+    from fivefold.plan.recompute_plan import op_table
+
+    hw, assume = get_hardware("h100")
+    layout = Layout(dp=8, mbs=1)
+    tables = {p: op_table(Workload(model=preset("llama-3.1-8b"), seq_len=4096, gbs=64,
+                                   precision=p), layout, hw, assume)
+              for p in ("bf16", "fp8")}
+    assert tables["fp8"]["core"][2] == tables["bf16"]["core"][2]
+    assert tables["fp8"]["q"][2] < tables["bf16"]["q"][2]

@@ -98,7 +98,9 @@ def op_table(work: Workload, layout: Layout, hw: Hardware,
     peak = hw.peak_flops(work.precision)
     thin = min(tokens, q, f, h)
     gemm = peak * hw.matmul_efficiency * thin / (thin + 128)  # plan/timing.py's GEMM rate
-    attn_rate = peak * hw.matmul_efficiency * assume.attention_efficiency
+    # attention's core runs in bf16 under FP8 too (plan/timing.py's `high_peak`)
+    high = hw.peak_flops("bf16") if work.precision == "fp8" else peak
+    attn_rate = high * hw.matmul_efficiency * assume.attention_efficiency
     scores = forward_flops_per_token(mc, work.seq_len).layer_attention / t
     core_out = tokens * q * B + tokens * mc.num_heads / t * STAT_BYTES
     table = {"q": (tokens * q * B, 0.0, 2 * tokens * h * q / gemm),
