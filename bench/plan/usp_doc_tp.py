@@ -173,5 +173,6 @@ def stall_lines() -> list[str]:
         "with dp 1, happen in a layout the 16-GPU half does not have: a term for them "
         "could only be fitted on the half it helps, and none is added. Under DDP the "
         "128-GPU runs stall more often than the 16-GPU ones at every TP span; what "
-        "differs between them physically (more nodes, pipeline neighbours 2 to 8 nodes "
-        "apart) the file's one throughput per run cannot separate."]
+        "differs between them physically (16 nodes against 2; pipeline neighbours up to "
+        "8 nodes apart where on 16 GPUs they sit at most on the next node) the file's one "
+        "throughput per run cannot separate."]
