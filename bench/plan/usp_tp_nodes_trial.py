@@ -13,6 +13,7 @@ groups over at most 2 nodes, the 128-GPU runs over 4 (tp 32): measured ms per la
 micro-batch at pp 1 and one sequence, 4.7 in a node, 8.0 over 2, 15.6 over 4
 (`python bench/plan/usp_breakdown.py`). The laws tried, each normalised so that a group over
 2 nodes keeps the flat law's time (its fitted value then means the same on both halves):
+- flat: NCCL's count as the planner takes it (the calibration's own cross-fit);
 - slowest: each node-crossing step waits for the slowest of the ring's k crossing links,
   the spread growing as √(2 ln k) (the expected maximum of k normal variables, as
   `timing.straggler_time`): the fitted time × √(ln k / ln 2);
