@@ -296,3 +296,36 @@ def test_ddp_pipeline_messages_hold_the_host_each_in_turn():
                 work, other, hw, base).total
     with pytest.raises(ConfigError):
         get_hardware("h100", {"ddp_pp_message_ms": -1.0})
+
+
+def test_tp_calls_run_in_the_gpus_idle_time_under_a_host_bound_micro_batch():
+    """An eager engine's host time per layer (`host_layer_ms`) floors a micro-batch's
+    forward and backward; the TP calls the host queued run while the GPU would idle there
+    (`RankCompute.host_slack`), so they show only beyond that slack: a micro-batch takes the
+    longer of the host's time and the GPU's work with its TP calls. Without host time the
+    step is as before; with a host far above the GPU's work it hides the TP calls whole."""
+    from fivefold.plan.timing import rank_compute
+
+    work = Workload(preset("llama-3.2-1b"), seq_len=2048, gbs=32)
+    lay = Layout(dp=2, tp=4, sp=True)
+    hw, a = get_hardware("h100")
+    m, layers = work.num_microbatches(lay), work.model.num_layers
+    gpu = rank_compute(work, lay, hw, a, 0)
+    assert gpu.host_slack == 0.0
+    base = step_time(work, lay, hw, a)
+    tp_mb = base.tp_comm / m
+    assert tp_mb > 0 and base.compute == pytest.approx(m * (gpu.forward + gpu.backward))
+    shown = []
+    for host_mb in (gpu.forward + gpu.backward + tp_mb / 2,
+                    3 * (gpu.forward + gpu.backward + tp_mb)):
+        h = dataclasses.replace(a, host_layer_ms=host_mb / layers * 1e3)
+        fwd, bwd = max(gpu.forward, host_mb / 3), max(gpu.backward, 2 * host_mb / 3)
+        slack = fwd + bwd - gpu.forward - gpu.backward
+        assert rank_compute(work, lay, hw, h, 0).host_slack == pytest.approx(slack, rel=1e-12)
+        t = step_time(work, lay, hw, h)
+        assert t.compute == pytest.approx(m * (fwd + bwd), rel=1e-12)
+        assert t.tp_comm == pytest.approx(m * max(0.0, tp_mb - slack), rel=1e-9, abs=1e-15)
+        shown.append(t.tp_comm)
+    assert 0 < shown[0] < base.tp_comm  # a host just above the GPU's work hides part
+    # the host far above: the step's compute and TP are the host's time alone
+    assert t.tp_comm == 0.0 and t.compute == pytest.approx(m * host_mb, rel=1e-12)

@@ -9,11 +9,14 @@ from pathlib import Path
 
 from usp_calibration import BEFORE, OUT, PREVIOUS, ROOT, ROUND
 from usp_doc_pipeline import all_reduce_lines, pipeline_lines
+from usp_doc_tp import stall_lines, term_line, tp_lines
 
 DOC = ROOT / "docs" / "planner-validation.md"
 # The planner before TP steps between nodes took nanotron's fitted time (tp_inter_step_us),
-# and before nanotron's ZeRO-1 gradient sync became an all-reduce (zero1_grad_sync).
-LAST = {rev: OUT.parent / f"usp_calibration_{rev}.json" for rev in ("7d6df56", "4a425a7")}
+# before nanotron's ZeRO-1 gradient sync became an all-reduce (zero1_grad_sync), and before
+# TP calls ran in the GPU's idle time under a host-bound micro-batch (host_slack).
+LAST = {rev: OUT.parent / f"usp_calibration_{rev}.json"
+        for rev in ("7d6df56", "4a425a7", "184e63e")}
 MARK = ("<!-- usp-calibration: written by bench/plan/usp_calibration.py -->",
         "<!-- /usp-calibration -->")
 
@@ -105,8 +108,10 @@ def section(now: dict | None = None, before: dict | None = None,
         "blocked TP waits added to the GPU's time (`bench/results/usp_calibration_9417dbc"
         ".json`; main at a5f9755 scores the same). *Now*: with the terms of "
         "`plan/network.py` and `plan/timing.py` below: the blocked waits as host time "
-        "(*at 7d6df56*, `bench/results/usp_calibration_7d6df56.json`), and a TP call's "
-        "ring steps between nodes at nanotron's fitted time (*now*). "
+        "(*at 7d6df56*, `bench/results/usp_calibration_7d6df56.json`), a TP call's "
+        "ring steps between nodes at nanotron's fitted time and nanotron's ZeRO-1 "
+        "all-reduce (*at 184e63e*, `bench/results/usp_calibration_184e63e.json`), and "
+        "the TP calls in the GPU's idle time under a host-bound micro-batch (*now*). "
         "*Fitted on N GPUs, judged on N*: the in-sample error the cross-fit is held "
         "against.",
         "",
@@ -245,6 +250,7 @@ def section(now: dict | None = None, before: dict | None = None,
         f"{f['16']['pp_blocking_latency_us']:g} and {f['128']['pp_blocking_latency_us']:g} "
         f"µs, the whole file {f['all']['pp_blocking_latency_us']:g}. Until 9417dbc the "
         "waits were added to every call's latency (150 µs fitted on either half).",
+        term_line(f),
         "",
         f"Fitted on this file alone (`bench/plan/usp_calibration.py` `fit`), the convention's "
         f"values: {conv}. `activation_reserve` and `loss_reserve`: reserved bytes per byte "
@@ -417,7 +423,7 @@ def _misses(now: dict) -> list[str]:
         f"with dp 1 {r(zero, 'zero0 pp2 dp1')}, {r(zero, 'zero0 pp4 dp1')}, "
         f"{r(zero, 'zero0 pp8 dp1')} at pp 2, 4, 8; ZeRO-1 with dp > 1 "
         f"{r(zero, 'zero1 pp2 dp>1')}, {r(zero, 'zero1 pp4 dp>1')}, "
-        f"{r(zero, 'zero1 pp8 dp>1')}")) + _scale_line(b)
+        f"{r(zero, 'zero1 pp8 dp>1')}")) + tp_lines(now, ms) + stall_lines() + _scale_line(b)
 
 
 def _scale_line(b: dict) -> list[str]:

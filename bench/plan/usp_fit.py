@@ -19,14 +19,14 @@ MEMORY_FITTED = ("activation_reserve", "loss_reserve", "head_token_bytes")
 # fitted: NCCL's latencies (its own tuning model's), the spine (a non-blocking fat tree:
 # no run here spans more than the 32 nodes of a leaf group, so the file cannot say).
 TIME_GRIDS = {
-    "host_layer_ms": (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0),  # host ms per layer, micro-batch
+    "host_layer_ms": tuple(k / 2 for k in range(13)),  # host ms per layer, micro-batch
     "pp_message_ms": (0.0, 2.0, 5.0, 10.0, 20.0, 40.0),  # fixed ms per pipeline message
     "inter_node_rails": (0.0, 0.25, 0.5, 1.0),  # share of a node's NICs a spanning group uses
     "pp_blocking_latency_us": (0.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 100.0,
                                120.0),  # µs per ring step, times √(2 ln N)
     "straggler_sigma": (0.0, 0.01, 0.02, 0.04, 0.08),  # relative spread of a rank's time
     "tp_inter_step_us": (0.0, 50.0, 100.0, 125.0, 150.0, 175.0, 200.0, 250.0, 300.0,
-                         400.0),  # µs per
+                         400.0, 500.0, 600.0),  # µs per
     # node-crossing step of a TP call beyond the network's hop
 }
 TIME_FITTED = tuple(TIME_GRIDS)

@@ -59,11 +59,32 @@ def groups(runs: list[dict]) -> dict[str, dict]:
                 "median_s": statistics.median(v)} for k, v in sorted(out.items())}
 
 
+GPUS_PER_NODE = 8  # the runs' H100 nodes
+
+
+def by_tp_nodes(runs: list[dict]) -> dict[str, dict]:
+    """Runs by GPU count, the nodes a stage's TP group spans (tp / 8, at least 1) and DDP
+    (ZeRO-0, dp > 1), ZeRO-0 with dp 1 or ZeRO-1: how many, and how many lose more than
+    HELD per message. The 16-GPU runs hold no TP group over more than 2 nodes."""
+    out: dict[str, dict] = {}
+    for r in runs:
+        kind = ("DDP" if r["dp"] > 1 else "ZeRO-0 dp1") if r["zero"] == 0 else "ZeRO-1"
+        nodes = max(1, r["tp"] // GPUS_PER_NODE)
+        g = out.setdefault(f"{r['n_gpus']} GPUs, TP over {nodes} node(s), {kind}",
+                           {"runs": 0, "held": 0})
+        g["runs"] += 1
+        g["held"] += r["per_message_s"] > HELD
+    return dict(sorted(out.items(), key=lambda kv: (int(kv[0].split()[0]), kv[0])))
+
+
 def main() -> dict:
-    g = groups(excess())
+    runs = excess()
+    g = groups(runs)
     for k, v in g.items():
         print(f"{k:<45} runs {v['runs']:>3}  held {v['held']:>3}  per message: median "
               f"{v['median_s'] * 1e3:6.0f} ms, of the held {v['median_held_s'] * 1e3:6.0f} ms")
+    for k, v in by_tp_nodes(runs).items():
+        print(f"{k:<45} runs {v['runs']:>3}  held {v['held']:>3}")
     return g
 
 

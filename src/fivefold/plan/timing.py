@@ -5,9 +5,11 @@ Compute per micro-batch on a pipeline rank: GEMM FLOPs at the device's achievabl
 SwiGLU, residuals, softmax of the loss) at HBM bandwidth. Backward is 2× the forward GEMMs,
 2.5× flash attention's forward (it recomputes the probabilities; Dao 2022). The pipeline runs
 at the pace of its slowest rank; its bubble is `layout.bubble_ratio` of the ideal time.
-Overlap: TP is exposed (unless `tp_overlap`); CP's K/V ring hides behind the attention core;
-DP/ZeRO hide behind the backward (gradients) and forward (parameters) of one micro-batch, as
-bucketed overlap does (Ultra-Scale Playbook, appendix A3); EP all-to-all is exposed.
+Overlap: TP is exposed (unless `tp_overlap`), except in the GPU's idle time under an eager
+engine's host-bound micro-batch (`RankCompute.host_slack`); CP's K/V ring hides behind the
+attention core; DP/ZeRO hide behind the backward (gradients) and forward (parameters) of one
+micro-batch, as bucketed overlap does (Ultra-Scale Playbook, appendix A3); EP all-to-all is
+exposed.
 """
 
 from __future__ import annotations
@@ -93,6 +95,10 @@ class RankCompute:
     recompute: float
     attention_fwd: float  # one micro-batch, all layers on the rank
     gemm_fwd: float = 0.0  # the layers' forward GEMMs, one micro-batch
+    # Host time per micro-batch beyond the GPU's work (its floor raised forward and
+    # backward by this much): the GPU idles there, so kernels the host queued ahead, the
+    # TP calls, run in it (`step_time`).
+    host_slack: float = 0.0
 
 
 def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
@@ -193,11 +199,14 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     # GPU's share is shorter (tp spreads it thin); on a CPU the same cores run it between the
     # kernels, so it adds.
     host = (assume.host_layer_ms or profile_host_layer_ms(hw) or 0.0) * 1e-3 * layers
+    slack = 0.0
     if runs_on_host(hw):
         forward, backward = forward + host / 3, backward + 2 * host / 3
     else:
+        gpu = forward + backward
         forward, backward = max(forward, host / 3), max(backward, 2 * host / 3)
-    return RankCompute(forward, backward, recompute, attn, gemm)
+        slack = forward + backward - gpu
+    return RankCompute(forward, backward, recompute, attn, gemm, slack)
 
 
 def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions) -> StepTime:
@@ -231,6 +240,11 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions)
         # layers' matmul time) run while the saved shards are gathered again.
         regather = max(0.0, regather - m * rc.gemm_fwd / 2)
         tp = (per["tp"] + regather) * (1 - assume.tp_overlap)
+        # Where the host's time per micro-batch passes the GPU's, the GPU idles; the TP
+        # calls the host has queued run there (their kernels wait on the GPU, not the
+        # host), so a micro-batch takes the longer of the host's time and the GPU's work
+        # with its TP calls, the blocked waits below on the host's side.
+        tp = max(0.0, tp - m * rc.host_slack)
         tp += _blocked_exposed(work, lay, hw, assume, rank, colls,
                                rc.forward + rc.backward + (tp + per["ep"]) / m)
         core_runs = 2 if lay.recompute == "full" else 1  # selective leaves the ring core alone
