@@ -179,8 +179,16 @@ def zero3_tensorwise(rank, world, tmp, fp8_allgather, extra=()):
             ensure(u)
 
         gatherer.ensure = watching
+    met = set()  # (step, experts module, expert) that met tokens on this rank
+    for i, m in enumerate(experts):
+        def forward(x, counts, m=m, i=i, inner=m.forward):
+            met.update((len(records), i, e) for e, c in enumerate(counts.tolist()) if c)
+            return inner(x, counts)
+        m.forward = forward
     dims.ledger.enabled = True
-    records = [trainer.train_step() for _ in range(STEPS)]  # the ledger keeps the last step
+    records = []
+    for _ in range(STEPS):  # the ledger keeps the last step
+        records.append(trainer.train_step())
     totals = dims.ledger.totals()
     ledger = {op: sum(totals.get((g, op), {"bytes": 0})["bytes"] for g in groups)
               for op in ("all_gather", "all_reduce")}
@@ -205,7 +213,8 @@ def zero3_tensorwise(rank, world, tmp, fp8_allgather, extra=()):
             "experts": len(experts),
             "numel": sum(m.weight.numel() for m in linears) + expert_numel,
             "padding": padding * gathers,
-            "quantized": quantized[0], "amax_calls": amax_calls, "fp8_states": states}
+            "quantized": quantized[0], "amax_calls": amax_calls, "fp8_states": states,
+            "met": met}
 
 
 # A dense first layer, then a MoE layer with a shared expert (FP8, gathered in FP8) and its
@@ -300,13 +309,22 @@ def test_fp8_allgather_needs_zero3_and_tensorwise(tmp_path):
 
 
 DELAYED = ("--train.fp8_scaling", "delayed", "--train.fp8_history_len", "4")
+# 8 experts, top-1, one micro-batch of 64 tokens per rank: in each of the 3 steps some
+# expert meets tokens on one rank and none on the other (the test checks that it does)
+MOE_SPARSE = ("--model.num_experts", "8", "--model.experts_top_k", "1",
+              "--model.moe_intermediate_size", "16", "--train.gbs", "4")
 
 
 @pytest.mark.parametrize("world,extra,casts", [  # casts: W's per micro-batch without it
     pytest.param(2, DELAYED, 2, id="dp2"),
     pytest.param(2, (*DELAYED, "--train.recompute", "full"), 3, id="dp2-recompute",
                  marks=pytest.mark.slow),
-    pytest.param(4, (*DELAYED, "--parallel.tp", "2"), 2, id="dp2-tp2", marks=pytest.mark.slow)])
+    pytest.param(4, (*DELAYED, "--parallel.tp", "2"), 2, id="dp2-tp2", marks=pytest.mark.slow),
+    # every layer MoE: each routed expert's weight gathered in FP8 with its own history's
+    # multiplier; under ep2 (dp4 x ep2) by the experts' own gatherer over edp
+    pytest.param(2, (*DELAYED, *MOE_SPARSE), 2, id="dp2-moe"),
+    pytest.param(4, (*DELAYED, *MOE, "--parallel.dp", "4", "--parallel.ep", "2"), 2,
+                 id="dp4-ep2", marks=pytest.mark.slow)])
 def test_zero3_fp8_allgather_under_delayed_scaling_gives_the_same_run(tmp_path, world, extra,
                                                                        casts):
     """Delayed scaling with the FP8 all-gather: each weight's shard is cast before the
@@ -319,7 +337,13 @@ def test_zero3_fp8_allgather_under_delayed_scaling_gives_the_same_run(tmp_path, 
     weight itself (twice per micro-batch without the option). After the first step the
     scales come from the histories: no amax all-reduce of the gather's own (the ledger's
     last step has none, and the planner counts none); the delayed records' all-reduce is
-    the same with and without the option. All-gather bytes as in the dynamic case."""
+    the same with and without the option. All-gather bytes as in the dynamic case.
+    Routed experts: each expert's weight casts with its own W history's multiplier (the
+    first step with the all-reduced amax); each rank folds its piece's amax into the
+    expert's W record, also where the expert met no token on that rank (without raising
+    its flag), so where another rank met tokens the reduced record is the whole weight's,
+    the record that rank's own cast of the gathered bf16 weight makes without the option:
+    every expert history bit-equal too."""
     off = run_ranks(zero3_tensorwise, world, str(tmp_path / "off"), False, extra)
     on = run_ranks(zero3_tensorwise, world, str(tmp_path / "on"), True, extra)
     for a, b in zip(off, on):
@@ -327,10 +351,15 @@ def test_zero3_fp8_allgather_under_delayed_scaling_gives_the_same_run(tmp_path, 
         assert a["histories"].keys() == b["histories"].keys() and a["histories"]
         for name, h in a["histories"].items():
             assert torch.equal(b["histories"][name], h), name
-            assert (h[1, :STEPS] > 0).all()  # the W row recorded every step
+            w = h[1] if h.dim() == 2 else h[:, :, 1]  # an expert's: (E, 3, 3, H)
+            assert (w[..., :STEPS] > 0).all()  # the W row recorded every step
         micro = a["gathers"] // 2
-        assert a["linears"] > 0 and a["quantized"] == a["linears"] * casts * micro * STEPS
+        expert_casts = a["quantized"] - a["linears"] * casts * micro * STEPS
+        assert a["linears"] > 0 and (expert_casts > 0 if a["experts"] else expert_casts == 0)
         assert b["quantized"] == 0
+    if world == 2 and on[0]["experts"]:  # an expert met tokens on one rank only, each step
+        one_rank = on[0]["met"] ^ on[1]["met"]
+        assert {step for step, _, _ in one_rank} == set(range(STEPS))
         saved = a["numel"] * a["gathers"]
         assert a["ledger"]["all_gather"] - b["ledger"]["all_gather"] == saved - b["padding"]
         assert b["planned"]["all_gather"] == b["ledger"]["all_gather"] - b["padding"]

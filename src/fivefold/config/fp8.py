@@ -40,9 +40,8 @@ Rules, each a one-line ConfigError:
     a multiple of 128. Whether the device has the kernel is known only on it: lowp/convert.py
     refuses there, in one line too.
   - fp8_scaling = "delayed" with a recipe other than tensorwise; fp8_history_len outside
-    1..1024 or set with dynamic scaling; delayed scaling with routed experts and
-    parallel.fp8_allgather (the gather casts expert weights dynamically). With
-    parallel.fp8_allgather the gather casts each linear's weight with its history's scale
+    1..1024 or set with dynamic scaling. With parallel.fp8_allgather the gather casts each
+    linear's weight, and each routed expert's, with its history's scale
     (parallel/zero3_fp8.py). Routed experts keep a history per expert and projection.
     Under dp, cp and tp the step's amax records are reduced over a pipeline stage's ranks
     (lowp/delayed.py; every rank without pp); recomputation records idempotently (the
@@ -147,11 +146,6 @@ def check_scaling(cfg, mc) -> None:
                           f"'{tr.fp8_recipe}': delayed scaling keeps one amax per tensor, for "
                           f"the tensorwise recipe only; set fp8_recipe = 'tensorwise' or "
                           f"fp8_scaling = 'dynamic'")
-    if mc.num_experts and cfg.parallel.fp8_allgather:
-        raise ConfigError("train.fp8_scaling = 'delayed' with routed experts (model.num_experts "
-                          "> 0) and parallel.fp8_allgather: the gather casts expert weights "
-                          "with their own amax, not their histories; set fp8_allgather = "
-                          "false or fp8_scaling = 'dynamic'")
 
 
 def check_kernel_shapes(cfg, mc) -> None:

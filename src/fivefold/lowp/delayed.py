@@ -84,10 +84,11 @@ other experts), so with their records each rank sends a flag per row in the same
 and the push happens where any rank recorded, on the device (`_push_experts`): every rank
 pushes what one device would. Under ep each rank fills its own experts' rows of every
 expert's block (zeros elsewhere, the maximum's identity), so the one all_reduce(max) over
-the stage also reduces the experts over their edp x tp holders. Not with ZeRO-3's FP8
-all-gather of expert weights (config/fp8.py refuses it). On a first step under tensor parallelism a
-shard's own amax is its slice's (as dynamic tensorwise under tp); the whole tensor's from
-the second step on.
+the stage also reduces the experts over their edp x tp holders. Under ZeRO-3's FP8
+all-gather an expert's W record is its rank's piece's amax (`record_gathered`), folded on
+every rank, with tokens or not; only the former raise its flag. On a first step under
+tensor parallelism a shard's own amax is its slice's (as dynamic tensorwise under tp); the
+whole tensor's from the second step on.
 """
 
 from __future__ import annotations
@@ -353,11 +354,13 @@ def cast(x: torch.Tensor, state: DelayedState, row: str, fmt: FloatFormat, want:
     return q, qt
 
 
-def record_gathered(state: DelayedState, wq: FP8Tensor) -> None:
+def record_gathered(state: DelayedState, wq: FP8Tensor, flag: bool = True) -> None:
     """W's record when ZeRO-3 gathered W in FP8 (parallel/zero3_fp8.py), cast with this
     history's scale before the gather: the amax of this rank's piece of W (`wq.record`, NaN
     recorded as inf) folds into the pending record; `end_step`'s all_reduce(max) over every
-    rank makes it the whole weight's, the record the linear folds from the gathered W."""
+    rank makes it the whole weight's, the record the linear folds from the gathered W.
+    `flag` False (a routed expert without tokens on this rank, lowp/experts.py): the amax
+    folds, the row is not marked recorded."""
     record = getattr(wq, "record", None)
     if record is None:
         raise ValueError("a delayed FP8 linear got a gathered FP8 weight without its amax "
@@ -365,7 +368,7 @@ def record_gathered(state: DelayedState, wq: FP8Tensor) -> None:
     if state.record:
         i = ROW["weight"]
         torch.maximum(state.pending[i], record.reshape(()), out=state.pending[i])
-        state.recorded[i] = True
+        state.recorded[i] = state.recorded[i] or flag
 
 
 def input_pair(x2: torch.Tensor, state: DelayedState) -> tuple[FP8Tensor, FP8Tensor]:

@@ -170,6 +170,8 @@ class FP8ExpertsMixin:
             if rows.shape[0] == 0:  # no tokens: nothing to quantise (an empty amax), and
                 # under delayed scaling nothing recorded (lowp/delayed.py `_push_experts`)
                 outs.append(rows.new_zeros(0, self.hidden))
+                if gathered and delayed_on:
+                    self._fold_gathered(gathered, e)
                 continue
             gq, uq, dq = ((gathered["w_gate"][e], gathered["w_up"][e], gathered["w_down"][e])
                           if gathered else (None, None, None))
@@ -180,6 +182,16 @@ class FP8ExpertsMixin:
                 rows, w_up, None, r, uq, su)
             outs.append(fp8_linear(h, w_down, None, r, dq, sd))
         return torch.cat(outs) if outs else x.new_zeros(0, self.hidden)
+
+    def _fold_gathered(self, gathered: dict, e: int) -> None:
+        """Delayed scaling with ZeRO-3's FP8 all-gather, expert e without tokens here: the
+        amaxes of this rank's pieces of its weights fold into its W records all the same,
+        with no flag raised. The step's all_reduce(max) then makes each record its whole
+        weight's where any rank met tokens (the flag, lowp/delayed.py `_expert_block`),
+        whichever ranks those were; where none did, nothing is pushed, as on one device."""
+        for p, name in enumerate(("w_gate", "w_up", "w_down")):
+            delayed.record_gathered(delayed.expert_state(self, e, p), gathered[name][e],
+                                    flag=False)
 
 
 class FP8GroupedExperts(FP8ExpertsMixin, GroupedExperts):

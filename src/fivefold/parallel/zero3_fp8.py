@@ -50,8 +50,11 @@ one all-reduce and its own scale, the tensorwise cast the loop's FP8 linear make
 `finish` hands the module `fp8_experts` ({"w_gate": [one GatheredWeight per expert], ...}),
 whose codes the loop's GEMMs take. Under expert parallelism the experts' weights live in
 the expert-data-parallel group's own ZeRO-3 (parallel/expert_optim.py), whose gatherer does
-the same over edp. Delayed scaling with routed experts and this gather is refused
-(config/fp8.py), so the experts' scales here are always the all-reduced amaxes.
+the same over edp. Under delayed scaling each expert's weight casts with its own history
+(lowp/delayed.py `expert_state`), the first step with the all-reduced amax, as a linear's;
+its piece's amax goes with it as the expert's W record. An expert that meets no token on a
+rank folds that record too, with no flag (lowp/experts.py `_fold_gathered`), so the step's
+reduction holds the whole weight's amax wherever any rank recorded it.
 
 Only tensorwise: one scale per weight makes a shard's cast independent of where the shard
 cuts the weight. Rowwise scales the weight along K for the forward GEMM and along N for
@@ -273,6 +276,18 @@ class _Pending:
         return True
 
 
+def _delayed_state(unit: FP8UnitGather, j: int, e: int) -> delayed.DelayedState | None:
+    """The delayed-scaling state of a unit's weight: a linear's (e < 0), or expert e's
+    projection of a routed-experts module (its own history, lowp/delayed.py
+    `expert_state`); None under dynamic scaling."""
+    module = unit.views[j][0]
+    if e < 0:
+        return delayed.state_of(module)
+    if getattr(module, delayed.BUFFER, None) is None:
+        return None
+    return delayed.expert_state(module, e, EXPERT_WEIGHTS.index(unit.names[j]))
+
+
 def refresh_scales(units: dict, shard: torch.Tensor, group: comm.Group, watchdog) -> None:
     """Every FP8-gathered weight's scale from the current weights: the local amaxes of all
     units in one all_reduce(max) (torchao's precompute_float8_dynamic_scale_for_fsdp); under
@@ -280,8 +295,7 @@ def refresh_scales(units: dict, shard: torch.Tensor, group: comm.Group, watchdog
     row holds a record (which rows do is host state every rank shares)."""
     order = sorted(units)
     local = torch.cat([units[u].local_amax(shard) for u in order])
-    states = [delayed.state_of(units[u].views[j][0]) if e < 0 else None  # experts: dynamic
-              for u in order for j, e, *_ in units[u].entries]
+    states = [_delayed_state(units[u], j, e) for u in order for j, e, *_ in units[u].entries]
     history = [s is not None and s.filled[delayed.ROW["weight"]] for s in states]
     amax = local
     if not all(history):

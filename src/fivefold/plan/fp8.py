@@ -118,9 +118,13 @@ def fp8_expert_gather_terms(work, layout, elements: float, moe: float) -> tuple[
     with parallel.fp8_allgather: all its `elements` expert weight elements (w_gate, w_up and
     w_down of the E/ep local experts of the `moe` MoE layers), and one fp32 amax per expert's
     weight (3 per local expert and layer) in the step's amax all_reduce(max): the engine's
-    per-expert loop casts each expert's weight tensorwise (parallel/zero3_fp8.py)."""
+    per-expert loop casts each expert's weight tensorwise (parallel/zero3_fp8.py); none
+    under delayed scaling, whose scales come from the experts' histories after the first
+    step (as `fp8_gather_terms`' linears')."""
     if not _fp8_gather_on(work, layout) or not work.model.num_experts:
         return 0.0, 0.0
+    if getattr(work, "fp8_scaling", "dynamic") == "delayed":
+        return elements, 0.0
     return elements, 3 * moe * work.model.num_experts / layout.ep
 
 
