@@ -10,7 +10,8 @@ pieces of uneven length, a rank holding pieces of several weights), a stacked ex
 weight (a scale per expert), parameters between them (raw bytes, with a NaN and an inf),
 and the segment's padding; the weights' amaxes: their own, 0 (an all-zero weight), NaN and
 inf (a weight holding one: every code NaN), and one below the weight's amax (delayed
-scaling's history: codes saturate at ±448).
+scaling's history: codes saturate at ±448). Then a whole dp2 ZeRO-3 training run on the
+fused kernels, against the eager path.
 """
 
 import pytest
@@ -230,3 +231,87 @@ def test_kernels_compile_for_an_h100_without_one():
         assert "mul.f32" in ops and not any(o.startswith("fma") or ".ftz" in o for o in ops), (
             name, ops)
     assert "cvt.rn.bf16.f32" in ptx["unpack"], ptx["unpack"][-2000:]
+
+
+# An end-to-end run of the fused gather: dp2 ZeRO-3 with parallel.fp8_allgather, 2 steps,
+# once on the eager ops (the CPU's path) and once with the fused kernels forced (the
+# module's `fused`, replaced in the ranks as the check above does), in Triton's
+# interpreter. The interpreter takes fp32 and fp16, not bf16, so train.precision = fp8 runs
+# here with fp32 parameters (the trainer's dtype of fp8, replaced in the ranks): the FP8
+# GEMMs are the same, the gathered weights' raw and dequantised values fp32.
+RUN = r"""
+import json, pathlib, sys, torch
+sys.path.insert(0, TESTS)
+from common import small_config
+from harness import run_ranks
+from fivefold.numerics import fp8_gather
+from fivefold.parallel import zero3_fp8
+from fivefold.parallel.mesh import ParallelDims
+from fivefold.train import trainer as trainer_module
+
+OPS = {"pack": "fp8_gather_pack", "unpack": "fp8_gather_unpack", "pack_eager": "pack_eager",
+       "unpack_eager": "unpack_eager"}
+
+def train(rank, world, tmp, forced, extra):
+    trainer_module.DTYPES = {**trainer_module.DTYPES, "fp8": torch.float32}
+    if forced:
+        zero3_fp8.fused = lambda t: True
+    calls = dict.fromkeys(OPS, 0)  # the fused ops and the eager ones (also their fallback)
+    def counted(name, fn):
+        def op(*args):
+            calls[name] += 1
+            return fn(*args)
+        return op
+    for name, attr in OPS.items():
+        setattr(fp8_gather, attr, counted(name, getattr(fp8_gather, attr)))
+    cfg = small_config(pathlib.Path(tmp), "--train.precision", "fp8", "--train.fp8_recipe",
+                       "tensorwise", "--train.gbs", "4", "--parallel.mbs", "2",
+                       "--train.lr", "1e-3", "--parallel.dp", "2", "--parallel.zero", "3",
+                       "--parallel.fp8_allgather", "true", "--parallel.grad_sync", "step",
+                       *extra)
+    trainer = trainer_module.Trainer(cfg, ParallelDims.from_config(cfg.parallel), quiet=True)
+    gatherers = [p.gatherer for p in getattr(trainer.optimizer, "parts", [trainer.optimizer])]
+    first = [g.shard.clone() for g in gatherers]
+    runs = [trainer.train_step() for _ in range(2)]
+    last = [g.shard.clone() for g in gatherers]
+    trainer.close()
+    return {"runs": [(r["loss"], r["grad_norm"]) for r in runs], "calls": calls,
+            "dtype": str(last[0].dtype), "fp8_units": sum(len(g.fp8) for g in gatherers),
+            "moved": all(not torch.equal(a, b) for a, b in zip(first, last)),
+            "weights": [w.view(torch.int32).tolist() for w in last]}
+
+MOE = ["--model.num_experts", "4", "--model.experts_top_k", "2",
+       "--model.moe_intermediate_size", "16", "--train.fp8_scaling", "delayed",
+       "--train.fp8_history_len", "4"]
+report = {}
+for case, extra in (("dense", []), ("moe-delayed", MOE)):
+    report[case] = [run_ranks(train, 2, f"{sys.argv[1]}/{case}-{forced}", forced, extra)
+                    for forced in (False, True)]
+print(json.dumps(report))
+"""
+
+
+def test_a_dp2_zero3_run_on_the_fused_gather_in_the_interpreter_equals_the_eager_one(
+        tmp_path):
+    """dp2 ZeRO-3 with parallel.fp8_allgather, 2 steps, the fused kernels forced (Triton's
+    interpreter, fp32 parameters) against the eager path: losses, gradient norms and every
+    rank's shard of the weights after the steps bit-equal (tolerance 0: the kernels write
+    the eager ops' bytes, the check above). A dense model, dynamic scaling; and every layer
+    MoE with delayed scaling (a scale per expert's weight, from its history on step 2).
+    The fused run launched the kernels (one pack and one unpack per FP8 unit's gather, no
+    eager op, not even the ops' fallback), the eager one none."""
+    import pathlib
+
+    script = RUN.replace("TESTS", repr(str(pathlib.Path(__file__).parent)), 1)
+    report = run_interpreted(["-c", script, str(tmp_path)])
+    assert report.keys() == {"dense", "moe-delayed"}
+    for case, (eager, fused) in report.items():
+        for a, b in zip(eager, fused, strict=True):
+            assert a["dtype"] == "torch.float32" and a["fp8_units"] > 0, case
+            assert b["runs"] == a["runs"], case
+            assert b["weights"] == a["weights"] and a["moved"], case
+            assert a["calls"]["pack"] == a["calls"]["unpack"] == 0, (case, a["calls"])
+            gathers = a["calls"]["pack_eager"]
+            assert gathers > 0 and a["calls"]["unpack_eager"] == gathers, (case, a["calls"])
+            assert b["calls"] == {"pack": gathers, "unpack": gathers, "pack_eager": 0,
+                                  "unpack_eager": 0}, (case, b["calls"])
