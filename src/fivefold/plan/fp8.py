@@ -144,7 +144,7 @@ def delayed_amax_records(work, linears) -> float:
 
 
 def expert_cast_bytes(recipe: str, rows: float, experts: float, h: int, inter: int,
-                      dtype_bytes: int = 2, gathered: bool = False
+                      dtype_bytes: int = 2, gathered: bool = False, scaling: str = "dynamic"
                       ) -> dict[str, tuple[float, float]]:
     """HBM bytes (read + written) one MoE layer's FP8 routed experts (lowp/experts.py) spend
     beyond the bf16 grouped matmul's kernels, forward and backward: `rows` routed token
@@ -160,6 +160,12 @@ def expert_cast_bytes(recipe: str, rows: float, experts: float, h: int, inter: i
         (group, column) scale;
       tensorwise (loop): an amax pass (reads B) and a cast pass per operand, each expert's
         W cast again for Wᵀ; x and ∂y write their transposed codes too (1 byte);
+        delayed scaling (train.fp8_scaling = delayed; lowp/delayed.py, each expert's
+        projections with their own histories): each expert's casts are a delayed FP8
+        linear's (`cast_bytes`: no amax pass; the history read, the 64x64 tiles' amaxes
+        written and folded), over its rows/experts tokens: in forward x (gate's cast, which
+        up shares: lowp/linear.py `_quantized_input`), down's input and the three W; in
+        backward the three ∂y and the three Wᵀ (not folded);
       blockwise (loop): W in 128x128 blocks twice (W, Wᵀ), 4 bytes a block; x and ∂y in
         1x128 tiles with their transposed tiles: 4 bytes and two scales per 128;
       rowwise_gw_hp (loop): rowwise's casts along K, and Wᵀ tensorwise (amax + cast);
@@ -181,6 +187,10 @@ def expert_cast_bytes(recipe: str, rows: float, experts: float, h: int, inter: i
         cols_f = cast * a_f + SCALE_BYTES * e * (h + inter)
         cols_b = cast * (a_b + w) + SCALE_BYTES * e * (h + 2 * inter + 2 * h + inter)
         return {"casts": (row_f + cols_f, row_b + cols_b), "loop": (0.0, 0.0)}
+    if recipe == "tensorwise" and scaling == "delayed":
+        casts = _linears_cast_bytes(recipe, n / e, [(inter, h)] * 2 + [(h, inter)],
+                                    [h, inter], [inter, inter, h], b, scaling, gathered)
+        return {"casts": (e * casts[0], e * casts[1]), "loop": loop}
     if recipe == "tensorwise":
         passes = b + cast  # the amax pass reads, the cast pass reads and writes
         w_f, w_b = (0.0, 2 * FP8_BYTES * w) if gathered else (passes * w, passes * w)

@@ -164,7 +164,8 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     cast_fwd, cast_bwd = (dense_f + gather_f) / hbm * scale, (dense_b + gather_b) / hbm * scale
     if fp8.experts:  # FP8 routed experts: their casts and loop copies
         per = expert_cast_bytes(work.fp8_recipe, tokens * mc.experts_top_k, local_experts, h,
-                                mc.moe_intermediate_size, B, fp8_gathers(work, lay)[0] > 0)
+                                mc.moe_intermediate_size, B, fp8_gathers(work, lay)[0] > 0,
+                                getattr(work, "fp8_scaling", "dynamic"))
         cast_fwd += fp8.experts * (per["casts"][0] + per["loop"][0]) / hbm * scale
         cast_bwd += fp8.experts * (per["casts"][1] + per["loop"][1]) / hbm * scale
     head_time = 0.0
