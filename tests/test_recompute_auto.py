@@ -181,3 +181,80 @@ def test_the_attention_core_is_timed_at_bf16s_rate_under_fp8():
               for p in ("bf16", "fp8")}
     assert tables["fp8"]["core"][2] == tables["bf16"]["core"][2]
     assert tables["fp8"]["q"][2] < tables["bf16"]["q"][2]
+
+
+def test_two_kinds_of_layer_are_planned_exactly():
+    """Layers of two kinds (their own choices each, as train.fp8_keep_out makes them) over
+    two in-flight weights: `choose` finds the brute-force optimum, with the working-set cap
+    applying to every layer."""
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(20):
+        sets = []
+        for kind in range(2):
+            n = 2 + (trial + kind) % 3
+            stored = torch.randint(100, 2000, (n,), generator=gen).tolist()
+            working = torch.randint(0, 3, (n,), generator=gen).tolist()
+            seconds = torch.rand(n, generator=gen).tolist()
+            sets.append([LayerChoice("keep", frozenset({f"{kind}{i}"}), float(b), 100.0 * w,
+                                     s) for i, (b, w, s) in enumerate(zip(stored, working,
+                                                                          seconds))])
+        weights, kinds = (2.0, 1.0, 2.0, 1.0), (0, 1, 1, 0)
+        budget = 4096.0
+        best = None
+        for pick in itertools.product(*(sets[k] for k in kinds)):
+            used = (sum(w * c.stored for w, c in zip(weights, pick))
+                    + max(c.working for c in pick))
+            cost = sum(c.seconds for c in pick)
+            if used <= budget and (best is None or cost < best):
+                best = cost
+        got = choose(sets, weights, budget, kinds)
+        if best is None:
+            assert got is None, trial
+            continue
+        assert got is not None and abs(sum(c.seconds for c in got) - best) < 1e-12, trial
+        assert all(c in sets[k] for c, k in zip(got, kinds)), trial
+
+
+def test_kept_out_layers_recompute_their_projections_at_bf16s_rate():
+    """train.fp8_keep_out leaves layers 0 and 1 in bf16: their per-operator table is bf16's
+    (the projections at bf16's GEMM rate), the other 30 layers' FP8's; full recomputation
+    costs 2 of the one and 30 of the other. recompute = auto plans the two kinds with their
+    own costs: a plan whose seconds are those of its layers at their own rates, cheaper than
+    the plan the FP8 table alone chose for every layer, costed at the true rates."""
+    from fivefold.models.presets import preset
+    from fivefold.plan.hardware import get_hardware
+    from fivefold.plan.layout import Layout, Workload
+    from fivefold.plan.recompute_plan import (
+        _ranking_hardware,
+        elementwise_seconds,
+        layer_fp8_ops,
+        op_table,
+        recompute_seconds,
+    )
+
+    hw, assume = get_hardware("h100")
+    layout = Layout(dp=8, mbs=1, recompute="auto")
+    base = {"model": preset("llama-3.1-8b"), "seq_len": 4096, "gbs": 64}
+    work = Workload(**base, precision="fp8", fp8_keep_out="layers.0,layers.1")
+    every = Workload(**base, precision="fp8")
+    bf16 = op_table(Workload(**base, precision="bf16"), layout, hw, assume)
+    fp8 = op_table(every, layout, hw, assume)
+    assert layer_fp8_ops(work, 0) == layer_fp8_ops(work, 1) == frozenset()
+    assert layer_fp8_ops(work, 2) == layer_fp8_ops(every, 0) == frozenset(fp8) - {"core"}
+    assert op_table(work, layout, hw, assume, layer_fp8_ops(work, 0)) == bf16
+    assert op_table(work, layout, hw, assume, layer_fp8_ops(work, 2)) == fp8
+    assert bf16["q"][2] > fp8["q"][2] and bf16["core"] == fp8["core"]
+    elem = elementwise_seconds(work, layout, hw, assume)
+    full = {name: elem + sum(t[2] for t in table.values())
+            for name, table in (("bf16", bf16), ("fp8", fp8))}
+    assert recompute_seconds(work, layout, 0, hw, assume, None) == pytest.approx(
+        2 * full["bf16"] + 30 * full["fp8"], rel=1e-12)
+    budget = 1.05 * minimum_budget(every, layout)  # some layers recompute some operators
+    plans = {name: auto_plan(dataclasses.replace(w, memory_budget_gib=budget), layout, 0)
+             for name, w in (("keep-out", work), ("every", every))}
+    rank_hw, rank_assume = _ranking_hardware()
+    kept = plans["keep-out"]
+    assert kept.seconds > 0 and kept.seconds == pytest.approx(
+        recompute_seconds(work, layout, 0, rank_hw, rank_assume, kept), rel=1e-12)
+    uniform = recompute_seconds(work, layout, 0, rank_hw, rank_assume, plans["every"])
+    assert kept.seconds < uniform, (kept.summary(), plans["every"].summary())

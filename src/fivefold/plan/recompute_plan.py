@@ -14,7 +14,10 @@ backward, from the same activation model the peak tracker is checked against), a
 set (what the layer's recomputation brings back during its backward) and a cost (the
 recompute seconds of the planner's per-operator model: GEMMs at the GEMM rate, the attention
 core at the attention rate, the elementwise kernels at HBM bandwidth, as plan/timing.py).
-Dominated choices (more bytes and more time) are dropped: ~10 remain.
+Dominated choices (more bytes and more time) are dropped: ~10 remain. Under train.precision
+= fp8 a projection's GEMM runs at the FP8 rate unless train.fp8_keep_out leaves its linear
+in bf16 (plan/fp8_linears.py): layers that differ in which do have choices of their own
+costs, one set per such kind of layer (usually one or two kinds).
 
 The choice. Layers of a pipeline rank weigh by the micro-batches their chunk keeps in flight
 (`inflight_per_chunk`). Minimise Σ cost subject to Σ in_flight·stored + max working ≤ the
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 
 from fivefold.plan.activations import STAT_BYTES, activation_bytes_per_microbatch
 from fivefold.plan.flops import forward_flops_per_token
+from fivefold.plan.fp8_linears import layer_fp8_linears
 from fivefold.plan.hardware import GIB, Assumptions, Hardware
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.placement import chunk_layer_counts, rank_chunks
@@ -85,10 +89,26 @@ class BudgetTooSmall(ValueError):
     """The budget is below full recomputation's peak."""
 
 
-def op_table(work: Workload, layout: Layout, hw: Hardware,
-             assume: Assumptions) -> dict[str, tuple[float, float, float]]:
+def layer_fp8_ops(work: Workload, i: int) -> frozenset | None:
+    """The projections of layer i (OPS' names) whose GEMMs run in FP8 under precision = fp8
+    (every one but those train.fp8_keep_out leaves in bf16; a MoE layer's MLP operators
+    follow its routed experts); None for other precisions (every GEMM at their rate)."""
+    if work.precision != "fp8":
+        return None
+    n, moe = layer_fp8_linears(work, i), work.model.is_moe_layer(i)
+    flags = {"q": n.q, "k": n.k, "v": n.v, "o": n.o, "gate": n.experts if moe else n.gate,
+             "up": n.experts if moe else n.up, "down": n.experts if moe else n.down}
+    if work.model.mlp != "swiglu":
+        del flags["gate"]
+    return frozenset(op for op, fp8 in flags.items() if fp8)
+
+
+def op_table(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
+             fp8_ops: frozenset | None = None) -> dict[str, tuple[float, float, float]]:
     """Per operator of one layer and one micro-batch: (output bytes, bytes of that output
-    autograd also saves, forward seconds). Under tp the projections and the core are split."""
+    autograd also saves, forward seconds). Under tp the projections and the core are split.
+    Under precision = fp8 the projections in `fp8_ops` (None: all; `layer_fp8_ops`) run at
+    the FP8 rate, the others at bf16's, as plan/timing.py times a kept-out linear."""
     mc, lay, B = work.model, layout, work.dtype_bytes
     tokens = lay.mbs * work.seq_len / lay.cp
     h, t, d = mc.hidden_size, lay.tp, mc.dim_per_head
@@ -97,22 +117,26 @@ def op_table(work: Workload, layout: Layout, hw: Hardware,
     f = mc.intermediate_size / t
     peak = hw.peak_flops(work.precision)
     thin = min(tokens, q, f, h)
-    gemm = peak * hw.matmul_efficiency * thin / (thin + 128)  # plan/timing.py's GEMM rate
     # attention's core runs in bf16 under FP8 too (plan/timing.py's `high_peak`)
     high = hw.peak_flops("bf16") if work.precision == "fp8" else peak
     attn_rate = high * hw.matmul_efficiency * assume.attention_efficiency
+    rates = {p: p * hw.matmul_efficiency * thin / (thin + 128)  # plan/timing.py's GEMM rate
+             for p in (peak, high)}
+
+    def gemm(op: str) -> float:
+        return rates[peak if fp8_ops is None or op in fp8_ops else high]
     scores = forward_flops_per_token(mc, work.seq_len).layer_attention / t
     core_out = tokens * q * B + tokens * mc.num_heads / t * STAT_BYTES
-    table = {"q": (tokens * q * B, 0.0, 2 * tokens * h * q / gemm),
-             "k": (tokens * kv * B, 0.0, 2 * tokens * h * kv / gemm),
-             "v": (tokens * kv * B, tokens * kv * B, 2 * tokens * h * kv / gemm),
+    table = {"q": (tokens * q * B, 0.0, 2 * tokens * h * q / gemm("q")),
+             "k": (tokens * kv * B, 0.0, 2 * tokens * h * kv / gemm("k")),
+             "v": (tokens * kv * B, tokens * kv * B, 2 * tokens * h * kv / gemm("v")),
              "core": (core_out, core_out, tokens * scores * (0.5 if work.flash else 1.0)
                       / attn_rate),
-             "o": (tokens * h * B, 0.0, 2 * tokens * q * h / gemm),
-             "up": (tokens * f * B, tokens * f * B, 2 * tokens * h * f / gemm),
-             "down": (tokens * h * B, 0.0, 2 * tokens * f * h / gemm)}
+             "o": (tokens * h * B, 0.0, 2 * tokens * q * h / gemm("o")),
+             "up": (tokens * f * B, tokens * f * B, 2 * tokens * h * f / gemm("up")),
+             "down": (tokens * h * B, 0.0, 2 * tokens * f * h / gemm("down"))}
     if mc.mlp == "swiglu":
-        table["gate"] = (tokens * f * B, tokens * f * B, 2 * tokens * h * f / gemm)
+        table["gate"] = (tokens * f * B, tokens * f * B, 2 * tokens * h * f / gemm("gate"))
     return table
 
 
@@ -132,22 +156,23 @@ def elementwise_seconds(work: Workload, layout: Layout, hw: Hardware,
 _CHOICES: dict[str, tuple[LayerChoice, ...]] = {}
 
 
-def layer_choices(work: Workload, layout: Layout, hw: Hardware,
-                  assume: Assumptions) -> list[LayerChoice]:
-    """The choices of one layer that no other beats in both bytes and seconds. Memoised on
-    what they depend on: a search asks for them once per layout and rank, over layouts that
-    differ only in dp, ZeRO or the schedule."""
+def layer_choices(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
+                  fp8_ops: frozenset | None = None) -> list[LayerChoice]:
+    """The choices of one layer (whose FP8 projections are `fp8_ops`: `op_table`) that no
+    other beats in both bytes and seconds. Memoised on what they depend on: a search asks
+    for them once per layout, rank and kind of layer, over layouts that differ only in dp,
+    ZeRO or the schedule."""
     key = repr((work, layout.tp, layout.sp, layout.cp, layout.mbs, layout.sp_saved,
-                layout.cp_comm, hw, assume))
+                layout.cp_comm, hw, assume, fp8_ops and sorted(fp8_ops)))
     if key not in _CHOICES:
         if len(_CHOICES) > 4096:
             _CHOICES.clear()
-        _CHOICES[key] = tuple(_layer_choices(work, layout, hw, assume))
+        _CHOICES[key] = tuple(_layer_choices(work, layout, hw, assume, fp8_ops))
     return list(_CHOICES[key])
 
 
-def _layer_choices(work: Workload, layout: Layout, hw: Hardware,
-                   assume: Assumptions) -> list[LayerChoice]:
+def _layer_choices(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
+                   fp8_ops: frozenset | None) -> list[LayerChoice]:
     kwargs = {"tp": layout.tp, "sp": layout.sp, "cp": layout.cp,
               "dtype_bytes": work.dtype_bytes, "flash": work.flash, "dropout": work.dropout,
               "sp_saves_gathered": layout.sp_saved != "shard", "cp_comm": layout.cp_comm}
@@ -156,7 +181,7 @@ def _layer_choices(work: Workload, layout: Layout, hw: Hardware,
     selective = activation_bytes_per_microbatch(model, mbs, seq, recompute="selective",
                                                 **kwargs)
     block_input = none.layer_terms["attn_norm_input"]
-    ops = op_table(work, layout, hw, assume)
+    ops = op_table(work, layout, hw, assume, fp8_ops)
     elem = elementwise_seconds(work, layout, hw, assume)
     out = [LayerChoice("none", stored=none.layer)]
     if layout.cp == 1:  # under cp selective leaves the ring core alone: it is "none"
@@ -182,31 +207,43 @@ def pareto(choices: list[LayerChoice]) -> list[LayerChoice]:
     return keep
 
 
-def choose(choices: list[LayerChoice], weights: list[float],
-           budget: float) -> tuple[LayerChoice, ...] | None:
+def _front(choices, cap: float) -> tuple[LayerChoice, ...]:
+    """The choices whose working set is within `cap`, on their Pareto front of seconds and
+    stored bytes (under a cap only those matter)."""
+    allowed = []
+    for c in sorted((c for c in choices if c.working <= cap),
+                    key=lambda c: (c.seconds, c.stored)):
+        if not allowed or c.stored < allowed[-1].stored:
+            allowed.append(c)
+    return tuple(allowed)
+
+
+def choose(choices: list, weights: list[float], budget: float,
+           kinds: list[int] | None = None) -> tuple[LayerChoice, ...] | None:
     """The cheapest choice per layer with Σ weight·stored + max working ≤ budget (exact),
-    or None when nothing fits. `weights`: per layer, the micro-batches in flight."""
-    candidates, previous = [], None  # (cap, its Pareto front), caps ascending
-    for cap in sorted({c.working for c in choices}):
-        allowed = []  # under this cap only bytes and seconds matter: their Pareto front
-        for c in sorted((c for c in choices if c.working <= cap),
-                        key=lambda c: (c.seconds, c.stored)):
-            if not allowed or c.stored < allowed[-1].stored:
-                allowed.append(c)
-        if allowed != previous:  # the same choices under a smaller budget: no better plan
-            candidates.append((cap, allowed))
+    or None when nothing fits. `weights`: per layer, the micro-batches in flight. `choices`:
+    every layer's; or, with `kinds` (per layer, an index into `choices`), one list per kind
+    of layer (layers whose FP8 projections differ: `layer_fp8_ops`)."""
+    sets = [choices] if kinds is None else choices
+    kinds = tuple(kinds) if kinds is not None else (0,) * len(weights)
+    candidates, previous = [], None  # (cap, each kind's Pareto front), caps ascending
+    for cap in sorted({c.working for one in sets for c in one}):
+        allowed = tuple(_front(one, cap) for one in sets)
+        if allowed != previous and all(allowed):  # the same choices under a smaller
+            candidates.append((cap, allowed))     # budget: no better plan
         previous = allowed
     # Solve the caps in the order of a lower bound on their cost, and skip a cap whose bound
     # cannot beat the plan in hand: most are skipped. Among costs within 1e-15 the smallest
     # cap wins, as when every cap is solved in ascending order.
-    bounds = [_cost_bound(allowed, weights, budget - cap) for cap, allowed in candidates]
+    bounds = [_cost_bound(allowed, weights, budget - cap, kinds)
+              for cap, allowed in candidates]
     best = None  # (cost, index, plan)
     for bound, index in sorted((b, i) for i, b in enumerate(bounds)):
         if best is not None and (bound > best[0] + 1e-15 or
                                  (bound >= best[0] - 1e-15 and index > best[1])):
             continue
         cap, allowed = candidates[index]
-        picked = _knapsack(tuple(allowed), tuple(weights), budget - cap)
+        picked = _knapsack(allowed, tuple(weights), budget - cap, kinds)
         if picked is None:
             continue
         cost = sum(c.seconds for c in picked)
@@ -216,55 +253,62 @@ def choose(choices: list[LayerChoice], weights: list[float],
     return None if best is None else best[2]
 
 
-def _cost_bound(choices: list[LayerChoice], weights: list[float], budget: float) -> float:
+def _cost_bound(sets: tuple, weights: list[float], budget: float, kinds: tuple) -> float:
     """A lower bound on the knapsack's least seconds, by weak Lagrangian duality: for any
     λ ≥ 0, Σ_layers min_choice (seconds + λ·weight·stored) − λ·budget ≤ the optimum (the
     constraint's slack is ≥ 0 in every plan that fits). λ runs over the slopes at which a
     layer's cheapest choice changes, where the bound can peak; the best of them is taken.
-    −inf when the budget is ≤ 0 (the knapsack then returns nothing)."""
+    −inf when the budget is ≤ 0 (the knapsack then returns nothing). `sets`: each kind of
+    layer's choices, `kinds`: each layer's."""
     import numpy as np
 
     if budget <= 0:
         return -np.inf
-    stored = np.array([c.stored for c in choices])
-    seconds = np.array([c.seconds for c in choices])
-    groups: dict[float, int] = {}
-    for w in weights:
-        groups[w] = groups.get(w, 0) + 1
-    ds = stored[:, None] - stored[None, :]  # a above b in bytes, below in seconds
-    dt = seconds[None, :] - seconds[:, None]
-    pairs = (ds > 0) & (dt > 0)
-    slopes = (dt[pairs] / ds[pairs]) if pairs.any() else np.zeros(0)
-    lambdas = np.concatenate([[0.0], *[slopes / w for w in groups]])
+    stored = [np.array([c.stored for c in one]) for one in sets]
+    seconds = [np.array([c.seconds for c in one]) for one in sets]
+    groups: dict[tuple, int] = {}
+    for w, k in zip(weights, kinds):
+        groups[w, k] = groups.get((w, k), 0) + 1
+    slopes = []
+    for st, sec in zip(stored, seconds):
+        ds = st[:, None] - st[None, :]  # a above b in bytes, below in seconds
+        dt = sec[None, :] - sec[:, None]
+        pairs = (ds > 0) & (dt > 0)
+        if pairs.any():
+            slopes.append(dt[pairs] / ds[pairs])
+    slopes = np.concatenate(slopes) if slopes else np.zeros(0)
+    lambdas = np.concatenate([[0.0], *[slopes / w for w in dict.fromkeys(w for w, _ in groups)]])
     total = -lambdas * budget
-    for w, n in groups.items():
-        total += n * (seconds[None, :] + lambdas[:, None] * w * stored[None, :]).min(axis=1)
+    for (w, k), n in groups.items():
+        total += n * (seconds[k][None, :] + lambdas[:, None] * w * stored[k][None, :]).min(axis=1)
     return float(total.max())
 
 
 UNITS = 4096  # the budget is cut into this many units; a choice's bytes round up to units
 
 
-def _knapsack(choices: tuple[LayerChoice, ...], weights: tuple[float, ...],
-              budget: float) -> tuple[LayerChoice, ...] | None:
+def _knapsack(choices: tuple, weights: tuple[float, ...], budget: float,
+              kinds: tuple | None = None) -> tuple[LayerChoice, ...] | None:
     """Dynamic program over the layers: best[u] = the least seconds of the layers so far
     within u units of bytes. Bytes are rounded *up* to units of budget/UNITS, so a plan it
-    returns always fits, and it misses only plans within a unit of the budget per layer."""
+    returns always fits, and it misses only plans within a unit of the budget per layer.
+    `choices`: every layer's; with `kinds`, one tuple per kind of layer (`choose`)."""
     import numpy as np
 
     if budget <= 0:
         return None
+    sets = (choices,) if kinds is None else choices
+    kinds = kinds if kinds is not None else (0,) * len(weights)
     unit = budget / UNITS
-    seconds = [c.seconds for c in choices]
     best = np.zeros(UNITS + 1)
-    steps = []  # per layer: (the table before it, the units of each choice)
-    for w in weights:
-        size = [int(np.ceil(w * c.stored / unit - 1e-9)) for c in choices]
+    steps = []  # per layer: (the table before it, the units of each choice, its choices)
+    for w, k in zip(weights, kinds):
+        size = [int(np.ceil(w * c.stored / unit - 1e-9)) for c in sets[k]]
         new = np.full(UNITS + 1, np.inf)
-        for u, sec in zip(size, seconds):
+        for u, c in zip(size, sets[k]):
             if u <= UNITS:
-                np.minimum(new[u:], best[:UNITS + 1 - u] + sec, out=new[u:])
-        steps.append((best, size))
+                np.minimum(new[u:], best[:UNITS + 1 - u] + c.seconds, out=new[u:])
+        steps.append((best, size, sets[k]))
         best = new
     if not np.isfinite(best[UNITS]):
         return None
@@ -272,13 +316,21 @@ def _knapsack(choices: tuple[LayerChoice, ...], weights: tuple[float, ...],
     # the one a strict "better than" over the choices in order would have kept. The sums are
     # the same float operations as above, so equality is exact.
     plan, at, value = [], UNITS, best[UNITS]
-    for before, size in reversed(steps):
-        i = next(i for i, (u, sec) in enumerate(zip(size, seconds))
-                 if u <= at and before[at - u] + sec == value)
-        plan.append(choices[i])
+    for before, size, layer in reversed(steps):
+        i = next(i for i, (u, c) in enumerate(zip(size, layer))
+                 if u <= at and before[at - u] + c.seconds == value)
+        plan.append(layer[i])
         at -= size[i]
         value = before[at]
     return tuple(reversed(plan))
+
+
+def rank_layer_ops(work: Workload, layout: Layout, rank: int) -> list:
+    """Per layer of pipeline rank `rank` (as `rank_weights` lists them): its FP8
+    projections (`layer_fp8_ops`)."""
+    counts = chunk_layer_counts(work.model, layout)
+    return [layer_fp8_ops(work, i) for c in rank_chunks(layout, rank)
+            for i in range(sum(counts[:c]), sum(counts[:c + 1]))]
 
 
 def rank_weights(work: Workload, layout: Layout, rank: int) -> list[float]:
@@ -338,16 +390,28 @@ def _plan_rank(work: Workload, layout: Layout, rank: int, full_allocated: float,
     hw, default_assume = _ranking_hardware()
     assume = assume or default_assume
     budget = layer_budget(work, layout, rank, full_allocated)
-    choices = layer_choices(work, layout, hw, assume)
     weights = rank_weights(work, layout, rank)
-    picked = choose(choices, weights, budget) if weights else ()
+    ops = rank_layer_ops(work, layout, rank)
+    kinds = list(dict.fromkeys(ops))  # the kinds of layer, by their FP8 projections
+    if len(kinds) > 1:  # train.fp8_keep_out leaves some layers' projections in bf16
+        sets = [layer_choices(work, layout, hw, assume, k) for k in kinds]
+        picked = choose(sets, weights, budget, [kinds.index(k) for k in ops])
+    else:
+        choices = layer_choices(work, layout, hw, assume, kinds[0] if kinds else None)
+        picked = choose(choices, weights, budget) if weights else ()
     if picked is None:
         raise BudgetTooSmall(f"a budget of {work.memory_budget_gib:g} GiB is below full "
                              f"recomputation's peak of {full_allocated / GIB:.3g} GiB on "
                              f"pipeline rank {rank}")
-    # Layers of equal weight are interchangeable: list each chunk's choices grouped.
-    picked = sorted(picked, key=lambda c: (-c.stored, c.label())) if len(set(weights)) == 1 \
-        else picked
+    # Layers of equal weight and kind are interchangeable: list each kind's choices grouped
+    # (over its layers' places).
+    if len(set(weights)) == 1:
+        picked = list(picked)
+        for k in kinds:
+            at = [i for i, o in enumerate(ops) if o == k]
+            for i, c in zip(at, sorted((picked[i] for i in at),
+                                       key=lambda c: (-c.stored, c.label()))):
+                picked[i] = c
     stored = sum(w * c.stored for w, c in zip(weights, picked))
     working = max((c.working for c in picked), default=0.0)
     return RankPlan(tuple(picked), stored + working, sum(c.seconds for c in picked), budget)
@@ -356,13 +420,17 @@ def _plan_rank(work: Workload, layout: Layout, rank: int, full_allocated: float,
 def recompute_seconds(work: Workload, layout: Layout, rank: int, hw: Hardware,
                       assume: Assumptions, plan: RankPlan | None) -> float:
     """Recompute seconds per micro-batch of `plan` (the one chosen for `rank`), at `hw`'s
-    rates; None (a budget below full recomputation's peak): full recomputation's."""
-    ops = op_table(work, layout, hw, assume)
+    rates; None (a budget below full recomputation's peak): full recomputation's. Each
+    layer's operators at its own rates (`layer_fp8_ops`)."""
+    layers = rank_layer_ops(work, layout, rank)
+    tables = {k: op_table(work, layout, hw, assume, k) for k in dict.fromkeys(layers)}
     elem = elementwise_seconds(work, layout, hw, assume)
     if plan is None:
-        return len(rank_weights(work, layout, rank)) * (elem + sum(o[2] for o in ops.values()))
+        return sum(layers.count(k) * (elem + sum(o[2] for o in ops.values()))
+                   for k, ops in tables.items())
     total = 0.0
-    for c in plan.choices:
+    for c, k in zip(plan.choices, layers, strict=True):
+        ops = tables[k]
         if c.kind == "selective":
             total += ops["core"][2]
         elif c.kind == "keep":
