@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from common import small_config
 from harness import run_ranks
+from test_fp8_delayed_parallel import all_reduce_bytes
 from torch import nn
 
 from fivefold.lowp.convert import convert_to_fp8
@@ -34,8 +35,6 @@ from fivefold.lowp.delayed import end_step, histories
 from fivefold.lowp.linear import FP8Recipe
 from fivefold.models.moe import GroupedExperts
 from fivefold.parallel.mesh import ParallelDims
-from fivefold.plan.comm import ledger_volume
-from fivefold.plan.inputs import training_plan_inputs
 from fivefold.train.trainer import Trainer
 
 E, H, I = 4, 32, 16  # noqa: E741
@@ -127,12 +126,7 @@ def train(rank, world, tmp, args, steps=3, save=False):
     ep = next((m._ep_range for m in trainer.model.chunks[0].modules()
                if hasattr(m, "_ep_range")), None)
     trainer.close()
-    work, layout = training_plan_inputs(cfg)
-    planned = {g: ops.get("all_reduce", 0)
-               for g, ops in ledger_volume(work, layout, dims.pp_rank).items()}
-    reduced = {g: sum(e.bytes for e in dims.ledger.entries if (e.group, e.op) == (g,
-                                                                               "all_reduce"))
-               for g in planned}
+    reduced, planned = all_reduce_bytes(cfg, dims)
     return {"runs": runs, "after": after, "amax": amax, "planned": planned, "ledger": reduced,
             "loaded": loaded, "ep": ep}
 

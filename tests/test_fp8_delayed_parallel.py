@@ -65,14 +65,22 @@ def train(rank, world, tmp, args, steps=STEPS):
         after.append({k: h.clone() for k, h in histories(trainer.model.chunks[0]).items()})
     amax = [e for e in dims.ledger.entries if (e.group, e.op) == ("stage", "all_reduce")]
     trainer.close()
-    work, layout = training_plan_inputs(cfg)
-    planned = {g: ops.get("all_reduce", 0) for g, ops in ledger_volume(work, layout).items()}
-    reduced = {g: sum(e.bytes for e in dims.ledger.entries if (e.group, e.op) == (g,
-                                                                               "all_reduce"))
-               for g in planned}
+    reduced, planned = all_reduce_bytes(cfg, dims)
     return {"runs": runs, "first": after[0], "last": after[-1],
             "amax": [(e.elements, e.bytes) for e in amax], "linears": len(after[0]),
             "ledger": reduced, "planned": planned}
+
+
+def all_reduce_bytes(cfg, dims) -> tuple[dict, dict]:
+    """All-reduce bytes by group of the steps the ledger recorded, and the planner's for the
+    same config and pipeline rank (plan/comm.py `ledger_volume`)."""
+    work, layout = training_plan_inputs(cfg)
+    planned = {g: ops.get("all_reduce", 0)
+               for g, ops in ledger_volume(work, layout, dims.pp_rank).items()}
+    reduced = {g: sum(e.bytes for e in dims.ledger.entries if (e.group, e.op) == (g,
+                                                                               "all_reduce"))
+               for g in planned}
+    return reduced, planned
 
 
 def every_layout(rank, world, tmp, layouts):

@@ -33,11 +33,10 @@ import pathlib
 import torch
 from common import small_config
 from harness import run_ranks
+from test_fp8_delayed_parallel import all_reduce_bytes
 
 from fivefold.lowp.delayed import histories
 from fivefold.parallel.mesh import ParallelDims
-from fivefold.plan.comm import ledger_volume
-from fivefold.plan.inputs import training_plan_inputs
 from fivefold.train.trainer import Trainer
 
 DELAYED = ["--train.precision", "fp8", "--train.fp8_recipe", "tensorwise",
@@ -73,12 +72,7 @@ def train(rank, world, tmp, args, steps=STEPS):
     amax = [(e.elements, e.bytes) for e in dims.ledger.entries
             if (e.group, e.op) == ("stage", "all_reduce")]
     trainer.close()
-    work, layout = training_plan_inputs(cfg)
-    planned = {g: ops.get("all_reduce", 0)
-               for g, ops in ledger_volume(work, layout, dims.pp_rank).items()}
-    reduced = {g: sum(e.bytes for e in dims.ledger.entries if (e.group, e.op) == (g,
-                                                                               "all_reduce"))
-               for g in planned}
+    reduced, planned = all_reduce_bytes(cfg, dims)
     return {"runs": runs, "after": after, "amax": amax, "ledger": reduced, "planned": planned}
 
 
