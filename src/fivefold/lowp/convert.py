@@ -177,17 +177,12 @@ def check_fp8_device(recipe: FP8Recipe, device: torch.device) -> None:
 
 
 def check_fp8_compile(recipe: FP8Recipe, compiled: bool, device: torch.device) -> None:
-    """train.compile with FP8: tensorwise, rowwise and rowwise_gw_hp compile on any device
-    (their GEMMs are custom ops, numerics/fp8_ops.py); blockwise compiles on CUDA, but on a
-    CPU inductor's C++ code generation fails on its 128-wide slices (torch 2.13:
-    AssertionError in cpp.py `try_loop_split`), so that is refused before the first step;
-    delayed scaling is refused compiled on any device (train.compile = auto compiles on
-    CUDA: it must be set to false there)."""
-    if compiled and recipe.scaling == "delayed":
-        raise ConfigError("train.compile with train.fp8_scaling = 'delayed': the amax "
-                          "histories' bookkeeping (which rows hold a record) is Python state "
-                          "that compiled blocks do not keep (3 compiled steps gave other losses "
-                          "than eager); set train.compile = false or fp8_scaling = 'dynamic'")
+    """train.compile with FP8: tensorwise (dynamic or delayed scaling), rowwise and
+    rowwise_gw_hp compile on any device (their GEMMs, casts and delayed scaling's record
+    folds are custom ops, numerics/fp8_ops.py and fp8_cast.py; delayed scaling's host state
+    is read by the graphs as constants, lowp/delayed.py); blockwise compiles on CUDA, but on
+    a CPU inductor's C++ code generation fails on its 128-wide slices (torch 2.13:
+    AssertionError in cpp.py `try_loop_split`), so that is refused before the first step."""
     if compiled and recipe.name == "blockwise" and device.type == "cpu":
         raise ConfigError("train.compile = true with train.fp8_recipe = 'blockwise' on a CPU: "
                           "inductor cannot compile the blockwise FP8 linear there; use "

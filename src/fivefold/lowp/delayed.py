@@ -138,7 +138,7 @@ def add_history(module: nn.Module, history_len: int) -> None:
                                                device=device), persistent=False)
     module.register_buffer(PENDING, torch.zeros(3, dtype=torch.float32, device=device),
                            persistent=False)
-    module._fp8_filled = None
+    module._fp8_filled = None if device.type == "meta" else [False] * 3  # (zeros: known)
     module._fp8_recorded = [False] * 3
 
 
@@ -152,7 +152,8 @@ def add_expert_history(module: nn.Module, history_len: int) -> None:
                            persistent=False)
     module.register_buffer(PENDING, torch.zeros(experts, 3, 3, dtype=torch.float32,
                                                 device=device), persistent=False)
-    module._fp8_filled = None
+    module._fp8_filled = (None if device.type == "meta"
+                          else [[False] * 3 for _ in range(3 * experts)])
     module._fp8_recorded = [[False] * 3 for _ in range(3 * experts)]
 
 
@@ -219,9 +220,15 @@ def histories(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def forget_filled(model: nn.Module) -> None:
-    """After a checkpoint load wrote the histories: read which rows hold a record again."""
+    """After a checkpoint load wrote the histories: read which rows hold a record again, now
+    (one host sync per module, at the load, not inside the first step's compiled blocks)."""
     for m in delayed_modules(model):
+        history = getattr(m, BUFFER)
         m._fp8_filled = None
+        if history.device.type != "meta":
+            m._fp8_filled = (history.amax(dim=-1) > 0).reshape(-1, 3).tolist()
+            if not is_experts(m):
+                m._fp8_filled = m._fp8_filled[0]
 
 
 def end_step(modules: list[nn.Module], reduce_max=None) -> None:
@@ -346,29 +353,27 @@ def cast(x: torch.Tensor, state: DelayedState, row: str, fmt: FloatFormat, want:
                group_amax(x, "tensorwise").float().nan_to_num(nan=float("inf")))
         q = _cpu_cast(x, own if first else hist.max(), fmt)
         if record:
-            torch.maximum(state.pending[i], own.reshape(()), out=state.pending[i])
+            fp8_cast.fp8_amax_fold(state.pending[i:i + 1], own.reshape(1))
         qt = q.t() if want_t else None
         q = q if want else None
-    if record:
-        state.recorded[i] = True
     return q, qt
 
 
-def record_gathered(state: DelayedState, wq: FP8Tensor, flag: bool = True) -> None:
+def record_gathered(state: DelayedState, wq: FP8Tensor) -> None:
     """W's record when ZeRO-3 gathered W in FP8 (parallel/zero3_fp8.py), cast with this
     history's scale before the gather: the amax of this rank's piece of W (`wq.record`, NaN
     recorded as inf) folds into the pending record; `end_step`'s all_reduce(max) over every
     rank makes it the whole weight's, the record the linear folds from the gathered W.
-    `flag` False (a routed expert without tokens on this rank, lowp/experts.py): the amax
-    folds, the row is not marked recorded."""
+    The row is marked recorded by the linear's call (`note_forward`), not here: a routed
+    expert without tokens on this rank (lowp/experts.py `_fold_gathered`) folds its amax
+    with no mark."""
     record = getattr(wq, "record", None)
     if record is None:
         raise ValueError("a delayed FP8 linear got a gathered FP8 weight without its amax "
                          "record (parallel/zero3_fp8.py)")
     if state.record:
         i = ROW["weight"]
-        torch.maximum(state.pending[i], record.reshape(()), out=state.pending[i])
-        state.recorded[i] = state.recorded[i] or flag
+        fp8_cast.fp8_amax_fold(state.pending[i:i + 1], record.reshape(1))
 
 
 def input_pair(x2: torch.Tensor, state: DelayedState) -> tuple[FP8Tensor, FP8Tensor]:
@@ -390,4 +395,27 @@ def grad_pair(g2: torch.Tensor, state: DelayedState, fmt: FloatFormat
               ) -> tuple[FP8Tensor, FP8Tensor]:
     """(∂y for the input gradient, ∂yᵀ for the weight gradient), one cast and record."""
     gq, gt = cast(g2, state, "grad", fmt, True, True)
+    if state.record and not compiling():  # (compiled: `note_forward` marked it)
+        state.recorded[ROW["grad"]] = True
     return gq, gt
+
+
+def note_forward(state: DelayedState, own_input: bool) -> None:
+    """Which rows a recording call of the FP8 linear (lowp/linear.py `fp8_linear`) folds
+    into, marked on the host before its autograd function runs: x's unless the call shares
+    another linear's cast of the same x, and W's (cast here, or gathered: `record_gathered`).
+    ∂y's is marked by its backward when that runs eagerly; under torch.compile the backward
+    is one compiled graph that cannot touch host state, so the forward marks it (the
+    trainer runs every forward's backward before `end_step`)."""
+    rows = [ROW["input"]] if own_input else []
+    rows.append(ROW["weight"])
+    if compiling():
+        rows.append(ROW["grad"])
+    for row in rows:
+        state.recorded[row] = True
+
+
+def compiling() -> bool:
+    """Whether torch.compile is tracing this code now (torch.compiler.is_compiling)."""
+    is_compiling = getattr(torch.compiler, "is_compiling", None)
+    return bool(is_compiling is not None and is_compiling())

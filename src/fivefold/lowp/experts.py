@@ -190,8 +190,7 @@ class FP8ExpertsMixin:
         weight's where any rank met tokens (the flag, lowp/delayed.py `_expert_block`),
         whichever ranks those were; where none did, nothing is pushed, as on one device."""
         for p, name in enumerate(("w_gate", "w_up", "w_down")):
-            delayed.record_gathered(delayed.expert_state(self, e, p), gathered[name][e],
-                                    flag=False)
+            delayed.record_gathered(delayed.expert_state(self, e, p), gathered[name][e])
 
 
 class FP8GroupedExperts(FP8ExpertsMixin, GroupedExperts):

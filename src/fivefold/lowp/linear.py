@@ -249,17 +249,30 @@ def _forget(ref: weakref.ref) -> None:
         _LAST[0] = None
 
 
+def _cached_pair(x: torch.Tensor, recipe: FP8Recipe) -> tuple[FP8Tensor, FP8Tensor] | None:
+    """The cast of x that the last FP8 linear to read this x (unchanged) made, if any.
+    While torch.compile traces, x's version counter is symbolic (comparing it breaks the
+    graph at every linear): an entry made there has none and counts only there, for a
+    tensor of the graph being traced, which no block modifies in place between the
+    projections that read it."""
+    last = _LAST[0]
+    if last is not None:
+        ref, version, last_recipe, pair = last
+        if ref() is x and last_recipe == recipe and (
+                delayed.compiling() if version is None else version == x._version):
+            return pair
+    return None
+
+
 def _quantized_input(x: torch.Tensor, recipe: FP8Recipe, state=None
                      ) -> tuple[FP8Tensor, FP8Tensor]:
     """(the forward's operand, the copy to save for backward): the same tensor except for
     rowwise, which saves x quantised along the tokens (see the module docstring). Under
     delayed scaling the first linear to read x casts it with its own input history and
     records there; the others reading the same x share that cast."""
-    last = _LAST[0]
-    if last is not None:
-        ref, version, last_recipe, pair = last
-        if ref() is x and version == x._version and last_recipe == recipe:
-            return pair
+    pair = _cached_pair(x, recipe)
+    if pair is not None:
+        return pair
     x2 = x.reshape(-1, x.shape[-1])
     if state is not None:
         xq, saved = delayed.input_pair(x2, state)
@@ -269,7 +282,8 @@ def _quantized_input(x: torch.Tensor, recipe: FP8Recipe, state=None
         xq = recipe.quantize_act(x2)
         saved = recipe.quantize_act(x2.t()) if recipe.name == "rowwise" else xq
     # (rowwise_gw_hp saves x itself, not `saved`: FP8LinearFunction.forward)
-    _LAST[0] = (weakref.ref(x, _forget), x._version, recipe, (xq, saved))
+    _LAST[0] = (weakref.ref(x, _forget), None if delayed.compiling() else x._version, recipe,
+                (xq, saved))
     return xq, saved
 
 
@@ -281,6 +295,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if (state is None) != (recipe.scaling == "dynamic"):
         raise ValueError(f"FP8 {recipe.scaling} scaling needs "
                          f"{'an amax history' if state is None else 'no amax history'}")
+    if state is not None and state.record:  # which rows this call records (lowp/delayed.py)
+        delayed.note_forward(state, own_input=_cached_pair(x, recipe) is None)
     return FP8LinearFunction.apply(x, weight, bias, recipe, wq, state)
 
 
