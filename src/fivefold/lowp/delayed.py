@@ -62,8 +62,15 @@ When each operand casts and records:
     buffers start at ones, transformer_engine/pytorch/module/base.py, and the update kernel
     of transformer_engine/common/recipe/delayed_scaling.cu keeps the previous scale unless
     max(history) is finite and > 0), which on its first step flushes gradients below
-    E5M2's smallest subnormal (2^-16) to zero. Which rows hold a record is read from the
-    history once per process (one host sync, `filled`), then kept here.
+    E5M2's smallest subnormal (2^-16) to zero. Which rows hold a record (`filled`) is
+    known for a new history (none) and read from a loaded one (one host sync,
+    `forget_filled`), then kept here.
+  - Compiled (train.compile), the same code is traced per block: `filled` is a constant of
+    the graph (dynamo guards on it), so a block compiles twice, for the first step and for
+    every later one; the records fold by a mutating custom op (`fp8_amax_fold`) that the
+    compiled forward and backward keep; which rows a call records is marked by the traced
+    forward, outside the autograd function (`note_forward`), ∂y's row too, since a compiled
+    backward cannot touch host state (tests/test_fp8_delayed_compile.py).
   - A NaN or inf amax makes max(history) non-finite and the multiplier NaN (as dynamic
     scaling does for that one step) for the next H steps, until it leaves the history;
     Transformer Engine keeps the previous scale instead (the same kernel).
