@@ -5,9 +5,9 @@ linear's amax history hold a record (`filled`) changes only in `end_step`, betwe
 and the graphs read it as constants (dynamo guards on it): one graph for the first step
 (each operand cast with its own amax, dynamic tensorwise) and one for every later step
 (casts from the history), no more; which rows a call records is marked on the host by the
-traced forward, outside the autograd function; the records fold into the step's pending
-record by a mutating custom op (`fivefold::fp8_amax_fold`), which the compiled forward and
-backward keep.
+traced forward, outside the autograd function; the records fold in place into the step's
+pending record (an in-place maximum here on the CPU, the custom op `fivefold::fp8_amax_fold`
+on the fused path), which the compiled forward and backward keep.
 
 The oracle is eager. With inductor's `emulate_precision_casts` (bf16 intermediates rounded
 where eager rounds them) the compiled arithmetic is eager's: losses, gradient norms and

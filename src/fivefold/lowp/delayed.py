@@ -67,10 +67,11 @@ When each operand casts and records:
     `forget_filled`), then kept here.
   - Compiled (train.compile), the same code is traced per block: `filled` is a constant of
     the graph (dynamo guards on it), so a block compiles twice, for the first step and for
-    every later one; the records fold by a mutating custom op (`fp8_amax_fold`) that the
-    compiled forward and backward keep; which rows a call records is marked by the traced
-    forward, outside the autograd function (`note_forward`), ∂y's row too, since a compiled
-    backward cannot touch host state (tests/test_fp8_delayed_compile.py).
+    every later one; the records fold in place into the pending buffer (`fp8_amax_fold`, a
+    custom op declaring the mutation, on the fused path; an in-place maximum on the CPU's),
+    which the compiled forward and backward keep; which rows a call records is marked by
+    the traced forward, outside the autograd function (`note_forward`), ∂y's row too,
+    since a compiled backward cannot touch host state (tests/test_fp8_delayed_compile.py).
   - A NaN or inf amax makes max(history) non-finite and the multiplier NaN (as dynamic
     scaling does for that one step) for the next H steps, until it leaves the history;
     Transformer Engine keeps the previous scale instead (the same kernel).
@@ -360,7 +361,7 @@ def cast(x: torch.Tensor, state: DelayedState, row: str, fmt: FloatFormat, want:
                group_amax(x, "tensorwise").float().nan_to_num(nan=float("inf")))
         q = _cpu_cast(x, own if first else hist.max(), fmt)
         if record:
-            fp8_cast.fp8_amax_fold(state.pending[i:i + 1], own.reshape(1))
+            torch.maximum(state.pending[i], own.reshape(()), out=state.pending[i])
         qt = q.t() if want_t else None
         q = q if want else None
     return q, qt
@@ -380,7 +381,7 @@ def record_gathered(state: DelayedState, wq: FP8Tensor) -> None:
                          "record (parallel/zero3_fp8.py)")
     if state.record:
         i = ROW["weight"]
-        fp8_cast.fp8_amax_fold(state.pending[i:i + 1], record.reshape(1))
+        torch.maximum(state.pending[i], record.reshape(()), out=state.pending[i])
 
 
 def input_pair(x2: torch.Tensor, state: DelayedState) -> tuple[FP8Tensor, FP8Tensor]:
