@@ -18,7 +18,6 @@ before a cast flips an FP8 code now and then)."""
 import pytest
 import torch
 from common import small_config
-from test_fp8_compile import loss_tolerance
 from torch._dynamo.utils import counters
 
 from fivefold.lowp.delayed import add_history, end_step, histories
@@ -104,8 +103,11 @@ def test_delayed_trains_compiled_with_eagers_losses_and_resumes(tmp_path, monkey
         losses and gradient norms bit-equal, and 2 graphs in all (the shared block code's
         first step and later steps; the third step compiles nothing);
       - resumed from that checkpoint, compiled, steps 3 and 4: bit-equal, and the amax
-        histories after step 4 bit-equal to eager's;
-      - 2 steps compiled with inductor's defaults: losses within `loss_tolerance`."""
+        histories after step 4 bit-equal to eager's.
+    Inductor's defaults keep bf16 intermediates in fp32, which flips an occasional FP8 code
+    (losses 3e-5 to 3e-4 apart, measured); tests/test_fp8_compile.py holds compiled FP8 under
+    them to `loss_tolerance`, so this test (a fresh compile each, the suite's slowest) does not
+    compile a third time for it."""
     import torch._inductor.config as inductor_config
 
     eager = _trainer(tmp_path / "eager", False)
@@ -135,12 +137,4 @@ def test_delayed_trains_compiled_with_eagers_losses_and_resumes(tmp_path, monkey
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a, b)
     assert want_hist.keys() == got_hist.keys() and len(want_hist) == 14
     assert all(torch.equal(want_hist[k], got_hist[k]) for k in want_hist)
-
-    monkeypatch.setattr(inductor_config, "emulate_precision_casts", False)
-    default = _trainer(tmp_path / "default", True)
-    got_default = [default.train_step() for _ in range(2)]
-    default.close()
     torch._dynamo.reset()
-    tol = loss_tolerance(4 * 32, 8)
-    for a, b in zip(want, got_default):
-        assert abs(a["loss"] - b["loss"]) / a["loss"] <= tol, (a["loss"], b["loss"], tol)
