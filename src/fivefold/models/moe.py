@@ -63,6 +63,12 @@ _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 _WORKS: dict[tuple[str, torch.dtype], bool] = {}
 
 
+def _compiling() -> bool:
+    """Whether torch.compile is tracing this code now (torch.compiler.is_compiling)."""
+    is_compiling = getattr(torch.compiler, "is_compiling", None)
+    return bool(is_compiling and is_compiling())
+
+
 def grouped_mm_available(x: torch.Tensor, hidden: int, inter: int) -> bool:
     """Rows must be 16-byte aligned, and this torch must run the kernel on x's device and
     dtype (CPU support arrived after CUDA's; CUDA wants bf16): tried once on a tiny input."""
@@ -114,6 +120,10 @@ class GroupedExperts(nn.Module):
     def use_grouped_mm(self, x: torch.Tensor) -> bool:
         if self.impl == "loop":
             return False
+        if self.impl == "auto" and x.dtype != torch.bfloat16 and _compiling():
+            # torch 2.13's meta kernel of _grouped_mm, which a trace runs, takes bf16 only
+            # (the CPU kernel also runs fp32 and fp16): the trace failed, so traced, the loop
+            return False
         ok = grouped_mm_available(x, self.hidden, self.inter)
         if self.impl == "grouped_mm" and not ok:
             raise RuntimeError("GroupedExperts(impl='grouped_mm'): this torch/device/dtype has "
@@ -126,6 +136,12 @@ class GroupedExperts(nn.Module):
             offs = torch.cumsum(counts.to(x_sorted.device), 0).to(torch.int32)  # counts may be host
             h = F.silu(_gmm(x_sorted, self.w_gate, offs)) * _gmm(x_sorted, self.w_up, offs)
             return _gmm(h, self.w_down, offs)
+        return self._loop(x_sorted, counts)
+
+    @torch.compiler.disable
+    def _loop(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Eager under torch.compile: the rows per expert change every step, and a graph
+        specialised on them would be compiled again for each new split."""
         outs = []
         for e, rows in enumerate(x_sorted.split(counts.tolist())):
             h = F.silu(rows @ self.w_gate[e].t()) * (rows @ self.w_up[e].t())

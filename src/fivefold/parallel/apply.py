@@ -18,7 +18,7 @@ from torch import nn
 from fivefold.config.train import resolve_compile
 from fivefold.models.init import materialize
 from fivefold.parallel.mesh import ParallelDims
-from fivefold.parallel.recompute import apply_recompute
+from fivefold.parallel.recompute import apply_recompute, compile_inside
 
 
 @dataclass
@@ -101,7 +101,8 @@ def compile_blocks(chunks: list[nn.Module]) -> None:
     for chunk in chunks:
         layers = chunk.layers
         for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
-            block.compile()
+            if not compile_inside(block):  # a fully recomputed block: its forward, inside
+                block.compile()
 
 
 def separate_cpu_kernel_cache() -> None:

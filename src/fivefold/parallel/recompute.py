@@ -71,8 +71,11 @@ def replay_tape() -> ReplayTape | None:
 
 
 def _checkpointed(forward, context_fn=None):
+    inner = [forward]  # compile_inside swaps in the compiled forward
+
     @functools.wraps(forward)
     def run(*args, **kwargs):
+        forward = inner[0]
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         kept = [a for a in args if isinstance(a, torch.Tensor)]
@@ -107,7 +110,25 @@ def _checkpointed(forward, context_fn=None):
                 peak.track(t)
         return out
 
+    if context_fn is None:
+        run.checkpointed_forward = inner
     return run
+
+
+def compile_inside(module: nn.Module) -> bool:
+    """train.compile for a module whose whole forward is checkpointed (full recomputation):
+    compile the forward the checkpoint runs, not the module's call, and return True (False:
+    nothing done, compile the module as usual). The checkpoint wrapper stays eager: it sets
+    the replay tape, a `ContextVar`, which dynamo cannot trace (torch 2.13: a graph break on
+    `ContextVar.get`/`set` that left the whole block eager), and feeds the memory meter.
+    Recomputation in backward runs the same compiled forward again. Not for per-operator
+    selective checkpointing: its policy picks aten ops, which a compiled graph does not
+    dispatch one by one."""
+    inner = getattr(module.__dict__.get("forward"), "checkpointed_forward", None)
+    if inner is None:
+        return False
+    inner[0] = torch.compile(inner[0])
+    return True
 
 
 # --- per-operator selective checkpointing (auto) -------------------------------------------
