@@ -80,11 +80,13 @@ def test_moe_fp32_compiles_a_fixed_number_of_graphs(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scaling", ["dynamic", "delayed"])
+@pytest.mark.parametrize("scaling", ["delayed"])
 def test_moe_fp8_compiles_a_fixed_number_of_graphs(tmp_path, scaling):
     """FP8 tensorwise experts (loop): no graph compiled after step 1 (delayed: 2). Before:
     dynamic 12, 13, 17, 18 graphs after steps 1-4, delayed 12, 15, 18, 19. Losses within
-    tests/test_fp8_compile.py `loss_tolerance` of eager (8 FP8 GEMMs deep, as there)."""
+    tests/test_fp8_compile.py `loss_tolerance` of eager (8 FP8 GEMMs deep, as there).
+    Delayed only in the suite (the same compiler.disable on the experts' forward fixes
+    both; "dynamic" passes too, 22 s on a fresh cache, and is left out for the suite's time)."""
     fp8 = ("--train.precision", "fp8", "--train.fp8_recipe", "tensorwise",
            "--train.fp8_scaling", scaling, "--model.hidden_size", "128",
            "--model.intermediate_size", "256", *MOE)
