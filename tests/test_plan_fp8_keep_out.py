@@ -121,3 +121,44 @@ def test_plan_cli_plans_the_keep_out(capsys):
         act[name] = plan["layouts"][0]["memory_bytes"]["activations"]
     assert step["fp8"] < step["keep"] < step["all"] == pytest.approx(step["bf16"], rel=1e-12)
     assert act["fp8"] < act["keep"] < act["all"] == act["bf16"]
+
+
+def test_plan_cli_takes_the_fp8_recipe_and_scaling(capsys):
+    """--fp8-recipe and --fp8-scaling reach the plan: the command line's tensorwise plan is the
+    Python API's (docs/fp8-allgather.md compares recipes through it), delayed scaling adds its
+    amax all-reduce's records; each bad combination is one line, exit 2."""
+    import re
+
+    from fivefold.models.presets import preset
+    from fivefold.plan.cli_entry import main
+    from fivefold.plan.hardware import get_hardware
+    from fivefold.plan.layout import Layout, Workload
+    from fivefold.plan.timing import step_time
+
+    base = ["--model", "llama-3.1-8b", "--gpus", "8", "--gpu", "h100", "--precision", "fp8",
+            "--layout", "zero=3,mbs=1", "--seq-len", "4096", "--gbs", "1024"]
+
+    def planned(*extra) -> str:
+        assert main([*base, *extra]) == 0
+        return re.search(r"step time ([0-9.]+) s", capsys.readouterr().out).group(1)
+
+    hw, assume = get_hardware("h100")
+    for recipe in ("tensorwise", "rowwise"):
+        work = Workload(model=preset("llama-3.1-8b"), seq_len=4096, gbs=1024, precision="fp8",
+                        fp8_recipe=recipe)
+        want = step_time(work, Layout(dp=8, zero=3, mbs=1), hw, assume).total
+        assert planned("--fp8-recipe", recipe) == f"{want:.3f}"
+    assert planned() != planned("--fp8-recipe", "tensorwise")  # the default is blockwise
+    assert planned("--fp8-recipe", "tensorwise", "--fp8-scaling", "delayed") != \
+        planned("--fp8-recipe", "tensorwise")
+    assert planned("--fp8-allgather") == planned("--fp8-allgather", "--fp8-recipe", "tensorwise")
+    for extra, says in ((["--fp8-allgather", "--fp8-recipe", "rowwise"], "tensorwise FP8 only"),
+                        (["--fp8-scaling", "delayed"], "for the tensorwise recipe only"),
+                        (["--fp8-recipe", "rowwise", "--fp8-scaling", "delayed"],
+                         "for the tensorwise recipe only")):
+        assert main([*base, *extra]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and says in err, err
+    bf16 = [a for a in base if a not in ("--precision", "fp8")]
+    assert main([*bf16, "--fp8-recipe", "tensorwise"]) == 2
+    assert "needs --precision fp8" in capsys.readouterr().err

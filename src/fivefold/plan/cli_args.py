@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from fivefold.config.fp8 import FP8_RECIPES, FP8_SCALINGS
 from fivefold.errors import ArgumentParser, ConfigError
 from fivefold.plan.conventions import CONVENTIONS
 from fivefold.plan.hardware import CATALOG, GIB
@@ -84,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--fp8-allgather", action="store_true",
                     help="with --precision fp8: ZeRO-3 gathers the FP8 linears' weights in "
                     "FP8, tensorwise (parallel.fp8_allgather)")
+    tr.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None,
+                    help="with --precision fp8: the recipe (train.fp8_recipe; default "
+                    "blockwise, the engine's; tensorwise under --fp8-allgather)")
+    tr.add_argument("--fp8-scaling", choices=FP8_SCALINGS, default=None,
+                    help="with --precision fp8, tensorwise: dynamic (default) or delayed "
+                    "(train.fp8_scaling: amax histories, one all-reduce of records a step)")
     tr.add_argument("--fp8-keep-out", default="", metavar="PATTERNS",
                     help="with --precision fp8: linears left in bf16, a comma list of "
                     "module-name patterns (train.fp8_keep_out), e.g. layers.0,o_proj")
@@ -110,6 +117,8 @@ def workload_options(args) -> dict:
                 **({"grad_sync": args.grad_sync} if args.grad_sync else {}),
                 **({"fp8_allgather": True, "fp8_recipe": "tensorwise"}
                    if args.fp8_allgather else {}),
+                **({"fp8_recipe": args.fp8_recipe} if args.fp8_recipe else {}),
+                **({"fp8_scaling": args.fp8_scaling} if args.fp8_scaling else {}),
                 **({"fp8_keep_out": args.fp8_keep_out} if args.fp8_keep_out else {}),
                 **lora_options(args)}
 

@@ -150,6 +150,18 @@ def run(argv: list[str]) -> int:
     if args.fp8_allgather and (args.config or args.precision != "fp8"):
         raise ConfigError("--fp8-allgather needs --precision fp8 (with --config, set "
                           "parallel.fp8_allgather = true in the file instead)")
+    for flag, key, value in (("--fp8-recipe", "fp8_recipe", args.fp8_recipe),
+                             ("--fp8-scaling", "fp8_scaling", args.fp8_scaling)):
+        if value and (args.config or args.precision != "fp8"):
+            raise ConfigError(f"{flag} needs --precision fp8 (with --config, set "
+                              f"train.{key} in the file instead)")
+    recipe = args.fp8_recipe or ("tensorwise" if args.fp8_allgather else "blockwise")
+    if args.fp8_allgather and recipe != "tensorwise":
+        raise ConfigError(f"--fp8-allgather gathers tensorwise FP8 only (got --fp8-recipe "
+                          f"{recipe}); use --fp8-recipe tensorwise or drop --fp8-allgather")
+    if args.fp8_scaling == "delayed" and recipe != "tensorwise":
+        raise ConfigError(f"--fp8-scaling delayed keeps one amax per tensor, for the tensorwise "
+                          f"recipe only (got {recipe}); add --fp8-recipe tensorwise")
     if args.fp8_keep_out and (args.config or args.precision != "fp8"):
         raise ConfigError("--fp8-keep-out needs --precision fp8 (with --config, set "
                           "train.fp8_keep_out in the file instead)")
