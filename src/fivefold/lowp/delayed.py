@@ -111,6 +111,7 @@ from fivefold.lowp.quantize import group_amax, multiplier
 from fivefold.numerics import fp8_cast
 from fivefold.numerics.formats import E4M3, FloatFormat
 from fivefold.numerics.fp8 import FP8Tensor
+from fivefold.numerics.kernel_support import compiling
 
 SCALINGS = ("dynamic", "delayed")
 DEFAULT_HISTORY_LEN = 16  # torchao float8 DelayedScalingConfig.history_len (removed); TE: 1024
@@ -421,9 +422,3 @@ def note_forward(state: DelayedState, own_input: bool) -> None:
         rows.append(ROW["grad"])
     for row in rows:
         state.recorded[row] = True
-
-
-def compiling() -> bool:
-    """Whether torch.compile is tracing this code now (torch.compiler.is_compiling)."""
-    is_compiling = getattr(torch.compiler, "is_compiling", None)
-    return bool(is_compiling is not None and is_compiling())

@@ -60,6 +60,7 @@ from fivefold.lowp import delayed, fused
 from fivefold.lowp.quantize import dequantize, quantize
 from fivefold.numerics.formats import E4M3, FP8_BLOCK, FP8_FORMATS, FloatFormat
 from fivefold.numerics.fp8 import FP8Tensor, fp8_mm
+from fivefold.numerics.kernel_support import compiling
 
 RECIPES = ("blockwise", "rowwise", "rowwise_gw_hp", "tensorwise")
 _GRANULARITY = {  # recipe -> (activations and gradients, weights)
@@ -259,7 +260,7 @@ def _cached_pair(x: torch.Tensor, recipe: FP8Recipe) -> tuple[FP8Tensor, FP8Tens
     if last is not None:
         ref, version, last_recipe, pair = last
         if ref() is x and last_recipe == recipe and (
-                delayed.compiling() if version is None else version == x._version):
+                compiling() if version is None else version == x._version):
             return pair
     return None
 
@@ -282,7 +283,7 @@ def _quantized_input(x: torch.Tensor, recipe: FP8Recipe, state=None
         xq = recipe.quantize_act(x2)
         saved = recipe.quantize_act(x2.t()) if recipe.name == "rowwise" else xq
     # (rowwise_gw_hp saves x itself, not `saved`: FP8LinearFunction.forward)
-    _LAST[0] = (weakref.ref(x, _forget), None if delayed.compiling() else x._version, recipe,
+    _LAST[0] = (weakref.ref(x, _forget), None if compiling() else x._version, recipe,
                 (xq, saved))
     return xq, saved
 

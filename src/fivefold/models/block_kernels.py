@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from fivefold.numerics.kernel_support import triton_usable
+from fivefold.numerics.kernel_support import compiling, triton_usable
 
 try:  # Triton is optional (see models/loss_kernel.py)
     import triton
@@ -43,8 +43,7 @@ def fused_path(x: torch.Tensor) -> bool:
     fits one program."""
     if not FUSED_ON_DEVICE or x.device.type == "cpu" or x.shape[-1] > MAX_FUSED_DIM:
         return False
-    compiling = getattr(torch.compiler, "is_compiling", None)
-    return not (compiling is not None and compiling())
+    return not compiling()
 
 
 if triton is not None:

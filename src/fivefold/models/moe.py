@@ -55,18 +55,13 @@ from torch import nn
 
 from fivefold.models.mlp import MLP
 from fivefold.models.presets import ModelConfig
+from fivefold.numerics.kernel_support import compiling
 
 # torch >= 2.8 (CPU and CUDA); the public wrapper arrived later.
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 _WORKS: dict[tuple[str, torch.dtype], bool] = {}
-
-
-def _compiling() -> bool:
-    """Whether torch.compile is tracing this code now (torch.compiler.is_compiling)."""
-    is_compiling = getattr(torch.compiler, "is_compiling", None)
-    return bool(is_compiling and is_compiling())
 
 
 def grouped_mm_available(x: torch.Tensor, hidden: int, inter: int) -> bool:
@@ -120,7 +115,7 @@ class GroupedExperts(nn.Module):
     def use_grouped_mm(self, x: torch.Tensor) -> bool:
         if self.impl == "loop":
             return False
-        if self.impl == "auto" and x.dtype != torch.bfloat16 and _compiling():
+        if self.impl == "auto" and x.dtype != torch.bfloat16 and compiling():
             # torch 2.13's meta kernel of _grouped_mm, which a trace runs, takes bf16 only
             # (the CPU kernel also runs fp32 and fp16): the trace failed, so traced, the loop
             return False

@@ -19,3 +19,10 @@ def triton_usable(device: torch.device) -> bool:
     if triton is None:
         return False
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def compiling() -> bool:
+    """Whether torch.compile is tracing this code now (torch.compiler.is_compiling, which
+    older torch builds lack: then never)."""
+    is_compiling = getattr(torch.compiler, "is_compiling", None)
+    return bool(is_compiling is not None and is_compiling())
