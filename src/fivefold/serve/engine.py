@@ -9,6 +9,9 @@ one token for every request that reached its last position (the greedy ones with
 over all their rows, the others with models/sampling.py, the sampler `fivefold generate`
 uses, each request with its own seeded generator), applies stop
 strings, and returns a `RequestOutput` for every request that got a token or finished.
+With async scheduling (on CUDA by default; serve/async_step.py) a step of greedy decodes
+is launched before the step before it is read, and `step` returns that earlier step's
+outputs: the same outputs, with the host's work hidden behind the device's.
 
 The pool's size comes from a byte budget: `kv_cache_bytes` (the CLI's --kv-cache-gib), or on
 CUDA a share of the memory free after loading the weights; the block count is whole blocks
@@ -386,4 +389,5 @@ class Engine:
                 "kv_blocks_total": self.kv.num_blocks, "kv_blocks_used": self.kv.pool.num_used,
                 "kv_blocks_free": self.kv.pool.num_free, "preemptions": s.num_preemptions,
                 "prefix_hit_tokens": self.kv.prefix_hit_tokens,
-                "generated_tokens": self.num_generated_tokens, "steps": self.num_steps}
+                "generated_tokens": self.num_generated_tokens, "steps": self.num_steps,
+                "steps_ahead": 0 if self.overlap is None else self.overlap.num_ahead}
