@@ -208,7 +208,8 @@ def summary(record: dict) -> str:
         if key in record:
             text = json.dumps(record[key], default=str)
             ratio = record.get("async_on_over_off")  # serve_async: both rates and the ratio
-            return f"{key} {text[:150]}" + ("" if ratio is None else f" on/off {ratio:.3f}")
+            return f"{key} {text[:150]}" + ("" if ratio is None else f" on/off {ratio:.3f}") \
+                + (f" ({record['note']})" if "note" in record else "")
     return ""
 
 

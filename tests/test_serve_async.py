@@ -296,3 +296,29 @@ def test_the_http_server_with_async_scheduling_on():
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_a_step_ahead_that_raises_ends_its_requests_after_the_step_before_is_read(
+        model, monkeypatch):
+    prompts, params = workload(4, seed=8, output=(20, 20))
+    engine = Engine(model, num_blocks=64, async_scheduling="on")
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(p, sp, f"r{i}")
+    for _ in range(3):
+        engine.step()
+    execute = engine.runner.execute
+
+    def broken(out):
+        assert out.input_ids is not None  # the step ahead
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    outputs = engine.step()
+    assert sorted(o.request_id for o in outputs) == [f"r{i}" for i in range(4)]
+    for o in outputs:  # step 4's token was read, then the step ahead failed
+        assert o.finish_reason == "error" and "device lost" in o.error
+        assert len(o.token_ids) == 4
+    assert engine.kv.pool.num_free == engine.num_blocks and not engine.has_unfinished()
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    (again,) = engine.generate([prompts[0]], params[0])  # the engine goes on
+    assert again.finish_reason == "length" and len(again.token_ids) == 20
