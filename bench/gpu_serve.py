@@ -17,6 +17,10 @@
                          transformers' static batches of 32; goal >= 4x; TTFT and
                          inter-token latency percentiles of both
 
+serve_16_requests and serve_decode_profile run synchronous steps (async scheduling off:
+one switch at a time; serve_async turns it on); serve_128_mixed runs the engine as served
+(async scheduling on, CUDA's default).
+
 Same weights (smollm2-135m shaped, random init, bf16 on CUDA), greedy, EOS ignored; the
 number of requests whose tokens agree is recorded beside each rate. On CPU (--dry-run) the
 same code with a tiny model and a few requests; the graphs switch runs the static path
@@ -159,7 +163,7 @@ def serve_16_requests(ctx) -> dict:
               "ratio_vs_transformers": {}, "identical_outputs": {}}
     for label, fuse, kernel, graphs in CONFIGS:
         engine = _engine(ctx, model, kernel, graphs, fuse, max_num_seqs=len(prompts),
-                         num_blocks=len(prompts) * 1024 // 16 + 8)
+                         num_blocks=len(prompts) * 1024 // 16 + 8, async_scheduling="off")
         tokens, times = _run_engine(engine, prompts, outputs)  # warm-up (and graph capture)
         sec = median_time(ctx, lambda e=engine: _run_engine(e, prompts, outputs), rounds,
                           warmup=0)
@@ -211,7 +215,7 @@ def serve_decode_profile(ctx) -> dict:
                                            if ctx.device.type == "cuda" else [])
     for label, fuse, kernel, graphs in (CONFIGS[0], CONFIGS[-1]):  # before, after
         engine = _engine(ctx, model, kernel, graphs, fuse, max_num_seqs=len(prompts),
-                         num_blocks=len(prompts) * 1024 // 16 + 8)
+                         num_blocks=len(prompts) * 1024 // 16 + 8, async_scheduling="off")
         from fivefold.serve.sampling_params import SamplingParams
 
         for p in prompts:
