@@ -57,15 +57,34 @@ def memory_verdict(work: Workload, layout: Layout, hw: Hardware,
     return total, total <= limit and host_fits(placed.host, hw)
 
 
+def _only_step(work: Workload, layout: Layout) -> str:
+    """Why the layout leaves auto nothing to choose but "step" ("" when it has a choice)."""
+    if layout.zero < 2 or layout.dp * layout.cp == 1:
+        return "no ZeRO-2/3 gradient shards"
+    if work.num_microbatches(layout) == 1:
+        return "one micro-batch: both are the same"
+    if layout.pp > 1:
+        return "under a pipeline the engine reduces once per step"
+    return ""
+
+
+def fit_grad_sync(work: Workload, layout: Layout) -> Workload:
+    """`work` with the grad_sync whose memory decides whether auto's choice fits, without
+    the time model (what the search asks of every layout): "step" where the layout forces
+    it, else "microbatch" (auto's choice fits exactly when microbatch does: it takes step
+    only where step fits or neither does). Set syncs are kept."""
+    if work.grad_sync != "auto":
+        return work
+    return dataclasses.replace(work, grad_sync="step" if _only_step(work, layout)
+                               else "microbatch")
+
+
 def choose_grad_sync(work: Workload, layout: Layout, hw: Hardware,
                      assume: Assumptions) -> tuple[str, str]:
     """("step" | "microbatch", the reason in a few words) for `work.grad_sync = "auto"`."""
-    if layout.zero < 2 or layout.dp * layout.cp == 1:
-        return "step", "no ZeRO-2/3 gradient shards"
-    if work.num_microbatches(layout) == 1:
-        return "step", "one micro-batch: both are the same"
-    if layout.pp > 1:
-        return "step", "under a pipeline the engine reduces once per step"
+    forced = _only_step(work, layout)
+    if forced:
+        return "step", forced
     runs = {sync: dataclasses.replace(work, grad_sync=sync) for sync in ("step", "microbatch")}
     times = {sync: step_time(run, layout, hw, assume).total for sync, run in runs.items()}
     slower = times["microbatch"] / times["step"] - 1
