@@ -89,8 +89,8 @@ def choose_grad_sync(work: Workload, layout: Layout, hw: Hardware,
     times = {sync: step_time(run, layout, hw, assume).total for sync, run in runs.items()}
     slower = times["microbatch"] / times["step"] - 1
     if slower <= NEAR_EQUAL:
-        return "microbatch", (f"no whole gradient held, step time {slower:+.1%} "
-                              f"(within {NEAR_EQUAL:.0%})")
+        return "microbatch", (f"no whole gradient held, step time {slower:+.1%}, within "
+                              f"{NEAR_EQUAL:.0%}")
     step_bytes, step_fits = memory_verdict(runs["step"], layout, hw, assume)
     if step_fits:
         return "step", f"per micro-batch would be {slower:+.1%} slower on {hw.name}"
