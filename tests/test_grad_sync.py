@@ -291,6 +291,36 @@ def test_the_search_finds_a_layout_that_fits_only_per_micro_batch():
         (_auto_cases()["only microbatch fits"][1], "microbatch", True)]
 
 
+def test_plan_config_search_chooses_grad_sync_per_layout(tmp_path, capsys):
+    """`fivefold plan --config --search`: a config whose own layout is ZeRO-1 (auto: once per
+    step) searches ZeRO-2 with auto chosen per layout, so dp 16 × tp 4, ZeRO-2, which fits
+    only per micro-batch, is found fitting; its config explained says why."""
+    import json
+
+    from fivefold.plan.cli_entry import main
+
+    def toml(name: str, parallel: str) -> str:
+        path = tmp_path / name
+        path.write_text(f'[model]\npreset = "llama-3.1-70b"\n[parallel]\n{parallel}\nmbs = 1\n'
+                        '[train]\ngbs = 128\nseq_len = 4096\nprecision = "bf16"\n'
+                        'recompute = "full"\n')
+        return str(path)
+
+    zero1 = toml("zero1.toml", "dp = 64\nzero = 1")
+    assert main(["--config", zero1, "--search", "--space",
+                 "tp=4 pp=1 cp=1 zero=2 mbs=1 recompute=full", "--json", "-"]) == 0
+    found = json.loads(capsys.readouterr().out)["layouts"]
+    assert [(p["layout_short"], p["grad_sync"], p["fits"]) for p in found] == [
+        ("dp16 tp4+sp pp1 z2 mbs1 rc-full", "microbatch", True)]
+    assert "once per step does not fit" in found[0]["grad_sync_reason"]
+    zero2 = toml("zero2.toml", "dp = 16\ntp = 4\nsp = true\nzero = 2")
+    assert main(["--config", zero2]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("fits: 52.2 of 80 GiB")
+    assert ("once per micro-batch (grad_sync = auto: once per step does not fit on h100-sxm, "
+            "per micro-batch does: 85.1 → 52.2 of 80 GiB") in out
+
+
 def test_the_engine_and_the_planner_choose_alike_per_gpu(tmp_path):
     """The trainer resolves auto with its GPU's catalog entry (`resolve_config_grad_sync`
     with torch's device name) as `fivefold plan --config` plans it on that GPU: Llama-3.1-70B
