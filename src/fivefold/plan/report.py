@@ -103,7 +103,8 @@ def format_explain(plan: LayoutPlan, work: Workload) -> str:
     states = p.stages[p.memory_rank]["model_states_bytes"]
     if lay.zero >= 2 and lay.dp * lay.cp > 1:
         every = "micro-batch" if p.grad_sync == "microbatch" else "step"
-        lines.append(f"  gradients reduce-scattered once per {every} (grad_sync)")
+        why = f" = auto: {p.grad_sync_reason}" if p.grad_sync_reason else ""
+        lines.append(f"  gradients reduce-scattered once per {every} (grad_sync{why})")
     lines += [f"  bytes/param: {p.bytes_per_param}",
               f"  model states: {states / 1e9:.1f} GB (1e9 bytes) = {_gib(states)} GiB"]
     if lay.pp > 1:
