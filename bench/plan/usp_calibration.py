@@ -141,6 +141,9 @@ def score(rows: list[dict], preds: list[dict], memory_key: str = "rank0_reserved
     }
 
 
+LAYOUT_KEYS = ("dp", "tp", "pp", "mbs", "zero")
+
+
 def _pick(members: list, best: float, ok_only: bool) -> dict:
     """The layout the planner ranks first among the group's runs it says fit (or, with
     `ok_only`, among the runs that ran), and how it did. Runs of one layout are pooled:
@@ -152,11 +155,12 @@ def _pick(members: list, best: float, ok_only: bool) -> dict:
         if not p["plannable"] or (ok_only and row["status"] != "ok") or (
                 not ok_only and not p["fits"]):
             continue
-        key = tuple(row[k] for k in ("dp", "tp", "pp", "mbs", "zero"))
+        key = tuple(row[k] for k in LAYOUT_KEYS)
         got = float(row["tokens_per_s_per_gpu"]) if row["status"] == "ok" else 0.0
         entry = layouts.setdefault(key, {"predicted": p["tokens_per_s_per_gpu"], "measured": 0.0,
                                          "rank": p["tokens_per_s_per_gpu"] / rank_key(
-                                             1.0, workload_layout(row)[1], rng)})
+                                             1.0, Layout(**dict(zip(LAYOUT_KEYS, map(int, key)))),
+                                             rng)})
         entry["measured"] = max(entry["measured"], got)
     if not layouts:
         return {"layout": None, "hit": False}
