@@ -218,13 +218,14 @@ def test_two_kinds_of_layer_are_planned_exactly():
 def test_kept_out_layers_recompute_their_projections_at_bf16s_rate():
     """train.fp8_keep_out leaves layers 0 and 1 in bf16: their per-operator table is bf16's
     (the projections at bf16's GEMM rate), the other 30 layers' FP8's; full recomputation
-    costs 2 of the one and 30 of the other, whose re-run forward casts again. recompute = auto plans the two kinds with their
-    own costs: a plan whose seconds are those of its layers at their own rates, cheaper than
-    the plan the FP8 table alone chose for every layer, costed at the true rates."""
+    costs 2 of the one and 30 of the other, whose re-run forward casts again. recompute =
+    auto plans the two kinds with their own costs: a plan whose seconds are those of its
+    layers at their own rates, cheaper than the plan the FP8 table alone chose for every
+    layer, costed at the true rates."""
     from fivefold.models.presets import preset
-    from fivefold.plan.hardware import get_hardware
     from fivefold.plan.fp8 import rank_dense_cast_bytes
     from fivefold.plan.fp8_linears import layer_fp8_linears
+    from fivefold.plan.hardware import get_hardware
     from fivefold.plan.layout import Layout, Workload
     from fivefold.plan.recompute_plan import (
         _ranking_hardware,
