@@ -13,7 +13,9 @@ Each choice has a saving (the bytes a micro-batch leaves stored between its forw
 backward, from the same activation model the peak tracker is checked against), a working
 set (what the layer's recomputation brings back during its backward) and a cost (the
 recompute seconds of the planner's per-operator model: GEMMs at the GEMM rate, the attention
-core at the attention rate, the elementwise kernels at HBM bandwidth, as plan/timing.py).
+core at the attention rate, the elementwise kernels at HBM bandwidth, as plan/timing.py; a
+MoE layer's MLP as its MoE block's forward, and under FP8 the casts every re-run of the
+block runs again, whatever it keeps: plan/recompute_costs.py).
 Dominated choices (more bytes and more time) are dropped: ~10 remain. Under train.precision
 = fp8 a projection's GEMM runs at the FP8 rate unless train.fp8_keep_out leaves its linear
 in bf16 (plan/fp8_linears.py): layers that differ in which do have choices of their own
