@@ -23,6 +23,7 @@ from fivefold.plan.flops import forward_flops_per_token
 from fivefold.plan.fp8 import (
     expert_cast_bytes,
     fp8_gathers,
+    gather_refresh_bytes,
     rank_dense_cast_bytes,
     rank_gather_cast_bytes,
 )
@@ -407,14 +408,22 @@ def optimizer_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumpt
 
         ns = newton_schulz_flops(work.model, exclude=work.muon_exclude) / layout.pp / (
             hw.peak_flops("bf16") * hw.matmul_efficiency)  # in bf16, as the engine
-    resident = elems * traffic / (hw.hbm_tbps * 1e12 * assume.hbm_efficiency) + ns
+    hbm = hw.hbm_tbps * 1e12 * assume.hbm_efficiency
+    # parallel.fp8_allgather's scale refresh: once per step, the amax of the rank's shard
+    # of its FP8-gathered weights (plan/fp8.py `gather_refresh_bytes`)
+    mc, fp8 = work.model, rank_fp8_linears(work, layout, 0)
+    local_experts = mc.num_experts / layout.ep if mc.num_experts else 0
+    refresh = gather_refresh_bytes(
+        work, layout, fp8, kv_heads_per_rank(mc, layout.tp),
+        fp8.experts * 3 * local_experts * mc.hidden_size * mc.moe_intermediate_size) / hbm
+    resident = elems * traffic / hbm + ns + refresh
     if not layout.offload:
         return resident
     pcie = elems * (bpp.grad + bpp.param) / (hw.host_link_gbps * 1e9)
     host = elems * 2 * (bpp.master + bpp.optimizer + 4) / (
         assume.cpu_adam_gbps * 1e9 / hw.gpus_per_node)
     # on a CPU device the offloaded update is the resident one: no link, the same memory
-    update = resident if hw.device_is_host else pcie + host + ns
+    update = resident if hw.device_is_host else pcie + host + ns + refresh
     if layout.offload != "nvme":
         return update
     return offload_nvme_time(work, layout, hw, update).step
