@@ -179,7 +179,11 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     # (parallel/context/: it keeps only O(s) tensors, and a re-run would repeat its transfers).
     selective = attn if lay.cp == 1 else 0.0
     # (The re-run forward takes the units the backward gathered: no FP8 gather of its own.)
-    recompute = {"full": layers_fwd - gather_f / hbm * scale,
+    # Nor a dense layer's bf16 down projection: the re-run stops before its GEMM (plan/
+    # recompute_plan.py `rerun_down`); an FP8 one runs again.
+    bf16_down = ((layers - moe - fp8.down) * tokens * 2 * h * mc.intermediate_size / t
+                 / gemm_rate * slow * scale)
+    recompute = {"full": layers_fwd - gather_f / hbm * scale - bf16_down,
                  "selective": selective}.get(lay.recompute, 0.0)
     if lay.recompute == "op":  # the matmuls it does not keep and every elementwise kernel
         share = op_sac_recomputed_matmul_share(mc)  # (their forward casts: by FLOP share)
