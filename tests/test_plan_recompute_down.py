@@ -116,3 +116,30 @@ def test_full_recomputation_in_the_step_is_the_tables(case):
     got = rank_compute(work, layout, hw, assume, 0).recompute
     want = recompute_seconds(work, layout, 0, hw, assume, None) * (1 + assume.compute_overhead)
     assert got == pytest.approx(want, rel=1e-9), (case, got, want)
+
+
+def test_a_reentrant_checkpoint_runs_the_down_projection_again():
+    """Megatron's, DeepSpeed's and nanotron's checkpoints are reentrant (the whole forward
+    runs again, plan/conventions.py): their full recomputation charges every projection;
+    torchtitan's non-reentrant checkpoint stops early, as fivefold's."""
+    from fivefold.plan.conventions import get_convention
+    from fivefold.plan.recompute_plan import rerun_down
+    from fivefold.plan.timing import rank_compute
+
+    work = _work(dataclasses.replace(SWIGLU, num_layers=4), None, "")
+    hw, assume = get_hardware("h100")
+    layout = Layout(mbs=BATCH, recompute="full")
+    stops = {name: get_convention(name).apply_workload(work).recompute_early_stop
+             for name in ("fivefold", "torchtitan", "megatron", "deepspeed", "nanotron")}
+    assert stops == {"fivefold": True, "torchtitan": True, "megatron": False,
+                     "deepspeed": False, "nanotron": False}
+    reentrant = dataclasses.replace(work, recompute_early_stop=False)
+    assert rerun_down(reentrant, None, False) and not rerun_down(work, None, False)
+    full = rank_compute(reentrant, layout, hw, assume, 0).recompute
+    early = rank_compute(work, layout, hw, assume, 0).recompute
+    h, f, tokens = SWIGLU.hidden_size, SWIGLU.intermediate_size, BATCH * SEQ
+    ratio = (full - early) / (4 * 2 * tokens * h * f)  # seconds per down FLOP, 4 layers
+    up = rank_compute(work, Layout(mbs=BATCH), hw, assume, 0).gemm_fwd / (
+        4 * 2 * tokens * (2 * h * h + 2 * h * SWIGLU.num_kv_heads * SWIGLU.dim_per_head
+                          + 3 * h * f))  # the forward GEMMs' seconds per FLOP
+    assert ratio == pytest.approx(up * (1 + assume.compute_overhead), rel=1e-9)

@@ -173,7 +173,9 @@ def rerun_down(work: Workload, fp8_ops: frozenset | None, moe: bool) -> bool:
     autograd.Function) saves its input's codes after its GEMM, which so runs again. A MoE
     block's routed experts' down outputs are weighted by the router (saved): they run
     again. (Meta traces: tests/test_plan_recompute_down.py.)"""
-    return moe or (work.precision == "fp8" and (fp8_ops is None or "down" in fp8_ops))
+    if moe or not getattr(work, "recompute_early_stop", True):  # a reentrant checkpoint
+        return True
+    return work.precision == "fp8" and (fp8_ops is None or "down" in fp8_ops)
 
 
 def elementwise_seconds(work: Workload, layout: Layout, hw: Hardware,

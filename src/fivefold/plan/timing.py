@@ -182,7 +182,7 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     # Nor a dense layer's bf16 down projection: the re-run stops before its GEMM (plan/
     # recompute_plan.py `rerun_down`); an FP8 one runs again.
     bf16_down = ((layers - moe - fp8.down) * tokens * 2 * h * mc.intermediate_size / t
-                 / gemm_rate * slow * scale)
+                 / gemm_rate * slow * scale) if work.recompute_early_stop else 0.0
     recompute = {"full": layers_fwd - gather_f / hbm * scale - bf16_down,
                  "selective": selective}.get(lay.recompute, 0.0)
     if lay.recompute == "op":  # the matmuls it does not keep and every elementwise kernel
