@@ -59,7 +59,7 @@ def test_fp8_linear_is_traceable():
 
 
 @pytest.mark.parametrize("gpu,gemm", [("h100", "fivefold.fp8_blockwise_scaled_mm"),
-                                      ("b200", "aten.mm")])
+                                      ("b200", "fivefold.fp8_blockwise_emulated_mm")])
 def test_fp8_step_takes_the_gpus_blockwise_kernel(gpu, gemm):
     """An sm90 GPU runs blockwise FP8 on cuBLASLt's `_scaled_mm`; a B200 (10.0) the
     emulated GEMMs, as the engine's kernel_support decides on each."""

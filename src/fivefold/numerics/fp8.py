@@ -33,7 +33,11 @@ from dataclasses import dataclass
 import torch
 
 from fivefold.numerics.formats import E4M3, FP8_BLOCK, FloatFormat
-from fivefold.numerics.fp8_ops import blockwise_scaled_mm, fp8_scaled_mm
+from fivefold.numerics.fp8_ops import (
+    blockwise_scaled_mm,
+    fp8_blockwise_emulated_mm,
+    fp8_scaled_mm,
+)
 from fivefold.numerics.scaling import (
     amax_to_scale,
     block_amax,
@@ -145,7 +149,7 @@ def fp8_mm(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype = torch.float32,
             return blockwise_scaled_mm(a, b, out_dtype)
         if kernel != "emulated":
             raise ValueError(f"unknown blockwise FP8 kernel '{kernel}'; one of {KERNELS}")
-        return blockwise_mm(a, b).to(out_dtype)
+        return blockwise_mm(a, b, out_dtype)
     raise ValueError(f"fp8_mm has no kernel for {a.granularity} x {b.granularity} scales")
 
 
@@ -156,16 +160,11 @@ def _row_slice_scales(q: FP8Tensor) -> torch.Tensor:
     return q.scale.repeat_interleave(q.block, dim=0)[: q.shape[0]]
 
 
-def blockwise_mm(a: FP8Tensor, b: FP8Tensor) -> torch.Tensor:
-    """The K-slice kernel: sum over slices k of (a_k · b_kᵀ) ⊙ (s_a[:, k] s_b[:, k]ᵀ), fp32."""
+def blockwise_mm(a: FP8Tensor, b: FP8Tensor,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The K-slice kernel: sum over slices k of (a_k · b_kᵀ) ⊙ (s_a[:, k] s_b[:, k]ᵀ), fp32
+    (one op: fp8_ops.py `fp8_blockwise_emulated_mm`), cast to `out_dtype`."""
     if a.block != b.block:
         raise ValueError(f"blockwise_mm: block sizes differ ({a.block} and {b.block})")
-    block, k = a.block, a.shape[1]
-    sa, sb = _row_slice_scales(a), _row_slice_scales(b)
-    out = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.data.device)
-    for i, start in enumerate(range(0, k, block)):
-        a_k = a.data[:, start:start + block].float()
-        b_k = b.data[:, start:start + block].float()
-        partial = a_k @ b_k.t()  # exact products, fp32 sum over <= 128 elements
-        out.addcmul_(partial, sa[:, i:i + 1] * sb[:, i].reshape(1, -1))
-    return out
+    return fp8_blockwise_emulated_mm(a.data, b.data, _row_slice_scales(a),
+                                     _row_slice_scales(b), a.block, out_dtype)

@@ -97,6 +97,30 @@ def _(a, b, scale_a, scale_b, kind_b):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16)
 
 
+@torch.library.custom_op("fivefold::fp8_blockwise_emulated_mm", mutates_args=())
+def fp8_blockwise_emulated_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                              scale_b: torch.Tensor, block: int,
+                              out_dtype: torch.dtype) -> torch.Tensor:
+    """a · bᵀ for a (M, K), b (N, K) FP8 codes in K slices of `block` (numerics/fp8.py
+    `blockwise_mm`, the emulated kernel): sum over slices k of (a_k · b_kᵀ) ⊙ (scale_a[:, k]
+    scale_b[:, k]ᵀ) in fp32, scale_a (M, K/block) and scale_b (N, K/block) per row and
+    slice, cast to `out_dtype`. One op, so that recompute = auto's policy keeps its output
+    (parallel/recompute.py), not each slice's fp32 partial."""
+    k = a.shape[1]
+    out = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)
+    for i, start in enumerate(range(0, k, block)):
+        a_k = a[:, start:start + block].float()
+        b_k = b[:, start:start + block].float()
+        partial = a_k @ b_k.t()  # exact products, fp32 sum over <= 128 elements
+        out.addcmul_(partial, scale_a[:, i:i + 1] * scale_b[:, i].reshape(1, -1))
+    return out.to(out_dtype)
+
+
+@fp8_blockwise_emulated_mm.register_fake
+def _(a, b, scale_a, scale_b, block, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
 def blockwise_scaled_mm(a: ScaledOperand, b: ScaledOperand,
                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """a · bᵀ on cuBLASLt (bf16 out, as torchao asks for it; cast to `out_dtype`): the
@@ -118,7 +142,8 @@ def _register_flops() -> None:
         return 2 * a_shape[0] * a_shape[1] * b_shape[0]
 
     register_flop_formula([torch.ops.fivefold.fp8_scaled_mm,
-                           torch.ops.fivefold.fp8_blockwise_scaled_mm])(gemm_flops)
+                           torch.ops.fivefold.fp8_blockwise_scaled_mm,
+                           torch.ops.fivefold.fp8_blockwise_emulated_mm])(gemm_flops)
 
 
 _register_flops()

@@ -140,10 +140,12 @@ _aten = torch.ops.aten
 # An FP8 linear's GEMM (lowp/linear.py) is one of fivefold's custom ops: kept as an mm is,
 # else a kept projection's GEMM would run again under precision = fp8 (its casts do run
 # again: the recomputed forward casts its input for the saved codes, and W, as the first).
-# Blockwise's emulated K-slice kernel (a CPU's) is not one op: its slices' mm's are kept.
+# Blockwise's emulated K-slice kernel (a CPU's) is one op too: its output is kept, not
+# each slice's fp32 partial.
 KEEPABLE = {op for op in (
     _aten.mm.default, _aten.addmm.default, torch.ops.fivefold.fp8_scaled_mm.default,
     torch.ops.fivefold.fp8_blockwise_scaled_mm.default,
+    torch.ops.fivefold.fp8_blockwise_emulated_mm.default,
     getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
     getattr(_aten, "_scaled_dot_product_flash_attention", None),
     getattr(_aten, "_scaled_dot_product_efficient_attention", None),

@@ -251,7 +251,8 @@ def run(argv: list[str]) -> int:
         if layout.world_size != args.gpus:
             raise ConfigError(f"--layout uses {layout.world_size} GPUs but --gpus is {args.gpus}")
         _check(work, layout, hw)
-        _check_budget(work, layout)
+        # the budget against the gradients grad_sync = auto resolves to (as --config)
+        _check_budget(resolve_grad_sync(work, layout, hw, assume), layout)
         plan = plan_layout(work, layout, hw, assume)
         cost = _run_cost(args, work, plan, assume)
         if args.json:

@@ -58,7 +58,7 @@ CONVENTIONS: dict[str, Convention] = {
         # only master + Adam: 6 + 12/DP (ZeRO-1 here). Causal attention FLOPs halved since
         # 8873b55d6a (2025-03-06).
         {"grad_dtype_bytes": 4, "fp32_grad_accum": False, "fp32_params": False,
-         "causal_flops": True},
+         "causal_flops": True, "recompute_early_stop": False},
         # SP keeps the sequence shard and all-gathers it again in backward; uniform split
         # (first/last stage counts only by flag); order "tp-cp-ep-dp-pp".
         {"sp_saved": "shard", "pp_split": "even", "rank_order": "tp-cp-dp-pp"},
@@ -91,7 +91,8 @@ CONVENTIONS: dict[str, Convention] = {
         {"grad_dtype_bytes": 2, "fp32_grad_accum": True, "fp32_params": False,
          "causal_flops": False, "chunked_loss": False, "softmax_loss": True,
          "zero_sync_blocking": True, "zero1_grad_sync": "all_reduce",
-         "pp_1f1b_min_warmup": True, "pp_idle_rank_fails": True},
+         "pp_1f1b_min_warmup": True, "pp_idle_rank_fails": True,
+         "recompute_early_stop": False},
         # REDUCE_SCATTER tp mode keeps the shard and gathers in backward; blocks split by
         # cumulative compute cost (4h·q + 3h·ffn per layer, V·h for the head), greedily
         # against thresholds total·(k+1)/pp; ranks reshaped (pp, dp, tp) with tp fastest.
@@ -184,7 +185,7 @@ CONVENTIONS: dict[str, Convention] = {
         # ZeRO-2 since PR #5099: '18 = 2 grads16 + 4 grads32 + 4 params32 + 8 optimizer',
         # GPU = 2Ψ + 18Ψ/N: bf16 params and grads, an fp32 gradient buffer, fp32 master, Adam.
         {"grad_dtype_bytes": 2, "fp32_grad_accum": True, "fp32_params": False,
-         "causal_flops": False},
+         "causal_flops": False, "recompute_early_stop": False},
         # PipeModelDataParallelTopology axes ['pipe', 'data', 'model']: model (tp) fastest.
         {"pp_split": "even", "rank_order": "tp-cp-dp-pp"},
         "allocated",

@@ -34,7 +34,8 @@ micro-batch at the HBM rate: the dense linears' (`cast_bytes` per operand,
 `rank_dense_cast_bytes` per pipeline rank) and the routed experts' (`expert_cast_bytes`),
 each held to the meta trace of the engine (tests/test_plan_fp8_dense.py,
 tests/test_plan_fp8_experts.py); under parallel.fp8_allgather ZeRO-3's FP8 gathers in place
-of the weights' casts (`rank_gather_cast_bytes`; tests/test_plan_fp8_gather_casts.py).
+of the weights' casts (`rank_gather_cast_bytes`; tests/test_plan_fp8_gather_casts.py),
+and once per step their scales' amaxes (`gather_refresh_bytes`, in the optimizer's time).
 """
 
 from __future__ import annotations
@@ -405,3 +406,22 @@ def rank_gather_cast_bytes(work, layout, linears: FP8Linears, kv_heads: int,
     experts = fp8_expert_gather_terms(work, layout, expert_elements, linears.experts)[0]
     one = gather_bytes(dense, shards, b) + gather_bytes(experts, shards / layout.ep, b)
     return gathers[0] * one, gathers[1] * one
+
+
+REFRESH_AMAX = 14  # + 3B per shard element: `gather_refresh_bytes`' eager amax
+
+
+def gather_refresh_bytes(work, layout, linears: FP8Linears, kv_heads: int,
+                         expert_elements: float) -> float:
+    """HBM bytes (read + written) per step of ZeRO-3's FP8 gathers' scale refresh
+    (parallel/zero3_fp8.py `refresh_scales`, at the step's first FP8 gather, under dynamic
+    and delayed scaling alike): the amax of the rank's shard of every FP8-gathered weight
+    (`rank_gather_cast_bytes`' elements), in the eager ops of numerics/scaling.py
+    `tensor_amax` (abs: 2B, float: B + 4, amax: 4, isnan: 4 + 1, any: 1 per element).
+    Left out: the per-weight scalars (scales, records: tens of bytes a weight)."""
+    if fp8_gathers(work, layout) == (0.0, 0.0):
+        return 0.0
+    b, shards = work.dtype_bytes, layout.dp * layout.cp
+    dense = fp8_gather_terms(work, layout, linears, kv_heads)[0]
+    experts = fp8_expert_gather_terms(work, layout, expert_elements, linears.experts)[0]
+    return (dense / shards + experts / (shards / layout.ep)) * (3 * b + REFRESH_AMAX)

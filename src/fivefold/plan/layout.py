@@ -181,6 +181,11 @@ class Workload:
     # A pipeline rank the stage cut leaves without any block fails (nanotron's cumulative cut
     # can: plan/split.py cumulative_idle_ranks); such layouts are refused.
     pp_idle_rank_fails: bool = False
+    # A checkpointed block's re-run stops once backward's saved tensors are back (torch's
+    # non-reentrant checkpoint: fivefold, torchtitan), so a dense block's bf16 down
+    # projection's GEMM is not run again (plan/recompute_plan.py `rerun_down`); a reentrant
+    # checkpoint (Megatron's CheckpointFunction, DeepSpeed's, nanotron's) re-runs all of it.
+    recompute_early_stop: bool = True
 
     @property
     def dtype_bytes(self) -> int:

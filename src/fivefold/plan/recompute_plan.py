@@ -125,7 +125,8 @@ def op_table(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
     """Per operator of one layer and one micro-batch: (output bytes, bytes of that output
     autograd also saves, forward seconds). Under tp the projections and the core are split.
     Under precision = fp8 the projections in `fp8_ops` (None: all; `layer_fp8_ops`) run at
-    the FP8 rate, the others at bf16's, as plan/timing.py times a kept-out linear.
+    the FP8 rate, the others at bf16's, as plan/timing.py times a kept-out linear. (A re-run
+    block may not reach its down projection's GEMM: `rerun_down`.)
     A MoE layer (`moe`): its MLP's seconds are the MoE block's forward
     (plan/recompute_costs.py `moe_seconds`); its bytes stay the dense MLP's (the
     activation model averages MoE layers over the model)."""
@@ -161,6 +162,20 @@ def op_table(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
         seconds = moe_seconds(work, layout, hw, tokens, fp8_ops)
         table.update({op: (*table[op][:2], seconds[op]) for op in seconds})
     return table
+
+
+def rerun_down(work: Workload, fp8_ops: frozenset | None, moe: bool) -> bool:
+    """Whether a checkpointed block's re-run forward runs its down projection's GEMM again.
+    torch's checkpoint stops the re-run once every tensor the backward needs is back (its
+    early stop). A dense block's last saving operator is its down projection: a bf16 mm's
+    autograd saves its inputs before it runs, so the re-run stops there and the GEMM's
+    output (needed by nothing) is never made; an FP8 linear (lowp/linear.py, an
+    autograd.Function) saves its input's codes after its GEMM, which so runs again. A MoE
+    block's routed experts' down outputs are weighted by the router (saved): they run
+    again. (Meta traces: tests/test_plan_recompute_down.py.)"""
+    if moe or not getattr(work, "recompute_early_stop", True):  # a reentrant checkpoint
+        return True
+    return work.precision == "fp8" and (fp8_ops is None or "down" in fp8_ops)
 
 
 def elementwise_seconds(work: Workload, layout: Layout, hw: Hardware,
@@ -216,11 +231,18 @@ def _layer_choices(work: Workload, layout: Layout, hw: Hardware, assume: Assumpt
                                working=none.layer_terms.get("attn_core", 0.0),
                                seconds=ops["core"][2]))
     names = tuple(ops)
+    # At the layer's backward every tensor autograd saves is back (none's bytes), and of the
+    # kept outputs only those the re-run never reads: the re-run reads a kept output and
+    # the cache drops it (q and k's by RoPE, o's by the residual add), but for a down
+    # projection whose GEMM it does not reach (`rerun_down`), which stays until then
+    stays = () if rerun_down(work, _fp8_ops(work, linears, moe), moe) else ("down",)
     for n in range(len(names) + 1):
         for kept in itertools.combinations(names, n):
             stored = block_input + sum(ops[op][0] for op in kept)
-            working = none.layer - block_input - sum(ops[op][1] for op in kept)
-            seconds = elem + sum(ops[op][2] for op in names if op not in kept)
+            working = none.layer - block_input - sum(ops[op][0] for op in kept
+                                                     if op not in stays)
+            seconds = elem + sum(ops[op][2] for op in names
+                                 if op not in kept and op not in stays)
             out.append(LayerChoice("keep", frozenset(kept), stored, working, seconds))
     return pareto(out)
 
@@ -454,14 +476,17 @@ def recompute_seconds(work: Workload, layout: Layout, rank: int, hw: Hardware,
               for k in dict.fromkeys(layers)}
     elem = elementwise_seconds(work, layout, hw, assume)
     casts = {k: recompute_cast_seconds(work, layout, hw, assume, k[1], k[0]) for k in tables}
+    rerun = {k: {op: t[2] for op, t in ops.items()
+                 if op != "down" or rerun_down(work, _fp8_ops(work, k[1], k[0]), k[0])}
+             for k, ops in tables.items()}
     if plan is None:
-        return sum(layers.count(k) * (elem + casts[k] + sum(o[2] for o in ops.values()))
-                   for k, ops in tables.items())
+        return sum(layers.count(k) * (elem + casts[k] + sum(ops.values()))
+                   for k, ops in rerun.items())
     total = 0.0
     for c, k in zip(plan.choices, layers, strict=True):
-        ops = tables[k]
+        ops = rerun[k]
         if c.kind == "selective":
-            total += ops["core"][2]
+            total += ops["core"]
         elif c.kind == "keep":
-            total += elem + casts[k] + sum(ops[op][2] for op in ops if op not in c.kept)
+            total += elem + casts[k] + sum(ops[op] for op in ops if op not in c.kept)
     return total

@@ -23,6 +23,7 @@ from fivefold.plan.flops import forward_flops_per_token
 from fivefold.plan.fp8 import (
     expert_cast_bytes,
     fp8_gathers,
+    gather_refresh_bytes,
     rank_dense_cast_bytes,
     rank_gather_cast_bytes,
 )
@@ -178,7 +179,11 @@ def rank_compute(work: Workload, layout: Layout, hw: Hardware, assume: Assumptio
     # (parallel/context/: it keeps only O(s) tensors, and a re-run would repeat its transfers).
     selective = attn if lay.cp == 1 else 0.0
     # (The re-run forward takes the units the backward gathered: no FP8 gather of its own.)
-    recompute = {"full": layers_fwd - gather_f / hbm * scale,
+    # Nor a dense layer's bf16 down projection: the re-run stops before its GEMM (plan/
+    # recompute_plan.py `rerun_down`); an FP8 one runs again.
+    bf16_down = ((layers - moe - fp8.down) * tokens * 2 * h * mc.intermediate_size / t
+                 / gemm_rate * slow * scale) if work.recompute_early_stop else 0.0
+    recompute = {"full": layers_fwd - gather_f / hbm * scale - bf16_down,
                  "selective": selective}.get(lay.recompute, 0.0)
     if lay.recompute == "op":  # the matmuls it does not keep and every elementwise kernel
         share = op_sac_recomputed_matmul_share(mc)  # (their forward casts: by FLOP share)
@@ -407,14 +412,22 @@ def optimizer_time(work: Workload, layout: Layout, hw: Hardware, assume: Assumpt
 
         ns = newton_schulz_flops(work.model, exclude=work.muon_exclude) / layout.pp / (
             hw.peak_flops("bf16") * hw.matmul_efficiency)  # in bf16, as the engine
-    resident = elems * traffic / (hw.hbm_tbps * 1e12 * assume.hbm_efficiency) + ns
+    hbm = hw.hbm_tbps * 1e12 * assume.hbm_efficiency
+    # parallel.fp8_allgather's scale refresh: once per step, the amax of the rank's shard
+    # of its FP8-gathered weights (plan/fp8.py `gather_refresh_bytes`)
+    mc, fp8 = work.model, rank_fp8_linears(work, layout, 0)
+    local_experts = mc.num_experts / layout.ep if mc.num_experts else 0
+    refresh = gather_refresh_bytes(
+        work, layout, fp8, kv_heads_per_rank(mc, layout.tp),
+        fp8.experts * 3 * local_experts * mc.hidden_size * mc.moe_intermediate_size) / hbm
+    resident = elems * traffic / hbm + ns + refresh
     if not layout.offload:
         return resident
     pcie = elems * (bpp.grad + bpp.param) / (hw.host_link_gbps * 1e9)
     host = elems * 2 * (bpp.master + bpp.optimizer + 4) / (
         assume.cpu_adam_gbps * 1e9 / hw.gpus_per_node)
     # on a CPU device the offloaded update is the resident one: no link, the same memory
-    update = resident if hw.device_is_host else pcie + host + ns
+    update = resident if hw.device_is_host else pcie + host + ns + refresh
     if layout.offload != "nvme":
         return update
     return offload_nvme_time(work, layout, hw, update).step
