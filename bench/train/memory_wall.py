@@ -2,6 +2,7 @@
 full, and ZeRO-2/3 gradients reduced per step or per micro-batch.
 
     python bench/train/memory_wall.py [--rounds 3] [--skip-grad-sync]
+    python bench/train/memory_wall.py --planned-only   # seconds: the planner's rows alone
 
 Recompute, on examples/bench-25m.toml (one process, one thread): for each mode, and for
 auto at budgets a quarter, half and three quarters of the way from full recomputation's
@@ -181,11 +182,30 @@ def _grad_sync_rank(rank, world):
     return out if rank == 0 else None
 
 
+def print_planned(rows: list[dict]) -> None:
+    print("\nplanned (H100 SXM):")
+    for r in rows:
+        print(f"{r['model']:<14} {r['mode']:<9} budget {r.get('budget_gib', 0):6.1f} GiB  "
+              f"peak {r['peak_allocated_gib']:6.1f} GiB  step {r['step_s']:7.3f} s  "
+              f"recompute {r['recompute_s']:6.3f} s  {r.get('plan', '')}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-grad-sync", action="store_true")
+    ap.add_argument("--planned-only", action="store_true",
+                    help="replace the planner's rows alone in bench/results/memory_wall.json")
     args = ap.parse_args()
+    out = ROOT / "bench" / "results" / "memory_wall.json"
+    if args.planned_only:
+        result = json.loads(out.read_text())
+        result["recompute_planned"] = planned_rows()
+        result["recompute_planned_git_revision"] = git_revision()
+        print_planned(result["recompute_planned"])
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"\nwrote {out} (the planner's rows)")
+        return
     torch.set_num_threads(1)
     result = {"machine": machine(torch.device("cpu")), "git_revision": git_revision()}
     result["recompute_25m"] = recompute_rows(args.rounds)
@@ -198,12 +218,7 @@ def main() -> None:
               f"{r['measured_peak_mib']:>9.0f} {r['step_s_median']:>7.3f} "
               f"{r['time_vs_none']:>7.2f}  {', '.join(sorted(set(r['plan']))) or '-'}")
     result["recompute_planned"] = planned_rows()
-    print("\nplanned (H100 SXM):")
-    for r in result["recompute_planned"]:
-        print(f"{r['model']:<14} {r['mode']:<9} budget {r.get('budget_gib', 0):6.1f} GiB  "
-              f"peak {r['peak_allocated_gib']:6.1f} GiB  step {r['step_s']:7.3f} s  "
-              f"recompute {r['recompute_s']:6.3f} s  {r.get('plan', '')}")
-    out = ROOT / "bench" / "results" / "memory_wall.json"
+    print_planned(result["recompute_planned"])
     out.write_text(json.dumps(result, indent=2) + "\n")  # kept if what follows fails
     if not args.skip_grad_sync:
         result["grad_sync_25m_dp2"] = grad_sync_rows()
