@@ -7,6 +7,10 @@ compiled inside the checkpoint instead (parallel/recompute.py `compile_inside`):
 shared by the blocks, no break, and the losses and gradient norms bit-equal to the compiled
 run without recomputation (the same compiled forward runs again in backward).
 
+Selective recomputation (`--train.recompute selective`): the attention core's checkpoint is
+traced into the compiled block (torch's checkpoint becomes a region the partitioner
+recomputes), without the tape; before, 5 graphs and 6 breaks over 3 steps of 2 blocks.
+
 Routed experts: the per-expert loops (the FP8 experts', and the plain loop a trace in fp32
 or fp16 takes) run eagerly (`torch.compiler.disable`), since their rows per expert change
 every step. Before, FP8 tensorwise compiled 12, 13, 17, 18 graphs after steps 1-4 (a
@@ -14,6 +18,8 @@ graph for new expert sizes, step after step), and an fp32 model failed to compil
 (the grouped matmul's meta kernel is bf16-only). Now the graph count is fixed after the
 first step: the routing's `bincount` and the dispatch still break the graph (data-dependent
 sizes), the same breaks every step."""
+
+from collections import Counter
 
 import pytest
 import torch
@@ -31,8 +37,10 @@ MOE = ("--model.preset", "tiny-moe", "--model.num_experts", "4", "--model.expert
        "--model.moe_intermediate_size", "32")
 
 
-def _run(tmp_path, *overrides, steps=3, compile_flag="true"):
-    """Per step: (loss, grad_norm, graphs compiled so far, graph breaks so far)."""
+def _run(tmp_path, *overrides, steps=3, compile_flag="true", saved=None):
+    """Per step: (loss, grad_norm, graphs compiled so far, graph breaks so far). With a
+    Counter `saved`: after the steps, what one more micro-batch's forward saves for backward,
+    as (shape, dtype) -> count, the parameters left out."""
     torch._dynamo.reset()
     counters.clear()
     trainer = Trainer(small_config(tmp_path, "--train.compile", compile_flag, *overrides),
@@ -46,21 +54,81 @@ def _run(tmp_path, *overrides, steps=3, compile_flag="true"):
         blocks = list(trainer.model.chunks[0].layers)
         checkpointed = [hasattr(b.__dict__.get("forward"), "checkpointed_forward")
                         for b in blocks]
+        if saved is not None:
+            _count_saved(trainer, saved)
+            out.append(counters["stats"]["unique_graphs"])  # no graph for the extra forward
     finally:
         trainer.close()
         torch._dynamo.reset()
     return out, checkpointed
 
 
-def test_full_recompute_compiles_one_graph_with_the_same_losses(tmp_path):
+def _count_saved(trainer, saved) -> None:
+    params = {p.untyped_storage()._cdata for _, p in trainer.model.named_parameters()}
+
+    def pack(t):
+        if t.untyped_storage()._cdata not in params:
+            saved[(tuple(t.shape), t.dtype)] += 1
+        return t
+
+    tokens = torch.arange(32).remainder(7)[None]  # one micro-batch: 1 x seq_len, as trained
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = trainer.model.chunks[0](tokens, tokens)
+    loss.backward()  # frees what the forward saved
+
+
+@pytest.fixture(scope="module")
+def plain_fp32(tmp_path_factory):
+    """fp32 compiled without recomputation: its steps and what its forward saves."""
+    saved = Counter()
+    plain, checkpointed = _run(tmp_path_factory.mktemp("plain"), saved=saved)
+    assert checkpointed == [False, False]
+    assert [(g, b) for _, _, g, b in plain[:3]] == [(1, 0)] * 3 and plain[3] == 1, plain
+    return plain[:3], saved
+
+
+def test_full_recompute_compiles_one_graph_with_the_same_losses(tmp_path, plain_fp32):
     full, checkpointed = _run(tmp_path / "full", "--train.recompute", "full")
     assert [(g, b) for _, _, g, b in full] == [(1, 0)] * 3, full  # none after step 1 either
     assert checkpointed == [True, True]  # still recomputed: the wrapper stays
-    plain, checkpointed = _run(tmp_path / "plain")
-    assert checkpointed == [False, False]
-    assert [(g, b) for _, _, g, b in plain] == [(1, 0)] * 3, plain
     assert [(loss, norm) for loss, norm, _, _ in full] == \
-        [(loss, norm) for loss, norm, _, _ in plain]
+        [(loss, norm) for loss, norm, _, _ in plain_fp32[0]]
+
+
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("fp8", marks=pytest.mark.slow)])
+def test_selective_recompute_compiles_without_breaks_and_saves_less(tmp_path, precision,
+                                                                    request):
+    """`--train.recompute selective`: the attention core's checkpoint is traced into the
+    block's one graph (parallel/recompute.py); before, the replay tape's `ContextVar` broke
+    it: 5 graphs, 6 breaks over 3 steps (fp32 and FP8 alike). The same losses and gradient
+    norms, bit for bit, as compiled without recomputation: the same compiled forward, and
+    the backward recomputes SDPA on the same inputs, a kernel that gives the same bits.
+    Memory: per block the compiled forward no longer saves the attention's output and its
+    log-sum-exp (1 x heads x 32 tokens; the output in the activations' dtype, the
+    log-sum-exp in float32), and keeps one generator state instead (torch tags SDPA as a
+    random op for its dropout, so the partitioner saves the state to replay it; the CPU
+    generator's, 5,056 bytes). FP8: tensorwise, dynamic scaling, hidden 128."""
+    over = ("--train.recompute", "selective")
+    if precision == "fp8":
+        over += ("--train.precision", "fp8", "--train.fp8_recipe", "tensorwise",
+                 "--model.hidden_size", "128", "--model.intermediate_size", "256")
+    kept, dropped = Counter(), Counter()
+    sel, checkpointed = _run(tmp_path / "selective", *over, saved=dropped)
+    assert checkpointed == [False, False]  # the core is checkpointed, not the block
+    assert [(g, b) for _, _, g, b in sel[:3]] == [(1, 0)] * 3 and sel[3] == 1, sel
+    if precision == "fp32":
+        plain, kept = request.getfixturevalue("plain_fp32")
+    else:
+        plain, _ = _run(tmp_path / "plain", *over[2:], saved=kept)
+        assert [(g, b) for _, _, g, b in plain[:3]] == [(1, 0)] * 3 and plain[3] == 1, plain
+    assert [(loss, norm) for loss, norm, _, _ in sel[:3]] == \
+        [(loss, norm) for loss, norm, _, _ in plain[:3]]
+    heads, width = 4, 128 if precision == "fp8" else 32
+    dtype = torch.bfloat16 if precision == "fp8" else torch.float32
+    rng = tuple(torch.get_rng_state().shape)
+    assert kept - dropped == Counter({((1, heads, 32, width // heads), dtype): 2,
+                                      ((1, heads, 32), torch.float32): 2}), kept - dropped
+    assert dropped - kept == Counter({(rng, torch.uint8): 2}), dropped - kept
 
 
 def test_moe_fp32_compiles_a_fixed_number_of_graphs(tmp_path):

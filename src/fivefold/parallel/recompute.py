@@ -38,6 +38,7 @@ from torch.utils.checkpoint import (
 )
 
 from fivefold.models.llama import AttentionCore, Block
+from fivefold.numerics.kernel_support import compiling
 from fivefold.parallel import peak
 from fivefold.parallel.memory import note_kept
 
@@ -71,6 +72,19 @@ def replay_tape() -> ReplayTape | None:
 
 
 def _checkpointed(forward, context_fn=None):
+    """`forward` checkpointed: its inputs kept, its insides recomputed in backward.
+
+    Traced by torch.compile (selective recomputation inside a compiled block): the bare
+    checkpoint, which dynamo turns into a region of the block's graph that the partitioner
+    recomputes in the backward graph (`tag_activation_checkpoint`). No replay tape there:
+    setting it, a `ContextVar`, broke the graph (torch 2.13: 5 graphs, 6 breaks over 3 steps
+    of 2 blocks); the attention core it wraps does not communicate, so nothing would read
+    it. No `note_kept` or peak tracking either: the compiled block saves the region's inputs
+    itself, so the saved-tensor hooks of both meters count them, and its recomputation runs
+    inside the compiled backward, out of their sight. The partitioner also keeps the
+    generator's state for each recomputed attention (torch tags the SDPA kernels random for
+    their dropout): 5,056 bytes on a CPU. Not for per-operator policies (`context_fn`),
+    which stay eager and break the graph."""
     inner = [forward]  # compile_inside swaps in the compiled forward
 
     @functools.wraps(forward)
@@ -78,6 +92,8 @@ def _checkpointed(forward, context_fn=None):
         forward = inner[0]
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        if context_fn is None and compiling():  # traced inside a compiled block
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         kept = [a for a in args if isinstance(a, torch.Tensor)]
         note_kept(*kept)
         if peak.active():  # alive while the checkpoint keeps them, i.e. until its backward
