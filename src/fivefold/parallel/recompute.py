@@ -81,9 +81,10 @@ def _checkpointed(forward, context_fn=None):
     of 2 blocks); the attention core it wraps does not communicate, so nothing would read
     it. No `note_kept` or peak tracking either: the compiled block saves the region's inputs
     itself, so the saved-tensor hooks of both meters count them, and its recomputation runs
-    inside the compiled backward, out of their sight. The partitioner also keeps the
-    generator's state for each recomputed attention (torch tags the SDPA kernels random for
-    their dropout): 5,056 bytes on a CPU. Not for per-operator policies (`context_fn`),
+    inside the compiled backward, out of their sight. Each region also keeps the CPU
+    generator's state (5,056 bytes), as eager's checkpoint does (`preserve_rng_state`);
+    compiled, the partitioner saves it for backward since torch tags the SDPA kernels random
+    (their dropout), so the meters see it. Not for per-operator policies (`context_fn`),
     which stay eager and break the graph."""
     inner = [forward]  # compile_inside swaps in the compiled forward
 
