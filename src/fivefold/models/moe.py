@@ -195,6 +195,16 @@ class Router(nn.Module):
         return grouped.masked_fill(~mask[..., None], float("-inf")).view(t, -1)
 
 
+def expert_counts(expert_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`torch.bincount(expert_idx.flatten(), minlength=num_experts)` for indices known to
+    lie below num_experts: the same int64 counts at a length fixed in advance. bincount's
+    length is max(minlength, the largest index + 1), which its kernel must look at first (a
+    host sync on CUDA) and which broke the compiled block's graph (a data-dependent shape)."""
+    flat = expert_idx.flatten()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+
+
 class LocalDispatcher:
     """Permute token copies by expert, run the experts, un-permute, combine with the weights.
 
@@ -205,7 +215,7 @@ class LocalDispatcher:
         t, k = expert_idx.shape
         flat = expert_idx.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=experts.num_experts)
+        counts = expert_counts(flat, experts.num_experts)
         y_sorted = experts(x.index_select(0, order // k), counts)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
@@ -333,8 +343,7 @@ class MoE(nn.Module):
         # Skip eval forwards and full recomputation's second forward (it runs inside backward).
         if not self.training or torch._C._current_graph_task_id() != -1:
             return
-        self.tokens_per_expert += torch.bincount(expert_idx.flatten(),
-                                                 minlength=self.cfg.num_experts).float()
+        self.tokens_per_expert += expert_counts(expert_idx, self.cfg.num_experts).float()
         self.aux_sums += torch.stack([balance.detach(), z.detach(),
                                       torch.tensor(float(b), device=z.device)])
 
