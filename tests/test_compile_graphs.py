@@ -10,6 +10,8 @@ run without recomputation (the same compiled forward runs again in backward).
 Selective recomputation (`--train.recompute selective`): the attention core's checkpoint is
 traced into the compiled block (torch's checkpoint becomes a region the partitioner
 recomputes), without the tape; before, 5 graphs and 6 breaks over 3 steps of 2 blocks.
+`recompute = auto`'s per-operator policies likewise, a graph per policy (before: an
+InternalTorchDynamoError on the checkpoint's `context_fn`).
 
 Routed experts: the per-expert loops (the FP8 experts', and the plain loop a trace in fp32
 or fp16 takes) run eagerly (`torch.compiler.disable`), since their rows per expert change
@@ -166,3 +168,90 @@ def test_moe_fp8_compiles_a_fixed_number_of_graphs(tmp_path):
     tol = loss_tolerance(4 * 32, 8)
     for (a, _, _, _), (b, _, _, _) in zip(eager, compiled):
         assert abs(a - b) / a <= tol, (a, b, tol)
+
+
+def _auto_blocks(policies, saved=None):
+    """The tests' tiny model (2 blocks) under `policies` (recompute = auto's per-layer
+    choices), its blocks compiled as train.compile does: one forward and backward of a
+    1 x 32 micro-batch; its loss, parameter gradients, graphs, breaks, and per block what
+    the block's forward saves for backward (parameters left out)."""
+    from fivefold.models.init import build_model
+    from fivefold.models.presets import preset
+    from fivefold.parallel.apply import compile_blocks
+    from fivefold.parallel.recompute import apply_layer_policies
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = preset("tiny").replace(hidden_size=32, intermediate_size=64, num_layers=2,
+                                 num_heads=4, num_kv_heads=2)
+    model = build_model(cfg, 0)
+    if policies:
+        apply_layer_policies(model, policies)
+    compile_blocks([model])
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    tokens = torch.arange(32).remainder(7)[None]
+    h = model.embed_tokens(tokens)
+    cos, sin = model.rotary(torch.arange(32), h.dtype)
+    per_block = []
+    for block in model.layers:
+        per_block.append(Counter())
+
+        def pack(t, into=per_block[-1]):
+            if t.untyped_storage()._cdata not in params:
+                into[(tuple(t.shape), t.dtype)] += 1
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            h = block(h, cos, sin)
+    loss = model.loss_fn(model.norm(h), model.output_weight(), tokens)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    out = (float(loss), grads, counters["stats"]["unique_graphs"],
+           sum(counters["graph_break"].values()), per_block)
+    torch._dynamo.reset()
+    return out
+
+
+def test_auto_keep_policies_compile_and_keep_what_they_name():
+    """recompute = auto's per-operator policies (`keep S`: the block checkpointed, the
+    outputs of the operators S kept) under train.compile. Before, dynamo failed on the
+    checkpoint's `context_fn` (InternalTorchDynamoError: a closure, not a partial), and a
+    partial holding the policy closure let a block of another policy reuse the first
+    block's graph. Now: a graph per policy, no break; loss and gradients bit-equal to the
+    compiled blocks without recomputation (the same ops; the backward recomputes the rest);
+    and each block saves its inputs (x, cos, sin), the generator state (see
+    `test_selective_recompute...`) and the outputs of exactly the matrix products it keeps:
+    v (32 tokens x 16), q (32 x 32), up (32 x 64)."""
+    from types import SimpleNamespace as Policy
+
+    loss, grads, graphs, breaks, _ = _auto_blocks(None)
+    assert (graphs, breaks) == (1, 0)
+    got = _auto_blocks([Policy(kind="keep", kept=("v",)), Policy(kind="keep", kept=("q", "up"))])
+    assert got[2:4] == (2, 0), got[2:4]
+    assert got[0] == loss
+    assert all(torch.equal(got[1][n], g) for n, g in grads.items())
+    rng = tuple(torch.get_rng_state().shape)
+    common = Counter({((1, 32, 32), torch.float32): 1, ((32, 8), torch.float32): 2,
+                      (rng, torch.uint8): 1})
+    assert got[4][0] == common + Counter({((32, 16), torch.float32): 1}), got[4][0]
+    assert got[4][1] == common + Counter({((32, 32), torch.float32): 1,
+                                          ((32, 64), torch.float32): 1}), got[4][1]
+
+
+def test_a_keep_policy_over_expert_all_to_alls_leaves_the_block_eager():
+    """A block whose checkpoint must replay what expert parallelism's all-to-alls received
+    (the replay tape, which dynamo cannot trace) is not compiled under a keep policy:
+    compile_inside takes it (True) and leaves it as it is; without such a dispatcher the
+    block goes to block.compile() (False)."""
+    from types import SimpleNamespace as Policy
+
+    from fivefold.models.init import build_model
+    from fivefold.models.presets import preset
+    from fivefold.parallel.recompute import apply_layer_policies, compile_inside
+
+    cfg = preset("tiny").replace(hidden_size=32, intermediate_size=64, num_layers=2,
+                                 num_heads=4, num_kv_heads=2)
+    model = build_model(cfg, 0)
+    model.layers[1].mlp.dispatcher = Policy(replays_tape=True)  # as parallel/expert.py's
+    apply_layer_policies(model, [Policy(kind="keep", kept=("v",))] * 2)
+    assert [compile_inside(b) for b in model.layers] == [False, True]

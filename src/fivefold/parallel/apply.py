@@ -101,7 +101,8 @@ def compile_blocks(chunks: list[nn.Module]) -> None:
     for chunk in chunks:
         layers = chunk.layers
         for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
-            if not compile_inside(block):  # a fully recomputed block: its forward, inside
+            if not compile_inside(block):  # fully recomputed: its forward, inside the
+                # checkpoint; a checkpoint that replays all-to-alls: the block eager
                 block.compile()
 
 

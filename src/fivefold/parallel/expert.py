@@ -101,6 +101,8 @@ class AllToAllDispatcher:
     like the local dispatcher it replaces; `experts` holds this rank's E/ep experts.
     """
 
+    replays_tape = True  # recomputation replays what it received (parallel/recompute.py)
+
     def __init__(self, group: Group, num_experts: int):
         self.group, self.num_experts = group, num_experts
         self.local = num_experts // group.size

@@ -30,6 +30,7 @@ import contextvars
 import functools
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -71,8 +72,10 @@ def replay_tape() -> ReplayTape | None:
     return _TAPE.get()
 
 
-def _checkpointed(forward, context_fn=None):
+def _checkpointed(forward, context_fn=None, traceable=True):
     """`forward` checkpointed: its inputs kept, its insides recomputed in backward.
+    `traceable`: False for a region that communicates through the replay tape (expert
+    parallelism's all-to-alls), which must stay eager (`compile_inside`).
 
     Traced by torch.compile (selective recomputation inside a compiled block): the bare
     checkpoint, which dynamo turns into a region of the block's graph that the partitioner
@@ -84,8 +87,10 @@ def _checkpointed(forward, context_fn=None):
     inside the compiled backward, out of their sight. Each region also keeps the CPU
     generator's state (5,056 bytes), as eager's checkpoint does (`preserve_rng_state`);
     compiled, the partitioner saves it for backward since torch tags the SDPA kernels random
-    (their dropout), so the meters see it. Not for per-operator policies (`context_fn`),
-    which stay eager and break the graph."""
+    (their dropout), so the meters see it. A per-operator policy (`context_fn`, a
+    `functools.partial`, as dynamo requires) is then applied by the partitioner to the
+    traced aten ops, which it finds by the module stack the trace records (`_keep_policy`):
+    the outputs it keeps are saved by the compiled block, the rest recomputed."""
     inner = [forward]  # compile_inside swaps in the compiled forward
 
     @functools.wraps(forward)
@@ -93,8 +98,9 @@ def _checkpointed(forward, context_fn=None):
         forward = inner[0]
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        if context_fn is None and compiling():  # traced inside a compiled block
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        if traceable and compiling():  # traced inside a compiled block
+            policy = {} if context_fn is None else {"context_fn": context_fn}
+            return checkpoint(forward, *args, use_reentrant=False, **policy, **kwargs)
         kept = [a for a in args if isinstance(a, torch.Tensor)]
         note_kept(*kept)
         if peak.active():  # alive while the checkpoint keeps them, i.e. until its backward
@@ -129,6 +135,7 @@ def _checkpointed(forward, context_fn=None):
 
     if context_fn is None:
         run.checkpointed_forward = inner
+    run.traceable = traceable
     return run
 
 
@@ -138,14 +145,22 @@ def compile_inside(module: nn.Module) -> bool:
     nothing done, compile the module as usual). The checkpoint wrapper stays eager: it sets
     the replay tape, a `ContextVar`, which dynamo cannot trace (torch 2.13: a graph break on
     `ContextVar.get`/`set` that left the whole block eager), and feeds the memory meter.
-    Recomputation in backward runs the same compiled forward again. Not for per-operator
-    selective checkpointing: its policy picks aten ops, which a compiled graph does not
-    dispatch one by one."""
-    inner = getattr(module.__dict__.get("forward"), "checkpointed_forward", None)
+    Recomputation in backward runs the same compiled forward again. Per-operator selective
+    checkpointing (its policy picks aten ops, which a compiled forward would not dispatch
+    one by one) is traced into the module's graph instead (`_checkpointed`), unless the
+    region communicates through the replay tape: then the module stays eager (True)."""
+    forward = module.__dict__.get("forward")
+    inner = getattr(forward, "checkpointed_forward", None)
     if inner is None:
-        return False
+        return getattr(forward, "traceable", True) is False
     inner[0] = torch.compile(inner[0])
     return True
+
+
+def _replays(block: nn.Module) -> bool:
+    """Whether a layer of `block` reads the replay tape (parallel/expert.py's dispatcher)."""
+    return any(getattr(getattr(m, "dispatcher", None), "replays_tape", False)
+               for m in block.modules())
 
 
 # --- per-operator selective checkpointing (auto) -------------------------------------------
@@ -179,10 +194,35 @@ def _cached_outputs(storage) -> list[torch.Tensor]:
 
 def _keep_policy(kept: frozenset):
     def policy(ctx, func, *args, **kwargs):
-        if _SCOPE and _SCOPE[-1] in kept and func in KEEPABLE:
+        if func in KEEPABLE and _operator_now() in kept:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
     return policy
+
+
+def _keep_contexts(kept: tuple[str, ...]):
+    """The checkpoint's `context_fn` keeping the outputs of the `kept` operators. A partial
+    of this with the names as constants: dynamo guards on them, so blocks of other policies
+    compile graphs of their own (a partial holding the policy closure matched any block's
+    graph: dynamo guards a closure by its code, and `_keep_policy`'s code is the same)."""
+    return create_selective_checkpoint_contexts(_keep_policy(frozenset(kept)))
+
+
+def _operator_now() -> str | None:
+    """The named operator whose op runs now. Eager: what the module hooks pushed. Compiled,
+    the policy runs while the partitioner's trace replays the block's graph node by node
+    (torch's `tag_activation_checkpoint` under `fx_traceback.preserve_node_meta`): the
+    node's `nn_module_stack` (dynamo's paths, e.g. "L['self'].self_attn.q_proj"), innermost
+    last, names it."""
+    if _SCOPE:
+        return _SCOPE[-1]
+    get_meta = getattr(fx_traceback, "get_current_meta", None)
+    stack = (get_meta() or {}).get("nn_module_stack") if get_meta else None
+    for path, _ in reversed(list((stack or {}).values())):
+        for name, suffix in OP_MODULES.items():
+            if path.endswith("." + suffix):
+                return name
+    return None
 
 
 def _name_operators(block: nn.Module) -> None:
@@ -196,11 +236,13 @@ def _name_operators(block: nn.Module) -> None:
 
 
 def _enter(name: str, module, args) -> None:
-    _SCOPE.append(name)
+    if not compiling():  # traced, the module stack names the operator (`_operator_now`)
+        _SCOPE.append(name)
 
 
 def _leave(module, args, output) -> None:
-    _SCOPE.pop()
+    if not compiling():
+        _SCOPE.pop()
 
 
 def apply_layer_policies(model: nn.Module, policies) -> nn.Module:
@@ -216,9 +258,11 @@ def apply_layer_policies(model: nn.Module, policies) -> nn.Module:
             block.forward = _checkpointed(block.forward)  # full
         elif policy.kind == "keep":
             _name_operators(block)
-            context = functools.partial(create_selective_checkpoint_contexts,
-                                        _keep_policy(frozenset(policy.kept)))
-            block.forward = _checkpointed(block.forward, context)
+            kept = tuple(sorted(policy.kept))
+            context = functools.partial(_keep_contexts, kept)
+            # the AOT autograd cache keys a compiled region on this (it bypasses one without)
+            context.cache_hash = "fivefold-keep:" + ",".join(kept)
+            block.forward = _checkpointed(block.forward, context, not _replays(block))
     return model
 
 
