@@ -41,8 +41,11 @@ MOE = ["--model.preset", "tiny-moe", "--model.num_experts", "4", "--model.expert
        "--model.moe_intermediate_size", "32"]
 CASES = {"none": [], "selective": ["--train.recompute", "selective"],
          "full": ["--train.recompute", "full"], "fp8_none": FP8,
-         "fp8_selective": [*FP8, "--train.recompute", "selective"], "moe": MOE}
-REFERENCE = {"selective": "none", "full": "none", "fp8_selective": "fp8_none"}
+         "fp8_selective": [*FP8, "--train.recompute", "selective"], "moe": MOE,
+         # the planner's per-layer policies under this budget: keep v,up,down and keep v,up
+         "auto_keep": ["--train.recompute", "auto", "--train.memory_budget_gib", "0.00055"]}
+REFERENCE = {"selective": "none", "full": "none", "fp8_selective": "fp8_none",
+             "auto_keep": "none"}
 
 
 # ---- the worker: runs in a subprocess with PYTHONPATH at one tree's src/ -------------------
@@ -59,6 +62,7 @@ def worker(case: str, steps: int) -> None:
         cfg = config.load(None, [*BASE, "--checkpoint.dir", f"{tmp}/ckpt", "--log.dir",
                                  f"{tmp}/log", *CASES[case]])
         trainer = Trainer(cfg, quiet=True)
+        policies = [c.label() for c in trainer.recompute_policies or []]
         rows = []
         for _ in range(steps):
             m = trainer.train_step()
@@ -83,7 +87,7 @@ def worker(case: str, steps: int) -> None:
     for reason, count in counters["graph_break"].items():
         line = " ".join(reason.split("\n", 2)[:2]).strip()[:160]
         reasons[line] = reasons.get(line, 0) + count
-    print(json.dumps({"steps": rows, "break_reasons": reasons,
+    print(json.dumps({"steps": rows, "break_reasons": reasons, "policies": policies,
                       "saved_storages": len(saved), "saved_bytes": sum(saved.values())}))
 
 
@@ -94,7 +98,8 @@ def run_case(src: Path, case: str, steps: int) -> dict:
     done = subprocess.run([sys.executable, __file__, "--worker", case, "--steps", str(steps)],
                           env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        return {"error": done.stderr.strip().splitlines()[-1:]}
+        lines = done.stderr.strip().splitlines()
+        return {"error": ([ln for ln in lines if "Error" in ln] or lines)[-1:]}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -139,6 +144,8 @@ def main() -> int:
             print(f"  {name:8s} graphs/breaks after each step {counts}; saved "
                   f"{run['saved_bytes']:,} bytes in {run['saved_storages']} storages"
                   + ("" if same is None else f"; same as {REFERENCE[case]}: {same}"))
+            if run["policies"]:
+                print(f"           policies: {', '.join(run['policies'])}")
             for reason, count in run["break_reasons"].items():
                 print(f"           {count} x {reason}")
     record = {"bench": "compile_graphs", "baseline": args.baseline, "steps": args.steps,

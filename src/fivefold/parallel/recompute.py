@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import re
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -219,6 +220,7 @@ def _operator_now() -> str | None:
     get_meta = getattr(fx_traceback, "get_current_meta", None)
     stack = (get_meta() or {}).get("nn_module_stack") if get_meta else None
     for path, _ in reversed(list((stack or {}).values())):
+        path = "." + re.sub(r"\._modules\['([^']+)'\]", r".\1", path)  # either spelling
         for name, suffix in OP_MODULES.items():
             if path.endswith("." + suffix):
                 return name
