@@ -39,10 +39,10 @@ MOE = ("--model.preset", "tiny-moe", "--model.num_experts", "4", "--model.expert
        "--model.moe_intermediate_size", "32")
 
 
-def _run(tmp_path, *overrides, steps=3, compile_flag="true", saved=None):
+def _run(tmp_path, *overrides, steps=3, compile_flag="true", saved=None, keep=None):
     """Per step: (loss, grad_norm, graphs compiled so far, graph breaks so far). With a
     Counter `saved`: after the steps, what one more micro-batch's forward saves for backward,
-    as (shape, dtype) -> count, the parameters left out."""
+    as (shape, dtype) -> count, the parameters left out. With `keep`: keep(trainer) last."""
     torch._dynamo.reset()
     counters.clear()
     trainer = Trainer(small_config(tmp_path, "--train.compile", compile_flag, *overrides),
@@ -59,6 +59,8 @@ def _run(tmp_path, *overrides, steps=3, compile_flag="true", saved=None):
         if saved is not None:
             _count_saved(trainer, saved)
             out.append(counters["stats"]["unique_graphs"])  # no graph for the extra forward
+        if keep is not None:  # whatever else the caller reads from the trainer after the steps
+            out.append(keep(trainer))
     finally:
         trainer.close()
         torch._dynamo.reset()
@@ -149,6 +151,28 @@ def test_moe_fp32_compiles_a_fixed_number_of_graphs(tmp_path):
     for (a, na, _, _), (b, nb, _, _) in zip(eager, compiled):
         assert within(abs(a - b) / a, loss_tol, "compiled moe loss"), (a, b)
         assert within(abs(na - nb) / na, trained_tol, "compiled moe grad norm"), (na, nb)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_moe_bf16_compiles_one_graph_and_counts_each_token_once(tmp_path, recompute):
+    """bf16, 2 MoE blocks of 4 experts (the grouped matmul, traced): one graph, no break.
+    Before (f9d3bbc), 10 graphs and 6 breaks over 3 steps: the routing's `bincount` (a
+    data-dependent length, now a fixed-length scatter-add, models/moe.py
+    `expert_counts`), the grouped matmul's probe
+    filling its cache inside the trace (the next block's graph compiled again; now probed
+    before compiling) and the statistics asking whether this forward is a recomputation
+    (`torch._C._current_graph_task_id`, untraceable; a layer outside any checkpoint skips
+    it). Under full recomputation it still asks (the recomputation must run the graph its
+    forward ran): 5 graphs, 4 breaks (before: 10, 6). Either way each step's statistics
+    count every token's k copies once per layer (4 x 32 tokens, k = 2), none twice in the
+    recomputation."""
+    compiled, _ = _run(tmp_path, "--train.precision", "bf16", "--train.recompute", recompute,
+                       *MOE, keep=lambda trainer: [
+                           float(b.mlp.tokens_per_expert.sum())
+                           for b in trainer.model.chunks[0].layers])
+    want = (1, 0) if recompute == "none" else (5, 4)
+    assert [(g, b) for _, _, g, b in compiled[:3]] == [want] * 3, compiled
+    assert compiled[3] == [4 * 32 * 2.0] * 2, compiled[3]
 
 
 @pytest.mark.slow

@@ -84,6 +84,15 @@ def grouped_mm_available(x: torch.Tensor, hidden: int, inter: int) -> bool:
     return _WORKS[key]
 
 
+def probe_grouped_mm(model: nn.Module) -> None:
+    """Try the grouped matmul now, eagerly, at each `GroupedExperts`' weight device and
+    dtype (train.compile calls this before compiling): traced, the first block's probe
+    filled `_WORKS` and the next block's graph, guarded on it, compiled again."""
+    for m in model.modules():
+        if isinstance(m, GroupedExperts) and m.w_gate.device.type != "meta":
+            grouped_mm_available(m.w_gate, m.hidden, m.inter)
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous: grouped_mm's backward
     fails on an expanded (stride-0) gradient such as the one `y.sum().backward()` sends."""
@@ -323,6 +332,19 @@ class MoE(nn.Module):
             out = AuxLossInjector.apply(out, total, scale)
         return out
 
+    recomputed = False  # inside a checkpointed region (parallel/recompute.py marks it)
+
+    def _recomputing(self) -> bool:
+        """Whether this forward runs inside backward (a recomputation). A compiled layer
+        outside any checkpoint never does, so its graph skips the question: dynamo cannot
+        trace the graph task's id (a graph break per layer). Inside one, it asks (the break
+        stays): a recomputation must run the graph its forward ran, which saves the same
+        tensors (a graph of its own for recomputations failed torch's checkpoint: 34
+        tensors saved against 36)."""
+        if compiling() and not self.recomputed:
+            return False
+        return torch._C._current_graph_task_id() != -1
+
     def _weighted(self) -> bool:
         return self.cfg.aux_loss_coeff > 0 or self.cfg.z_loss_coeff > 0
 
@@ -341,11 +363,17 @@ class MoE(nn.Module):
     @torch.no_grad()
     def _record(self, expert_idx, balance, z, b: int) -> None:
         # Skip eval forwards and full recomputation's second forward (it runs inside backward).
-        if not self.training or torch._C._current_graph_task_id() != -1:
+        if not self.training or self._recomputing():
             return
         self.tokens_per_expert += expert_counts(expert_idx, self.cfg.num_experts).float()
         self.aux_sums += torch.stack([balance.detach(), z.detach(),
                                       torch.tensor(float(b), device=z.device)])
+
+
+def mark_recomputed(region: nn.Module) -> None:
+    """The MoE layers of a checkpointed region: their forward may run again in backward."""
+    for m in moe_layers(region):
+        m.recomputed = True
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

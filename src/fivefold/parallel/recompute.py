@@ -39,6 +39,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from fivefold.models import moe
 from fivefold.models.llama import AttentionCore, Block
 from fivefold.numerics.kernel_support import compiling
 from fivefold.parallel import peak
@@ -258,7 +259,9 @@ def apply_layer_policies(model: nn.Module, policies) -> nn.Module:
             block.self_attn.core.forward = _checkpointed(block.self_attn.core.forward)
         elif policy.kind == "keep" and not policy.kept:
             block.forward = _checkpointed(block.forward)  # full
+            moe.mark_recomputed(block)
         elif policy.kind == "keep":
+            moe.mark_recomputed(block)
             _name_operators(block)
             kept = tuple(sorted(policy.kept))
             context = functools.partial(_keep_contexts, kept)
@@ -279,4 +282,5 @@ def apply_recompute(model: nn.Module, mode: str, policies=None) -> nn.Module:
     for module in model.modules():
         if isinstance(module, target):
             module.forward = _checkpointed(module.forward)
+            moe.mark_recomputed(module)
     return model
