@@ -153,7 +153,7 @@ def test_moe_fp32_compiles_a_fixed_number_of_graphs(tmp_path):
         assert within(abs(na - nb) / na, trained_tol, "compiled moe grad norm"), (na, nb)
 
 
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("recompute", ["none", pytest.param("full", marks=pytest.mark.slow)])
 def test_moe_bf16_compiles_one_graph_and_counts_each_token_once(tmp_path, recompute):
     """bf16, 2 MoE blocks of 4 experts (the grouped matmul, traced): one graph, no break.
     Before (f9d3bbc), 10 graphs and 6 breaks over 3 steps: the routing's `bincount` (a
