@@ -39,7 +39,8 @@ decode profile first):
   serve_vs_transformers  the Engine's greedy decoding vs transformers' generate: the same
                          requests, tokens/s, how many outputs agree
   qlora_step             a QLoRA step (NF4 base), its peak memory vs the plan
-  serve_decode_profile, serve_16_requests, serve_128_mixed: serving at GPU speed
+  serve_decode_profile, serve_16_requests, serve_async, serve_128_mixed: serving at GPU
+                         speed
                          (bench/gpu_serve.py's docstring)
 
 `--budget-s` (default 480) stops starting new items once spent (they record why). The JSON
@@ -94,6 +95,7 @@ ITEMS = [("serve_decode_profile", gpu_serve.serve_decode_profile, True),  # firs
          ("serve_vs_transformers", items.serve_vs_transformers, True),
          ("qlora_step", items.qlora_step, True),
          ("serve_16_requests", gpu_serve.serve_16_requests, True),
+         ("serve_async", gpu_serve.serve_async, True),
          ("serve_128_mixed", gpu_serve.serve_128_mixed, True)]
 
 BLOCKS_8B = ["--model.preset", "llama-3.1-8b", "--model.num_layers", "2", "--data.tokenizer",
@@ -205,7 +207,9 @@ def summary(record: dict) -> str:
     for key in ("ratio_vs_bf16", "tokens_per_s", "relative_errors", "layouts"):
         if key in record:
             text = json.dumps(record[key], default=str)
-            return f"{key} {text[:150]}"
+            ratio = record.get("async_on_over_off")  # serve_async: both rates and the ratio
+            return f"{key} {text[:150]}" + ("" if ratio is None else f" on/off {ratio:.3f}") \
+                + (f" ({record['note']})" if "note" in record else "")
     return ""
 
 

@@ -8,10 +8,18 @@
   serve_16_requests      16 requests x 128 tokens (prompts 128, 135, ...): transformers'
                          generate against the engine with each switch (fused forward, paged
                          kernel, CUDA graphs) turned on in turn, in the same run; goal >= 2x
+  serve_async            the same 16 requests x 128 tokens, the engine as served (fused,
+                         kernel, graphs) with async scheduling off and on (serve/
+                         async_step.py), alternating in the same run: tokens/s of each,
+                         on / off, identical outputs, a decode step's wall time and syncs
   serve_128_mixed        128 requests of mixed lengths (prompts 32-512, outputs 16-256), all
                          at t = 0: the engine (continuous batching, paged cache) against
                          transformers' static batches of 32; goal >= 4x; TTFT and
                          inter-token latency percentiles of both
+
+serve_16_requests and serve_decode_profile run synchronous steps (async scheduling off:
+one switch at a time; serve_async turns it on); serve_128_mixed runs the engine as served
+(async scheduling on, CUDA's default).
 
 Same weights (smollm2-135m shaped, random init, bf16 on CUDA), greedy, EOS ignored; the
 number of requests whose tokens agree is recorded beside each rate. On CPU (--dry-run) the
@@ -26,6 +34,7 @@ import io
 import os
 import pstats
 import re
+import statistics
 import time
 
 import torch
@@ -154,7 +163,7 @@ def serve_16_requests(ctx) -> dict:
               "ratio_vs_transformers": {}, "identical_outputs": {}}
     for label, fuse, kernel, graphs in CONFIGS:
         engine = _engine(ctx, model, kernel, graphs, fuse, max_num_seqs=len(prompts),
-                         num_blocks=len(prompts) * 1024 // 16 + 8)
+                         num_blocks=len(prompts) * 1024 // 16 + 8, async_scheduling="off")
         tokens, times = _run_engine(engine, prompts, outputs)  # warm-up (and graph capture)
         sec = median_time(ctx, lambda e=engine: _run_engine(e, prompts, outputs), rounds,
                           warmup=0)
@@ -206,7 +215,7 @@ def serve_decode_profile(ctx) -> dict:
                                            if ctx.device.type == "cuda" else [])
     for label, fuse, kernel, graphs in (CONFIGS[0], CONFIGS[-1]):  # before, after
         engine = _engine(ctx, model, kernel, graphs, fuse, max_num_seqs=len(prompts),
-                         num_blocks=len(prompts) * 1024 // 16 + 8)
+                         num_blocks=len(prompts) * 1024 // 16 + 8, async_scheduling="off")
         from fivefold.serve.sampling_params import SamplingParams
 
         for p in prompts:
@@ -251,3 +260,66 @@ def serve_decode_profile(ctx) -> dict:
         after["step_host_cpu_ms"], 1e-9)
     os.environ.pop("FIVEFOLD_PAGED_KERNEL", None)
     return result
+
+
+def serve_async(ctx) -> dict:
+    """Async scheduling off against on: same model, requests and switches otherwise, each
+    round timing both (the order alternating), the median of the rounds."""
+    from fivefold.models.init import build_model
+    from fivefold.models.presets import preset
+    from fivefold.serve.sampling_params import SamplingParams
+
+    s = SHAPES[ctx.dry]
+    base = preset(s["preset"])
+    cfg = base.replace(max_seq_len=max(base.max_seq_len, 1024))
+    model = build_model(cfg, seed=0).eval().to(ctx.device, s["dtype"])
+    prompts = _prompts(cfg, s["requests"], s["prompt"])
+    outputs = [s["output"]] * len(prompts)
+    engines = {mode: _engine(ctx, model, True, True, True, max_num_seqs=len(prompts),
+                             num_blocks=len(prompts) * 1024 // 16 + 8,
+                             async_scheduling=mode) for mode in ("off", "on")}
+    tokens = {mode: _run_engine(e, prompts, outputs)[0]  # warm-up (and graph capture)
+              for mode, e in engines.items()}
+    times = {mode: [] for mode in engines}
+    for r in range(1 if ctx.dry else 3):
+        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            ctx.sync()
+            start = time.perf_counter()
+            _run_engine(engines[mode], prompts, outputs)
+            ctx.sync()
+            times[mode].append(time.perf_counter() - start)
+    total = sum(outputs)
+    rate = {mode: total / statistics.median(t) for mode, t in times.items()}
+    result = {"model": cfg.name, "dtype": str(s["dtype"]), "requests": len(prompts),
+              "output_tokens": s["output"], "tokens_per_s": rate,
+              "async_on_over_off": rate["on"] / rate["off"],
+              "identical_outputs": sum(a == b for a, b in zip(tokens["on"], tokens["off"])),
+              "steps_ahead": engines["on"].stats()["steps_ahead"], "decode_step": {}}
+    if ctx.dry:
+        result["note"] = "CPU: the device is the host, nothing overlaps; not a speed number"
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if ctx.device.type == "cuda" else [])
+    for mode, engine in engines.items():  # one decode step in the middle of a run
+        for p in prompts:
+            engine.add_request(p, SamplingParams(max_tokens=16, temperature=0,
+                                                 ignore_eos=True))
+        walls = []
+        for _ in range(8):
+            start = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - start)
+        with profile(activities=activities) as prof:
+            engine.step()
+        while engine.has_unfinished():
+            engine.step()
+        events = prof.key_averages()
+        result["decode_step"][mode] = {
+            "wall_ms_median_of_steps_3_to_8": statistics.median(walls[2:]) * 1e3,
+            "syncs": {e.key: e.count for e in events if "Synchronize" in e.key
+                      or e.key in ("cudaMemcpy", "aten::_local_scalar_dense")},
+            "copies_to_host": sum(e.count for e in events if "DtoH" in e.key)}
+    os.environ.pop("FIVEFOLD_PAGED_KERNEL", None)
+    return result
+

@@ -24,7 +24,7 @@ LAYERS = {
     "workload": {"layout", "placement", "split", "hardware", "conventions", "validated"},
     "terms": {"activations", "allocator", "comm", "comm_buffers", "flops", "fp8", "fp8_linears",
               "grad_sync", "lora", "memory", "model_states", "network", "nvme", "optimizer",
-              "recompute_plan", "timing", "torch_pipelining"},
+              "recompute_costs", "recompute_plan", "timing", "torch_pipelining"},
     "items": {"evaluate", "bounds"},
     "inputs": {"inputs"},
     "search": {"search", "auto_layout"},

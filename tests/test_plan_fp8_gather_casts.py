@@ -175,7 +175,7 @@ def test_gathered_experts_loop_drops_the_weight_casts(scaling):
     plans. Tolerance: the plain loop's W amax partials the planner leaves out (one fp32 per
     64x64 tile, written and read: 8 bytes per 4096 elements per amax pass). Under delayed
     scaling no amax pass: the plain loop's delayed W casts and folds (`cast_bytes`), less
-    the Wᵀ copies, exactly, but for the gathered weights' record folds (16 bytes each)."""
+    the Wᵀ copies and the gathered weights' record folds (16 bytes each), exactly."""
     from fivefold.lowp.convert import convert_to_fp8
     from fivefold.models.moe import GroupedExperts
     from fivefold.plan.fp8 import expert_cast_bytes
@@ -211,8 +211,50 @@ def test_gathered_experts_loop_drops_the_weight_casts(scaling):
     weights = 3 * experts * hidden * inter
     got = non_gemm_bytes(False) - non_gemm_bytes(True)
     if scaling == "delayed":  # each gathered weight's record folded (aten.maximum: 12 bytes
-        # read, 4 written), which the planner leaves out, as for the dense linears
-        assert got - planned == -16 * 3 * experts, (got, planned)
+        # read, 4 written: RECORD_FOLD), counted in the gathered casts, every local expert's
+        assert got == planned, (got, planned)
     else:
         assert planned == 2 * 5 * weights - 2 * weights
         assert 0 <= got - planned <= 2 * 8 * weights / 4096, (got, planned)
+
+
+@pytest.mark.parametrize("shape", ((4096, 4096, 1024), (2048, 14336, 4096)))
+def test_delayed_linear_with_a_gathered_weight_folds_its_record(shape):
+    """Delayed scaling (every history row filled, the steady state) with ZeRO-3's gathered
+    codes and their record: the linear's kernels other than GEMMs, forward and forward +
+    backward, are exactly the planner's gathered casts (`mlp_cast_bytes`' path,
+    `_linears_cast_bytes`): x's delayed cast and fold, the gathered record folded into W's
+    pending record (RECORD_FOLD = 16 bytes, one aten.maximum of fp32 scalars, per weight
+    and forward: not per element), ∂y's cast and fold and Wᵀ's copy in backward. Delayed
+    casts have no amax partials: nothing is left out, so the tolerance is 0."""
+    from fivefold.lowp.delayed import DelayedState
+    from fivefold.plan.fp8 import RECORD_FOLD, _linears_cast_bytes
+
+    tokens, k, n = shape
+    meta = torch.device("meta")
+    recipe = FP8Recipe.from_name("tensorwise", scaling="delayed")
+
+    def traced(backward):
+        state = DelayedState(torch.zeros(3, 16, device=meta), [True] * 3, record=True)
+        x = torch.empty(tokens, k, device=meta, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.empty(n, k, device=meta, dtype=torch.bfloat16, requires_grad=True)
+        g = torch.empty(tokens, n, device=meta, dtype=torch.bfloat16)
+        wq = GatheredWeight(torch.empty(n, k, device=meta, dtype=E4M3.dtype),
+                            torch.ones((), device=meta), "tensorwise", E4M3,
+                            record=torch.zeros((), device=meta))
+
+        def run():
+            y = fp8_linear(x, w, None, recipe, wq, state)
+            if backward:
+                y.backward(g)
+
+        events = [e for e in trace_callable(run, gpu="h100").events if e.kind == "kernel"]
+        folds = [e for e in events if e.name == "aten.maximum.out"]
+        assert len(folds) == 1 and folds[0].bytes_read + folds[0].bytes_written == RECORD_FOLD
+        return sum(e.bytes_read + e.bytes_written for e in events if not e.flops)
+
+    fwd, bwd = _linears_cast_bytes("tensorwise", tokens, [(n, k)], [k], [n], 2, "delayed",
+                                   gathered=True)
+    assert traced(False) == fwd and traced(True) == fwd + bwd, (fwd, bwd)
+    act = cast_bytes("tensorwise", "act", tokens, k, 2, "delayed")
+    assert fwd == act + RECORD_FOLD  # x's cast, and the record: no weight cast

@@ -220,6 +220,49 @@ def test_search_prefers_the_validated_range_when_close(monkeypatch):
                "range (cp 2 > 1), so not preferred within 10%" in line for line in lines), lines
 
 
+def test_search_avoids_an_uncertain_regime_when_close():
+    """nanotron's range names DDP pipelines (ZeRO-0, dp > 1, pp > 1) an uncertain regime:
+    rank_key raises them by CLOSE, as it raises a layout outside the range, once for both.
+    The Playbook's 3B model on 16 H100s (bench/data/usp-calibration.csv): by time alone
+    the search ranks dp 8 pp 2 ZeRO-0 first (planned 17,499 tokens/s, measured 3,230);
+    with the range, dp 16 ZeRO-1 (1.4% slower planned, measured 16,385) ranks first, and
+    the report says why the faster one ranks below."""
+    from fivefold.models.presets import ModelConfig
+    from fivefold.plan.conventions import get_convention
+
+    rng = RANGES["nanotron"]
+    assert rank_key(1.0, Layout(dp=8, pp=2, zero=0), rng) == pytest.approx(1 + CLOSE)
+    assert rank_key(1.0, Layout(dp=8, pp=2, zero=0, cp=2), rng) == pytest.approx(1 + CLOSE)
+    for fine in (Layout(dp=8, pp=2, zero=1), Layout(dp=16, zero=0), Layout(pp=16, zero=0)):
+        assert rank_key(1.0, fine, rng) == 1.0, fine
+    assert all(not (r and r.uncertain) for name, r in RANGES.items() if name != "nanotron")
+    conv = get_convention("nanotron")
+    model = ModelConfig(name="usp-3B", vocab_size=131072, hidden_size=3072,
+                        intermediate_size=8192, num_layers=28, num_heads=32, num_kv_heads=32,
+                        max_seq_len=4096, tie_embeddings=True)
+    work = conv.apply_workload(Workload(model=model, seq_len=4096, gbs=256))
+    hw, a = get_hardware("h100-sxm", {"memory_gib": 79.6})
+    a = conv.apply_assumptions(a, {"memory_gib"})
+    fixed = {k: v for k, v in conv.layout.items() if k != "zero"}
+    tops = {}
+    for name, r in (("time", None), ("range", rng)):
+        space = SearchSpace(tp=(1,), pp=(1, 2), cp=(1,), zero=(0, 1), mbs=(1,),
+                            recompute=("none",), schedule=("1f1b",), fixed=fixed, validated=r)
+        tops[name] = search(work, 16, hw, a, space, top=4)
+    first = tops["time"].top[0]
+    assert (first.layout.dp, first.layout.pp, first.layout.zero) == (8, 2, 0)
+    best = tops["range"].top[0]
+    assert (best.layout.dp, best.layout.pp, best.layout.zero) == (16, 1, 1)
+    assert 1 < first.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu < 1 + CLOSE
+    lines = explain_losses(tops["range"], count=len(tops["range"].top))
+    assert any(line.startswith(first.layout.short()) and "in a regime the validation found "
+               "uncertain (ZeRO-0 with dp > 1 and pp > 1" in line for line in lines), lines
+    said = describe("nanotron", first.layout, 8)
+    assert said[1] == "this plan lies inside it"
+    assert said[2].startswith("its regime, ZeRO-0 with dp > 1 and pp > 1")
+    assert len(describe("nanotron", best.layout, 8)) == 2
+
+
 @pytest.mark.parametrize("args, says", [
     (["--convention", "nemo"], "--convention 'nemo' is unknown"),
     (["--hw", "spine_oversubscription=0.5"], "spine_oversubscription=0.5 must be"),

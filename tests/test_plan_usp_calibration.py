@@ -54,6 +54,23 @@ def test_scorer_on_made_up_runs():
     assert s["picks"]["m/16"]["ok_runs"]["layout"] == "dp4 tp4 pp1 mbs1 z0"
 
 
+def test_pick_ranks_a_ddp_pipeline_as_the_search_does():
+    """The pick ranks as `validated.rank_key` does: a DDP pipeline (ZeRO-0, dp > 1, pp > 1),
+    an uncertain regime of nanotron's range, ranks first only when predicted more than 5%
+    faster than the best layout outside it: at 4% faster the ZeRO-1 layout is picked (a
+    hit), at 6% the DDP pipeline (its 20 of the best 100 tokens/s: a miss)."""
+    rows = [_run("m", 16, "ok", "10", "20", dp=8, pp=2, zero=0),
+            _run("m", 16, "ok", "10", "100", dp=16, zero=1)]
+    for faster, layout, hit in ((1.04, "dp16 tp1 pp1 mbs1 z1", True),
+                                (1.06, "dp8 tp1 pp2 mbs1 z0", False)):
+        preds = [{"plannable": True, "fits": True, "rank0_reserved_gib": 10.0,
+                  "tokens_per_s_per_gpu": 100.0 * faster},
+                 {"plannable": True, "fits": True, "rank0_reserved_gib": 10.0,
+                  "tokens_per_s_per_gpu": 100.0}]
+        pick = usp.score(rows, preds)["picks"]["m/16"]["fits"]
+        assert (pick["layout"], pick["hit"]) == (layout, hit), faster
+
+
 def test_nanotron_cumulative_cut_by_hand():
     """1B (16 layers of cost c = 4h² + 3h·ffn = 2^26, head V·h = 4c): thresholds
     total·(k+1)/pp = 20c·(k+1)/pp. pp 2: layers 1-11 reach 11c > 10c on stage 0. pp 4: 6c >

@@ -218,10 +218,13 @@ def test_two_kinds_of_layer_are_planned_exactly():
 def test_kept_out_layers_recompute_their_projections_at_bf16s_rate():
     """train.fp8_keep_out leaves layers 0 and 1 in bf16: their per-operator table is bf16's
     (the projections at bf16's GEMM rate), the other 30 layers' FP8's; full recomputation
-    costs 2 of the one and 30 of the other. recompute = auto plans the two kinds with their
-    own costs: a plan whose seconds are those of its layers at their own rates, cheaper than
-    the plan the FP8 table alone chose for every layer, costed at the true rates."""
+    costs 2 of the one and 30 of the other, whose re-run forward casts again. recompute =
+    auto plans the two kinds with their own costs: a plan whose seconds are those of its
+    layers at their own rates, cheaper than the plan the FP8 table alone chose for every
+    layer, costed at the true rates."""
     from fivefold.models.presets import preset
+    from fivefold.plan.fp8 import rank_dense_cast_bytes
+    from fivefold.plan.fp8_linears import layer_fp8_linears
     from fivefold.plan.hardware import get_hardware
     from fivefold.plan.layout import Layout, Workload
     from fivefold.plan.recompute_plan import (
@@ -245,8 +248,11 @@ def test_kept_out_layers_recompute_their_projections_at_bf16s_rate():
     assert op_table(work, layout, hw, assume, layer_fp8_ops(work, 2)) == fp8
     assert bf16["q"][2] > fp8["q"][2] and bf16["core"] == fp8["core"]
     elem = elementwise_seconds(work, layout, hw, assume)
-    full = {name: elem + sum(t[2] for t in table.values())
-            for name, table in (("bf16", bf16), ("fp8", fp8))}
+    # an FP8 layer's re-run forward casts again (the kept-out layers cast nothing)
+    casts = rank_dense_cast_bytes(every, layout, 4096, layer_fp8_linears(every, 2))[0] / (
+        hw.hbm_tbps * 1e12 * assume.hbm_efficiency)
+    full = {name: elem + sum(t[2] for t in table.values()) + extra
+            for name, table, extra in (("bf16", bf16, 0.0), ("fp8", fp8, casts))}
     assert recompute_seconds(work, layout, 0, hw, assume, None) == pytest.approx(
         2 * full["bf16"] + 30 * full["fp8"], rel=1e-12)
     budget = 1.05 * minimum_budget(every, layout)  # some layers recompute some operators

@@ -16,7 +16,9 @@ scored, as the data's README says to:
   within the H100's 80 GiB) against ok / crashed_or_oom; a layout the planner refuses counts
   as "does not fit";
 - the pick, per (model, GPU count) group with an ok run: among the group's layouts the planner
-  says fit, the one it predicts fastest; a hit when that layout ran (ok) within 10% of the
+  says fit, the one it ranks first as `fivefold plan --search` does (predicted time, raised
+  by `validated.CLOSE` outside the convention's validated range or in a regime it found
+  uncertain: `validated.rank_key`); a hit when that layout ran (ok) within 10% of the
   group's measured fastest tokens/s per GPU.
 The nanotron convention's fitted factors (`plan/conventions.py`) are fitted on this file
 only: `--fit` refits them on the 16-GPU runs and scores the 128-GPU runs, and the other way.
@@ -39,6 +41,7 @@ from fivefold.plan.evaluate import plan_layout
 from fivefold.plan.hardware import GIB, get_hardware, usable_memory
 from fivefold.plan.layout import Layout, Workload, check_layout
 from fivefold.plan.memory import memory_items
+from fivefold.plan.validated import rank_key, validated_range
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "bench" / "data" / "usp-calibration.csv"
@@ -138,22 +141,31 @@ def score(rows: list[dict], preds: list[dict], memory_key: str = "rank0_reserved
     }
 
 
+LAYOUT_KEYS = ("dp", "tp", "pp", "mbs", "zero")
+
+
 def _pick(members: list, best: float, ok_only: bool) -> dict:
-    """The layout the planner ranks fastest among the group's runs it says fit (or, with
+    """The layout the planner ranks first among the group's runs it says fit (or, with
     `ok_only`, among the runs that ran), and how it did. Runs of one layout are pooled:
-    the layout's measured figure is its best ok run, 0 when none ran."""
+    the layout's measured figure is its best ok run, 0 when none ran. Ranked as the
+    search ranks (`validated.rank_key` with nanotron's validated range)."""
+    rng = validated_range("nanotron")
     layouts: dict[tuple, dict] = {}
     for row, p in members:
         if not p["plannable"] or (ok_only and row["status"] != "ok") or (
                 not ok_only and not p["fits"]):
             continue
-        key = tuple(row[k] for k in ("dp", "tp", "pp", "mbs", "zero"))
+        key = tuple(row[k] for k in LAYOUT_KEYS)
         got = float(row["tokens_per_s_per_gpu"]) if row["status"] == "ok" else 0.0
-        entry = layouts.setdefault(key, {"predicted": p["tokens_per_s_per_gpu"], "measured": 0.0})
+        entry = layouts.setdefault(key, {"predicted": p["tokens_per_s_per_gpu"], "measured": 0.0,
+                                         "rank": p["tokens_per_s_per_gpu"] / rank_key(
+                                             1.0, Layout(**dict(zip(LAYOUT_KEYS, map(int, key)))),
+                                             rng)})
         entry["measured"] = max(entry["measured"], got)
     if not layouts:
         return {"layout": None, "hit": False}
-    key, entry = max(layouts.items(), key=lambda kv: kv[1]["predicted"])
+    key, entry = max(layouts.items(), key=lambda kv: kv[1]["rank"])
+    entry = {k: v for k, v in entry.items() if k != "rank"}
     return {"layout": "dp{} tp{} pp{} mbs{} z{}".format(*key), "predicted": entry["predicted"],
             "measured": entry["measured"], "best_measured": best,
             "hit": entry["measured"] >= 0.9 * best}

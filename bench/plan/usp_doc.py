@@ -8,15 +8,17 @@ import json
 from pathlib import Path
 
 from usp_calibration import BEFORE, OUT, PREVIOUS, ROOT, ROUND
+from usp_doc_pick import pick_lines, trial_lines, written
 from usp_doc_pipeline import all_reduce_lines, pipeline_lines
 from usp_doc_tp import stall_lines, term_line, tp_lines
 
 DOC = ROOT / "docs" / "planner-validation.md"
 # The planner before TP steps between nodes took nanotron's fitted time (tp_inter_step_us),
 # before nanotron's ZeRO-1 gradient sync became an all-reduce (zero1_grad_sync), and before
-# TP calls ran in the GPU's idle time under a host-bound micro-batch (host_slack).
+# TP calls ran in the GPU's idle time under a host-bound micro-batch (host_slack), and
+# before the picks ranked DDP pipelines as an uncertain regime (f9d3bbc).
 LAST = {rev: OUT.parent / f"usp_calibration_{rev}.json"
-        for rev in ("7d6df56", "4a425a7", "184e63e")}
+        for rev in ("7d6df56", "4a425a7", "184e63e", "f9d3bbc")}
 MARK = ("<!-- usp-calibration: written by bench/plan/usp_calibration.py -->",
         "<!-- /usp-calibration -->")
 
@@ -99,7 +101,7 @@ def section(now: dict | None = None, before: dict | None = None,
         "reserve given back where it passes that limit, as the caching allocator frees "
         "its cache before it fails; a layout the planner refuses counts as not fitting) "
         "against ok / crashed_or_oom. Pick: per "
-        "(model, GPU count), the layout it predicts fastest among those it says fit is "
+        "(model, GPU count), the layout it ranks first among those it says fit (below) is "
         "within 10% of the measured fastest (in brackets: choosing among the runs that "
         "ran). *Before (4030e22)*: the planner before the nanotron convention was "
         "calibrated (`bench/results/usp_calibration_before.json`). *At 0a1a755*: the "
@@ -111,9 +113,10 @@ def section(now: dict | None = None, before: dict | None = None,
         "(*at 7d6df56*, `bench/results/usp_calibration_7d6df56.json`), a TP call's "
         "ring steps between nodes at nanotron's fitted time and nanotron's ZeRO-1 "
         "all-reduce (*at 184e63e*, `bench/results/usp_calibration_184e63e.json`), and "
-        "the TP calls in the GPU's idle time under a host-bound micro-batch (*now*). "
-        "*Fitted on N GPUs, judged on N*: the in-sample error the cross-fit is held "
-        "against.",
+        "the TP calls in the GPU's idle time under a host-bound micro-batch (*at f9d3bbc*, "
+        "`bench/results/usp_calibration_f9d3bbc.json`); *now*: the same times, the picks "
+        "ranked as the search ranks them (below). *Fitted on N GPUs, judged on N*: the "
+        "in-sample error the cross-fit is held against.",
         "",
         "| planner, runs | ok runs | memory median error | memory within 10% | fits right "
         "| pick within 10% | tokens/s median error | tokens/s within 20% | tp>1 & pp>1 "
@@ -273,7 +276,7 @@ def section(now: dict | None = None, before: dict | None = None,
         "",
         "What the scores cannot say, and what is missed:",
         "",
-        *_misses(now),
+        *_misses(now), *pick_lines(now), *trial_lines(),
         "- Candidates tried this round and not kept (each refitted on either half, "
         "`bench/plan/usp_fit.py` with the factor added to TIME_GRIDS): the slowest-of-N "
         "wait added to the GPU's time instead of the host's (N the world or tp·pp): 60 "
@@ -304,8 +307,8 @@ def section(now: dict | None = None, before: dict | None = None,
         "kind: dp 8 pp 2 mbs 1 (3B ZeRO-0: 3,230 tokens/s against 15,160 for ZeRO-1 in the "
         "same layout, its memory 59.6 GiB; 8B ZeRO-1: 2,681, planned at 76.6 of 79.6 GiB "
         "where rank 0 logged 64.8). Nothing in the physics planned here slows that "
-        "ZeRO-0 run fivefold; the pick now avoids it because the rails make dp 16 ZeRO-1 "
-        "(one group over both nodes) faster than a pipeline, and the 8B layout where the "
+        "ZeRO-0 run fivefold; the pick now avoids it as a DDP pipeline, a regime the "
+        "validation found uncertain (below), and the 8B layout where the "
         f"headroom says it does not fit: with the whole file's "
         f"{f['all']['memory_headroom_gib']:g} GiB, the 16-GPU half's "
         f"{f['16']['memory_headroom_gib']:g} and the 128-GPU half's "
@@ -375,7 +378,7 @@ def _misses(now: dict) -> list[str]:
     ratio = b["by"]["tp_pp, 128 GPUs"]
     zero = b["by"]["zero_pp, 128 GPUs"]
     ms = b["layer_ms_pp1_mbs1"]
-    h16, h128 = held["fit_16_judge_128"], held["fit_128_judge_16"]
+    h16, h128, was = held["fit_16_judge_128"], held["fit_128_judge_16"], written(now)
 
     one, two, four = (ms["128"].get(tp, float("nan")) for tp in ("8", "16", "32"))
 
@@ -390,7 +393,7 @@ def _misses(now: dict) -> list[str]:
         f"{h16['throughput_within_20pct']:.1%} (goal 15% and 60%), and fitted on the "
         f"128-GPU runs, judged on 16, {h128['throughput_median_abs_error']:.1%} and "
         f"{h128['throughput_within_20pct']:.1%}." + _held_out_groups(),
-        *all_reduce_lines(now),
+        *all_reduce_lines(was),
         "- Why a TP step between nodes costs more than the network's hop: where the step is "
         "host-bound (pp 1, micro-batches of one sequence) nanotron's measured time per "
         "layer per micro-batch is, median over the runs, "
@@ -423,7 +426,7 @@ def _misses(now: dict) -> list[str]:
         f"with dp 1 {r(zero, 'zero0 pp2 dp1')}, {r(zero, 'zero0 pp4 dp1')}, "
         f"{r(zero, 'zero0 pp8 dp1')} at pp 2, 4, 8; ZeRO-1 with dp > 1 "
         f"{r(zero, 'zero1 pp2 dp>1')}, {r(zero, 'zero1 pp4 dp>1')}, "
-        f"{r(zero, 'zero1 pp8 dp>1')}")) + tp_lines(now, ms) + stall_lines() + _scale_line(b)
+        f"{r(zero, 'zero1 pp8 dp>1')}")) + tp_lines(was, ms) + stall_lines() + _scale_line(b)
 
 
 def _scale_line(b: dict) -> list[str]:

@@ -39,7 +39,8 @@ class ParallelSection:
     buckets_in_flight: int = 2  # ZeRO-2/3: buckets filling or reducing at once (ZeRO-3 head apart)
     # step: once, after the last micro-batch (the whole gradient accumulates meanwhile);
     # microbatch: every micro-batch, into the shard (pp = 1); auto: microbatch where the
-    # planner predicts a step at most 2% slower (plan/grad_sync.py)
+    # planner predicts a step at most 2% slower, or where once per step does not fit the
+    # GPU (plan/grad_sync.py)
     grad_sync: str = "auto"  # ZeRO-2/3 gradient reduce-scatter: auto | step | microbatch
     timeout_s: float = 300.0  # a collective waiting longer than this fails the run
     # needs zero = 3, train.precision = fp8 and fp8_recipe = tensorwise (parallel/zero3_fp8.py)

@@ -41,6 +41,7 @@ from torch.utils.checkpoint import (
 
 from fivefold.models import moe
 from fivefold.models.llama import AttentionCore, Block
+from fivefold.numerics import fp8_ops  # noqa: F401 (registers the FP8 GEMM ops)
 from fivefold.numerics.kernel_support import compiling
 from fivefold.parallel import peak
 from fivefold.parallel.memory import note_kept
@@ -170,8 +171,13 @@ OP_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.
               "core": "self_attn.core", "o": "self_attn.o_proj", "gate": "mlp.gate_proj",
               "up": "mlp.up_proj", "down": "mlp.down_proj"}
 _aten = torch.ops.aten
+# An FP8 linear's GEMM (lowp/linear.py) is one of fivefold's custom ops: kept as an mm is,
+# else a kept projection's GEMM would run again under precision = fp8 (its casts do run
+# again: the recomputed forward casts its input for the saved codes, and W, as the first).
+# Blockwise's emulated K-slice kernel (a CPU's) is not one op: its slices' mm's are kept.
 KEEPABLE = {op for op in (
-    _aten.mm.default, _aten.addmm.default,
+    _aten.mm.default, _aten.addmm.default, torch.ops.fivefold.fp8_scaled_mm.default,
+    torch.ops.fivefold.fp8_blockwise_scaled_mm.default,
     getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
     getattr(_aten, "_scaled_dot_product_flash_attention", None),
     getattr(_aten, "_scaled_dot_product_efficient_attention", None),

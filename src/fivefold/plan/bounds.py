@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from fivefold.plan.grad_sync import fit_grad_sync
 from fivefold.plan.hardware import Assumptions, Hardware, usable_memory
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.memory import memory_items, peak_memory
@@ -48,7 +49,9 @@ def step_time_bound(work: Workload, layout: Layout, hw: Hardware, assume: Assump
 def memory_check(work: Workload, layout: Layout, hw: Hardware,
                  assume: Assumptions) -> MemoryCheck:
     """Whether the layout fits `usable_memory(hw, assume)` per GPU (and its offloaded states
-    the host's share), asking the most-loaded rank only when rank 0 fits."""
+    the host's share), asking the most-loaded rank only when rank 0 fits. grad_sync = auto
+    counts the sync whose memory decides its fit (plan/grad_sync.py `fit_grad_sync`)."""
+    work = fit_grad_sync(work, layout)
     limit = usable_memory(hw, assume)
     first = tier_memory(*memory_items(work, layout, assume, 0, limit=limit), layout.offload, hw)
     first_total = sum(first.items.values())
@@ -60,6 +63,8 @@ def memory_check(work: Workload, layout: Layout, hw: Hardware,
 
 def peak_bytes(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions) -> float:
     """The most-loaded pipeline rank's device bytes under `usable_memory(hw, assume)`, with
-    offloaded states off the device (no tier placement, no host limit)."""
+    offloaded states off the device (no tier placement, no host limit); grad_sync = auto as
+    memory_check counts it."""
+    work = fit_grad_sync(work, layout)
     _, items, _ = peak_memory(work, layout, assume, usable_memory(hw, assume))
     return sum(items.values())

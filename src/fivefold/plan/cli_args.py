@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--grad-sync", choices=("auto", "step", "microbatch"),
                     help="ZeRO-2/3 reduce-scatter once per step or per micro-batch; auto "
                     "(default; with --config, the config's parallel.grad_sync): per "
-                    "micro-batch where the step is at most 2%% slower")
+                    "micro-batch where the step is at most 2%% slower or once per step "
+                    "does not fit")
     tr.add_argument("--fp8-allgather", action="store_true",
                     help="with --precision fp8: ZeRO-3 gathers the FP8 linears' weights in "
                     "FP8, tensorwise (parallel.fp8_allgather)")

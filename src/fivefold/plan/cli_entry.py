@@ -30,6 +30,7 @@ from fivefold.plan.cli_args import (
 from fivefold.plan.conventions import get_convention
 from fivefold.plan.evaluate import plan_layout
 from fivefold.plan.fp8_linears import keep_out_problem
+from fivefold.plan.grad_sync import resolve_grad_sync
 from fivefold.plan.hardware import (
     CATALOG,
     check_memory_budget,
@@ -172,6 +173,10 @@ def run(argv: list[str]) -> int:
     if args.config:
         cfg = read_training_config(args.config, extra)
         work, layout = training_plan_inputs(cfg, hw, assume, **options)
+        if options.get("grad_sync", getattr(cfg.parallel, "grad_sync", "step")) == "auto":
+            # chosen per layout by plan_layout (plan/grad_sync.py), as with --model: for the
+            # config's layout (its reason printed), and for each one the search tries
+            work = dataclasses.replace(work, grad_sync="auto")
         _check_keep_out(work)
         work = recompute_options(args, work, hw, assume)
         if args.recompute:
@@ -185,9 +190,11 @@ def run(argv: list[str]) -> int:
             from fivefold.plan.timing import offload_nvme_time, optimizer_time
 
             plan = plan_layout(work, layout, hw, assume)
-            update = optimizer_time(work, dataclasses.replace(layout, offload=True), hw, assume)
+            chosen = plan.context[0]  # grad_sync as plan_layout resolved it
+            update = optimizer_time(chosen, dataclasses.replace(layout, offload=True), hw,
+                                    assume)
             print(describe_nvme(plan.disk_bytes, plan.cpu_bytes,
-                                offload_nvme_time(work, layout, hw, update), hw))
+                                offload_nvme_time(chosen, layout, hw, update), hw))
         return code
     if args.model and args.params:
         raise ConfigError("give --model or --params, not both")
@@ -314,7 +321,7 @@ def _search(args, work, num_gpus, hw, assume, allowed=None) -> int:
 def _config_check(args, work, layout, num_gpus, hw, assume, allowed=None) -> int:
     """'fits: 61.2 of 80 GiB' or 'does not fit: … ; try …' before launch."""
     _check(work, layout, hw)
-    _check_budget(work, layout)
+    _check_budget(resolve_grad_sync(work, layout, hw, assume), layout)
     plan = plan_layout(work, layout, hw, assume)
     line = plan.why
     if not plan.fits:

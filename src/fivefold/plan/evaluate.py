@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from fivefold.plan.comm import collectives, ledger_volume, wire_volume
 from fivefold.plan.flops import hardware_flops_per_token, model_flops_per_token
-from fivefold.plan.grad_sync import resolve_grad_sync
+from fivefold.plan.grad_sync import choose_grad_sync
 from fivefold.plan.hardware import GIB, Assumptions, Hardware, usable_memory
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.memory import MEMORY_ITEMS, memory_items, peak_memory
@@ -71,6 +71,7 @@ class LayoutPlan:
     peak_flops: float
     context: tuple = ()  # (work, hw, assume), for the per-stage answers computed on demand
     grad_sync: str = "step"  # ZeRO-2/3 reduce-scatter per "step" or "microbatch" (as planned)
+    grad_sync_reason: str = ""  # why grad_sync = "auto" chose it ("": set, not chosen)
     disk_bytes: float = 0.0  # offload = "nvme": the states per GPU in files (plan/nvme.py)
     host_limit: float = 0.0  # host bytes per GPU the offloaded states may take (0: any)
 
@@ -156,6 +157,7 @@ class LayoutPlan:
             "world_size": self.world_size,
             "num_microbatches": self.num_microbatches,
             "grad_sync": self.grad_sync,
+            "grad_sync_reason": self.grad_sync_reason,
             "memory_bytes": {k: self.memory[k] for k in MEMORY_ITEMS},
             "memory_total_bytes": self.memory_total,
             "memory_limit_bytes": self.memory_limit,
@@ -186,7 +188,10 @@ class LayoutPlan:
 
 def plan_layout(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions) -> LayoutPlan:
     """Predict memory, FLOPs, communication and time for one (valid) layout."""
-    work = resolve_grad_sync(work, layout, hw, assume)  # "auto": chosen per layout
+    reason = ""  # why grad_sync = "auto" chose what it did, chosen per layout
+    if work.grad_sync == "auto":
+        choice, reason = choose_grad_sync(work, layout, hw, assume)
+        work = dataclasses.replace(work, grad_sync=choice)
     m = work.num_microbatches(layout)
     rank, items, cpu = peak_memory(work, layout, assume, usable_memory(hw, assume))
     placed = tier_memory(items, cpu, layout.offload, hw)  # by offload tier (plan/nvme.py)
@@ -212,6 +217,7 @@ def plan_layout(work: Workload, layout: Layout, hw: Hardware, assume: Assumption
         peak_flops=hw.peak_flops(work.precision),
         context=(work, hw, assume),
         grad_sync=work.grad_sync,
+        grad_sync_reason=reason,
         disk_bytes=placed.disk,
         host_limit=0.0 if hw.device_is_host else hw.host_memory_gib * GIB,
     )

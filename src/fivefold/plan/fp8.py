@@ -172,7 +172,9 @@ def expert_cast_bytes(recipe: str, rows: float, experts: float, h: int, inter: i
       the loop (all but rowwise): cat of the outputs (fwd) and of the input gradients (bwd),
         stack of the weight gradients (bwd): read + write B per element.
     gathered (parallel.fp8_allgather, tensorwise): each expert's W is ZeRO-3's gathered codes
-      (`rank_gather_cast_bytes`), not cast in the loop; its Wᵀ a copy of them (2 per element).
+      (`rank_gather_cast_bytes`), not cast in the loop; its Wᵀ a copy of them (2 per element);
+      under delayed scaling each expert's weight folds its gathered record in forward
+      (RECORD_FOLD bytes, every local expert's, as the linears' `_linears_cast_bytes`).
     Left out: the amax kernel's partials (a few bytes per 64x64 tile) and a grouped cast's
     padding of a group to 16 tokens (none when the groups are multiples of 16).
     tests/test_plan_fp8_experts.py holds this to the trace of the engine's experts
@@ -284,10 +286,12 @@ def gather_bytes(elements: float, shards: float, dtype_bytes: int = 2) -> float:
     element; `fp8_gather_unpack` reads every gathered code and writes it to the unit's byte
     buffer and its dequantised value to the unit's buffer: 2 + B per element. (The CPU's
     eager torch ops move B + 28 and 19 + 3B; the planner plans GPUs, as `cast_bytes` counts
-    the fused casts.) Left out: the kernels' tables (40 bytes per piece), 4 bytes per
-    weight of the multiplier and the scale reads, 16 of the scale and record clones, the
-    messages' padding to the longest rank's, and a unit's other elements (norms) copied
-    through the message (2B each way)."""
+    the fused casts.) Under delayed scaling the linear that takes a gathered weight folds its
+    record (RECORD_FOLD bytes a weight a forward): counted with the linears' casts
+    (`_linears_cast_bytes`), where the engine runs it. Left out: the kernels' tables (40
+    bytes per piece), 4 bytes per weight of the multiplier and the scale reads, 16 of the
+    scale and record clones, the messages' padding to the longest rank's, and a unit's
+    other elements (norms) copied through the message (2B each way)."""
     b = dtype_bytes
     return elements / shards * (GATHER_CAST + b) + elements * (GATHER_UNPACK + b)
 
@@ -305,14 +309,26 @@ def fp8_gathers(work, layout) -> tuple[float, float]:
     return 1.0, 1.0
 
 
+# Delayed scaling with ZeRO-3's FP8 gather: a gathered weight's record (the amax of the
+# rank's piece, parallel/zero3_fp8.py `GatheredWeight.record`) folds into the linear's
+# pending W record in each forward (lowp/delayed.py `record_gathered`: one aten.maximum of
+# two fp32 scalars into the first, 12 bytes read and 4 written as the trace counts it:
+# tests/test_plan_fp8_gather_casts.py). Per weight tensor (an expert's slice is one), not
+# per element.
+RECORD_FOLD = 16
+
+
 def _linears_cast_bytes(recipe: str, tokens: float, weights: list, acts_f: list,
                        acts_b: list, dtype_bytes: int, scaling: str, gathered: bool = False
                        ) -> tuple[float, float]:
     def one(role, rows, cols):
         if gathered and role.startswith("weight"):  # the FP8 codes ZeRO-3 gathered: no
             # cast; the input gradient's Wᵀ is a contiguous copy of them (numerics/fp8.py
-            # FP8Tensor.t), 1 byte read and 1 written per element
-            return 2 * FP8_BYTES * rows * cols if role == "weight_bwd" else 0.0
+            # FP8Tensor.t), 1 byte read and 1 written per element; delayed scaling folds
+            # the gathered record in forward
+            if role == "weight_bwd":
+                return 2 * FP8_BYTES * rows * cols
+            return RECORD_FOLD if scaling == "delayed" else 0.0
         return cast_bytes(recipe, role, rows, cols, dtype_bytes, scaling)
     fwd = sum(one("act", tokens, c) for c in acts_f) + sum(one("weight_fwd", *w)
                                                             for w in weights)

@@ -13,7 +13,9 @@ Each choice has a saving (the bytes a micro-batch leaves stored between its forw
 backward, from the same activation model the peak tracker is checked against), a working
 set (what the layer's recomputation brings back during its backward) and a cost (the
 recompute seconds of the planner's per-operator model: GEMMs at the GEMM rate, the attention
-core at the attention rate, the elementwise kernels at HBM bandwidth, as plan/timing.py).
+core at the attention rate, the elementwise kernels at HBM bandwidth, as plan/timing.py; a
+MoE layer's MLP as its MoE block's forward, and under FP8 the casts every re-run of the
+block runs again, whatever it keeps: plan/recompute_costs.py).
 Dominated choices (more bytes and more time) are dropped: ~10 remain. Under train.precision
 = fp8 a projection's GEMM runs at the FP8 rate unless train.fp8_keep_out leaves its linear
 in bf16 (plan/fp8_linears.py): layers that differ in which do have choices of their own
@@ -43,10 +45,11 @@ from dataclasses import dataclass
 
 from fivefold.plan.activations import STAT_BYTES, activation_bytes_per_microbatch
 from fivefold.plan.flops import forward_flops_per_token
-from fivefold.plan.fp8_linears import layer_fp8_linears
+from fivefold.plan.fp8_linears import FP8Linears, layer_fp8_linears
 from fivefold.plan.hardware import GIB, Assumptions, Hardware
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.placement import chunk_layer_counts, rank_chunks
+from fivefold.plan.recompute_costs import moe_seconds, recompute_cast_seconds
 
 OPS = ("q", "k", "v", "core", "o", "gate", "up", "down")
 DEFAULT_GPU = "h100-sxm"
@@ -92,23 +95,40 @@ class BudgetTooSmall(ValueError):
 def layer_fp8_ops(work: Workload, i: int) -> frozenset | None:
     """The projections of layer i (OPS' names) whose GEMMs run in FP8 under precision = fp8
     (every one but those train.fp8_keep_out leaves in bf16; a MoE layer's MLP operators
-    follow its routed experts); None for other precisions (every GEMM at their rate)."""
+    follow its routed experts, and "shared_gate", "shared_up", "shared_down" name its
+    shared expert's FP8 linears); None for other precisions (every GEMM at their rate)."""
+    return _fp8_ops(work, layer_fp8_linears(work, i), work.model.is_moe_layer(i))
+
+
+def _fp8_ops(work: Workload, n: FP8Linears, moe: bool) -> frozenset | None:
     if work.precision != "fp8":
         return None
-    n, moe = layer_fp8_linears(work, i), work.model.is_moe_layer(i)
     flags = {"q": n.q, "k": n.k, "v": n.v, "o": n.o, "gate": n.experts if moe else n.gate,
              "up": n.experts if moe else n.up, "down": n.experts if moe else n.down}
-    if work.model.mlp != "swiglu":
+    if moe:
+        flags.update(shared_gate=n.shared_gate, shared_up=n.shared_up,
+                     shared_down=n.shared_down)
+    elif work.model.mlp != "swiglu":
         del flags["gate"]
     return frozenset(op for op, fp8 in flags.items() if fp8)
 
 
+def layer_kind(work: Workload, i: int) -> tuple[bool, FP8Linears]:
+    """What layer i's choices depend on beyond the layout: whether it is a MoE layer, and
+    its FP8 linears (plan/fp8_linears.py; none unless precision = fp8)."""
+    return work.model.is_moe_layer(i), layer_fp8_linears(work, i)
+
+
 def op_table(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
-             fp8_ops: frozenset | None = None) -> dict[str, tuple[float, float, float]]:
+             fp8_ops: frozenset | None = None, moe: bool = False
+             ) -> dict[str, tuple[float, float, float]]:
     """Per operator of one layer and one micro-batch: (output bytes, bytes of that output
     autograd also saves, forward seconds). Under tp the projections and the core are split.
     Under precision = fp8 the projections in `fp8_ops` (None: all; `layer_fp8_ops`) run at
-    the FP8 rate, the others at bf16's, as plan/timing.py times a kept-out linear."""
+    the FP8 rate, the others at bf16's, as plan/timing.py times a kept-out linear.
+    A MoE layer (`moe`): its MLP's seconds are the MoE block's forward
+    (plan/recompute_costs.py `moe_seconds`); its bytes stay the dense MLP's (the
+    activation model averages MoE layers over the model)."""
     mc, lay, B = work.model, layout, work.dtype_bytes
     tokens = lay.mbs * work.seq_len / lay.cp
     h, t, d = mc.hidden_size, lay.tp, mc.dim_per_head
@@ -135,8 +155,11 @@ def op_table(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
              "o": (tokens * h * B, 0.0, 2 * tokens * q * h / gemm("o")),
              "up": (tokens * f * B, tokens * f * B, 2 * tokens * h * f / gemm("up")),
              "down": (tokens * h * B, 0.0, 2 * tokens * f * h / gemm("down"))}
-    if mc.mlp == "swiglu":
+    if mc.mlp == "swiglu" or moe:
         table["gate"] = (tokens * f * B, tokens * f * B, 2 * tokens * h * f / gemm("gate"))
+    if moe:
+        seconds = moe_seconds(work, layout, hw, tokens, fp8_ops)
+        table.update({op: (*table[op][:2], seconds[op]) for op in seconds})
     return table
 
 
@@ -157,22 +180,23 @@ _CHOICES: dict[str, tuple[LayerChoice, ...]] = {}
 
 
 def layer_choices(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
-                  fp8_ops: frozenset | None = None) -> list[LayerChoice]:
-    """The choices of one layer (whose FP8 projections are `fp8_ops`: `op_table`) that no
-    other beats in both bytes and seconds. Memoised on what they depend on: a search asks
-    for them once per layout, rank and kind of layer, over layouts that differ only in dp,
+                  kind: tuple | None = None) -> list[LayerChoice]:
+    """The choices of one layer of `kind` (`layer_kind`; None: layer 0's) that no other
+    beats in both bytes and seconds. Memoised on what they depend on: a search asks for
+    them once per layout, rank and kind of layer, over layouts that differ only in dp,
     ZeRO or the schedule."""
+    kind = layer_kind(work, 0) if kind is None else kind
     key = repr((work, layout.tp, layout.sp, layout.cp, layout.mbs, layout.sp_saved,
-                layout.cp_comm, hw, assume, fp8_ops and sorted(fp8_ops)))
+                layout.cp_comm, layout.ep, layout.zero, hw, assume, kind))
     if key not in _CHOICES:
         if len(_CHOICES) > 4096:
             _CHOICES.clear()
-        _CHOICES[key] = tuple(_layer_choices(work, layout, hw, assume, fp8_ops))
+        _CHOICES[key] = tuple(_layer_choices(work, layout, hw, assume, kind))
     return list(_CHOICES[key])
 
 
 def _layer_choices(work: Workload, layout: Layout, hw: Hardware, assume: Assumptions,
-                   fp8_ops: frozenset | None) -> list[LayerChoice]:
+                   kind: tuple) -> list[LayerChoice]:
     kwargs = {"tp": layout.tp, "sp": layout.sp, "cp": layout.cp,
               "dtype_bytes": work.dtype_bytes, "flash": work.flash, "dropout": work.dropout,
               "sp_saves_gathered": layout.sp_saved != "shard", "cp_comm": layout.cp_comm}
@@ -181,8 +205,11 @@ def _layer_choices(work: Workload, layout: Layout, hw: Hardware, assume: Assumpt
     selective = activation_bytes_per_microbatch(model, mbs, seq, recompute="selective",
                                                 **kwargs)
     block_input = none.layer_terms["attn_norm_input"]
-    ops = op_table(work, layout, hw, assume, fp8_ops)
-    elem = elementwise_seconds(work, layout, hw, assume)
+    moe, linears = kind
+    ops = op_table(work, layout, hw, assume, _fp8_ops(work, linears, moe), moe)
+    # the block re-run: its elementwise kernels and its FP8 casts, whatever it keeps
+    elem = (elementwise_seconds(work, layout, hw, assume)
+            + recompute_cast_seconds(work, layout, hw, assume, linears, moe))
     out = [LayerChoice("none", stored=none.layer)]
     if layout.cp == 1:  # under cp selective leaves the ring core alone: it is "none"
         out.append(LayerChoice("selective", stored=selective.layer,
@@ -326,10 +353,10 @@ def _knapsack(choices: tuple, weights: tuple[float, ...], budget: float,
 
 
 def rank_layer_ops(work: Workload, layout: Layout, rank: int) -> list:
-    """Per layer of pipeline rank `rank` (as `rank_weights` lists them): its FP8
-    projections (`layer_fp8_ops`)."""
+    """Per layer of pipeline rank `rank` (as `rank_weights` lists them): its kind
+    (`layer_kind`: MoE or not, its FP8 linears)."""
     counts = chunk_layer_counts(work.model, layout)
-    return [layer_fp8_ops(work, i) for c in rank_chunks(layout, rank)
+    return [layer_kind(work, i) for c in rank_chunks(layout, rank)
             for i in range(sum(counts[:c]), sum(counts[:c + 1]))]
 
 
@@ -392,8 +419,8 @@ def _plan_rank(work: Workload, layout: Layout, rank: int, full_allocated: float,
     budget = layer_budget(work, layout, rank, full_allocated)
     weights = rank_weights(work, layout, rank)
     ops = rank_layer_ops(work, layout, rank)
-    kinds = list(dict.fromkeys(ops))  # the kinds of layer, by their FP8 projections
-    if len(kinds) > 1:  # train.fp8_keep_out leaves some layers' projections in bf16
+    kinds = list(dict.fromkeys(ops))  # the kinds of layer (MoE, FP8 linears)
+    if len(kinds) > 1:  # dense and MoE layers, or train.fp8_keep_out's bf16 projections
         sets = [layer_choices(work, layout, hw, assume, k) for k in kinds]
         picked = choose(sets, weights, budget, [kinds.index(k) for k in ops])
     else:
@@ -423,10 +450,12 @@ def recompute_seconds(work: Workload, layout: Layout, rank: int, hw: Hardware,
     rates; None (a budget below full recomputation's peak): full recomputation's. Each
     layer's operators at its own rates (`layer_fp8_ops`)."""
     layers = rank_layer_ops(work, layout, rank)
-    tables = {k: op_table(work, layout, hw, assume, k) for k in dict.fromkeys(layers)}
+    tables = {k: op_table(work, layout, hw, assume, _fp8_ops(work, k[1], k[0]), k[0])
+              for k in dict.fromkeys(layers)}
     elem = elementwise_seconds(work, layout, hw, assume)
+    casts = {k: recompute_cast_seconds(work, layout, hw, assume, k[1], k[0]) for k in tables}
     if plan is None:
-        return sum(layers.count(k) * (elem + sum(o[2] for o in ops.values()))
+        return sum(layers.count(k) * (elem + casts[k] + sum(o[2] for o in ops.values()))
                    for k, ops in tables.items())
     total = 0.0
     for c, k in zip(plan.choices, layers, strict=True):
@@ -434,5 +463,5 @@ def recompute_seconds(work: Workload, layout: Layout, rank: int, hw: Hardware,
         if c.kind == "selective":
             total += ops["core"][2]
         elif c.kind == "keep":
-            total += elem + sum(ops[op][2] for op in ops if op not in c.kept)
+            total += elem + casts[k] + sum(ops[op][2] for op in ops if op not in c.kept)
     return total

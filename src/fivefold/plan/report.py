@@ -103,7 +103,8 @@ def format_explain(plan: LayoutPlan, work: Workload) -> str:
     states = p.stages[p.memory_rank]["model_states_bytes"]
     if lay.zero >= 2 and lay.dp * lay.cp > 1:
         every = "micro-batch" if p.grad_sync == "microbatch" else "step"
-        lines.append(f"  gradients reduce-scattered once per {every} (grad_sync)")
+        why = f" = auto: {p.grad_sync_reason}" if p.grad_sync_reason else ""
+        lines.append(f"  gradients reduce-scattered once per {every} (grad_sync{why})")
     lines += [f"  bytes/param: {p.bytes_per_param}",
               f"  model states: {states / 1e9:.1f} GB (1e9 bytes) = {_gib(states)} GiB"]
     if lay.pp > 1:
@@ -175,11 +176,17 @@ def explain_losses(result: SearchResult, count: int = 4) -> list[str]:
         lines.append(f"{p.layout.short()}: {gain:.1%} faster, but {p.why}")
     for p in result.top[1:1 + count]:
         slower = p.time.total / best.time.total - 1
-        outside = result.validated.layout_outside(p.layout) if result.validated else []
+        rng = result.validated
+        outside = rng.layout_outside(p.layout) if rng else []
+        regimes = [r.name for r in rng.regimes(p.layout)] if rng else []
         if slower < -1e-9 and outside:  # ranked below by the validated range's preference
             lines.append(f"{p.layout.short()}: {-slower:.1%} faster, but outside the "
                          f"validated range ({', '.join(outside)}), so not preferred within "
                          f"{validated.CLOSE:.0%}")
+        elif slower < -1e-9 and regimes:  # in a regime the validation found uncertain
+            lines.append(f"{p.layout.short()}: {-slower:.1%} faster, but in a regime the "
+                         f"validation found uncertain ({'; '.join(regimes)}), so not "
+                         f"preferred within {validated.CLOSE:.0%}")
         elif slower < 1e-9:
             lines.append(f"{p.layout.short()}: ties ({_gib(p.memory_total)} GiB)")
         else:

@@ -12,13 +12,43 @@ times are close (`CLOSE`). The ranges are the runs docs/planner-validation.md sc
 - deepspeed: no published run is scored;
 - fivefold (the engine itself): its ranking checked on 4 CPU ranks (bench/parallel/auto_layout.py),
   on no GPU run.
+Inside the range, a convention may name regimes where its scored runs spread far beyond
+the rest (`Regime`): a plan there is as uncertain as one outside, and ranks the same way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-CLOSE = 0.05  # a layout outside the range must be predicted this much faster to rank first
+CLOSE = 0.05  # a layout outside the range (or in an uncertain regime) must be predicted
+#               this much faster to rank first
+
+
+@dataclass(frozen=True)
+class Regime:
+    """Layouts inside the range whose scored runs the time model misses far more often than
+    the rest's, for a cause that is not a function of the layout: `applies(layout)`."""
+
+    name: str
+    applies: Callable
+    evidence: str
+
+
+def _ddp_pipeline(layout) -> bool:
+    return layout.zero == 0 and layout.dp > 1 and layout.pp > 1
+
+
+# nanotron wraps the model in DDP only for ZeRO-0 with dp > 1 (trainer.py @004a89c
+# `_init_model`); under its blocking pipeline such runs stall on a share of their messages,
+# 0.25-0.3 s each, which no term plans (bench/plan/usp_pipeline_stall.py). On either half of
+# the file alone that share is the highest of the pipeline runs whose TP stays in a node:
+# 16 GPUs 3 of 10 (ZeRO-1 5 of 50, ZeRO-0 with dp 1 0 of 20), 128 GPUs 17 of 32 (24 of 151,
+# 0 of 10).
+DDP_PIPELINE = Regime(
+    "ZeRO-0 with dp > 1 and pp > 1 (DDP under nanotron's blocking pipeline)", _ddp_pipeline,
+    "20 of its 42 runs with TP in a node lost over 0.15 s per pipeline message (0.25-0.3 s "
+    "as a rule), against 29 of 231 other pipeline runs (bench/plan/usp_pipeline_stall.py)")
 
 
 @dataclass(frozen=True)
@@ -30,6 +60,11 @@ class ValidatedRange:
     pp: int
     cp: int
     unit: str = "GPUs"
+    uncertain: tuple[Regime, ...] = ()  # regimes inside it where the scored runs spread
+
+    def regimes(self, layout) -> list[Regime]:
+        """The uncertain regimes `layout` lies in."""
+        return [r for r in self.uncertain if r.applies(layout)]
 
     def layout_outside(self, layout) -> list[str]:
         """The layout dimensions beyond the range: ['tp 64 > 32', ...]."""
@@ -59,7 +94,8 @@ class ValidatedRange:
 
 
 RANGES: dict[str, ValidatedRange | None] = {
-    "nanotron": ValidatedRange("bench/data/usp-calibration.csv", (16, 128), (2, 16), 32, 32, 1),
+    "nanotron": ValidatedRange("bench/data/usp-calibration.csv", (16, 128), (2, 16), 32, 32, 1,
+                               uncertain=(DDP_PIPELINE,)),
     "megatron": ValidatedRange("docs/planner-validation.md (Narayanan et al. 2021, Llama 3)",
                                (32, 16384), (4, 2048), 8, 64, 16),
     "torchtitan": ValidatedRange("docs/planner-validation.md (torchtitan's H100 benchmarks)",
@@ -86,6 +122,8 @@ def describe(convention: str, layout, gpus_per_node: int = 8) -> list[str]:
         else "inside it"
     lines = [f"validated range ({convention} convention): {rng.describe()}",
              f"this plan lies {where}"]
+    lines += [f"its regime, {r.name}, is one the validation found uncertain: {r.evidence}"
+              for r in rng.regimes(layout)]
     if rng.unit != "GPUs":  # the time terms it shares with the conventions scored on GPUs
         lines.append("its time terms scored on GPUs under other conventions: " + "; ".join(
             f"{name} {r.gpus[0]:,}-{r.gpus[1]:,} GPUs" for name, r in RANGES.items()
@@ -97,13 +135,15 @@ def to_dict(convention: str, layout, gpus_per_node: int = 8) -> dict:
     """The range and where `layout` lies outside it, for --json."""
     rng = validated_range(convention)
     return {"convention": convention, "range": rng.describe() if rng else None,
-            "outside": rng.outside(layout, gpus_per_node) if rng else ["no scored run"]}
+            "outside": rng.outside(layout, gpus_per_node) if rng else ["no scored run"],
+            "uncertain": [r.name for r in rng.regimes(layout)] if rng else []}
 
 
 def rank_key(time_s: float, layout, rng: ValidatedRange | None) -> float:
     """The search's ranking key: predicted time, raised by CLOSE for a layout whose
-    dimensions lie outside the validated range (so one inside ranks first unless the one
-    outside is predicted more than CLOSE faster). Never below the time itself."""
-    if rng is None or not rng.layout_outside(layout):
+    dimensions lie outside the validated range or in one of its uncertain regimes (so one
+    inside ranks first unless the other is predicted more than CLOSE faster; once, whatever
+    the reasons). Never below the time itself."""
+    if rng is None or not (rng.layout_outside(layout) or rng.regimes(layout)):
         return time_s
     return time_s * (1 + CLOSE)

@@ -24,7 +24,7 @@ from fivefold.serve.sampling_params import SamplingParams
 # Summed over replicas in /metrics; the rest of a replica's stats are per replica.
 SUMMED = ("requests_running", "requests_waiting", "kv_blocks_used", "kv_blocks_free",
           "kv_blocks_total", "preemptions", "prefix_hit_tokens", "generated_tokens", "steps",
-          "tokens_per_s")
+          "steps_ahead", "tokens_per_s")
 
 
 class DPRouter:

@@ -9,6 +9,9 @@ one token for every request that reached its last position (the greedy ones with
 over all their rows, the others with models/sampling.py, the sampler `fivefold generate`
 uses, each request with its own seeded generator), applies stop
 strings, and returns a `RequestOutput` for every request that got a token or finished.
+With async scheduling (on CUDA by default; serve/async_step.py) a step of greedy decodes
+is launched before the step before it is read, and `step` returns that earlier step's
+outputs: the same outputs, with the host's work hidden behind the device's.
 
 The pool's size comes from a byte budget: `kv_cache_bytes` (the CLI's --kv-cache-gib), or on
 CUDA a share of the memory free after loading the weights; the block count is whole blocks
@@ -29,6 +32,7 @@ from torch import nn
 from fivefold.errors import ConfigError
 from fivefold.models.sampling import sample_token
 from fivefold.serve import paged_attention
+from fivefold.serve.async_step import Overlap
 from fivefold.serve.cuda_graphs import StaticDecode
 from fivefold.serve.kv_cache import PagedKVCache, kv_bytes_per_token
 from fivefold.serve.kv_cache_manager import KVCacheManager, cdiv
@@ -36,11 +40,13 @@ from fivefold.serve.prepack import can_prepack, prepack_linears, probe_linears
 from fivefold.serve.request import Request, RequestStatus
 from fivefold.serve.runner import ModelRunner, StepLogits
 from fivefold.serve.sampling_params import SamplingParams
-from fivefold.serve.scheduler import Scheduler
+from fivefold.serve.scheduler import Scheduler, SchedulerOutput
 
 CPU_DEFAULT_KV_BYTES = 2**30
 # what the KV cache stores; auto: the model's dtype
 KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+# async_scheduling: True, False, or the device type it is on for (auto: CUDA only)
+ASYNC_SCHEDULING = {"on": True, True: True, "off": False, False: False, "auto": "cuda"}
 
 
 @dataclass
@@ -71,7 +77,8 @@ class Engine:
                  prepack: bool | str = False, kv_cache_dtype: str = "auto",
                  kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                  num_kv_heads: int | None = None, fuse: bool = True,
-                 num_layers: int | None = None, cuda_graphs: bool | str = True):
+                 num_layers: int | None = None, cuda_graphs: bool | str = True,
+                 async_scheduling: bool | str = "auto"):
         cfg = model.cfg  # the ModelConfig every fivefold model carries
         param = next(model.parameters())
         self.model, self.cfg, self.device = model.eval(), cfg, param.device
@@ -127,6 +134,12 @@ class Engine:
             self.runner.static = StaticDecode(self.runner.fused, self.cache,
                                               self.max_model_len, max_num_seqs,
                                               capture=cuda_graphs != "static")
+        # build step N+1 while step N runs (serve/async_step.py); auto: on CUDA, where the
+        # device runs apart from the host; on a CPU the device is the host
+        if async_scheduling not in ASYNC_SCHEDULING:
+            raise ConfigError(f"async_scheduling = {async_scheduling!r}: choose on, off or auto")
+        self.overlap = Overlap(self) if ASYNC_SCHEDULING[async_scheduling] in (
+            True, self.device.type) else None
         self.detokenize = detokenize
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(seed)
@@ -251,7 +264,12 @@ class Engine:
         return sampled, failed
 
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
+        if self.overlap is not None and self.overlap.applies():
+            return self.overlap.step()
+        return self.run_step(self.scheduler.schedule())
+
+    def run_step(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """One scheduled step, run synchronously: forward, sampling, outputs."""
         if not out.scheduled:
             return []
         try:
@@ -275,6 +293,8 @@ class Engine:
     def fail_unfinished(self, error: BaseException) -> list[RequestOutput]:
         """End every unfinished request with finish_reason "error" (a step raised outside
         any one request); the engine can go on with new ones."""
+        if self.overlap is not None:
+            self.overlap.pending = None
         requests = list(self.scheduler.requests.values())
         return self._finish_step([self._fail(r, error) for r in requests])
 
@@ -369,4 +389,5 @@ class Engine:
                 "kv_blocks_total": self.kv.num_blocks, "kv_blocks_used": self.kv.pool.num_used,
                 "kv_blocks_free": self.kv.pool.num_free, "preemptions": s.num_preemptions,
                 "prefix_hit_tokens": self.kv.prefix_hit_tokens,
-                "generated_tokens": self.num_generated_tokens, "steps": self.num_steps}
+                "generated_tokens": self.num_generated_tokens, "steps": self.num_steps,
+                "steps_ahead": 0 if self.overlap is None else self.overlap.num_ahead}

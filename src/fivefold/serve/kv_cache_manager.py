@@ -74,7 +74,10 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:
+                       computed_blocks: list[KVBlock] | None = None, register: bool = True
+                       ) -> list[KVBlock] | None:
+        """`register` False: the newest token's id is not known yet (a step scheduled ahead,
+        serve/async_step.py); `register_full_blocks` names the blocks once it is."""
         computed_blocks = computed_blocks or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
         start = request.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -98,11 +101,14 @@ class KVCacheManager:
             blocks[index] = copy
         new_blocks = self.pool.allocate(max(num_new_blocks, 0))
         blocks.extend(new_blocks)
-        if self.enable_prefix_caching:
-            self._register_full_blocks(request, total)
+        if register:
+            self.register_full_blocks(request, total)
         return new_blocks
 
-    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
+    def register_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Make the full blocks among the first `num_tokens` tokens findable by prefix."""
+        if not self.enable_prefix_caching:
+            return
         rid = request.request_id
         blocks, hashes = self.req_blocks[rid], self._block_hashes(request, num_tokens)
         full = num_tokens // self.block_size  # hashes may run ahead (a prefix lookup)

@@ -69,12 +69,22 @@ class ModelRunner:
         self.static = None  # decode at fixed sizes, CUDA graphs (serve/cuda_graphs.py)
 
     def _upload(self, parts: list[list[int]]) -> list[torch.Tensor]:
-        """Integer lists as tensors on the device: one host tensor, one copy."""
+        """Integer lists as tensors on the device: one host tensor, one copy. On CUDA from
+        pinned memory, asynchronously: a copy from pageable memory would wait for the steps
+        still running (which a step scheduled ahead must not, serve/async_step.py)."""
         flat = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long)
-        return list(flat.to(self.device).split([len(p) for p in parts]))
+        if self.device.type == "cuda":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        else:
+            flat = flat.to(self.device)
+        return list(flat.split([len(p) for p in parts]))
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """The step's inputs on the device. A step scheduled ahead (`out.input_ids`): every
+        row decodes one token whose id only the device has, at position
+        `num_computed_tokens`, and samples."""
         bs = self.cache.block_size
+        ahead = out.input_ids is not None
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -85,7 +95,9 @@ class ModelRunner:
             end = start + num_new
             table = self.kv.block_ids(request.request_id)
             prompt = len(getattr(request, "prompt_token_ids", ()))
-            if prompt and start >= prompt:  # a decode: no copy of the whole sequence (a
+            if ahead:
+                tokens.append(0)  # a stand-in: the id comes from the device below
+            elif prompt and start >= prompt:  # a decode: no copy of the whole sequence (a
                 # tensor-parallel worker's mirror has all_token_ids alone)
                 tokens.extend(request.output_token_ids[start - prompt:end - prompt])
             else:
@@ -98,7 +110,7 @@ class ModelRunner:
                 tables.append(table[:start // bs + 1])
             else:  # a fresh prompt needs no table: it attends to its own new keys
                 prefills.append((begin, begin + num_new, start, list(table) if start else []))
-            if end == request.num_tokens:
+            if ahead or end == request.num_tokens:
                 sample_rows.append(len(tokens) - 1)
                 sample_ids.append(request.request_id)
         sizes = self.cache.decode_groups(lens)
@@ -114,9 +126,13 @@ class ModelRunner:
             groups.append((first, size, width,
                            [b for t in group_tables for b in t + t[-1:] * (width - len(t))]))
             first += size
-        tokens_t, positions_t, slots_t, sample_t, rows_t, lens_t, stale_t, *rest = self._upload(
-            [tokens, positions, slots, sample_rows, rows, lens, stale,
-             *(padded for *_, padded in groups), *(table for *_, table in prefills)])
+        sampled, order = out.input_ids if ahead else (None, None)
+        tokens_t, positions_t, slots_t, sample_t, rows_t, lens_t, stale_t, order_t, *rest = \
+            self._upload([tokens, positions, slots, sample_rows, rows, lens, stale, order or [],
+                          *(padded for *_, padded in groups),
+                          *(table for *_, table in prefills)])
+        if ahead:  # the ids the step before sampled, on the device: no host sync
+            tokens_t = sampled if order is None else sampled.index_select(0, order_t)
         batch = PagedBatch(slot_mapping=slots_t, stale_slots=stale_t if stale else None)
         for (first, size, width, _), tables_t in zip(groups, rest):
             last = first + size - 1

@@ -39,6 +39,10 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    # A step scheduled ahead (serve/async_step.py): every row decodes the token the step
+    # before sampled, which is on the device only: (that step's sampled ids, the index of
+    # each row among them, or None when the rows are the same requests in the same order)
+    input_ids: tuple[object, list[int] | None] | None = None
 
     @property
     def num_tokens(self) -> int:

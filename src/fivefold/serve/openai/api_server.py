@@ -79,6 +79,8 @@ def metrics_text(stats: dict) -> str:
                            ("kv_blocks_total", "KV cache blocks in the pool"),
                            ("preemptions", "requests preempted so far"),
                            ("generated_tokens", "tokens generated so far"),
+                           ("steps_ahead", "steps launched before the one before was read "
+                                           "(--async-scheduling)"),
                            ("tokens_per_s", "generated tokens per second, recent steps")):
         lines += [f"# HELP fivefold_{key} {help_text}",
                   f"fivefold_{key} {stats[key]:.6g}" if isinstance(stats[key], float)
@@ -250,6 +252,10 @@ def build_parser() -> ArgumentParser:
                    "`fivefold launch --nproc-per-node N serve ...` does)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode "
                    "(by default captured on CUDA for batch sizes 1, 2, 4, 8, 16, ...)")
+    p.add_argument("--async-scheduling", default="auto", choices=("on", "off", "auto"),
+                   help="schedule and launch each decode step while the one before runs on "
+                        "the device, reading its tokens after (serve/async_step.py); auto: on "
+                        "CUDA; one engine without --lora, --tp or --pp")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, each holding its "
                    "layers and their KV blocks: one rank each, or --tp ranks each "
                    "(serve/pp_worker.py)")

@@ -58,6 +58,10 @@ def check_parallel_args(args) -> None:
             raise ConfigError(f"--lora {spec}: write name=DIR (a PEFT adapter directory or a "
                               f"fivefold LoRA checkpoint)")
     pp = getattr(args, "pp", 1)
+    if getattr(args, "async_scheduling", "auto") == "on" and (args.tp > 1 or pp > 1
+                                                              or args.lora):
+        raise ConfigError("--async-scheduling on runs one engine's own steps: not with --tp, "
+                          "--pp or --lora (their steps run synchronously); use auto or off")
     if pp != 1:  # the model's layer count is checked once it is loaded (serve/pp_worker.py)
         from fivefold.serve.pp_worker import check_pp
 
@@ -85,7 +89,8 @@ def engine_kwargs(args, codec) -> dict:
                 max_model_len=args.max_model_len, detokenize=codec.decode,
                 prepack=False if args.no_prepack else "auto",
                 kv_cache_dtype=args.kv_cache_dtype,
-                cuda_graphs=not getattr(args, "enforce_eager", False))
+                cuda_graphs=not getattr(args, "enforce_eager", False),
+                async_scheduling=getattr(args, "async_scheduling", "auto"))
 
 
 def _backend_name(args) -> str:
