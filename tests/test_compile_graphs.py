@@ -22,6 +22,7 @@ first step: the routing's `bincount` and the dispatch still break the graph (dat
 sizes), the same breaks every step."""
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -262,11 +263,13 @@ def test_auto_keep_policies_compile_and_keep_what_they_name():
                                           ((32, 64), torch.float32): 1}), got[4][1]
 
 
-def test_a_keep_policy_over_expert_all_to_alls_leaves_the_block_eager():
+@pytest.mark.parametrize("layer", ["expert_all_to_all", "fp8_linear"])
+def test_a_keep_policy_that_cannot_be_traced_leaves_the_block_eager(layer):
     """A block whose checkpoint must replay what expert parallelism's all-to-alls received
-    (the replay tape, which dynamo cannot trace) is not compiled under a keep policy:
-    compile_inside takes it (True) and leaves it as it is; without such a dispatcher the
-    block goes to block.compile() (False)."""
+    (the replay tape, which dynamo cannot trace), or that holds FP8 linears (torch 2.13
+    failed to trace their autograd function inside the policy's checkpoint:
+    InternalTorchDynamoError), is not compiled under a keep policy: compile_inside takes it
+    (True) and leaves it as it is; the other block goes to block.compile() (False)."""
     from types import SimpleNamespace as Policy
 
     from fivefold.models.init import build_model
@@ -276,6 +279,13 @@ def test_a_keep_policy_over_expert_all_to_alls_leaves_the_block_eager():
     cfg = preset("tiny").replace(hidden_size=32, intermediate_size=64, num_layers=2,
                                  num_heads=4, num_kv_heads=2)
     model = build_model(cfg, 0)
-    model.layers[1].mlp.dispatcher = Policy(replays_tape=True)  # as parallel/expert.py's
+    if layer == "expert_all_to_all":
+        model.layers[1].mlp.dispatcher = Policy(replays_tape=True)  # as parallel/expert.py's
+    else:
+        from fivefold.lowp.convert import apply_fp8
+
+        cfg_fp8 = small_config(Path("unused"), "--train.precision", "fp8")
+        apply_fp8(model.layers[1], cfg_fp8.train, torch.device("cpu"))
+        assert any(getattr(m, "fp8_recipe", None) for m in model.layers[1].modules())
     apply_layer_policies(model, [Policy(kind="keep", kept=("v",))] * 2)
     assert [compile_inside(b) for b in model.layers] == [False, True]

@@ -41,12 +41,17 @@ MOE = ["--model.preset", "tiny-moe", "--model.num_experts", "4", "--model.expert
        "--model.moe_intermediate_size", "32"]
 CASES = {"none": [], "selective": ["--train.recompute", "selective"],
          "full": ["--train.recompute", "full"], "fp8_none": FP8,
-         "fp8_selective": [*FP8, "--train.recompute", "selective"], "moe": MOE,
+         "fp8_selective": [*FP8, "--train.recompute", "selective"],
+         "fp8_full": [*FP8, "--train.recompute", "full"],
+         # keep gate,up,down in both blocks: left eager (parallel/recompute.py)
+         "fp8_auto_keep": [*FP8, "--train.recompute", "auto", "--train.memory_budget_gib",
+                           "0.00525"], "moe": MOE,
          "moe_bf16": [*MOE, "--train.precision", "bf16"],
          "moe_bf16_full": [*MOE, "--train.precision", "bf16", "--train.recompute", "full"],
          # the planner's per-layer policies under this budget: keep v,up,down and keep v,up
          "auto_keep": ["--train.recompute", "auto", "--train.memory_budget_gib", "0.00055"]}
 REFERENCE = {"selective": "none", "full": "none", "fp8_selective": "fp8_none",
+             "fp8_full": "fp8_none",
              "auto_keep": "none", "moe_bf16_full": "moe_bf16"}
 
 

@@ -77,8 +77,8 @@ def replay_tape() -> ReplayTape | None:
 
 def _checkpointed(forward, context_fn=None, traceable=True):
     """`forward` checkpointed: its inputs kept, its insides recomputed in backward.
-    `traceable`: False for a region that communicates through the replay tape (expert
-    parallelism's all-to-alls), which must stay eager (`compile_inside`).
+    `traceable`: False for a region that must stay eager under train.compile
+    (`compile_inside`, `_policy_traceable`).
 
     Traced by torch.compile (selective recomputation inside a compiled block): the bare
     checkpoint, which dynamo turns into a region of the block's graph that the partitioner
@@ -150,8 +150,8 @@ def compile_inside(module: nn.Module) -> bool:
     `ContextVar.get`/`set` that left the whole block eager), and feeds the memory meter.
     Recomputation in backward runs the same compiled forward again. Per-operator selective
     checkpointing (its policy picks aten ops, which a compiled forward would not dispatch
-    one by one) is traced into the module's graph instead (`_checkpointed`), unless the
-    region communicates through the replay tape: then the module stays eager (True)."""
+    one by one) is traced into the module's graph instead (`_checkpointed`), unless it
+    cannot be (`_policy_traceable`): then the module stays eager (True)."""
     forward = module.__dict__.get("forward")
     inner = getattr(forward, "checkpointed_forward", None)
     if inner is None:
@@ -160,10 +160,14 @@ def compile_inside(module: nn.Module) -> bool:
     return True
 
 
-def _replays(block: nn.Module) -> bool:
-    """Whether a layer of `block` reads the replay tape (parallel/expert.py's dispatcher)."""
-    return any(getattr(getattr(m, "dispatcher", None), "replays_tape", False)
-               for m in block.modules())
+def _policy_traceable(block: nn.Module) -> bool:
+    """Whether a per-operator policy over `block` can be traced into its compiled graph. Not
+    when a layer reads the replay tape (parallel/expert.py's dispatcher), nor over FP8
+    linears: torch 2.13 failed tracing their autograd function inside the policy's
+    checkpoint (InternalTorchDynamoError, "Argument ... of Node 'output' does not belong to
+    this Graph"). Such a block stays eager under train.compile."""
+    return not any(getattr(getattr(m, "dispatcher", None), "replays_tape", False)
+                   or getattr(m, "fp8_recipe", None) is not None for m in block.modules())
 
 
 # --- per-operator selective checkpointing (auto) -------------------------------------------
@@ -273,7 +277,7 @@ def apply_layer_policies(model: nn.Module, policies) -> nn.Module:
             context = functools.partial(_keep_contexts, kept)
             # the AOT autograd cache keys a compiled region on this (it bypasses one without)
             context.cache_hash = "fivefold-keep:" + ",".join(kept)
-            block.forward = _checkpointed(block.forward, context, not _replays(block))
+            block.forward = _checkpointed(block.forward, context, _policy_traceable(block))
     return model
 
 
