@@ -84,6 +84,15 @@ def grouped_mm_available(x: torch.Tensor, hidden: int, inter: int) -> bool:
     return _WORKS[key]
 
 
+def probe_grouped_mm(model: nn.Module) -> None:
+    """Try the grouped matmul now, eagerly, at each `GroupedExperts`' weight device and
+    dtype (train.compile calls this before compiling): traced, the first block's probe
+    filled `_WORKS` and the next block's graph, guarded on it, compiled again."""
+    for m in model.modules():
+        if isinstance(m, GroupedExperts) and m.w_gate.device.type != "meta":
+            grouped_mm_available(m.w_gate, m.hidden, m.inter)
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous: grouped_mm's backward
     fails on an expanded (stride-0) gradient such as the one `y.sum().backward()` sends."""
@@ -195,6 +204,16 @@ class Router(nn.Module):
         return grouped.masked_fill(~mask[..., None], float("-inf")).view(t, -1)
 
 
+def expert_counts(expert_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`torch.bincount(expert_idx.flatten(), minlength=num_experts)` for indices known to
+    lie below num_experts: the same int64 counts at a length fixed in advance. bincount's
+    length is max(minlength, the largest index + 1), which its kernel must look at first (a
+    host sync on CUDA) and which broke the compiled block's graph (a data-dependent shape)."""
+    flat = expert_idx.flatten()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+
+
 class LocalDispatcher:
     """Permute token copies by expert, run the experts, un-permute, combine with the weights.
 
@@ -205,7 +224,7 @@ class LocalDispatcher:
         t, k = expert_idx.shape
         flat = expert_idx.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=experts.num_experts)
+        counts = expert_counts(flat, experts.num_experts)
         y_sorted = experts(x.index_select(0, order // k), counts)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
@@ -313,6 +332,19 @@ class MoE(nn.Module):
             out = AuxLossInjector.apply(out, total, scale)
         return out
 
+    recomputed = False  # inside a checkpointed region (parallel/recompute.py marks it)
+
+    def _recomputing(self) -> bool:
+        """Whether this forward runs inside backward (a recomputation). A compiled layer
+        outside any checkpoint never does, so its graph skips the question: dynamo cannot
+        trace the graph task's id (a graph break per layer). Inside one, it asks (the break
+        stays): a recomputation must run the graph its forward ran, which saves the same
+        tensors (a graph of its own for recomputations failed torch's checkpoint: 34
+        tensors saved against 36)."""
+        if compiling() and not self.recomputed:
+            return False
+        return torch._C._current_graph_task_id() != -1
+
     def _weighted(self) -> bool:
         return self.cfg.aux_loss_coeff > 0 or self.cfg.z_loss_coeff > 0
 
@@ -331,12 +363,17 @@ class MoE(nn.Module):
     @torch.no_grad()
     def _record(self, expert_idx, balance, z, b: int) -> None:
         # Skip eval forwards and full recomputation's second forward (it runs inside backward).
-        if not self.training or torch._C._current_graph_task_id() != -1:
+        if not self.training or self._recomputing():
             return
-        self.tokens_per_expert += torch.bincount(expert_idx.flatten(),
-                                                 minlength=self.cfg.num_experts).float()
+        self.tokens_per_expert += expert_counts(expert_idx, self.cfg.num_experts).float()
         self.aux_sums += torch.stack([balance.detach(), z.detach(),
                                       torch.tensor(float(b), device=z.device)])
+
+
+def mark_recomputed(region: nn.Module) -> None:
+    """The MoE layers of a checkpointed region: their forward may run again in backward."""
+    for m in moe_layers(region):
+        m.recomputed = True
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -17,6 +17,7 @@ from torch import nn
 
 from fivefold.config.train import resolve_compile
 from fivefold.models.init import materialize
+from fivefold.models.moe import probe_grouped_mm
 from fivefold.parallel.mesh import ParallelDims
 from fivefold.parallel.recompute import apply_recompute, compile_inside
 
@@ -99,9 +100,11 @@ def compile_blocks(chunks: list[nn.Module]) -> None:
     if any(p.device.type == "cpu" for c in chunks for p in c.parameters()):
         separate_cpu_kernel_cache()
     for chunk in chunks:
+        probe_grouped_mm(chunk)
         layers = chunk.layers
         for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
-            if not compile_inside(block):  # a fully recomputed block: its forward, inside
+            if not compile_inside(block):  # fully recomputed: its forward, inside the
+                # checkpoint; a checkpoint that replays all-to-alls: the block eager
                 block.compile()
 
 

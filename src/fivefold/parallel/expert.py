@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from fivefold.config import ConfigError
-from fivefold.models.moe import moe_layers
+from fivefold.models.moe import expert_counts, moe_layers
 from fivefold.parallel import comm
 from fivefold.parallel.comm import Group
 from fivefold.parallel.memory import note_kept
@@ -101,6 +101,8 @@ class AllToAllDispatcher:
     like the local dispatcher it replaces; `experts` holds this rank's E/ep experts.
     """
 
+    replays_tape = True  # recomputation replays what it received (parallel/recompute.py)
+
     def __init__(self, group: Group, num_experts: int):
         self.group, self.num_experts = group, num_experts
         self.local = num_experts // group.size
@@ -115,7 +117,7 @@ class AllToAllDispatcher:
         if replaying:
             recv_counts, recv_rows, back_rows = tape.pop()
         else:
-            counts = torch.bincount(flat_idx, minlength=self.num_experts)
+            counts = expert_counts(flat_idx, self.num_experts)
             recv_counts = torch.empty_like(counts)
             comm.all_to_all(recv_counts, counts, self.group)
             recv_rows = back_rows = None

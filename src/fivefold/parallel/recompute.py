@@ -28,8 +28,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import re
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -37,8 +39,10 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from fivefold.models import moe
 from fivefold.models.llama import AttentionCore, Block
 from fivefold.numerics import fp8_ops  # noqa: F401 (registers the FP8 GEMM ops)
+from fivefold.numerics.kernel_support import compiling
 from fivefold.parallel import peak
 from fivefold.parallel.memory import note_kept
 
@@ -71,7 +75,25 @@ def replay_tape() -> ReplayTape | None:
     return _TAPE.get()
 
 
-def _checkpointed(forward, context_fn=None):
+def _checkpointed(forward, context_fn=None, traceable=True):
+    """`forward` checkpointed: its inputs kept, its insides recomputed in backward.
+    `traceable`: False for a region that must stay eager under train.compile
+    (`compile_inside`, `_policy_traceable`).
+
+    Traced by torch.compile (selective recomputation inside a compiled block): the bare
+    checkpoint, which dynamo turns into a region of the block's graph that the partitioner
+    recomputes in the backward graph (`tag_activation_checkpoint`). No replay tape there:
+    setting it, a `ContextVar`, broke the graph (torch 2.13: 5 graphs, 6 breaks over 3 steps
+    of 2 blocks); the attention core it wraps does not communicate, so nothing would read
+    it. No `note_kept` or peak tracking either: the compiled block saves the region's inputs
+    itself, so the saved-tensor hooks of both meters count them, and its recomputation runs
+    inside the compiled backward, out of their sight. Each region also keeps the CPU
+    generator's state (5,056 bytes), as eager's checkpoint does (`preserve_rng_state`);
+    compiled, the partitioner saves it for backward since torch tags the SDPA kernels random
+    (their dropout), so the meters see it. A per-operator policy (`context_fn`, a
+    `functools.partial`, as dynamo requires) is then applied by the partitioner to the
+    traced aten ops, which it finds by the module stack the trace records (`_keep_policy`):
+    the outputs it keeps are saved by the compiled block, the rest recomputed."""
     inner = [forward]  # compile_inside swaps in the compiled forward
 
     @functools.wraps(forward)
@@ -79,6 +101,9 @@ def _checkpointed(forward, context_fn=None):
         forward = inner[0]
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        if traceable and compiling():  # traced inside a compiled block
+            policy = {} if context_fn is None else {"context_fn": context_fn}
+            return checkpoint(forward, *args, use_reentrant=False, **policy, **kwargs)
         kept = [a for a in args if isinstance(a, torch.Tensor)]
         note_kept(*kept)
         if peak.active():  # alive while the checkpoint keeps them, i.e. until its backward
@@ -113,6 +138,7 @@ def _checkpointed(forward, context_fn=None):
 
     if context_fn is None:
         run.checkpointed_forward = inner
+    run.traceable = traceable
     return run
 
 
@@ -122,14 +148,26 @@ def compile_inside(module: nn.Module) -> bool:
     nothing done, compile the module as usual). The checkpoint wrapper stays eager: it sets
     the replay tape, a `ContextVar`, which dynamo cannot trace (torch 2.13: a graph break on
     `ContextVar.get`/`set` that left the whole block eager), and feeds the memory meter.
-    Recomputation in backward runs the same compiled forward again. Not for per-operator
-    selective checkpointing: its policy picks aten ops, which a compiled graph does not
-    dispatch one by one."""
-    inner = getattr(module.__dict__.get("forward"), "checkpointed_forward", None)
+    Recomputation in backward runs the same compiled forward again. Per-operator selective
+    checkpointing (its policy picks aten ops, which a compiled forward would not dispatch
+    one by one) is traced into the module's graph instead (`_checkpointed`), unless it
+    cannot be (`_policy_traceable`): then the module stays eager (True)."""
+    forward = module.__dict__.get("forward")
+    inner = getattr(forward, "checkpointed_forward", None)
     if inner is None:
-        return False
+        return getattr(forward, "traceable", True) is False
     inner[0] = torch.compile(inner[0])
     return True
+
+
+def _policy_traceable(block: nn.Module) -> bool:
+    """Whether a per-operator policy over `block` can be traced into its compiled graph. Not
+    when a layer reads the replay tape (parallel/expert.py's dispatcher), nor over FP8
+    linears: torch 2.13 failed tracing their autograd function inside the policy's
+    checkpoint (InternalTorchDynamoError, "Argument ... of Node 'output' does not belong to
+    this Graph"). Such a block stays eager under train.compile."""
+    return not any(getattr(getattr(m, "dispatcher", None), "replays_tape", False)
+                   or getattr(m, "fp8_recipe", None) is not None for m in block.modules())
 
 
 # --- per-operator selective checkpointing (auto) -------------------------------------------
@@ -170,10 +208,36 @@ def _cached_outputs(storage) -> list[torch.Tensor]:
 
 def _keep_policy(kept: frozenset):
     def policy(ctx, func, *args, **kwargs):
-        if _SCOPE and _SCOPE[-1] in kept and func in KEEPABLE:
+        if func in KEEPABLE and _operator_now() in kept:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
     return policy
+
+
+def _keep_contexts(kept: tuple[str, ...]):
+    """The checkpoint's `context_fn` keeping the outputs of the `kept` operators. A partial
+    of this with the names as constants: dynamo guards on them, so blocks of other policies
+    compile graphs of their own (a partial holding the policy closure matched any block's
+    graph: dynamo guards a closure by its code, and `_keep_policy`'s code is the same)."""
+    return create_selective_checkpoint_contexts(_keep_policy(frozenset(kept)))
+
+
+def _operator_now() -> str | None:
+    """The named operator whose op runs now. Eager: what the module hooks pushed. Compiled,
+    the policy runs while the partitioner's trace replays the block's graph node by node
+    (torch's `tag_activation_checkpoint` under `fx_traceback.preserve_node_meta`): the
+    node's `nn_module_stack` (dynamo's paths, e.g. "L['self'].self_attn.q_proj"), innermost
+    last, names it."""
+    if _SCOPE:
+        return _SCOPE[-1]
+    get_meta = getattr(fx_traceback, "get_current_meta", None)
+    stack = (get_meta() or {}).get("nn_module_stack") if get_meta else None
+    for path, _ in reversed(list((stack or {}).values())):
+        path = "." + re.sub(r"\._modules\['([^']+)'\]", r".\1", path)  # either spelling
+        for name, suffix in OP_MODULES.items():
+            if path.endswith("." + suffix):
+                return name
+    return None
 
 
 def _name_operators(block: nn.Module) -> None:
@@ -187,11 +251,13 @@ def _name_operators(block: nn.Module) -> None:
 
 
 def _enter(name: str, module, args) -> None:
-    _SCOPE.append(name)
+    if not compiling():  # traced, the module stack names the operator (`_operator_now`)
+        _SCOPE.append(name)
 
 
 def _leave(module, args, output) -> None:
-    _SCOPE.pop()
+    if not compiling():
+        _SCOPE.pop()
 
 
 def apply_layer_policies(model: nn.Module, policies) -> nn.Module:
@@ -205,11 +271,15 @@ def apply_layer_policies(model: nn.Module, policies) -> nn.Module:
             block.self_attn.core.forward = _checkpointed(block.self_attn.core.forward)
         elif policy.kind == "keep" and not policy.kept:
             block.forward = _checkpointed(block.forward)  # full
+            moe.mark_recomputed(block)
         elif policy.kind == "keep":
+            moe.mark_recomputed(block)
             _name_operators(block)
-            context = functools.partial(create_selective_checkpoint_contexts,
-                                        _keep_policy(frozenset(policy.kept)))
-            block.forward = _checkpointed(block.forward, context)
+            kept = tuple(sorted(policy.kept))
+            context = functools.partial(_keep_contexts, kept)
+            # the AOT autograd cache keys a compiled region on this (it bypasses one without)
+            context.cache_hash = "fivefold-keep:" + ",".join(kept)
+            block.forward = _checkpointed(block.forward, context, _policy_traceable(block))
     return model
 
 
@@ -224,4 +294,5 @@ def apply_recompute(model: nn.Module, mode: str, policies=None) -> nn.Module:
     for module in model.modules():
         if isinstance(module, target):
             module.forward = _checkpointed(module.forward)
+            moe.mark_recomputed(module)
     return model
