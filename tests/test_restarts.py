@@ -108,7 +108,7 @@ def test_killed_ranks_restart_and_resume_to_the_uninterrupted_losses(tmp_path):
 
 @pytest.mark.slow  # waits out a 5 s timeout under torchrun: about 35 s
 def test_a_collective_timing_out_with_every_rank_alive_names_the_key(tmp_path):
-    """Rank 1 sleeps 15 s before step 2 (its heartbeat goes on) under parallel.timeout_s = 5:
+    """Rank 1 sleeps 10 s before step 2 (its heartbeat goes on) under parallel.timeout_s = 5:
     gloo times the collective out. Before: a raw gloo error and exit 4 (or "lost no silent
     peer found", exit 3); now one line naming parallel.timeout_s, exit 1, no traceback."""
     out = tmp_path / "slow"
