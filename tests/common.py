@@ -80,19 +80,21 @@ def tiny_train_argv(root) -> list[str]:
 
 def run_interpreted(args: list[str], timeout: int = 600, **kw) -> dict:
     """Run `python args...` with Triton's interpreter (TRITON_INTERPRET=1 is read when a
-    kernel is defined, so a child process) and return the JSON its last line prints."""
+    kernel is defined, so outside this process) and return the JSON its last line prints.
+    The child is forked from a warm process that has imported torch and Triton
+    (tests/warm_interpreter.py), in its own environment and directory (`cwd`)."""
     import json
     import os
-    import subprocess
-    import sys
 
     import pytest
+    import warm_interpreter
 
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", **kw.pop("env", {})}
     for name in kw.pop("unset", ()):
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, **kw)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    cwd = str(kw.pop("cwd", os.getcwd()))
+    assert not kw, f"run_interpreted takes timeout, env, unset and cwd, not {sorted(kw)}"
+    code, out, err = warm_interpreter.run(args, env, cwd, timeout)
+    assert code == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])

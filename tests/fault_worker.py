@@ -6,7 +6,7 @@ chosen point of a chosen step on each attempt of torch elastic's restart loop.
 Attempt k (TORCHELASTIC_RESTART_COUNT) uses the k-th fault; attempts beyond the list run
 clean. Points: forward, backward, reduction (entering the gradient reduction), optimizer
 (entering the update), save (after the step's checkpoint data is written, before it is
-published); and slow: the rank sleeps 15 s before saving the step's checkpoint, alive but
+published); and slow: the rank sleeps 10 s before saving the step's checkpoint, alive but
 late.
 """
 
@@ -38,8 +38,12 @@ def install(point: str, step: int) -> None:
             real_save = self.save_checkpoint  # save's first all-reduce over the world group
 
             def late_save(*args, **kwargs):
-                sys.stderr.write(f"fault_worker: rank {os.environ['RANK']} sleeps 15 s\n")
-                time.sleep(15.0)
+                # Twice test_restarts.py's parallel.timeout_s = 5: the peer, in step with this
+                # rank until the save, times its first all-reduce out after 5 s; any sleep
+                # past that lets it find every heartbeat alive, and a longer one only holds
+                # the job's end back.
+                sys.stderr.write(f"fault_worker: rank {os.environ['RANK']} sleeps 10 s\n")
+                time.sleep(10.0)
                 self.save_checkpoint = real_save
                 return real_save(*args, **kwargs)
             self.save_checkpoint = late_save

@@ -26,7 +26,7 @@ SMALL = ["--model.preset", "tiny", "--data.tokenizer", "byte", "--parallel.mbs",
          "2", "--model.num_heads", "4", "--model.num_kv_heads", "2", "--train.seq_len", "32",
          "--train.gbs", "8", "--train.warmup_steps", "0", "--train.eval_every", "0",
          "--train.precision", "fp32", "--train.device", "cpu", "--log.progress", "false",
-         "--log.tensorboard", "false", "--parallel.timeout_s", "30"]
+         "--log.tensorboard", "false"]
 
 
 def test_bad_launches_are_one_line_before_any_rank_starts(tmp_path, capsys):
@@ -99,8 +99,11 @@ def test_max_restarts_restarts_a_killed_rank_and_the_run_finishes(tmp_path):
     saved; the restart resumes from a saved step and the run ends at train.steps with exit
     0 and each step once in metrics.jsonl. Bounded: 300 s for the whole job."""
     steps, out = 40, tmp_path / "run"
+    # The survivor names its killed peer after three heartbeat intervals and a confirmation
+    # window, both set by parallel.timeout_s (parallel/watchdog.py): 4 s at 10 s, 12 s at 30 s.
     cmd = [sys.executable, "-m", "fivefold.cli", "launch", "--max-restarts", "1",
-           "--monitor-interval", "0.2", "train", *SMALL, "--parallel.dp", "2",
+           "--monitor-interval", "0.2", "train", *SMALL, "--parallel.timeout_s", "10",
+           "--parallel.dp", "2",
            "--train.steps", str(steps), "--checkpoint.every", "1",
            "--checkpoint.dir", str(out / "ck"), "--log.dir", str(out)]
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
@@ -134,7 +137,8 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_a_checkpoint(tmp_path):
     with one line, as `fivefold train` itself does (train/lifecycle.py), not 4."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "fivefold.cli", "launch", "--monitor-interval", "0.2",
-           "train", *SMALL, "--parallel.dp", "2", "--train.steps", "100000",
+           "train", *SMALL, "--parallel.timeout_s", "30", "--parallel.dp", "2",
+           "--train.steps", "100000",
            "--checkpoint.every", "1", "--checkpoint.dir", str(out / "ck"), "--log.dir", str(out)]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -19,7 +19,13 @@ SMALL = ["--model.preset", "tiny", "--data.tokenizer", "byte", "--parallel.mbs",
          "2", "--model.num_heads", "4", "--model.num_kv_heads", "2", "--train.seq_len", "32",
          "--train.gbs", "8", "--train.warmup_steps", "0", "--train.eval_every", "0",
          "--train.precision", "fp32", "--train.device", "cpu", "--log.progress", "false",
-         "--log.tensorboard", "false", "--checkpoint.every", "1", "--parallel.timeout_s", "30"]
+         "--log.tensorboard", "false", "--checkpoint.every", "1"]
+# A survivor names a killed peer once it has been silent three heartbeat intervals and then a
+# confirmation window (parallel/watchdog.py: interval timeout_s / 20, window max(5 intervals,
+# min(timeout_s / 2, 2 s))): up to 12 s a kill at 30 s, 4 s at 10 s, and three of the five
+# kills wait it out (rank 0 hosts the store: its loss is seen at once). The job's collectives
+# take well under 10 s (the timeout test below runs its first steps at 5 s).
+TIMEOUT_S = "10"
 # torchrun's shared rendezvous store keeps the last attempt's keys: a restarted worker can be
 # handed its dead peer's address (pytorch/pytorch#135712). Not sharing it avoids that.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -30,19 +36,25 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
             if r["kind"] == "train"]
 
 
-def reference(tmp_path: Path, steps: int) -> list[tuple[int, float]]:
-    out = tmp_path / "reference"
-    proc = subprocess.run([sys.executable, "-m", "fivefold.cli", "train", *SMALL,
-                           "--train.steps", str(steps), "--checkpoint.dir", str(out / "ck"),
-                           "--log.dir", str(out)], capture_output=True, text=True, env=ENV,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def start_reference(out: Path, steps: int) -> subprocess.Popen:
+    """The uninterrupted one-process run, started beside the job: it runs while the job's
+    ranks wait out a lost peer or restart (`reference` collects it)."""
+    return subprocess.Popen([sys.executable, "-m", "fivefold.cli", "train", *SMALL,
+                             "--train.steps", str(steps), "--checkpoint.dir", str(out / "ck"),
+                             "--log.dir", str(out)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def reference(proc: subprocess.Popen, out: Path) -> list[tuple[int, float]]:
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
     return losses(out)
 
 
 def torchrun(out: Path, steps: int, *launcher: str, faults: str = "") -> subprocess.Popen:
     args = [*SMALL, "--train.steps", str(steps), "--parallel.dp", "2", "--parallel.zero", "1",
-            "--checkpoint.dir", str(out / "ck"), "--log.dir", str(out)]
+            "--parallel.timeout_s", TIMEOUT_S, "--checkpoint.dir", str(out / "ck"),
+            "--log.dir", str(out)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "--monitor-interval=0.2", *launcher, str(HERE / "fault_worker.py"),
            faults or "none:-1:0", "--", *args]
@@ -75,28 +87,34 @@ def test_killed_ranks_restart_and_resume_to_the_uninterrupted_losses(tmp_path):
     steps = 7
     faults = "forward:1:2,backward:0:3,reduction:1:4,optimizer:0:5,save:1:6"
     job = torchrun(tmp_path / "job", steps, "--max-restarts=5", faults=faults)
-    out, err = job.communicate(timeout=900)
-    assert job.returncode == 0, err[-4000:]
-    assert err.count("fault_worker: SIGKILL") == 5, err[-4000:]
-    assert "terminate called" not in err
-    # Every survivor names the rank that was killed, each attempt (dp 2: one survivor each).
-    assert survivors_named(err) == [True] * 5, err[-4000:]
-    ck = tmp_path / "job" / "ck"
-    assert (ck / "latest").read_text() == f"step_{steps:08d}"
-    assert not list(ck.glob("*.tmp"))  # the interrupted save was cleared by a later one
-    assert same(losses(tmp_path / "job"), reference(tmp_path, steps))
+    ref = start_reference(tmp_path / "reference", steps)
+    try:
+        out, err = job.communicate(timeout=900)
+        assert job.returncode == 0, err[-4000:]
+        assert err.count("fault_worker: SIGKILL") == 5, err[-4000:]
+        assert "terminate called" not in err
+        # Every survivor names the rank that was killed, each attempt (dp 2: one survivor each).
+        assert survivors_named(err) == [True] * 5, err[-4000:]
+        ck = tmp_path / "job" / "ck"
+        assert (ck / "latest").read_text() == f"step_{steps:08d}"
+        assert not list(ck.glob("*.tmp"))  # the interrupted save was cleared by a later one
+        assert same(losses(tmp_path / "job"), reference(ref, tmp_path / "reference"))
+    finally:
+        for proc in (job, ref):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.mark.slow  # waits out a 5 s timeout under torchrun: about 35 s
 def test_a_collective_timing_out_with_every_rank_alive_names_the_key(tmp_path):
-    """Rank 1 sleeps 15 s before step 2 (its heartbeat goes on) under parallel.timeout_s = 5:
+    """Rank 1 sleeps 10 s before step 2 (its heartbeat goes on) under parallel.timeout_s = 5:
     gloo times the collective out. Before: a raw gloo error and exit 4 (or "lost no silent
     peer found", exit 3); now one line naming parallel.timeout_s, exit 1, no traceback."""
     out = tmp_path / "slow"
-    args = [a for a in SMALL if a not in ("--parallel.timeout_s", "30")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "--monitor-interval=0.2", str(HERE / "fault_worker.py"), "slow:1:2", "--",
-           *args, "--parallel.timeout_s", "5", "--train.steps", "3", "--parallel.dp", "2",
+           *SMALL, "--parallel.timeout_s", "5", "--train.steps", "3", "--parallel.dp", "2",
            "--checkpoint.dir", str(out / "ck"), "--log.dir", str(out)]
     job = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
     assert job.returncode != 0
