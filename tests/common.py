@@ -98,3 +98,20 @@ def run_interpreted(args: list[str], timeout: int = 600, **kw) -> dict:
     code, out, err = warm_interpreter.run(args, env, cwd, timeout)
     assert code == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1])
+
+
+def greedy_workload(n: int, seed: int, vocab: int, prompt=(1, 200), output=(1, 40)):
+    """n random prompts of `prompt` lengths (inclusive) over `vocab`, each with greedy
+    SamplingParams of `output` max_tokens: the serving tests' mixed batch."""
+    import torch
+
+    from fivefold.serve.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    prompts, params = [], []
+    for _ in range(n):
+        length = int(torch.randint(prompt[0], prompt[1] + 1, (1,), generator=g))
+        prompts.append(torch.randint(0, vocab, (length,), generator=g).tolist())
+        max_tokens = int(torch.randint(output[0], output[1] + 1, (1,), generator=g))
+        params.append(SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return prompts, params

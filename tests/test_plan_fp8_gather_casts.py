@@ -35,23 +35,30 @@ UNITS = {"kv": [(1024, 4096)], "odd": [(333, 517), (129, 77)],
          "experts": [(96, 64), (3, 55, 37), (3, 37, 55)]}
 
 
-def traced_gather_bytes(weights, monkeypatch):
-    """(bytes read + written by rank 0's FP8 gather of a unit holding `weights`, the unit,
-    its weights' elements, its segment's size). The collective itself is the communication
-    model's: replaced by a no-op."""
-    monkeypatch.setattr(zero3_fp8.comm, "all_gather",
-                        lambda out, send, group, async_op=False: zero3_fp8.comm.DONE)
+def meta_unit(weights, dp: int):
+    """(rank 0's FP8UnitGather on the meta device of a unit holding `weights` over dp
+    ranks, its (slot, module, name) triples, its weights' elements, its segment's size)."""
     slots, start = [], 0
     for shape in weights:
         numel = torch.Size(shape).numel()
         slots.append((types.SimpleNamespace(shape=shape, start=start, numel=numel),
                       torch.nn.Module(), "weight"))
         start += numel
-    size = -(-start // DP) * DP  # the segment padded to a multiple of dp (odd sizes)
+    size = -(-start // dp) * dp  # the segment padded to a multiple of dp (odd sizes)
     seg = types.SimpleNamespace(size=size, start=0)
-    layout = types.SimpleNamespace(shards=DP, segment_shard=lambda shard, seg: shard)
+    layout = types.SimpleNamespace(shards=dp, segment_shard=lambda shard, seg: shard)
+    unit = FP8UnitGather(layout, seg, slots, 0, torch.device("meta"), torch.bfloat16)
+    return unit, slots, start, size
+
+
+def traced_gather_bytes(weights, monkeypatch):
+    """(bytes read + written by rank 0's FP8 gather of a unit holding `weights`, the unit,
+    its weights' elements, its segment's size). The collective itself is the communication
+    model's: replaced by a no-op."""
+    monkeypatch.setattr(zero3_fp8.comm, "all_gather",
+                        lambda out, send, group, async_op=False: zero3_fp8.comm.DONE)
+    unit, slots, start, size = meta_unit(weights, DP)
     meta = torch.device("meta")
-    unit = FP8UnitGather(layout, seg, slots, 0, meta, torch.bfloat16)
     shard = torch.empty(size // DP, dtype=torch.bfloat16, device=meta)
     full = torch.empty(size, dtype=torch.bfloat16, device=meta)
     events = [e for e in trace_callable(lambda: unit.start(full, shard, types.SimpleNamespace(

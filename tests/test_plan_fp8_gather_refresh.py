@@ -16,9 +16,10 @@ import types
 
 import pytest
 import torch
+from test_plan_fp8_gather_casts import meta_unit
 
 from fivefold.parallel import zero3_fp8
-from fivefold.parallel.zero3_fp8 import FP8UnitGather, refresh_scales
+from fivefold.parallel.zero3_fp8 import refresh_scales
 from fivefold.plan.fp8 import REFRESH_AMAX, gather_refresh_bytes
 from fivefold.trace import trace_callable
 
@@ -28,17 +29,8 @@ UNITS = {"kv": [(1024, 4096)], "odd": [(333, 517), (129, 77)],
 
 
 def _unit(weights):
-    slots, start = [], 0
-    for shape in weights:
-        numel = torch.Size(shape).numel()
-        slots.append((types.SimpleNamespace(shape=shape, start=start, numel=numel),
-                      torch.nn.Module(), "weight"))
-        start += numel
-    size = -(-start // DP) * DP
-    seg = types.SimpleNamespace(size=size, start=0)
-    layout = types.SimpleNamespace(shards=DP, segment_shard=lambda shard, seg: shard)
-    meta = torch.device("meta")
-    return FP8UnitGather(layout, seg, slots, 0, meta, torch.bfloat16), size
+    unit, _, _, size = meta_unit(weights, DP)
+    return unit, size
 
 
 @pytest.mark.parametrize("name", UNITS)

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from common import greedy_workload
 
 from fivefold.errors import ConfigError
 from fivefold.models.init import build_model
@@ -34,14 +35,7 @@ def model():
 
 
 def workload(n: int, seed: int, prompt=(1, 60), output=(1, 30)):
-    g = torch.Generator().manual_seed(seed)
-    prompts, params = [], []
-    for _ in range(n):
-        length = int(torch.randint(prompt[0], prompt[1] + 1, (1,), generator=g))
-        prompts.append(torch.randint(0, CFG.vocab_size, (length,), generator=g).tolist())
-        max_tokens = int(torch.randint(output[0], output[1] + 1, (1,), generator=g))
-        params.append(SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    return prompts, params
+    return greedy_workload(n, seed, CFG.vocab_size, prompt, output)
 
 
 def run(engine: Engine, schedule: dict[int, list], aborts: dict[int, str] | None = None):

@@ -9,6 +9,7 @@ init_std 0.1 so that greedy choices are not near-ties.
 
 import pytest
 import torch
+from common import greedy_workload
 
 from fivefold.models.init import build_model
 from fivefold.models.llama import KVCache
@@ -31,14 +32,7 @@ def model():
 
 
 def workload(n: int, seed: int, prompt=(1, 200), output=(1, 40)):
-    g = torch.Generator().manual_seed(seed)
-    prompts, params = [], []
-    for _ in range(n):
-        length = int(torch.randint(prompt[0], prompt[1] + 1, (1,), generator=g))
-        prompts.append(torch.randint(0, CFG.vocab_size, (length,), generator=g).tolist())
-        max_tokens = int(torch.randint(output[0], output[1] + 1, (1,), generator=g))
-        params.append(SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    return prompts, params
+    return greedy_workload(n, seed, CFG.vocab_size, prompt, output)
 
 
 @pytest.fixture(scope="module")
