@@ -15,7 +15,7 @@ from fivefold.plan.flops import hardware_flops_per_token, model_flops_per_token
 from fivefold.plan.grad_sync import choose_grad_sync
 from fivefold.plan.hardware import GIB, Assumptions, Hardware, usable_memory
 from fivefold.plan.layout import Layout, Workload
-from fivefold.plan.memory import MEMORY_ITEMS, memory_items, peak_memory
+from fivefold.plan.memory import MEMORY_ITEMS, memory_items, placed_peak
 from fivefold.plan.model_states import work_bytes_per_param
 from fivefold.plan.network import call_time
 from fivefold.plan.nvme import tier_memory
@@ -193,8 +193,7 @@ def plan_layout(work: Workload, layout: Layout, hw: Hardware, assume: Assumption
         choice, reason = choose_grad_sync(work, layout, hw, assume)
         work = dataclasses.replace(work, grad_sync=choice)
     m = work.num_microbatches(layout)
-    rank, items, cpu = peak_memory(work, layout, assume, usable_memory(hw, assume))
-    placed = tier_memory(items, cpu, layout.offload, hw)  # by offload tier (plan/nvme.py)
+    rank, placed = placed_peak(work, layout, hw, assume)
     bpp = work_bytes_per_param(work)
     tokens = work.tokens_per_step
     return LayoutPlan(

@@ -38,8 +38,8 @@ import dataclasses
 
 from fivefold.plan.hardware import GIB, Assumptions, Hardware, usable_memory
 from fivefold.plan.layout import Layout, Workload
-from fivefold.plan.memory import peak_memory
-from fivefold.plan.nvme import host_fits, tier_memory
+from fivefold.plan.memory import placed_peak
+from fivefold.plan.nvme import host_fits
 from fivefold.plan.timing import step_time
 
 GRAD_SYNCS = ("auto", "step", "microbatch")
@@ -50,11 +50,9 @@ def memory_verdict(work: Workload, layout: Layout, hw: Hardware,
                    assume: Assumptions) -> tuple[float, bool]:
     """(device bytes of the most-loaded rank, fits) as `plan_layout` judges the layout: its
     `memory_total` and `fits`."""
-    limit = usable_memory(hw, assume)
-    _, items, cpu = peak_memory(work, layout, assume, limit)
-    placed = tier_memory(items, cpu, layout.offload, hw)
+    _, placed = placed_peak(work, layout, hw, assume)
     total = sum(placed.items.values())
-    return total, total <= limit and host_fits(placed.host, hw)
+    return total, total <= usable_memory(hw, assume) and host_fits(placed.host, hw)
 
 
 def _only_step(work: Workload, layout: Layout) -> str:

@@ -14,7 +14,7 @@ from fivefold.plan.activations import (
 from fivefold.plan.allocator import allocator_waste, released_cache
 from fivefold.plan.comm_buffers import comm_buffer_bytes
 from fivefold.plan.fp8_linears import layer_kinds
-from fivefold.plan.hardware import GIB, Assumptions
+from fivefold.plan.hardware import GIB, Assumptions, Hardware, usable_memory
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.model_states import (  # noqa: F401 (bytes_per_param: comm.py's)
     ModelStates,
@@ -24,6 +24,7 @@ from fivefold.plan.model_states import (  # noqa: F401 (bytes_per_param: comm.py
     shard_model_states,
     work_bytes_per_param,
 )
+from fivefold.plan.nvme import TierBytes, tier_memory
 from fivefold.plan.placement import (
     chunk_layer_counts,
     critical_ranks,
@@ -198,6 +199,14 @@ def peak_memory(work: Workload, layout: Layout, assume: Assumptions,
         if best is None or total > best[0]:
             best = (total, rank, items, cpu)
     return best[1], best[2], best[3]
+
+
+def placed_peak(work: Workload, layout: Layout, hw: Hardware,
+                assume: Assumptions) -> tuple[int, TierBytes]:
+    """(the most-loaded pipeline rank, its bytes placed by offload tier, plan/nvme.py) under
+    `usable_memory(hw, assume)`: what `plan_layout` reports and judges."""
+    rank, items, cpu = peak_memory(work, layout, assume, usable_memory(hw, assume))
+    return rank, tier_memory(items, cpu, layout.offload, hw)
 
 
 def _full_allocated(work: Workload, layout: Layout, assume: Assumptions, rank: int) -> float:
